@@ -1,0 +1,69 @@
+// The C++ model of a dcplan plan (schema "dcplan.plan/v1").
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dcplan/schemas/trace.h"
+
+namespace dcplan::schemas {
+
+inline constexpr const char* kPlanSchema = "dcplan.plan/v1";
+
+/// What the plan was made from; a runtime refuses a plan whose signature differs.
+struct PlanSource {
+  std::string trace;           ///< file name of the trace, informational
+  std::string traceDigest;     ///< traceDigest() of the trace
+  std::string paramSignature;  ///< paramSignature() for the planned world size
+  int64_t worldSize = 1;       ///< planned world size
+  int64_t stage = 3;
+};
+
+/// The options the planner ran with.
+struct PlanOptions {
+  std::string strategy;                       ///< "default", "heuristic" or "optimized"
+  std::optional<uint64_t> memoryBudgetBytes;  ///< absent: unconstrained
+  std::optional<double> bandwidthGBps;        ///< what-if bus bandwidth; absent: as calibrated
+  int64_t gradAccumSteps = 1;
+};
+
+/// Gathers launched together (one prefetch_params_fused) before the op at `position`.
+struct PrefetchGroup {
+  int64_t position = 0;
+  std::vector<int64_t> dsIds;
+};
+
+/// Gradients reduced together, in gradient-ready order.
+struct PlanBucket {
+  std::vector<int64_t> dsIds;
+  uint64_t bytes = 0;
+  std::string dtype;
+};
+
+struct PlanGraph {
+  int64_t id = 0;
+  GraphKind kind = GraphKind::Forward;
+  std::vector<PrefetchGroup> prefetch;
+  std::vector<PlanBucket> buckets;
+};
+
+/// Simulated outcome of a schedule.
+struct Prediction {
+  double stepUs = 0;
+  double exposedCommUs = 0;
+  uint64_t peakMemoryBytes = 0;
+};
+
+struct Plan {
+  std::string createdBy;  ///< "dcplan 0.1.0"
+  PlanSource source;
+  PlanOptions options;
+  std::vector<int64_t> persistent;  ///< ds_ids kept gathered, ascending
+  std::vector<PlanGraph> graphs;
+  Prediction predicted;             ///< this plan
+  Prediction predictedDefault;      ///< the default schedule on the same trace
+};
+
+}  // namespace dcplan::schemas

@@ -1,0 +1,99 @@
+// The C++ model of a dcplan trace (schema "dcplan.trace/v1").
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dcplan::schemas {
+
+inline constexpr const char* kTraceSchema = "dcplan.trace/v1";
+
+/// Who recorded the trace and on what cluster.
+struct TraceMeta {
+  std::string createdBy;      ///< "dcplan-recorder 0.1.0", "dcplan-gen-trace 0.1.0", ...
+  int64_t worldSize = 1;
+  std::string backend;        ///< "nccl" or "gloo"
+  std::string device;         ///< device name, e.g. "NVIDIA H200" or "cpu"
+  int64_t stage = 3;          ///< ZeRO stage the run used (1, 2 or 3)
+  int64_t gradAccumSteps = 1; ///< micro-steps per optimizer step
+  std::string paramDtype;     ///< dtype parameters are gathered in
+  std::string reduceDtype;    ///< dtype gradients are reduced in
+  std::map<std::string, std::string> versions;  ///< "dcplan", "torch", "nccl", ...
+};
+
+/// Device memory facts of the recording rank(s).
+struct TraceMemory {
+  uint64_t capacityBytes = 0;  ///< device memory capacity (host RAM for CPU runs)
+  uint64_t baselineBytes = 0;  ///< in use at step start: shards, optimizer state
+};
+
+/// One row of the parameter table; ids are the runtime's ds_ids.
+struct TraceParam {
+  int64_t id = 0;
+  std::string name;            ///< qualified name, e.g. "layers.0.attn.wq.weight"
+  std::vector<int64_t> shape;
+  std::string dtype;           ///< dtype of the master shard
+  int64_t numel = 0;           ///< product of shape
+  int64_t shardNumel = 0;      ///< ceil(numel / world_size): padded shard length
+  bool requiresGrad = true;
+};
+
+/// A measured collective time for one message size.
+struct CalibrationPoint {
+  uint64_t bytes = 0;  ///< full (unsharded) message size in bytes
+  double us = 0;       ///< measured time in microseconds
+};
+
+/// Communication speed measured on the recording cluster.
+struct Calibration {
+  std::vector<CalibrationPoint> allGather;      ///< by size of the gathered output
+  std::vector<CalibrationPoint> reduceScatter;  ///< by size of the full input
+  std::vector<CalibrationPoint> allReduce;      ///< by size of the buffer
+  std::optional<double> h2dGBps;                ///< host-to-device copy rate (absent on CPU)
+  std::optional<double> d2hGBps;                ///< device-to-host copy rate (absent on CPU)
+};
+
+/// One dc op as the runtime executed it.
+struct OpEvent {
+  int64_t seq = 0;                ///< position in its graph's op sequence
+  std::string op;                 ///< dc op name, e.g. "allgather_param"
+  std::vector<int64_t> dsIds;     ///< one id ("ds_id"), several for prefetch_params_fused, none for end_backward
+  std::optional<int64_t> nUsers;  ///< release_param only
+  uint64_t bytes = 0;             ///< bytes moved or freed (gathered size, gradient size)
+  std::string dtype;              ///< dtype of those bytes ("" when none)
+  std::string stream;             ///< "compute", "allgather", "reduce", "copy", "offload", "reload"
+  double startUs = 0;             ///< start on its stream, from the graph's start
+  double endUs = 0;               ///< end on its stream, from the graph's start
+  double computeUs = 0;           ///< compute time since the previous op of the graph
+  uint64_t memoryBytes = 0;       ///< device memory in use when the op was issued
+};
+
+enum class GraphKind { Forward, Backward };
+
+struct TraceGraph {
+  int64_t id = 0;
+  GraphKind kind = GraphKind::Forward;
+  std::vector<OpEvent> events;
+};
+
+/// One recorded training step (one micro-step per graph pair when accumulating).
+struct TraceStep {
+  int64_t index = 0;
+  std::vector<TraceGraph> graphs;
+  double optimizerUs = 0;  ///< optimizer step time after the last backward
+};
+
+struct Trace {
+  TraceMeta meta;
+  TraceMemory memory;
+  std::vector<TraceParam> params;
+  Calibration calibration;
+  std::vector<TraceStep> steps;
+};
+
+const char* graphKindName(GraphKind kind);
+
+}  // namespace dcplan::schemas
