@@ -1,0 +1,228 @@
+// Validation and serialisation of dcplan.plan/v1 documents.
+#include <map>
+#include <regex>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "dcplan/schemas/io.h"
+#include "field_reader.h"
+
+namespace dcplan::schemas {
+
+using nlohmann::ordered_json;
+using P = FieldReader::Presence;
+
+namespace {
+
+class PlanValidator {
+ public:
+  explicit PlanValidator(Plan& out) : out_(out) {}
+
+  std::vector<Diagnostic> run(const ordered_json& doc) {
+    FieldReader root(doc, "", diags_);
+    if (!root.isObject()) return diags_.take();
+    if (auto schema = root.string("schema"); schema && *schema != kPlanSchema) {
+      diags_.add("/schema", "expected \"" + std::string(kPlanSchema) + "\", got \"" + *schema + "\"");
+    }
+    out_.createdBy = root.string("created_by").value_or("");
+    if (auto* source = root.object("source")) readSource(*source);
+    if (auto* options = root.object("options")) readOptions(*options);
+    if (auto persistent = root.integers("persistent", 0)) {
+      for (size_t i = 1; i < persistent->size(); ++i) {
+        if ((*persistent)[i] <= (*persistent)[i - 1]) {
+          diags_.add("/persistent/" + std::to_string(i),
+                     "ids must be unique and ascending: " + std::to_string((*persistent)[i]) + " follows " +
+                         std::to_string((*persistent)[i - 1]));
+        }
+      }
+      out_.persistent = *persistent;
+    }
+    if (auto* graphs = root.array("graphs")) readGraphs(*graphs);
+    if (auto* predicted = root.object("predicted")) out_.predicted = readPrediction(*predicted, "/predicted");
+    if (auto* predicted = root.object("predicted_default")) {
+      out_.predictedDefault = readPrediction(*predicted, "/predicted_default");
+    }
+    root.rejectUnknownFields();
+    return diags_.take();
+  }
+
+ private:
+  void readHash(FieldReader& r, const std::string& key, std::string& out) {
+    static const std::regex pattern("fnv1a64:[0-9a-f]{16}");
+    auto s = r.string(key);
+    if (!s) return;
+    if (!std::regex_match(*s, pattern)) {
+      diags_.add(r.pointerOf(key), "expected \"fnv1a64:\" and 16 hex digits, got \"" + *s + "\"");
+    }
+    out = *s;
+  }
+
+  void readSource(const ordered_json& value) {
+    FieldReader r(value, "/source", diags_);
+    PlanSource& s = out_.source;
+    s.trace = r.string("trace").value_or("");
+    readHash(r, "trace_digest", s.traceDigest);
+    readHash(r, "param_signature", s.paramSignature);
+    s.worldSize = r.integer("world_size", 1).value_or(1);
+    if (auto stage = r.integer("stage", 1)) {
+      if (*stage > 3) diags_.add(r.pointerOf("stage"), "expected 1, 2 or 3, got " + std::to_string(*stage));
+      s.stage = *stage;
+    }
+    r.rejectUnknownFields();
+  }
+
+  void readOptions(const ordered_json& value) {
+    FieldReader r(value, "/options", diags_);
+    PlanOptions& o = out_.options;
+    o.strategy = r.oneOf("strategy", {"default", "heuristic", "optimized"}).value_or("");
+    o.memoryBudgetBytes = r.bytes("memory_budget_bytes", P::Optional);
+    o.bandwidthGBps = r.positiveNumber("bandwidth_gbps", P::Optional);
+    o.gradAccumSteps = r.integer("grad_accum_steps", 1).value_or(1);
+    r.rejectUnknownFields();
+  }
+
+  std::vector<int64_t> readIds(FieldReader& r, const std::string& key) {
+    auto ids = r.integers("ds_ids", 0);
+    if (!ids) return {};
+    if (ids->empty()) diags_.add(r.pointerOf(key), "expected at least one id");
+    std::set<int64_t> seen;
+    for (size_t i = 0; i < ids->size(); ++i) {
+      if (!seen.insert((*ids)[i]).second) {
+        diags_.add(r.pointerOf(key) + "/" + std::to_string(i), "duplicate id " + std::to_string((*ids)[i]));
+      }
+    }
+    return *ids;
+  }
+
+  void readGraphs(const ordered_json& list) {
+    std::set<int64_t> graphIds;
+    for (size_t g = 0; g < list.size(); ++g) {
+      const std::string ptr = "/graphs/" + std::to_string(g);
+      FieldReader r(list[g], ptr, diags_);
+      PlanGraph graph;
+      if (auto id = r.integer("id", 0)) {
+        if (!graphIds.insert(*id).second) diags_.add(ptr + "/id", "duplicate graph id " + std::to_string(*id));
+        graph.id = *id;
+      }
+      if (auto kind = r.oneOf("kind", {"forward", "backward"})) {
+        graph.kind = *kind == "forward" ? GraphKind::Forward : GraphKind::Backward;
+      }
+      if (auto* prefetch = r.array("prefetch")) {
+        std::optional<int64_t> lastPosition;
+        for (size_t i = 0; i < prefetch->size(); ++i) {
+          const std::string itemPtr = ptr + "/prefetch/" + std::to_string(i);
+          FieldReader item((*prefetch)[i], itemPtr, diags_);
+          PrefetchGroup group;
+          if (auto position = item.integer("position", 0)) {
+            if (lastPosition && *position < *lastPosition) {
+              diags_.add(itemPtr + "/position", "positions must not decrease: " + std::to_string(*position) +
+                                                    " follows " + std::to_string(*lastPosition));
+            }
+            lastPosition = position;
+            group.position = *position;
+          }
+          group.dsIds = readIds(item, "ds_ids");
+          item.rejectUnknownFields();
+          graph.prefetch.push_back(std::move(group));
+        }
+      }
+      if (auto* buckets = r.array("buckets")) {
+        std::map<int64_t, size_t> bucketOf;
+        for (size_t i = 0; i < buckets->size(); ++i) {
+          const std::string itemPtr = ptr + "/buckets/" + std::to_string(i);
+          FieldReader item((*buckets)[i], itemPtr, diags_);
+          PlanBucket bucket;
+          bucket.dsIds = readIds(item, "ds_ids");
+          for (size_t k = 0; k < bucket.dsIds.size(); ++k) {
+            auto [it, fresh] = bucketOf.emplace(bucket.dsIds[k], i);
+            if (!fresh && it->second != i) {
+              diags_.add(itemPtr + "/ds_ids/" + std::to_string(k),
+                         "id " + std::to_string(bucket.dsIds[k]) + " is already in bucket " +
+                             std::to_string(it->second));
+            }
+          }
+          bucket.bytes = item.bytes("bytes").value_or(0);
+          bucket.dtype = item.dtype("dtype").value_or("");
+          item.rejectUnknownFields();
+          graph.buckets.push_back(std::move(bucket));
+        }
+      }
+      r.rejectUnknownFields();
+      out_.graphs.push_back(std::move(graph));
+    }
+  }
+
+  Prediction readPrediction(const ordered_json& value, const std::string& ptr) {
+    FieldReader r(value, ptr, diags_);
+    Prediction p;
+    p.stepUs = r.number("step_us", 0).value_or(0);
+    p.exposedCommUs = r.number("exposed_comm_us", 0).value_or(0);
+    p.peakMemoryBytes = r.bytes("peak_memory_bytes").value_or(0);
+    r.rejectUnknownFields();
+    return p;
+  }
+
+  Plan& out_;
+  Diagnostics diags_;
+};
+
+ordered_json predictionJson(const Prediction& p) {
+  return {{"step_us", p.stepUs}, {"exposed_comm_us", p.exposedCommUs}, {"peak_memory_bytes", p.peakMemoryBytes}};
+}
+
+}  // namespace
+
+std::vector<Diagnostic> validatePlan(const ordered_json& doc, Plan& out) {
+  Plan candidate;
+  auto diags = PlanValidator(candidate).run(doc);
+  if (diags.empty()) out = std::move(candidate);
+  return diags;
+}
+
+Plan readPlan(const std::filesystem::path& path) {
+  const std::string name = path.string();
+  ordered_json doc = readJsonFile(path);
+  if (detectKind(doc, name) != DocumentKind::Plan) {
+    throw InputError(name, {{"/schema", std::string("expected a plan (\"") + kPlanSchema + "\"), got a trace"}});
+  }
+  Plan plan;
+  auto diags = validatePlan(doc, plan);
+  if (!diags.empty()) throw InputError(name, std::move(diags));
+  return plan;
+}
+
+std::string writePlan(const Plan& plan) {
+  ordered_json options{{"strategy", plan.options.strategy}};
+  if (plan.options.memoryBudgetBytes) options["memory_budget_bytes"] = *plan.options.memoryBudgetBytes;
+  if (plan.options.bandwidthGBps) options["bandwidth_gbps"] = *plan.options.bandwidthGBps;
+  options["grad_accum_steps"] = plan.options.gradAccumSteps;
+
+  ordered_json graphs = ordered_json::array();
+  for (const auto& g : plan.graphs) {
+    ordered_json prefetch = ordered_json::array();
+    for (const auto& p : g.prefetch) prefetch.push_back({{"position", p.position}, {"ds_ids", p.dsIds}});
+    ordered_json buckets = ordered_json::array();
+    for (const auto& b : g.buckets) buckets.push_back({{"ds_ids", b.dsIds}, {"bytes", b.bytes}, {"dtype", b.dtype}});
+    graphs.push_back({{"id", g.id}, {"kind", graphKindName(g.kind)}, {"prefetch", std::move(prefetch)},
+                      {"buckets", std::move(buckets)}});
+  }
+  ordered_json doc{
+      {"schema", kPlanSchema},
+      {"created_by", plan.createdBy},
+      {"source",
+       {{"trace", plan.source.trace},
+        {"trace_digest", plan.source.traceDigest},
+        {"param_signature", plan.source.paramSignature},
+        {"world_size", plan.source.worldSize},
+        {"stage", plan.source.stage}}},
+      {"options", std::move(options)},
+      {"persistent", plan.persistent},
+      {"graphs", std::move(graphs)},
+      {"predicted", predictionJson(plan.predicted)},
+      {"predicted_default", predictionJson(plan.predictedDefault)},
+  };
+  return doc.dump(2) + "\n";
+}
+
+}  // namespace dcplan::schemas

@@ -1,0 +1,415 @@
+// Validation and serialisation of dcplan.trace/v1 documents.
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "dcplan/schemas/dtype.h"
+#include "dcplan/schemas/io.h"
+#include "field_reader.h"
+#include "hash.h"
+
+namespace dcplan::schemas {
+
+using nlohmann::ordered_json;
+using P = FieldReader::Presence;
+
+const char* graphKindName(GraphKind kind) {
+  return kind == GraphKind::Forward ? "forward" : "backward";
+}
+
+namespace {
+
+// How many parameter ids each op names in its "ds_id" / "ds_ids" field.
+enum class IdArity { None, One, Many, TensorId };
+
+const std::map<std::string, IdArity>& opArity() {
+  static const std::map<std::string, IdArity> ops{
+      {"allgather_param", IdArity::One},      {"prefetch_params_fused", IdArity::Many},
+      {"wait_allgather", IdArity::One},       {"release_param", IdArity::One},
+      {"reduce_grad", IdArity::One},          {"free_tensors", IdArity::None},
+      {"offload_tensor", IdArity::TensorId},  {"reload_tensor", IdArity::TensorId},
+      {"wait_offload", IdArity::TensorId},    {"wait_reload", IdArity::TensorId},
+      {"offload_parameter", IdArity::One},    {"reload_parameter", IdArity::One},
+      {"end_backward", IdArity::None},
+  };
+  return ops;
+}
+
+const std::vector<std::string> kStreams{"compute", "allgather", "reduce", "copy", "offload", "reload"};
+
+std::string opNames() {
+  std::string out;
+  for (const auto& [name, arity] : opArity()) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
+class TraceValidator {
+ public:
+  explicit TraceValidator(Trace& out) : out_(out) {}
+
+  std::vector<Diagnostic> run(const ordered_json& doc) {
+    FieldReader root(doc, "", diags_);
+    if (!root.isObject()) return diags_.take();
+    if (auto schema = root.string("schema"); schema && *schema != kTraceSchema) {
+      diags_.add("/schema", "expected \"" + std::string(kTraceSchema) + "\", got \"" + *schema + "\"");
+    }
+    if (auto* meta = root.object("meta")) readMeta(*meta);
+    if (auto* memory = root.object("memory")) readMemory(*memory);
+    if (auto* params = root.array("params")) readParams(*params);
+    if (auto* calibration = root.object("calibration")) readCalibration(*calibration);
+    if (auto* steps = root.array("steps")) readSteps(*steps);
+    root.rejectUnknownFields();
+    return diags_.take();
+  }
+
+ private:
+  void readMeta(const ordered_json& value) {
+    FieldReader r(value, "/meta", diags_);
+    TraceMeta& meta = out_.meta;
+    meta.createdBy = r.string("created_by").value_or("");
+    worldSize_ = r.integer("world_size", 1);
+    meta.worldSize = worldSize_.value_or(1);
+    meta.backend = r.oneOf("backend", {"nccl", "gloo"}).value_or("");
+    meta.device = r.string("device").value_or("");
+    if (auto stage = r.integer("stage", 1)) {
+      if (*stage > 3) diags_.add(r.pointerOf("stage"), "expected 1, 2 or 3, got " + std::to_string(*stage));
+      meta.stage = *stage;
+    }
+    meta.gradAccumSteps = r.integer("grad_accum_steps", 1).value_or(1);
+    meta.paramDtype = r.dtype("param_dtype").value_or("");
+    meta.reduceDtype = r.dtype("reduce_dtype").value_or("");
+    if (auto* versions = r.object("versions")) {
+      for (const auto& [key, v] : versions->items()) {
+        if (!v.is_string()) {
+          diags_.add(r.pointerOf("versions") + "/" + escapePointerToken(key),
+                     "expected a version string, got " + describeValue(v));
+        } else {
+          meta.versions[key] = v.get<std::string>();
+        }
+      }
+    }
+    r.rejectUnknownFields();
+  }
+
+  void readMemory(const ordered_json& value) {
+    FieldReader r(value, "/memory", diags_);
+    out_.memory.capacityBytes = r.bytes("capacity_bytes").value_or(0);
+    out_.memory.baselineBytes = r.bytes("baseline_bytes").value_or(0);
+    r.rejectUnknownFields();
+  }
+
+  void readParams(const ordered_json& list) {
+    std::map<int64_t, size_t> firstById;
+    std::map<std::string, size_t> firstByName;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::string ptr = "/params/" + std::to_string(i);
+      FieldReader r(list[i], ptr, diags_);
+      TraceParam p;
+      auto id = r.integer("id", 0);
+      auto name = r.string("name");
+      auto shape = r.integers("shape", 0);
+      auto dtype = r.dtype("dtype");
+      auto numel = r.integer("numel", 0);
+      auto shardNumel = r.integer("shard_numel", 0);
+      auto requiresGrad = r.boolean("requires_grad");
+      r.rejectUnknownFields();
+      if (id) {
+        auto [it, fresh] = firstById.emplace(*id, i);
+        if (!fresh) {
+          diags_.add(ptr + "/id", "duplicate parameter id " + std::to_string(*id) + " (first at /params/" +
+                                      std::to_string(it->second) + ")");
+        }
+        p.id = *id;
+      }
+      if (name) {
+        if (name->empty()) diags_.add(ptr + "/name", "expected a non-empty name");
+        auto [it, fresh] = firstByName.emplace(*name, i);
+        if (!fresh && !name->empty()) {
+          diags_.add(ptr + "/name", "duplicate parameter name \"" + *name + "\" (first at /params/" +
+                                        std::to_string(it->second) + ")");
+        }
+        p.name = *name;
+      }
+      if (shape && numel) {
+        const int64_t product = std::accumulate(shape->begin(), shape->end(), int64_t{1},
+                                                [](int64_t a, int64_t b) { return a * b; });
+        if (product != *numel) {
+          diags_.add(ptr + "/numel", "expected " + std::to_string(product) + " (the product of shape), got " +
+                                         std::to_string(*numel));
+        }
+      }
+      if (numel && shardNumel && worldSize_) {
+        const int64_t expected = (*numel + *worldSize_ - 1) / *worldSize_;
+        if (*shardNumel != expected) {
+          diags_.add(ptr + "/shard_numel", "expected " + std::to_string(expected) +
+                                               " (ceil(numel / world_size)), got " + std::to_string(*shardNumel));
+        }
+      }
+      p.shape = shape.value_or(std::vector<int64_t>{});
+      p.dtype = dtype.value_or("");
+      p.numel = numel.value_or(0);
+      p.shardNumel = shardNumel.value_or(0);
+      p.requiresGrad = requiresGrad.value_or(true);
+      out_.params.push_back(std::move(p));
+    }
+    for (const auto& [id, index] : firstById) paramIds_.insert(id);
+  }
+
+  std::vector<CalibrationPoint> readCurve(FieldReader& parent, const std::string& key) {
+    std::vector<CalibrationPoint> curve;
+    const ordered_json* list = parent.array(key);
+    if (!list) return curve;
+    const std::string ptr = parent.pointerOf(key);
+    if (list->empty()) diags_.add(ptr, "expected at least one calibration point");
+    for (size_t i = 0; i < list->size(); ++i) {
+      const std::string itemPtr = ptr + "/" + std::to_string(i);
+      FieldReader r((*list)[i], itemPtr, diags_);
+      auto bytes = r.bytes("bytes");
+      auto us = r.number("us", 0);
+      r.rejectUnknownFields();
+      if (!bytes || !us) continue;
+      if (!curve.empty() && *bytes <= curve.back().bytes) {
+        diags_.add(itemPtr + "/bytes", "calibration sizes must increase: " + std::to_string(*bytes) +
+                                           " follows " + std::to_string(curve.back().bytes));
+      }
+      curve.push_back({*bytes, *us});
+    }
+    return curve;
+  }
+
+  void readCalibration(const ordered_json& value) {
+    FieldReader r(value, "/calibration", diags_);
+    Calibration& c = out_.calibration;
+    c.allGather = readCurve(r, "all_gather");
+    c.reduceScatter = readCurve(r, "reduce_scatter");
+    c.allReduce = readCurve(r, "all_reduce");
+    c.h2dGBps = r.positiveNumber("h2d_gbps", P::Optional);
+    c.d2hGBps = r.positiveNumber("d2h_gbps", P::Optional);
+    r.rejectUnknownFields();
+  }
+
+  void readSteps(const ordered_json& list) {
+    if (list.empty()) diags_.add("/steps", "expected at least one recorded step");
+    std::optional<int64_t> lastIndex;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::string ptr = "/steps/" + std::to_string(i);
+      FieldReader r(list[i], ptr, diags_);
+      TraceStep step;
+      if (auto index = r.integer("index", 0)) {
+        if (lastIndex && *index <= *lastIndex) {
+          diags_.add(ptr + "/index", "step indices must increase: " + std::to_string(*index) + " follows " +
+                                         std::to_string(*lastIndex));
+        }
+        lastIndex = index;
+        step.index = *index;
+      }
+      step.optimizerUs = r.number("optimizer_us", 0).value_or(0);
+      if (auto* graphs = r.array("graphs")) {
+        if (graphs->empty()) diags_.add(ptr + "/graphs", "expected at least one graph");
+        std::set<int64_t> ids;
+        for (size_t g = 0; g < graphs->size(); ++g) {
+          TraceGraph graph = readGraph((*graphs)[g], ptr + "/graphs/" + std::to_string(g));
+          if (!ids.insert(graph.id).second) {
+            diags_.add(ptr + "/graphs/" + std::to_string(g) + "/id",
+                       "duplicate graph id " + std::to_string(graph.id) + " in this step");
+          }
+          step.graphs.push_back(std::move(graph));
+        }
+      }
+      r.rejectUnknownFields();
+      out_.steps.push_back(std::move(step));
+    }
+  }
+
+  TraceGraph readGraph(const ordered_json& value, const std::string& ptr) {
+    FieldReader r(value, ptr, diags_);
+    TraceGraph graph;
+    graph.id = r.integer("id", 0).value_or(-1);
+    if (auto kind = r.oneOf("kind", {"forward", "backward"})) {
+      graph.kind = *kind == "forward" ? GraphKind::Forward : GraphKind::Backward;
+    }
+    if (auto* events = r.array("events")) {
+      const OpEvent* previous = nullptr;
+      for (size_t e = 0; e < events->size(); ++e) {
+        graph.events.push_back(readEvent((*events)[e], ptr + "/events/" + std::to_string(e),
+                                         static_cast<int64_t>(e), previous));
+        previous = &graph.events.back();
+      }
+    }
+    r.rejectUnknownFields();
+    return graph;
+  }
+
+  void checkParamId(int64_t id, const std::string& ptr) {
+    if (!paramIds_.count(id)) {
+      diags_.add(ptr, "ds_id " + std::to_string(id) + " is not in the parameter table (/params)");
+    }
+  }
+
+  OpEvent readEvent(const ordered_json& value, const std::string& ptr, int64_t position,
+                    const OpEvent* previous) {
+    FieldReader r(value, ptr, diags_);
+    OpEvent ev;
+    if (auto seq = r.integer("seq", 0)) {
+      if (*seq != position) {
+        diags_.add(ptr + "/seq", "expected " + std::to_string(position) + " (the event's position), got " +
+                                     std::to_string(*seq));
+      }
+      ev.seq = *seq;
+    }
+    IdArity arity = IdArity::None;
+    if (auto op = r.string("op")) {
+      auto it = opArity().find(*op);
+      if (it == opArity().end()) {
+        diags_.add(ptr + "/op", "unknown op \"" + *op + "\" (expected one of " + opNames() + ")");
+      } else {
+        arity = it->second;
+      }
+      ev.op = *op;
+    }
+    if (arity == IdArity::One || arity == IdArity::TensorId) {
+      if (auto id = r.integer("ds_id", 0)) {
+        if (arity == IdArity::One) checkParamId(*id, ptr + "/ds_id");
+        ev.dsIds = {*id};
+      }
+    } else if (arity == IdArity::Many) {
+      if (auto ids = r.integers("ds_ids", 0)) {
+        if (ids->empty()) diags_.add(ptr + "/ds_ids", "expected at least one id");
+        for (size_t k = 0; k < ids->size(); ++k) checkParamId((*ids)[k], ptr + "/ds_ids/" + std::to_string(k));
+        ev.dsIds = *ids;
+      }
+    }
+    if (ev.op == "release_param") ev.nUsers = r.integer("n_users", 1);
+    ev.bytes = r.bytes("bytes").value_or(0);
+    ev.dtype = r.dtype("dtype", P::Optional).value_or("");
+    ev.stream = r.oneOf("stream", kStreams).value_or("");
+    auto start = r.number("start_us", 0);
+    auto end = r.number("end_us", 0);
+    ev.computeUs = r.number("compute_us", 0).value_or(0);
+    ev.memoryBytes = r.bytes("memory_bytes").value_or(0);
+    r.rejectUnknownFields();
+    if (start && end && *end < *start) {
+      diags_.add(ptr + "/end_us", "end_us (" + ordered_json(*end).dump() + ") is before start_us (" +
+                                      ordered_json(*start).dump() + ")");
+    }
+    if (start && previous && *start < previous->startUs) {
+      diags_.add(ptr + "/start_us", "times must not go backwards: start_us " + ordered_json(*start).dump() +
+                                        " is before the previous event's " +
+                                        ordered_json(previous->startUs).dump());
+    }
+    ev.startUs = start.value_or(previous ? previous->startUs : 0);
+    ev.endUs = end.value_or(ev.startUs);
+    return ev;
+  }
+
+  Trace& out_;
+  Diagnostics diags_;
+  std::optional<int64_t> worldSize_;
+  std::set<int64_t> paramIds_;
+};
+
+ordered_json curveJson(const std::vector<CalibrationPoint>& curve) {
+  ordered_json list = ordered_json::array();
+  for (const auto& p : curve) list.push_back({{"bytes", p.bytes}, {"us", p.us}});
+  return list;
+}
+
+bool takesOneId(const std::string& op) {
+  auto it = opArity().find(op);
+  return it != opArity().end() && (it->second == IdArity::One || it->second == IdArity::TensorId);
+}
+
+}  // namespace
+
+std::vector<Diagnostic> validateTrace(const ordered_json& doc, Trace& out) {
+  Trace candidate;
+  auto diags = TraceValidator(candidate).run(doc);
+  if (diags.empty()) out = std::move(candidate);
+  return diags;
+}
+
+Trace readTrace(const std::filesystem::path& path) {
+  const std::string name = path.string();
+  ordered_json doc = readJsonFile(path);
+  if (detectKind(doc, name) != DocumentKind::Trace) {
+    throw InputError(name, {{"/schema", std::string("expected a trace (\"") + kTraceSchema + "\"), got a plan"}});
+  }
+  Trace trace;
+  auto diags = validateTrace(doc, trace);
+  if (!diags.empty()) throw InputError(name, std::move(diags));
+  return trace;
+}
+
+std::string writeTrace(const Trace& t) {
+  ordered_json meta{{"created_by", t.meta.createdBy}, {"world_size", t.meta.worldSize},
+                    {"backend", t.meta.backend},       {"device", t.meta.device},
+                    {"stage", t.meta.stage},           {"grad_accum_steps", t.meta.gradAccumSteps},
+                    {"param_dtype", t.meta.paramDtype}, {"reduce_dtype", t.meta.reduceDtype}};
+  meta["versions"] = ordered_json::object();
+  for (const auto& [k, v] : t.meta.versions) meta["versions"][k] = v;
+
+  ordered_json params = ordered_json::array();
+  for (const auto& p : t.params) {
+    params.push_back({{"id", p.id},       {"name", p.name},   {"shape", p.shape},
+                      {"dtype", p.dtype}, {"numel", p.numel}, {"shard_numel", p.shardNumel},
+                      {"requires_grad", p.requiresGrad}});
+  }
+  ordered_json calibration{{"all_gather", curveJson(t.calibration.allGather)},
+                           {"reduce_scatter", curveJson(t.calibration.reduceScatter)},
+                           {"all_reduce", curveJson(t.calibration.allReduce)}};
+  if (t.calibration.h2dGBps) calibration["h2d_gbps"] = *t.calibration.h2dGBps;
+  if (t.calibration.d2hGBps) calibration["d2h_gbps"] = *t.calibration.d2hGBps;
+
+  ordered_json steps = ordered_json::array();
+  for (const auto& s : t.steps) {
+    ordered_json graphs = ordered_json::array();
+    for (const auto& g : s.graphs) {
+      ordered_json events = ordered_json::array();
+      for (const auto& e : g.events) {
+        ordered_json ev{{"seq", e.seq}, {"op", e.op}};
+        if (takesOneId(e.op) && !e.dsIds.empty()) ev["ds_id"] = e.dsIds.front();
+        else if (e.op == "prefetch_params_fused") ev["ds_ids"] = e.dsIds;
+        if (e.nUsers) ev["n_users"] = *e.nUsers;
+        ev["bytes"] = e.bytes;
+        if (!e.dtype.empty()) ev["dtype"] = e.dtype;
+        ev["stream"] = e.stream;
+        ev["start_us"] = e.startUs;
+        ev["end_us"] = e.endUs;
+        ev["compute_us"] = e.computeUs;
+        ev["memory_bytes"] = e.memoryBytes;
+        events.push_back(std::move(ev));
+      }
+      graphs.push_back({{"id", g.id}, {"kind", graphKindName(g.kind)}, {"events", std::move(events)}});
+    }
+    steps.push_back({{"index", s.index}, {"optimizer_us", s.optimizerUs}, {"graphs", std::move(graphs)}});
+  }
+
+  ordered_json doc{{"schema", kTraceSchema},
+                   {"meta", std::move(meta)},
+                   {"memory", {{"capacity_bytes", t.memory.capacityBytes}, {"baseline_bytes", t.memory.baselineBytes}}},
+                   {"params", std::move(params)},
+                   {"calibration", std::move(calibration)},
+                   {"steps", std::move(steps)}};
+  return doc.dump(2) + "\n";
+}
+
+std::string paramSignature(const std::vector<TraceParam>& params, int64_t worldSize) {
+  std::vector<const TraceParam*> byId;
+  for (const auto& p : params) byId.push_back(&p);
+  std::sort(byId.begin(), byId.end(), [](auto* a, auto* b) { return a->id < b->id; });
+  std::string text;
+  for (const TraceParam* p : byId) {
+    text += std::to_string(p->id) + "\t" + p->name + "\t";
+    for (size_t i = 0; i < p->shape.size(); ++i) text += (i ? "x" : "") + std::to_string(p->shape[i]);
+    text += "\t" + p->dtype + "\n";
+  }
+  text += "world_size\t" + std::to_string(worldSize) + "\n";
+  return fnv1a64(text);
+}
+
+std::string traceDigest(const Trace& trace) { return fnv1a64(writeTrace(trace)); }
+
+}  // namespace dcplan::schemas
