@@ -232,11 +232,11 @@ class TraceValidator {
       graph.kind = *kind == "forward" ? GraphKind::Forward : GraphKind::Backward;
     }
     if (auto* events = r.array("events")) {
-      const OpEvent* previous = nullptr;
+      // Ops on one stream run in issue order, so their start times never decrease.
+      std::map<std::string, double> lastStartByStream;
       for (size_t e = 0; e < events->size(); ++e) {
         graph.events.push_back(readEvent((*events)[e], ptr + "/events/" + std::to_string(e),
-                                         static_cast<int64_t>(e), previous));
-        previous = &graph.events.back();
+                                         static_cast<int64_t>(e), lastStartByStream));
       }
     }
     r.rejectUnknownFields();
@@ -250,7 +250,7 @@ class TraceValidator {
   }
 
   OpEvent readEvent(const ordered_json& value, const std::string& ptr, int64_t position,
-                    const OpEvent* previous) {
+                    std::map<std::string, double>& lastStartByStream) {
     FieldReader r(value, ptr, diags_);
     OpEvent ev;
     if (auto seq = r.integer("seq", 0)) {
@@ -295,12 +295,16 @@ class TraceValidator {
       diags_.add(ptr + "/end_us", "end_us (" + ordered_json(*end).dump() + ") is before start_us (" +
                                       ordered_json(*start).dump() + ")");
     }
-    if (start && previous && *start < previous->startUs) {
-      diags_.add(ptr + "/start_us", "times must not go backwards: start_us " + ordered_json(*start).dump() +
-                                        " is before the previous event's " +
-                                        ordered_json(previous->startUs).dump());
+    if (start && !ev.stream.empty()) {
+      auto [last, fresh] = lastStartByStream.emplace(ev.stream, *start);
+      if (!fresh && *start < last->second) {
+        diags_.add(ptr + "/start_us", "times must not go backwards on stream \"" + ev.stream + "\": start_us " +
+                                          ordered_json(*start).dump() + " is before the previous " + ev.stream +
+                                          " op's " + ordered_json(last->second).dump());
+      }
+      last->second = std::max(last->second, *start);
     }
-    ev.startUs = start.value_or(previous ? previous->startUs : 0);
+    ev.startUs = start.value_or(0);
     ev.endUs = end.value_or(ev.startUs);
     return ev;
   }

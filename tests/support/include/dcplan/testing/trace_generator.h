@@ -28,7 +28,7 @@ struct ClusterProfile {
   double computeTflops = 400;   ///< achieved bf16 matmul rate
   double latencyUs = 15;        ///< per-collective latency
   double peakBusGBps = 270;     ///< bus bandwidth of large messages
-  double halfBusBytes = 24e6;   ///< message size at which half the peak is reached
+  double halfBusBytes = 16e6;   ///< message size at which half the peak is reached
   double h2dGBps = 50;
   uint64_t capacityBytes = 141ull << 30;
 };

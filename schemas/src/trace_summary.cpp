@@ -1,0 +1,79 @@
+// Aggregate facts of a trace, for `dcplan inspect` and `dcplan record`.
+#include "dcplan/schemas/trace_summary.h"
+
+#include <algorithm>
+#include <map>
+
+#include "dcplan/schemas/dtype.h"
+
+namespace dcplan::schemas {
+
+TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
+  TraceSummary s;
+  std::map<int64_t, std::string> names;
+  for (const auto& p : trace.params) {
+    ++s.params;
+    if (p.requiresGrad) ++s.trainableParams;
+    s.elements += static_cast<uint64_t>(p.numel);
+    s.masterBytes += static_cast<uint64_t>(p.numel) * dtypeSize(p.dtype).value_or(4);
+    names[p.id] = p.name;
+  }
+  s.steps = static_cast<int64_t>(trace.steps.size());
+
+  std::map<int64_t, GraphSummary> byGraph;
+  std::vector<SlowOp> comm;
+  int64_t optimizerSteps = 0;
+  for (const auto& step : trace.steps) {
+    if (step.optimizerUs > 0) {
+      s.optimizerUs += step.optimizerUs;
+      ++optimizerSteps;
+    }
+    for (const auto& g : step.graphs) {
+      GraphSummary& gs = byGraph[g.id];
+      gs.id = g.id;
+      gs.kind = g.kind;
+      for (const auto& e : g.events) {
+        const double us = e.endUs - e.startUs;
+        ++gs.ops;
+        gs.computeUs += e.computeUs;
+        s.peakMemoryBytes = std::max(s.peakMemoryBytes, e.memoryBytes);
+        if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
+          gs.gathers += static_cast<int64_t>(e.dsIds.size());
+          gs.gatheredBytes += e.bytes;
+          gs.allgatherBusyUs += us;
+        } else if (e.op == "release_param") {
+          ++gs.releases;
+        } else if (e.op == "reduce_grad") {
+          ++gs.reduces;
+          gs.reducedBytes += e.bytes;
+          gs.reduceBusyUs += us;
+        }
+        if (e.stream == "compute") gs.exposedCommUs += us;
+        if (e.stream == "allgather" || e.stream == "reduce") {
+          comm.push_back({step.index, g.id, e.seq, e.op, e.dsIds.empty() ? "" : names[e.dsIds.front()], e.bytes, us});
+        }
+      }
+    }
+  }
+  const double steps = std::max<double>(1, static_cast<double>(s.steps));
+  for (auto& [id, gs] : byGraph) {
+    for (double* v : {&gs.computeUs, &gs.exposedCommUs, &gs.allgatherBusyUs, &gs.reduceBusyUs}) *v /= steps;
+    gs.ops = static_cast<int64_t>(static_cast<double>(gs.ops) / steps + 0.5);
+    gs.gathers = static_cast<int64_t>(static_cast<double>(gs.gathers) / steps + 0.5);
+    gs.releases = static_cast<int64_t>(static_cast<double>(gs.releases) / steps + 0.5);
+    gs.reduces = static_cast<int64_t>(static_cast<double>(gs.reduces) / steps + 0.5);
+    gs.gatheredBytes = static_cast<uint64_t>(static_cast<double>(gs.gatheredBytes) / steps + 0.5);
+    gs.reducedBytes = static_cast<uint64_t>(static_cast<double>(gs.reducedBytes) / steps + 0.5);
+    s.computeUs += gs.computeUs;
+    s.exposedCommUs += gs.exposedCommUs;
+    s.graphs.push_back(gs);
+  }
+  if (optimizerSteps > 0) s.optimizerUs /= static_cast<double>(optimizerSteps);
+  // Longest first; ties in trace order so the output is deterministic.
+  std::stable_sort(comm.begin(), comm.end(), [](const SlowOp& a, const SlowOp& b) { return a.us > b.us; });
+  if (comm.size() > topOps) comm.resize(topOps);
+  s.slowest = std::move(comm);
+  return s;
+}
+
+}  // namespace dcplan::schemas
