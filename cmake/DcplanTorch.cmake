@@ -23,6 +23,6 @@ if(NOT TARGET torch)
 endif()
 # torch_python is linked only into the pybind11 module.
 find_library(DCPLAN_TORCH_PYTHON_LIBRARY torch_python PATHS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED)
-set(PYBIND11_FINDPYTHON ON)
-find_package(pybind11 CONFIG REQUIRED)
+# The Python module uses the pybind11 headers bundled with torch (on the torch
+# target's include path), so that its type registry matches torch_python's.
 message(STATUS "dcplan: building the runtime against torch ${Torch_VERSION}")

@@ -1,0 +1,29 @@
+// Hooks through which a recorder sees every dc op the executor runs.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace dcplan::replayer {
+
+/// One dc op as the executor sees it. bytes is the size of the data the op
+/// moves or holds (a gathered parameter, a gradient), 0 when none.
+struct OpEvent {
+  const char* op = "";
+  int64_t graphId = -1;
+  int64_t dsId = -1;
+  int64_t bytes = 0;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+};
+
+/// Called by the executor around every op; the default does nothing.
+/// The recorder (trace capture) implements this.
+class OpObserver {
+ public:
+  virtual ~OpObserver() = default;
+  virtual void onOpBegin(const OpEvent& event) {}
+  virtual void onOpEnd(const OpEvent& event) {}
+};
+
+}  // namespace dcplan::replayer

@@ -1,0 +1,89 @@
+// Public API of the dc runtime: lifecycle, registration, and the op entry points the kernels call.
+#pragma once
+
+#include "dcplan/replayer/OpObserver.h"
+#include "dcplan/replayer/Schedule.h"
+#include "dcplan/replayer/Transport.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace dcplan::replayer {
+
+/// Runtime options. Every size is in bytes.
+struct RuntimeConfig {
+  /// A reduce bucket is flushed when adding a gradient would take it past this size.
+  int64_t reduceBucketBytes = 25 * 1024 * 1024;
+  /// Two buckets per dtype, so one fills while the other is being reduced.
+  bool doubleBuffer = true;
+  /// free_tensors frees only tensors at least this large.
+  int64_t freeActivationThresholdBytes = 1024 * 1024;
+};
+
+enum class Stage : int { Zero1 = 1, Zero2 = 2, Zero3 = 3 };
+
+/// Starts the runtime on a transport. Fails when already initialized.
+void init(std::shared_ptr<Transport> transport, const RuntimeConfig& config);
+/// Waits for pending collectives and drops every executor, parameter and buffer.
+void cleanup();
+bool isInitialized();
+int worldSize();
+int rank();
+
+/// Registers parameter dsId. shard is this rank's flat slice of
+/// ceil(numel/worldSize) elements (zero padded past numel); gradBuffer has the
+/// same size and receives the reduced gradient (undefined for a frozen
+/// parameter). The caller keeps both alive.
+void registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
+                   const at::Tensor& gradBuffer, bool persistent);
+/// Registers graph graphId run by a stage executor over the given parameters.
+/// reduceDtype: dtype of the reduce buckets (default: the gradient's dtype).
+void registerGraph(int64_t graphId, Stage stage, const std::vector<int64_t>& dsIds,
+                   std::optional<at::ScalarType> reduceDtype = std::nullopt);
+
+void setPersistent(int64_t dsId, bool persistent);
+void startForward();
+void endForward();
+/// update: the gradients start from zero (the optimizer consumed them);
+/// sync: this micro-step ends gradient accumulation (ZeRO-1 reduces only then).
+void startBackward(bool update, bool sync);
+/// Drops the executors (parameters stay registered).
+void reset();
+void enableProfiling(bool enable);
+bool isProfiling();
+void invalidateGatheredParam(int64_t dsId);
+void clearAllGatheredParams();
+/// Ids currently holding a gathered copy (valid or in flight), ascending.
+std::vector<int64_t> gatheredParamIds();
+
+void setObserver(std::shared_ptr<OpObserver> observer);
+void setSchedule(std::unique_ptr<SchedulePolicy> schedule);
+
+/// Shape of parameter dsId, for the Meta kernels.
+std::vector<int64_t> paramShape(const char* op, int64_t dsId);
+
+// Op entry points: the device kernels forward here.
+at::Tensor allgatherParam(const at::Tensor& shard, int64_t graphId, int64_t dsId,
+                          std::optional<at::ScalarType> dtype);
+void prefetchParamsFused(int64_t graphId, const std::vector<at::Tensor>& shards,
+                         const std::vector<int64_t>& dsIds,
+                         const std::optional<std::vector<at::ScalarType>>& dtypes);
+at::Tensor waitAllgather(const at::Tensor& gathered, int64_t graphId, int64_t dsId);
+at::Tensor releaseParam(const at::Tensor& token, int64_t graphId, int64_t dsId, int64_t nUsers);
+at::Tensor reduceGrad(const at::Tensor& grad, int64_t graphId, int64_t dsId);
+void endBackward(int64_t graphId);
+void freeTensors(const std::vector<at::Tensor>& tensors);
+at::Tensor offloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id);
+at::Tensor reloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id);
+at::Tensor waitOffload(const at::Tensor& tensor, int64_t graphId, int64_t id);
+at::Tensor waitReload(const at::Tensor& tensor, int64_t graphId, int64_t id);
+void offloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId);
+void reloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId);
+/// Sum all-reduce of tensor in place over the runtime's transport.
+void allReduceInPlace(const char* op, const at::Tensor& tensor);
+
+}  // namespace dcplan::replayer

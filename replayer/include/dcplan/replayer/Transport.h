@@ -1,0 +1,54 @@
+// The collective-communication seam of the runtime: executors talk to a Transport only.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dcplan::replayer {
+
+/// A launched collective. wait() makes its results visible to the caller's
+/// subsequent work: on CPU (Gloo) it blocks the host; a device transport may
+/// instead make the current stream wait, so that nothing blocks the host.
+class CommHandle {
+ public:
+  virtual ~CommHandle() = default;
+  virtual void wait() = 0;
+  /// Whether wait() would return without blocking.
+  virtual bool isCompleted() = 0;
+};
+
+using CommHandlePtr = std::shared_ptr<CommHandle>;
+
+/// The four collectives the executors need. Every tensor is dense and
+/// contiguous unless a parameter says otherwise; sizes are in elements.
+/// Implementations: ProcessGroupTransport (c10d, any backend; Gloo on CPU).
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int worldSize() const = 0;
+  virtual std::string backendName() const = 0;
+
+  /// output[r*n:(r+1)*n] = input of rank r, where n = input.numel() and
+  /// output.numel() == worldSize()*n.
+  virtual CommHandlePtr allGather(const at::Tensor& output, const at::Tensor& input) = 0;
+  /// allGather of several (output, input) pairs as one group call; the pairs
+  /// may differ in size and dtype.
+  virtual CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
+                                           const std::vector<at::Tensor>& inputs) = 0;
+  /// Sum-reduce-scatter: output (n elements) = sum over ranks of input[rank()],
+  /// where input is a 2-D [worldSize(), n] tensor whose rows are each
+  /// contiguous (the tensor as a whole need not be).
+  virtual CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) = 0;
+  /// In-place sum all-reduce of a contiguous tensor.
+  virtual CommHandlePtr allReduce(const at::Tensor& tensor) = 0;
+};
+
+/// A Transport over a c10d ProcessGroup, looked up by its registered group
+/// name (Python: `group.group_name`). Defined in ProcessGroupTransport.cpp.
+std::shared_ptr<Transport> makeProcessGroupTransport(const std::string& groupName);
+
+}  // namespace dcplan::replayer

@@ -1,0 +1,85 @@
+// dcplan._C: the Python binding of the dc runtime (lifecycle and registration; the ops are torch.ops.dc.*).
+#include "dcplan/replayer/Runtime.h"
+
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+
+namespace py = pybind11;
+using namespace dcplan::replayer;
+
+namespace {
+
+std::optional<at::ScalarType> optionalDtype(const py::object& obj, const char* what) {
+  if (obj.is_none()) return std::nullopt;
+  TORCH_CHECK(THPDtype_Check(obj.ptr()), what, " should be a torch.dtype or None, got ",
+              std::string(py::str(py::type::of(obj))));
+  return reinterpret_cast<THPDtype*>(obj.ptr())->scalar_type;
+}
+
+void registerGraphOfStage(Stage stage, int64_t graphId, const std::vector<int64_t>& dsIds,
+                          const py::object& reduceDtype) {
+  auto dtype = optionalDtype(reduceDtype, "register_graph: reduce_dtype");
+  py::gil_scoped_release noGil;
+  registerGraph(graphId, stage, dsIds, dtype);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dcplan runtime: lifecycle and registration of the dc op set (torch.ops.dc.*)";
+  using Release = py::call_guard<py::gil_scoped_release>;
+
+  m.def(
+      "init",
+      [](const std::string& groupName, int64_t reduceBucketBytes, bool doubleBuffer,
+         int64_t freeActivationThresholdBytes) {
+        RuntimeConfig config;
+        config.reduceBucketBytes = reduceBucketBytes;
+        config.doubleBuffer = doubleBuffer;
+        config.freeActivationThresholdBytes = freeActivationThresholdBytes;
+        init(makeProcessGroupTransport(groupName), config);
+      },
+      py::arg("group_name"), py::arg("reduce_bucket_bytes") = RuntimeConfig{}.reduceBucketBytes,
+      py::arg("double_buffer") = true,
+      py::arg("free_activation_threshold_bytes") = RuntimeConfig{}.freeActivationThresholdBytes, Release(),
+      "Starts the runtime on the torch.distributed group registered as group_name (group.group_name). "
+      "Sizes in bytes.");
+  m.def("cleanup", &cleanup, Release(), "Waits for pending collectives and drops all runtime state.");
+  m.def("is_initialized", &isInitialized);
+  m.def("world_size", &worldSize);
+  m.def("rank", &rank);
+
+  auto regParam = [](int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& dsTensor,
+                     const std::optional<at::Tensor>& gradBuffer, bool persistent) {
+    registerParam(dsId, shape, dsTensor, gradBuffer.value_or(at::Tensor()), persistent);
+  };
+  m.def("register_param", regParam, py::arg("ds_id"), py::arg("ds_shape"), py::arg("ds_tensor"),
+        py::arg("grad_buffer"), py::arg("persistent") = false, Release(),
+        "Registers a parameter: its full shape, this rank's flat shard of ceil(numel/world_size) elements "
+        "and the gradient buffer of the same size (None for a frozen parameter).");
+  m.def("register_z3_param", regParam, py::arg("ds_id"), py::arg("ds_shape"), py::arg("ds_tensor"),
+        py::arg("grad_buffer"), py::arg("persistent") = false, Release(), "Same as register_param.");
+  m.def("register_graph_z1", [](int64_t g, const std::vector<int64_t>& ids, const py::object& rd) {
+    registerGraphOfStage(Stage::Zero1, g, ids, rd);
+  }, py::arg("graph_id"), py::arg("ds_ids"), py::arg("reduce_dtype") = py::none());
+  m.def("register_graph_z2", [](int64_t g, const std::vector<int64_t>& ids, const py::object& rd) {
+    registerGraphOfStage(Stage::Zero2, g, ids, rd);
+  }, py::arg("graph_id"), py::arg("ds_ids"), py::arg("reduce_dtype") = py::none());
+  m.def("register_graph_z3", [](int64_t g, const std::vector<int64_t>& ids, const py::object& rd) {
+    registerGraphOfStage(Stage::Zero3, g, ids, rd);
+  }, py::arg("graph_id"), py::arg("ds_ids"), py::arg("reduce_dtype") = py::none());
+  m.def("set_persistent", &setPersistent, py::arg("ds_id"), py::arg("persistent") = true, Release());
+  m.def("start_forward", &startForward, Release());
+  m.def("end_forward", &endForward, Release());
+  m.def("start_backward", &startBackward, py::arg("update") = true, py::arg("sync") = true, Release(),
+        "update: gradients start from zero; sync: this micro-step ends gradient accumulation.");
+  m.def("enable_profiling", &enableProfiling, py::arg("enable"), Release());
+  m.def("is_profiling", &isProfiling);
+  m.def("reset", &reset, Release(), "Drops the graph executors (parameters stay registered).");
+  m.def("invalidate_gathered_param", &invalidateGatheredParam, py::arg("ds_id"), Release());
+  m.def("clear_all_gathered_params", &clearAllGatheredParams, Release());
+  m.def("gathered_param_ids", &gatheredParamIds, Release(),
+        "Ids holding a gathered copy (valid or in flight), ascending.");
+}

@@ -1,0 +1,247 @@
+// Private runtime classes: parameter registry, reduce buckets and the ZeRO-1/2/3 executors.
+#pragma once
+
+#include "dcplan/replayer/Runtime.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <map>
+#include <memory>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace dcplan::replayer {
+
+/// Elements of one rank's slice of a parameter of numel elements.
+inline int64_t shardNumelOf(int64_t numel, int worldSize) {
+  return (numel + worldSize - 1) / worldSize;
+}
+
+/// One registered parameter: its shard, gradient buffer, gathered copy and offload state.
+struct Param {
+  int64_t id_ = -1;
+  std::vector<int64_t> shape_;
+  int64_t numel_ = 0;
+  int64_t shardNumel_ = 0;
+  at::Tensor shard_;       // [shardNumel_], zero padded past numel_
+  at::Tensor gradBuffer_;  // [shardNumel_] or undefined (frozen)
+  bool persistent_ = false;
+
+  // Gathered copy: gatheredBuffer_ is [worldSize * shardNumel_] (padded);
+  // gathered_ is its first numel_ elements viewed as shape_.
+  at::Tensor gatheredBuffer_;
+  at::Tensor gathered_;
+  CommHandlePtr gatherHandle_;  // set while the gather is in flight
+  bool valid_ = false;          // gathered_ holds the current shard data
+  int64_t uses_ = 0;            // releases seen since the last free
+
+  // Offload: the shard's storage is freed and its data kept in host_.
+  bool offloaded_ = false;
+  at::Tensor host_;
+
+  bool trainable() const { return gradBuffer_.defined(); }
+  bool hasGathered() const { return gathered_.defined(); }
+  int64_t gatheredBytes() const {
+    return gathered_.defined() ? gathered_.numel() * static_cast<int64_t>(gathered_.element_size()) : 0;
+  }
+};
+
+/// All registered parameters of this rank, keyed by ds_id.
+class ParamRegistry {
+ public:
+  explicit ParamRegistry(int worldSize) : worldSize_(worldSize) {}
+  ParamRegistry(const ParamRegistry&) = delete;
+  ParamRegistry& operator=(const ParamRegistry&) = delete;
+
+  void registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
+                     const at::Tensor& gradBuffer, bool persistent);
+  bool contains(int64_t dsId) const { return params_.count(dsId) != 0; }
+  /// The parameter, or a TORCH_CHECK error naming op and id.
+  Param& get(const char* op, int64_t dsId);
+  std::map<int64_t, Param>& all() { return params_; }
+
+  /// Launches the gather of p in dtype unless a copy in that dtype is held.
+  void startGather(Param& p, at::ScalarType dtype, Transport& transport);
+  /// Launches the gathers of ps that hold no copy as one coalesced call.
+  void startGatherFused(const std::vector<Param*>& ps, const std::vector<at::ScalarType>& dtypes,
+                        Transport& transport);
+  void waitGather(Param& p);
+  /// Drops the gathered copy (after its gather completes).
+  void dropGathered(Param& p);
+  void offload(Param& p);
+  void reload(Param& p);
+
+ private:
+  int worldSize_;
+  std::map<int64_t, Param> params_;
+};
+
+/// Where one gradient sits in a bucket: columns [colOffset_, colOffset_ + cols_).
+struct ReduceTask {
+  int64_t dsId_;
+  int64_t colOffset_;
+  int64_t cols_;
+};
+
+/// A reduce bucket of one dtype. Its data is a [worldSize, cols] matrix per
+/// gradient (the padded gradient, row r = rank r's slice). Rank-major layout
+/// (reduce-scatter): the whole bucket is [worldSize, capacity] and a gradient
+/// takes columns, so row r is rank r's contiguous input. Flat layout
+/// (all-reduce): gradients are stored one after another.
+class ReduceBucket {
+ public:
+  ReduceBucket(at::ScalarType dtype, int worldSize, bool rankMajor, int64_t capacityBytes);
+  ReduceBucket(const ReduceBucket&) = delete;
+  ReduceBucket& operator=(const ReduceBucket&) = delete;
+
+  /// Reserves cols columns for gradient dsId; returns its [worldSize, cols] region.
+  at::Tensor allocate(int64_t dsId, int64_t cols);
+  at::Tensor region(const ReduceTask& task) const;
+  /// What the collective works on: [worldSize, usedCols] (rank-major) or the
+  /// used prefix of the flat buffer.
+  at::Tensor commInput() const;
+  int64_t usedBytes() const;
+  bool empty() const { return tasks_.empty(); }
+  at::ScalarType dtype() const { return dtype_; }
+  const std::vector<ReduceTask>& tasks() const { return tasks_; }
+  void reset();
+
+  // The collective in flight on this bucket and where its result lands.
+  CommHandlePtr pending_;
+  at::Tensor output_;
+
+ private:
+  void reserveCols(int64_t cols);
+
+  at::ScalarType dtype_;
+  int worldSize_;
+  bool rankMajor_;
+  int64_t capacityCols_;
+  int64_t usedCols_ = 0;
+  at::Tensor buffer_;
+  std::vector<ReduceTask> tasks_;
+};
+
+/// Two buckets per dtype: one fills while the other's reduction is in flight.
+class DoubleBufferedReduceBucket {
+ public:
+  DoubleBufferedReduceBucket(int worldSize, bool rankMajor, int64_t capacityBytes, bool doubleBuffer)
+      : worldSize_(worldSize), rankMajor_(rankMajor), capacityBytes_(capacityBytes),
+        doubleBuffer_(doubleBuffer) {}
+  ReduceBucket& current(at::ScalarType dtype);
+  /// Makes the other bucket current and returns it; the caller completes
+  /// that bucket's pending reduction before filling it.
+  ReduceBucket& swap(at::ScalarType dtype);
+  std::vector<ReduceBucket*> all();
+
+ private:
+  struct Pair {
+    std::array<std::unique_ptr<ReduceBucket>, 2> buckets;
+    int current = 0;
+  };
+  Pair& pair(at::ScalarType dtype);
+
+  int worldSize_;
+  bool rankMajor_;
+  int64_t capacityBytes_;
+  bool doubleBuffer_;
+  std::map<at::ScalarType, Pair> pairs_;
+};
+
+struct RuntimeState;
+
+/// Runs the ops of one graph. Gathering and releasing are the same for every
+/// stage; the stages differ in what stays gathered and how gradients are reduced.
+class Executor {
+ public:
+  Executor(int64_t graphId, Stage stage, std::vector<int64_t> dsIds,
+           std::optional<at::ScalarType> reduceDtype, RuntimeState& rt);
+  virtual ~Executor() = default;
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  Stage stage() const { return stage_; }
+  int64_t graphId() const { return graphId_; }
+  /// The parameter dsId of this graph, or a TORCH_CHECK error naming the op.
+  Param& param(const char* op, int64_t dsId);
+
+  at::Tensor allgatherParam(const at::Tensor& shard, int64_t dsId, std::optional<at::ScalarType> dtype);
+  void prefetchParamsFused(const std::vector<int64_t>& dsIds,
+                           const std::vector<at::ScalarType>& dtypes);
+  at::Tensor waitAllgather(const at::Tensor& gathered, int64_t dsId);
+  void releaseParam(int64_t dsId, int64_t nUsers);
+  void reduceGrad(const at::Tensor& grad, int64_t dsId);
+  void startBackward(bool update, bool sync);
+  void endBackward();
+  /// Completes every reduction in flight.
+  void drain();
+
+ protected:
+  /// ZeRO-1/2 keep every parameter gathered between optimizer steps.
+  virtual bool keepsAllGathered() const = 0;
+  /// Stage-specific handling of one gradient (ZeRO-1 accumulates locally).
+  virtual void addGrad(Param& p, const at::Tensor& gradFlat);
+  virtual CommHandlePtr launchReduce(ReduceBucket& bucket) = 0;
+  /// This rank's reduced slice of a task, after the reduction completed.
+  virtual at::Tensor reducedSlice(ReduceBucket& bucket, const ReduceTask& task) = 0;
+
+  /// Copies a flat gradient (numel elements) into a bucket, flushing first if
+  /// the schedule says so.
+  void putInBucket(Param& p, const at::Tensor& gradFlat);
+  void flush(at::ScalarType dtype);
+  void complete(ReduceBucket& bucket);
+
+  int64_t graphId_;
+  Stage stage_;
+  std::vector<int64_t> dsIds_;
+  std::unordered_map<int64_t, bool> inGraph_;
+  std::optional<at::ScalarType> reduceDtype_;
+  RuntimeState& rt_;
+  std::unique_ptr<DoubleBufferedReduceBucket> buckets_;
+  std::unordered_map<int64_t, bool> hasGrad_;  // grad buffer already holds this backward's data
+  bool sync_ = true;
+};
+
+/// ZeRO-1: every parameter stays gathered; gradients accumulate locally over
+/// micro-steps and are all-reduced at the accumulation boundary.
+class Zero1Executor final : public Executor {
+ public:
+  using Executor::Executor;
+
+ protected:
+  bool keepsAllGathered() const override { return true; }
+  void addGrad(Param& p, const at::Tensor& gradFlat) override;
+  CommHandlePtr launchReduce(ReduceBucket& bucket) override;
+  at::Tensor reducedSlice(ReduceBucket& bucket, const ReduceTask& task) override;
+
+ private:
+  std::unordered_map<int64_t, at::Tensor> localGrad_;  // fp32 [numel], between boundaries
+};
+
+/// ZeRO-2 and ZeRO-3: gradients are reduce-scattered every micro-step. ZeRO-2
+/// keeps every parameter gathered; ZeRO-3 frees it after its last user.
+class ShardedGradExecutor final : public Executor {
+ public:
+  using Executor::Executor;
+
+ protected:
+  bool keepsAllGathered() const override { return stage_ == Stage::Zero2; }
+  CommHandlePtr launchReduce(ReduceBucket& bucket) override;
+  at::Tensor reducedSlice(ReduceBucket& bucket, const ReduceTask& task) override;
+};
+
+/// Everything init() creates; one per process.
+struct RuntimeState {
+  std::shared_ptr<Transport> transport_;
+  RuntimeConfig config_;
+  std::unique_ptr<ParamRegistry> registry_;
+  std::map<int64_t, std::unique_ptr<Executor>> executors_;
+  std::shared_ptr<OpObserver> observer_;
+  std::unique_ptr<SchedulePolicy> schedule_;
+  bool profiling_ = false;
+  std::map<std::pair<int64_t, int64_t>, at::Tensor> stash_;  // offload_tensor / reload_tensor
+};
+
+}  // namespace dcplan::replayer

@@ -1,0 +1,154 @@
+// Transport over a c10d ProcessGroup: the CPU (Gloo) path of the runtime.
+#include "dcplan/replayer/Transport.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <functional>
+#include <map>
+
+namespace dcplan::replayer {
+namespace {
+
+/// Waits on c10d works, then runs a completion step (copying a fused result
+/// back into its destinations) exactly once.
+class WorkHandle final : public CommHandle {
+ public:
+  WorkHandle(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> then = {})
+      : works_(std::move(works)), then_(std::move(then)) {}
+
+  void wait() override {
+    if (done_) return;
+    for (auto& w : works_) w->wait();
+    if (then_) then_();
+    done_ = true;
+    works_.clear();
+    then_ = nullptr;
+  }
+
+  bool isCompleted() override {
+    if (done_) return true;
+    for (auto& w : works_) {
+      if (!w->isCompleted()) return false;
+    }
+    return !then_;
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::function<void()> then_;
+  bool done_ = false;
+};
+
+class ProcessGroupTransport final : public Transport {
+ public:
+  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {}
+
+  int rank() const override { return pg_->getRank(); }
+  int worldSize() const override { return pg_->getSize(); }
+  std::string backendName() const override { return pg_->getBackendName(); }
+
+  CommHandlePtr allGather(const at::Tensor& output, const at::Tensor& input) override {
+    const int ws = worldSize();
+    TORCH_CHECK(output.is_contiguous() && input.is_contiguous(), "allGather: tensors should be contiguous");
+    TORCH_CHECK(output.numel() == ws * input.numel(), "allGather: output should have world_size * ",
+                input.numel(), " elements, got ", output.numel());
+    std::vector<std::vector<at::Tensor>> outs(1);
+    if (input.numel() == 0) return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
+    for (int r = 0; r < ws; ++r) outs[0].push_back(output.narrow(0, r * input.numel(), input.numel()));
+    std::vector<at::Tensor> ins{input};
+    return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->allgather(outs, ins)});
+  }
+
+  CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
+                                   const std::vector<at::Tensor>& inputs) override {
+    TORCH_CHECK(outputs.size() == inputs.size(), "allGatherCoalesced: ", outputs.size(), " outputs for ",
+                inputs.size(), " inputs");
+    const int ws = worldSize();
+    // One flat buffer and one all-gather per dtype; the completion step
+    // scatters the [ws, total] result into the per-parameter outputs.
+    std::map<at::ScalarType, std::vector<size_t>> byType;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      TORCH_CHECK(outputs[i].numel() == ws * inputs[i].numel() && outputs[i].is_contiguous(),
+                  "allGatherCoalesced: output ", i, " should be contiguous with world_size * ", inputs[i].numel(),
+                  " elements, got ", outputs[i].numel());
+      byType[inputs[i].scalar_type()].push_back(i);
+    }
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<std::function<void()>> steps;
+    for (auto& [type, idx] : byType) {
+      std::vector<at::Tensor> flatIns;
+      int64_t total = 0;
+      for (size_t i : idx) {
+        flatIns.push_back(inputs[i].reshape({-1}));
+        total += inputs[i].numel();
+      }
+      if (total == 0) continue;
+      at::Tensor flatIn = at::cat(flatIns);
+      at::Tensor flatOut = at::empty({ws, total}, flatIn.options());
+      std::vector<std::vector<at::Tensor>> outs(1);
+      for (int r = 0; r < ws; ++r) outs[0].push_back(flatOut.select(0, r));
+      std::vector<at::Tensor> ins{flatIn};
+      works.push_back(pg_->allgather(outs, ins));
+      std::vector<at::Tensor> dests;
+      for (size_t i : idx) dests.push_back(outputs[i].view({ws, inputs[i].numel()}));
+      steps.push_back([flatOut, dests]() {
+        int64_t off = 0;
+        for (const at::Tensor& d : dests) {
+          d.copy_(flatOut.narrow(1, off, d.size(1)));
+          off += d.size(1);
+        }
+      });
+    }
+    return std::make_shared<WorkHandle>(std::move(works), [steps]() {
+      for (auto& s : steps) s();
+    });
+  }
+
+  CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) override {
+    const int ws = worldSize();
+    TORCH_CHECK(input.dim() == 2 && input.size(0) == ws && input.size(1) == output.numel(),
+                "reduceScatter: input should be [world_size, ", output.numel(), "], got ", input.sizes());
+    if (output.numel() == 0) return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
+    std::vector<std::vector<at::Tensor>> ins(1);
+    for (int r = 0; r < ws; ++r) {
+      at::Tensor row = input.select(0, r);
+      TORCH_INTERNAL_ASSERT(row.is_contiguous(), "reduceScatter: rows should be contiguous");
+      ins[0].push_back(row);
+    }
+    std::vector<at::Tensor> outs{output};
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    return std::make_shared<WorkHandle>(
+        std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->reduce_scatter(outs, ins, opts)});
+  }
+
+  CommHandlePtr allReduce(const at::Tensor& tensor) override {
+    TORCH_CHECK(tensor.is_contiguous(), "allReduce: tensor should be contiguous");
+    if (tensor.numel() == 0) return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
+    std::vector<at::Tensor> ts{tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->allreduce(ts, opts)});
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+};
+
+}  // namespace
+
+std::shared_ptr<Transport> makeProcessGroupTransport(const std::string& groupName) {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  try {
+    pg = c10d::resolve_process_group(groupName);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "init: no process group is registered under the name '", groupName,
+                "' (pass group.group_name of an initialized torch.distributed group): ", e.what());
+  }
+  TORCH_CHECK(pg, "init: process group '", groupName, "' resolved to null");
+  return std::make_shared<ProcessGroupTransport>(std::move(pg));
+}
+
+}  // namespace dcplan::replayer
