@@ -1,4 +1,5 @@
 // The dcplan command-line tool: parses the subcommand and reports errors once.
+#include <algorithm>
 #include <exception>
 #include <iostream>
 
@@ -13,6 +14,16 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   setupValidate(app);
   setupInspect(app);
+  // CLI11 would report an unknown subcommand as a missing one; name it instead.
+  const auto subcommands = app.get_subcommands({});
+  if (argc > 1 && argv[1][0] != '-' &&
+      std::none_of(subcommands.begin(), subcommands.end(), [&](auto* sub) { return sub->check_name(argv[1]); })) {
+    std::string known;
+    for (const auto* sub : subcommands) known += (known.empty() ? "" : ", ") + sub->get_name();
+    std::cerr << "dcplan: error: unknown subcommand '" << argv[1] << "' (expected one of " << known << ")\n"
+              << "Run 'dcplan --help' for usage.\n";
+    return kExitBadInput;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

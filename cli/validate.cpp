@@ -27,7 +27,7 @@ bool validateFile(const std::string& file, bool quiet) {
       Trace trace;
       diags = validateTrace(doc, trace);
       summary = std::string("valid ") + kTraceSchema + " (" + std::to_string(trace.params.size()) + " params, " +
-                std::to_string(trace.steps.size()) + " steps)";
+                std::to_string(trace.steps.size()) + (trace.steps.size() == 1 ? " step)" : " steps)");
     } else {
       Plan plan;
       diags = validatePlan(doc, plan);

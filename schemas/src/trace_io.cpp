@@ -102,6 +102,7 @@ class TraceValidator {
   }
 
   void readParams(const ordered_json& list) {
+    const size_t diagsBefore = diags_.size();
     std::map<int64_t, size_t> firstById;
     std::map<std::string, size_t> firstByName;
     for (size_t i = 0; i < list.size(); ++i) {
@@ -133,15 +134,17 @@ class TraceValidator {
         }
         p.name = *name;
       }
+      bool numelConsistent = numel.has_value();
       if (shape && numel) {
         const int64_t product = std::accumulate(shape->begin(), shape->end(), int64_t{1},
                                                 [](int64_t a, int64_t b) { return a * b; });
         if (product != *numel) {
           diags_.add(ptr + "/numel", "expected " + std::to_string(product) + " (the product of shape), got " +
                                          std::to_string(*numel));
+          numelConsistent = false;
         }
       }
-      if (numel && shardNumel && worldSize_) {
+      if (numelConsistent && shardNumel && worldSize_) {
         const int64_t expected = (*numel + *worldSize_ - 1) / *worldSize_;
         if (*shardNumel != expected) {
           diags_.add(ptr + "/shard_numel", "expected " + std::to_string(expected) +
@@ -156,6 +159,8 @@ class TraceValidator {
       out_.params.push_back(std::move(p));
     }
     for (const auto& [id, index] : firstById) paramIds_.insert(id);
+    // Ids that dangle from a broken table would only repeat its problem.
+    paramTableValid_ = diags_.size() == diagsBefore;
   }
 
   std::vector<CalibrationPoint> readCurve(FieldReader& parent, const std::string& key) {
@@ -244,7 +249,7 @@ class TraceValidator {
   }
 
   void checkParamId(int64_t id, const std::string& ptr) {
-    if (!paramIds_.count(id)) {
+    if (paramTableValid_ && !paramIds_.count(id)) {
       diags_.add(ptr, "ds_id " + std::to_string(id) + " is not in the parameter table (/params)");
     }
   }
@@ -265,6 +270,10 @@ class TraceValidator {
       auto it = opArity().find(*op);
       if (it == opArity().end()) {
         diags_.add(ptr + "/op", "unknown op \"" + *op + "\" (expected one of " + opNames() + ")");
+        // Which id fields an unknown op may carry is unknown: do not report them too.
+        r.integer("ds_id", 0, P::Optional);
+        r.integers("ds_ids", 0, P::Optional);
+        r.integer("n_users", 1, P::Optional);
       } else {
         arity = it->second;
       }
@@ -313,6 +322,7 @@ class TraceValidator {
   Diagnostics diags_;
   std::optional<int64_t> worldSize_;
   std::set<int64_t> paramIds_;
+  bool paramTableValid_ = false;
 };
 
 ordered_json curveJson(const std::vector<CalibrationPoint>& curve) {
