@@ -1,0 +1,45 @@
+"""dcplan: profile-then-replay planning for ZeRO-style sharded data-parallel training.
+
+``dcplan.shard(model, stage=1|2|3)`` shards a model's parameters over the ranks
+of a torch.distributed group and runs it through the ``torch.ops.dc.*`` op set.
+"""
+import os
+import pathlib
+
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+_REPO_DIR = _PACKAGE_DIR.parent.parent
+
+
+def _extension_dirs():
+    env = os.environ.get("DCPLAN_BUILD_DIR")
+    if env:
+        return [pathlib.Path(env) / "python" / "dcplan"]
+    return [_REPO_DIR / "build" / "cpu" / "python" / "dcplan", _REPO_DIR / "build" / "cuda" / "python" / "dcplan"]
+
+
+def _add_extension_dir():
+    for d in _extension_dirs():
+        if d.is_dir():
+            if str(d) not in __path__:
+                __path__.append(str(d))
+            return d
+    return None
+
+
+_EXTENSION_DIR = _add_extension_dir()
+
+import torch  # noqa: E402  (libtorch must be loaded before the extension)
+
+try:
+    from . import _C  # noqa: E402
+except ImportError as e:  # pragma: no cover - depends on the build
+    searched = ", ".join(str(d) for d in _extension_dirs())
+    raise ImportError(
+        f"dcplan: the runtime extension dcplan._C is not built or cannot be loaded (searched: {searched}). "
+        "Build it with `cmake --preset cpu && cmake --build --preset cpu`, or set DCPLAN_BUILD_DIR to a "
+        f"build directory that has python/dcplan/_C*.so. Cause: {e}"
+    ) from e
+
+from .shard import full_parameters, shard, shutdown  # noqa: E402
+
+__all__ = ["shard", "full_parameters", "shutdown"]

@@ -1,0 +1,389 @@
+"""dcplan.shard(): partitions a model's parameters and issues the dc ops from module hooks.
+
+The hooks only issue the natural op sequence; every scheduling decision
+(what stays gathered, when buckets flush, what is prefetched) is the C++
+executor's. Per model:
+
+* forward, per module owning parameters: ``allgather_param`` (several
+  parameters: one ``prefetch_params_fused`` first) and ``wait_allgather`` in a
+  forward pre-hook, ``release_param`` in the forward hook;
+* backward: a gathered parameter that autograd saved is packed as its id
+  (``saved_tensors_hooks``) and gathered again when backward unpacks it (ZeRO-3
+  only; ZeRO-1/2 keep parameters gathered); each gradient goes to
+  ``reduce_grad``; an autograd end-of-backward callback runs ``end_backward``
+  and attaches the reduced shard gradients as ``.grad`` of the shards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C
+
+_DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# One runtime per process; ids are unique across every sharded model in it.
+_runtime_group: Optional[str] = None
+_next_ds_id = 0
+_next_graph_id = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _ParamInfo:
+    ds_id: int
+    name: str
+    shape: torch.Size
+    numel: int
+    shard: nn.Parameter  # what the optimizer sees: this rank's flat fp32 slice
+    grad_buffer: Optional[torch.Tensor]  # receives the reduced gradient
+    version: int = -1  # shard._version at the last gather; a change means the optimizer stepped
+    pending_unpacks: int = 0  # saved copies that backward has still to unpack
+
+    @property
+    def trainable(self) -> bool:
+        return self.grad_buffer is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Packed:
+    """A saved gathered parameter, kept as its id and view geometry."""
+
+    info: _ParamInfo
+    size: torch.Size
+    stride: tuple
+    offset: int
+
+
+class _GatherParam(torch.autograd.Function):
+    """The gathered parameter as a function of the shard: backward reduces the gradient."""
+
+    @staticmethod
+    def forward(ctx, shard, state, info):
+        ctx.state, ctx.info = state, info
+        # An alias: the runtime owns the buffer and frees it at release_param.
+        return state.gather(info, state.fwd_graph).detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.state.reduce(ctx.info, grad)
+        return None, None, None
+
+
+class _ShardState:
+    """Per-model runtime state behind the hooks."""
+
+    def __init__(self, stage, pg, param_dtype, fwd_graph, bwd_graph):
+        self.stage = stage
+        self.pg = pg
+        world_size, rank = pg.size(), pg.rank()
+        self.world_size = world_size
+        self.rank = rank
+        self.param_dtype = param_dtype
+        self.fwd_graph = fwd_graph
+        self.bwd_graph = bwd_graph
+        self.infos: List[_ParamInfo] = []
+        self.owned: Dict[int, List[tuple]] = {}  # id(module) -> [(attr name, info)]
+        self.live: Dict[int, _ParamInfo] = {}  # storage data_ptr -> gathered parameter (ZeRO-3)
+        self.requires_sync = True
+        self.in_backward = False
+        self.forward_depth = 0
+        self.saved_hooks = None
+        self.token = torch.empty(0)
+
+    # -- gathering -------------------------------------------------------
+    def gather(self, info: _ParamInfo, graph_id: int) -> torch.Tensor:
+        shard = info.shard.detach()
+        full = torch.ops.dc.allgather_param(shard, graph_id, info.ds_id, self.param_dtype)
+        return torch.ops.dc.wait_allgather(full, graph_id, info.ds_id)
+
+    def refresh(self, infos: List[_ParamInfo]) -> None:
+        """Drops gathered copies whose shard changed (an optimizer step) since they were gathered."""
+        for info in infos:
+            v = info.shard._version
+            if v != info.version:
+                _C.invalidate_gathered_param(info.ds_id)
+                info.version = v
+
+    def release(self, info: _ParamInfo, graph_id: int) -> None:
+        torch.ops.dc.release_param(self.token, graph_id, info.ds_id, 1)
+
+    # -- saved tensors (ZeRO-3) -------------------------------------------
+    def pack(self, t: torch.Tensor):
+        if not self.live or t.layout != torch.strided:
+            return t
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return t
+        info = self.live.get(ptr)
+        if info is None:
+            return t
+        info.pending_unpacks += 1
+        return _Packed(info, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, x):
+        if not isinstance(x, _Packed):
+            return x
+        info = x.info
+        full = self.gather(info, self.bwd_graph)
+        out = full.as_strided(x.size, x.stride, x.offset)
+        info.pending_unpacks -= 1
+        if info.pending_unpacks <= 0:
+            info.pending_unpacks = 0
+            self.release(info, self.bwd_graph)
+        return out
+
+    # -- backward ----------------------------------------------------------
+    def reduce(self, info: _ParamInfo, grad: torch.Tensor) -> None:
+        if not self.in_backward:
+            self.begin_backward()
+        torch.ops.dc.reduce_grad(grad.contiguous(), self.bwd_graph, info.ds_id)
+
+    def begin_backward(self) -> None:
+        self.in_backward = True
+        trainable = [i for i in self.infos if i.trainable]
+        missing = [i for i in trainable if i.shard.grad is None]
+        update = len(missing) == len(trainable)
+        if not update:
+            # Some shards kept their gradient, others were cleared: start the
+            # cleared ones from zero and accumulate everywhere.
+            for i in missing:
+                i.grad_buffer.zero_()
+                i.shard.grad = i.grad_buffer
+        _C.start_backward(update, self.requires_sync)
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+
+    def end_backward(self) -> None:
+        self.in_backward = False
+        torch.ops.dc.end_backward(self.bwd_graph)
+        if self.stage != 1 or self.requires_sync:
+            for i in self.infos:
+                if i.trainable and i.shard.grad is None:
+                    i.shard.grad = i.grad_buffer
+        if self.stage == 3:
+            # Copies gathered for saved tensors that backward never unpacked.
+            held = set(_C.gathered_param_ids())
+            for i in self.infos:
+                i.pending_unpacks = 0
+                if i.ds_id in held:
+                    _C.invalidate_gathered_param(i.ds_id)
+            self.live.clear()
+
+
+def _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_bucket_bytes):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dcplan.shard: model should be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise ValueError(f"dcplan.shard: stage should be 1, 2 or 3, got {stage!r}")
+    for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dt is not None and dt not in _FLOAT_DTYPES:
+            raise ValueError(f"dcplan.shard: {name} should be None or a floating torch.dtype, got {dt!r}")
+    if not isinstance(reduce_bucket_bytes, int) or reduce_bucket_bytes <= 0:
+        raise ValueError(f"dcplan.shard: reduce_bucket_bytes should be a positive int, got {reduce_bucket_bytes!r}")
+    if getattr(model, "_dcplan", None) is not None:
+        raise ValueError("dcplan.shard: model is already sharded")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("dcplan.shard: torch.distributed is not initialized; call dist.init_process_group() first")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise ValueError(
+            f"dcplan.shard: process_group should be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}"
+        )
+
+
+def shard(
+    model: nn.Module,
+    stage: int = 3,
+    process_group: Optional[dist.ProcessGroup] = None,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    *,
+    reduce_bucket_bytes: int = _DEFAULT_BUCKET_BYTES,
+    plan=None,
+    record=None,
+) -> nn.Module:
+    """Shards model's parameters over process_group (default: the world) for ZeRO stage 1, 2 or 3.
+
+    Afterwards ``model.parameters()`` yields this rank's flat fp32 shards (zero
+    padded to ceil(numel/world_size)); build the optimizer on them. Gradients
+    are averaged over ranks. ``param_dtype``: dtype parameters are gathered and
+    computed in; ``reduce_dtype``: dtype gradients are reduced in (default:
+    param_dtype). ``reduce_bucket_bytes``: reduce bucket size in bytes (used by
+    the first shard() of the process, which starts the runtime). Use
+    ``model.set_requires_gradient_sync(False)`` on the micro-steps before a
+    gradient-accumulation boundary. Modifies and returns model.
+    """
+    global _runtime_group, _next_ds_id, _next_graph_id
+    _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_bucket_bytes)
+    if plan is not None or record is not None:
+        raise NotImplementedError("dcplan.shard: plan= and record= are not supported by this runtime yet")
+    pg = process_group if process_group is not None else dist.group.WORLD
+    group_name = pg.group_name
+    if _runtime_group is None or not _C.is_initialized():
+        _C.init(group_name, reduce_bucket_bytes=reduce_bucket_bytes)
+        _runtime_group = group_name
+    elif _runtime_group != group_name:
+        raise ValueError(
+            f"dcplan.shard: the runtime runs on process group '{_runtime_group}', got '{group_name}'; "
+            "call dcplan.shutdown() first"
+        )
+    world_size, rank = pg.size(), pg.rank()
+    if reduce_dtype is None:
+        reduce_dtype = param_dtype
+    fwd_graph, bwd_graph = _next_graph_id, _next_graph_id + 1
+    _next_graph_id += 2
+    state = _ShardState(stage, pg, param_dtype, fwd_graph, bwd_graph)
+
+    by_param: Dict[int, _ParamInfo] = {}
+    for mod_name, module in model.named_modules():
+        for attr, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            info = by_param.get(id(p))
+            if info is None:
+                info = _make_shard(p, f"{mod_name}.{attr}" if mod_name else attr, _next_ds_id, world_size, rank)
+                _next_ds_id += 1
+                _C.register_param(info.ds_id, list(info.shape), info.shard.detach(), info.grad_buffer, stage < 3)
+                by_param[id(p)] = info
+                state.infos.append(info)
+            module._parameters[attr] = info.shard
+            state.owned.setdefault(id(module), []).append((attr, info))
+
+    ids = [i.ds_id for i in state.infos]
+    register = {1: _C.register_graph_z1, 2: _C.register_graph_z2, 3: _C.register_graph_z3}[stage]
+    register(fwd_graph, ids)
+    register(bwd_graph, ids, reduce_dtype)
+
+    for module in model.modules():
+        if id(module) in state.owned:
+            module.register_forward_pre_hook(_make_pre_hook(state))
+            module.register_forward_hook(_make_post_hook(state), always_call=True)
+    model.register_forward_pre_hook(_make_root_pre_hook(state), prepend=True)
+    model.register_forward_hook(_make_root_post_hook(state), always_call=True)
+
+    model._dcplan = state
+    model_ref = weakref.ref(model)
+
+    def set_requires_gradient_sync(requires_gradient_sync: bool) -> None:
+        """False on the micro-steps before a gradient-accumulation boundary (ZeRO-1 defers its reduction)."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise ValueError(
+                f"set_requires_gradient_sync: requires_gradient_sync should be a bool, got {requires_gradient_sync!r}"
+            )
+        m = model_ref()
+        if m is not None:
+            m._dcplan.requires_sync = requires_gradient_sync
+
+    model.set_requires_gradient_sync = set_requires_gradient_sync
+    return model
+
+
+def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: int) -> _ParamInfo:
+    numel = p.numel()
+    shard_numel = (numel + world_size - 1) // world_size
+    flat = p.detach().reshape(-1).to(torch.float32)
+    data = torch.zeros(shard_numel, dtype=torch.float32, device=p.device)
+    lo = min(rank * shard_numel, numel)
+    hi = min(lo + shard_numel, numel)
+    data[: hi - lo].copy_(flat[lo:hi])
+    shard_param = nn.Parameter(data, requires_grad=p.requires_grad)
+    grad = torch.zeros_like(data) if p.requires_grad else None
+    return _ParamInfo(ds_id=ds_id, name=name, shape=p.shape, numel=numel, shard=shard_param, grad_buffer=grad)
+
+
+def _make_pre_hook(state: _ShardState):
+    def pre_hook(module, args):
+        owned = state.owned[id(module)]
+        infos = [info for _, info in owned]
+        state.refresh(infos)
+        if len(infos) > 1:
+            held = set(_C.gathered_param_ids())
+            todo = [i for i in infos if i.ds_id not in held]
+            if len(todo) > 1:
+                dtype = state.param_dtype or torch.float32
+                torch.ops.dc.prefetch_params_fused(
+                    state.fwd_graph, [i.shard.detach() for i in todo], [i.ds_id for i in todo], [dtype] * len(todo)
+                )
+        track = state.stage == 3 and torch.is_grad_enabled()
+        for attr, info in owned:
+            if info.trainable and torch.is_grad_enabled():
+                full = _GatherParam.apply(info.shard, state, info)
+            else:
+                full = state.gather(info, state.fwd_graph)
+            module.__dict__[attr] = full
+            if track:
+                state.live[full.untyped_storage().data_ptr()] = info
+
+    return pre_hook
+
+
+def _make_post_hook(state: _ShardState):
+    def post_hook(module, args, output):
+        for attr, info in state.owned[id(module)]:
+            full = module.__dict__.pop(attr, None)
+            if full is None:
+                continue
+            if state.stage == 3:
+                state.live.pop(full.untyped_storage().data_ptr(), None)
+            del full
+            state.release(info, state.fwd_graph)
+
+    return post_hook
+
+
+def _make_root_pre_hook(state: _ShardState):
+    def root_pre_hook(module, args):
+        state.forward_depth += 1
+        if state.forward_depth > 1:
+            return
+        _C.start_forward()
+        if state.stage == 3:
+            state.saved_hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
+            state.saved_hooks.__enter__()
+
+    return root_pre_hook
+
+
+def _make_root_post_hook(state: _ShardState):
+    def root_post_hook(module, args, output):
+        state.forward_depth -= 1
+        if state.forward_depth > 0:
+            return
+        if state.saved_hooks is not None:
+            hooks, state.saved_hooks = state.saved_hooks, None
+            hooks.__exit__(None, None, None)
+        _C.end_forward()
+
+    return root_post_hook
+
+
+@torch.no_grad()
+def full_parameters(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The full (unsharded) fp32 value of every parameter of a sharded model, by qualified name.
+
+    A collective: every rank of the model's group must call it.
+    """
+    state = getattr(model, "_dcplan", None)
+    if state is None:
+        raise ValueError("dcplan.full_parameters: model is not sharded by dcplan.shard()")
+    out = {}
+    for info in state.infos:
+        shard = info.shard.detach()
+        parts = [torch.empty_like(shard) for _ in range(state.world_size)]
+        dist.all_gather(parts, shard, group=state.pg)
+        out[info.name] = torch.cat(parts)[: info.numel].view(info.shape).clone()
+    return out
+
+
+def shutdown() -> None:
+    """Stops the runtime: every sharded model of this process stops working."""
+    global _runtime_group, _next_ds_id, _next_graph_id
+    _C.cleanup()
+    _runtime_group = None
+    _next_ds_id = 0
+    _next_graph_id = 0
