@@ -1,0 +1,134 @@
+// Good documents survive read + write byte for byte; signatures and digests are stable.
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "dcplan/schemas/io.h"
+#include "dcplan/testing/trace_generator.h"
+
+namespace dcplan::schemas {
+namespace {
+
+std::string readText(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+const std::filesystem::path kInputs = std::filesystem::path(DCPLAN_SOURCE_DIR) / "tests/lit/Inputs";
+
+TEST(RoundTrip, MinimalTraceFileIsRewrittenByteIdentically) {
+  const auto path = kInputs / "minimal.trace.json";
+  EXPECT_EQ(writeTrace(readTrace(path)), readText(path));
+}
+
+TEST(RoundTrip, MinimalPlanFileIsRewrittenByteIdentically) {
+  const auto path = kInputs / "minimal.plan.json";
+  EXPECT_EQ(writePlan(readPlan(path)), readText(path));
+}
+
+TEST(RoundTrip, ExampleTraceIsRewrittenByteIdentically) {
+  const auto path = std::filesystem::path(DCPLAN_SOURCE_DIR) / "examples/llama-tiny.trace.json";
+  EXPECT_EQ(writeTrace(readTrace(path)), readText(path));
+}
+
+TEST(RoundTrip, GeneratedTracesSurviveWriteParseWrite) {
+  for (int64_t ws : {1, 2, 3, 8}) {
+    testing::GeneratorOptions o;
+    o.model.layers = 2;
+    o.model.hidden = 96;
+    o.model.heads = 4;
+    o.model.vocab = 1000;
+    o.model.tiedEmbedding = ws == 3;
+    o.worldSize = ws;
+    o.gradAccumSteps = ws == 2 ? 2 : 1;
+    o.seed = static_cast<uint64_t>(ws);
+    const std::string text = writeTrace(testing::generateTrace(o));
+    Trace parsed;
+    auto diags = validateTrace(parseJson(text, "generated"), parsed);
+    ASSERT_TRUE(diags.empty()) << diags.front().str();
+    EXPECT_EQ(writeTrace(parsed), text) << "world size " << ws;
+  }
+}
+
+TEST(RoundTrip, OptionalPlanFieldsStayAbsentOrPresent) {
+  Plan plan = readPlan(kInputs / "minimal.plan.json");
+  plan.options.memoryBudgetBytes.reset();
+  plan.options.bandwidthGBps = 12.5;
+  const std::string text = writePlan(plan);
+  EXPECT_EQ(text.find("memory_budget_bytes"), std::string::npos);
+  Plan again;
+  ASSERT_TRUE(validatePlan(parseJson(text, "plan"), again).empty());
+  EXPECT_FALSE(again.options.memoryBudgetBytes.has_value());
+  ASSERT_TRUE(again.options.bandwidthGBps.has_value());
+  EXPECT_EQ(*again.options.bandwidthGBps, 12.5);
+  EXPECT_EQ(writePlan(again), text);
+}
+
+TEST(Signature, DependsOnNamesShapesDtypesAndWorldSizeOnly) {
+  std::vector<TraceParam> params{{0, "a.weight", {4, 3}, "float32", 12, 6, true},
+                                 {1, "a.bias", {3}, "float32", 3, 2, true}};
+  const std::string base = paramSignature(params, 2);
+  EXPECT_EQ(base, "fnv1a64:" + base.substr(8));
+  EXPECT_EQ(base.size(), 8u + 16u);
+  // Order of the table does not matter; ids do.
+  std::vector<TraceParam> reversed{params[1], params[0]};
+  EXPECT_EQ(paramSignature(reversed, 2), base);
+  EXPECT_NE(paramSignature(params, 4), base);
+  auto renamed = params;
+  renamed[0].name = "b.weight";
+  EXPECT_NE(paramSignature(renamed, 2), base);
+  auto reshaped = params;
+  reshaped[0].shape = {3, 4};
+  EXPECT_NE(paramSignature(reshaped, 2), base);
+  auto retyped = params;
+  retyped[1].dtype = "bfloat16";
+  EXPECT_NE(paramSignature(retyped, 2), base);
+  auto frozen = params;
+  frozen[1].requiresGrad = false;
+  EXPECT_EQ(paramSignature(frozen, 2), base);
+}
+
+TEST(Signature, MatchesTheDocumentedByteString) {
+  // docs/formats.md: "<id>\t<name>\t<dims joined by x>\t<dtype>\n" per parameter by id,
+  // then "world_size\t<N>\n", hashed with FNV-1a 64. Python computes the same value.
+  std::vector<TraceParam> params{{0, "w", {2, 3}, "float32", 6, 3, true}};
+  EXPECT_EQ(paramSignature(params, 2), "fnv1a64:f7984124c8ca94da");
+}
+
+TEST(Digest, ChangesWithAnyRecordedNumber) {
+  Trace trace = readTrace(kInputs / "minimal.trace.json");
+  const std::string digest = traceDigest(trace);
+  EXPECT_EQ(traceDigest(trace), digest);
+  trace.steps[0].graphs[0].events[1].endUs += 0.5;
+  EXPECT_NE(traceDigest(trace), digest);
+}
+
+TEST(AtomicWrite, ReplacesTheFileAndLeavesNoTemporary) {
+  const auto dir = std::filesystem::temp_directory_path() / ("dcplan-atomic-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto path = dir / "out.json";
+  writeFileAtomically(path, "first\n");
+  writeFileAtomically(path, "second\n");
+  EXPECT_EQ(readText(path), "second\n");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), std::filesystem::directory_iterator()), 1);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(AtomicWrite, FailureNamesTheFileAndLeavesNothing) {
+  const auto path = std::filesystem::path("/nonexistent-dir-dcplan/out.json");
+  try {
+    writeFileAtomically(path, "x");
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "/nonexistent-dir-dcplan/out.json: cannot write: No such file or directory");
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+}  // namespace
+}  // namespace dcplan::schemas

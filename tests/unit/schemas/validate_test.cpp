@@ -1,0 +1,198 @@
+// Each kind of bad document gives its exact diagnostic; reading reports the file.
+#include <functional>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "dcplan/schemas/io.h"
+
+namespace dcplan::schemas {
+namespace {
+
+using nlohmann::ordered_json;
+
+const std::string kInputs = std::string(DCPLAN_SOURCE_DIR) + "/tests/lit/Inputs/";
+
+ordered_json minimalTrace() { return readJsonFile(kInputs + "minimal.trace.json"); }
+ordered_json minimalPlan() { return readJsonFile(kInputs + "minimal.plan.json"); }
+
+std::vector<std::string> traceProblems(const ordered_json& doc) {
+  Trace trace;
+  std::vector<std::string> out;
+  for (const auto& d : validateTrace(doc, trace)) out.push_back(d.str());
+  return out;
+}
+
+std::vector<std::string> planProblems(const ordered_json& doc) {
+  Plan plan;
+  std::vector<std::string> out;
+  for (const auto& d : validatePlan(doc, plan)) out.push_back(d.str());
+  return out;
+}
+
+struct TraceCase {
+  const char* name;
+  std::function<void(ordered_json&)> breakIt;
+  std::vector<std::string> expected;
+};
+
+ordered_json& event(ordered_json& t, int graph, int index) { return t["steps"][0]["graphs"][graph]["events"][index]; }
+
+class BrokenTrace : public ::testing::TestWithParam<TraceCase> {};
+
+TEST_P(BrokenTrace, GivesItsExactDiagnostic) {
+  ordered_json doc = minimalTrace();
+  GetParam().breakIt(doc);
+  EXPECT_EQ(traceProblems(doc), GetParam().expected);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kinds, BrokenTrace,
+    ::testing::Values(
+        TraceCase{"MissingMeta", [](auto& t) { t.erase("meta"); }, {"missing required field \"meta\""}},
+        TraceCase{"StringWorldSize", [](auto& t) { t["meta"]["world_size"] = "2"; },
+                  {"/meta/world_size: expected an integer, got string \"2\""}},
+        TraceCase{"FloatWorldSize", [](auto& t) { t["meta"]["world_size"] = 2.5; },
+                  {"/meta/world_size: expected an integer, got number 2.5"}},
+        TraceCase{"HugeBytes", [](auto& t) { event(t, 0, 0)["bytes"] = 18446744073709551615ull; },
+                  {"/steps/0/graphs/0/events/0/bytes: integer 18446744073709551615 is out of range"}},
+        TraceCase{"UnknownBackend", [](auto& t) { t["meta"]["backend"] = "mpi"; },
+                  {"/meta/backend: expected one of \"nccl\", \"gloo\", got \"mpi\""}},
+        TraceCase{"VersionNotString", [](auto& t) { t["meta"]["versions"]["torch"] = 2; },
+                  {"/meta/versions/torch: expected a version string, got integer 2"}},
+        TraceCase{"NegativeNumel", [](auto& t) { t["params"][1]["numel"] = -3; },
+                  {"/params/1/numel: expected an integer >= 0, got -3"}},
+        TraceCase{"EmptyName", [](auto& t) { t["params"][0]["name"] = ""; }, {"/params/0/name: expected a non-empty name"}},
+        TraceCase{"DuplicateName", [](auto& t) { t["params"][1]["name"] = "fc.weight"; },
+                  {"/params/1/name: duplicate parameter name \"fc.weight\" (first at /params/0)"}},
+        TraceCase{"ShapeNotArray", [](auto& t) { t["params"][0]["shape"] = 12; },
+                  {"/params/0/shape: expected an array, got integer 12"}},
+        TraceCase{"DanglingFusedId",
+                  [](auto& t) {
+                    auto& e = event(t, 0, 0);
+                    e["op"] = "prefetch_params_fused";
+                    e.erase("ds_id");
+                    e["ds_ids"] = {0, 9};
+                  },
+                  {"/steps/0/graphs/0/events/0/ds_ids/1: ds_id 9 is not in the parameter table (/params)"}},
+        TraceCase{"ReleaseWithoutUsers", [](auto& t) { event(t, 0, 2).erase("n_users"); },
+                  {"/steps/0/graphs/0/events/2: missing required field \"n_users\""}},
+        TraceCase{"IdOnEndBackward", [](auto& t) { event(t, 1, 5)["ds_id"] = 0; },
+                  {"/steps/0/graphs/1/events/5/ds_id: unknown field \"ds_id\""}},
+        TraceCase{"UnknownStream", [](auto& t) { event(t, 0, 0)["stream"] = "nccl"; },
+                  {"/steps/0/graphs/0/events/0/stream: expected one of \"compute\", \"allgather\", \"reduce\", "
+                   "\"copy\", \"offload\", \"reload\", got \"nccl\""}},
+        TraceCase{"DuplicateGraphId", [](auto& t) { t["steps"][0]["graphs"][1]["id"] = 0; },
+                  {"/steps/0/graphs/1/id: duplicate graph id 0 in this step"}},
+        TraceCase{"StepIndexRepeats",
+                  [](auto& t) { t["steps"].push_back(t["steps"][0]); },
+                  {"/steps/1/index: step indices must increase: 0 follows 0"}},
+        TraceCase{"NegativeTime", [](auto& t) { event(t, 0, 1)["compute_us"] = -1.0; },
+                  {"/steps/0/graphs/0/events/1/compute_us: expected a number >= 0.0, got -1.0"}},
+        TraceCase{"EmptyCurve", [](auto& t) { t["calibration"]["all_reduce"] = ordered_json::array(); },
+                  {"/calibration/all_reduce: expected at least one calibration point"}},
+        TraceCase{"ZeroCopyRate", [](auto& t) { t["calibration"]["h2d_gbps"] = 0; },
+                  {"/calibration/h2d_gbps: expected a number > 0, got 0.0"}},
+        TraceCase{"TwoProblems",
+                  [](auto& t) {
+                    t["meta"]["stage"] = 0;
+                    t["memory"]["capacity_bytes"] = "lots";
+                  },
+                  {"/meta/stage: expected an integer >= 1, got 0",
+                   "/memory/capacity_bytes: expected an integer, got string \"lots\""}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(Validate, MinimalDocumentsAreValid) {
+  EXPECT_TRUE(traceProblems(minimalTrace()).empty());
+  EXPECT_TRUE(planProblems(minimalPlan()).empty());
+}
+
+TEST(Validate, ModelIsLeftUntouchedWhenInvalid) {
+  ordered_json doc = minimalTrace();
+  doc["params"][0]["numel"] = 5;
+  Trace trace;
+  trace.meta.device = "untouched";
+  EXPECT_FALSE(validateTrace(doc, trace).empty());
+  EXPECT_EQ(trace.meta.device, "untouched");
+}
+
+TEST(Validate, PlanProblems) {
+  ordered_json plan = minimalPlan();
+  plan["graphs"][0]["prefetch"].push_back({{"position", 0}, {"ds_ids", ordered_json::array()}});
+  plan["graphs"][1]["prefetch"][0]["ds_ids"] = {0, 0};
+  plan["graphs"][1]["id"] = 0;
+  plan["predicted"].erase("peak_memory_bytes");
+  EXPECT_EQ(planProblems(plan), (std::vector<std::string>{
+                                    "/graphs/0/prefetch/1/ds_ids: expected at least one id",
+                                    "/graphs/1/id: duplicate graph id 0",
+                                    "/graphs/1/prefetch/0/ds_ids/1: duplicate id 0",
+                                    "/predicted: missing required field \"peak_memory_bytes\"",
+                                }));
+}
+
+TEST(Validate, PrefetchPositionsMustNotDecrease) {
+  ordered_json plan = minimalPlan();
+  plan["graphs"][0]["prefetch"] = {{{"position", 4}, {"ds_ids", {0}}}, {{"position", 2}, {"ds_ids", {1}}}};
+  EXPECT_EQ(planProblems(plan),
+            std::vector<std::string>{"/graphs/0/prefetch/1/position: positions must not decrease: 2 follows 4"});
+}
+
+TEST(Parse, RejectsDuplicateKeysWithTheirPointer) {
+  try {
+    parseJson(R"({"a": [1, {"b": 1, "c": {"d": 1, "d": 2}}]})", "dup.json");
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()), "dup.json: /a/1/c/d: duplicate key \"d\"");
+  }
+}
+
+TEST(Parse, EscapesPointerTokens) {
+  try {
+    parseJson(R"({"x/y": {"t~": 1, "t~": 2}})", "esc.json");
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()), "esc.json: /x~1y/t~0: duplicate key \"t~\"");
+  }
+}
+
+TEST(Parse, SyntaxErrorsNameLineAndColumn) {
+  try {
+    parseJson("{\n  \"a\": trux\n}", "bad.json");
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("bad.json: not valid JSON: parse error at line 2, column", 0), 0u) << e.what();
+  }
+}
+
+TEST(Parse, DeepNestingIsAnErrorNotACrash) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  // Either parsed (iteratively) or refused, never a stack overflow.
+  try {
+    auto doc = parseJson(deep, "deep.json");
+    EXPECT_THROW(detectKind(doc, "deep.json"), InputError);
+  } catch (const InputError&) {
+  }
+}
+
+TEST(Read, KindMismatchIsNamed) {
+  try {
+    readPlan(kInputs + "minimal.trace.json");
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              kInputs + "minimal.trace.json: /schema: expected a plan (\"dcplan.plan/v1\"), got a trace");
+  }
+}
+
+TEST(Read, InputErrorKeepsEveryDiagnostic) {
+  ordered_json doc = minimalTrace();
+  doc["meta"]["stage"] = 9;
+  doc["meta"]["world_size"] = 0;
+  Trace trace;
+  InputError error("t.json", validateTrace(doc, trace));
+  EXPECT_EQ(error.diagnostics().size(), 2u);
+  EXPECT_EQ(std::string(error.what()), "t.json: /meta/world_size: expected an integer >= 1, got 0");
+}
+
+}  // namespace
+}  // namespace dcplan::schemas
