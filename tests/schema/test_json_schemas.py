@@ -1,0 +1,69 @@
+"""The published JSON Schemas agree with dcplan's validator: the good files pass
+both; the broken files that break the structure fail both; the broken files that
+break a cross-field rule (docs/formats.md, "rule") pass the schema and are caught
+by `dcplan validate` (tests/lit/validate/errors.test)."""
+import json
+import pathlib
+
+import jsonschema
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BROKEN = ROOT / "tests/lit/validate/Inputs"
+SCHEMAS = {
+    "dcplan.trace/v1": json.loads((ROOT / "schemas/trace.v1.schema.json").read_text()),
+    "dcplan.plan/v1": json.loads((ROOT / "schemas/plan.v1.schema.json").read_text()),
+}
+TRACE_SCHEMA = SCHEMAS["dcplan.trace/v1"]
+PLAN_SCHEMA = SCHEMAS["dcplan.plan/v1"]
+
+STRUCTURAL = [
+    "no-schema", "wrong-version", "unknown-schema", "missing-field", "wrong-type", "zero-world-size",
+    "bad-stage", "negative-numel", "negative-bytes", "unknown-op", "unknown-dtype", "unknown-field",
+    "no-steps", "top-level-array", "plan-wrong-signature", "plan-bad-strategy",
+]
+CROSS_FIELD = [
+    "bad-shard-numel", "numel-not-shape", "duplicate-id", "dangling-id", "seq-out-of-order",
+    "end-before-start", "time-backwards", "calibration-unsorted", "plan-persistent-unsorted",
+    "plan-bucket-overlap",
+]
+
+
+def schema_for(doc, default):
+    if isinstance(doc, dict) and doc.get("schema") in SCHEMAS:
+        return SCHEMAS[doc["schema"]]
+    return default
+
+
+@pytest.mark.parametrize("schema", [TRACE_SCHEMA, PLAN_SCHEMA], ids=["trace", "plan"])
+def test_schemas_are_valid_draft_2020_12(schema):
+    jsonschema.Draft202012Validator.check_schema(schema)
+
+
+@pytest.mark.parametrize("path", [
+    ROOT / "tests/lit/Inputs/minimal.trace.json",
+    ROOT / "tests/lit/Inputs/minimal.plan.json",
+    *sorted((ROOT / "examples").glob("*.json")),
+], ids=lambda p: p.name)
+def test_good_files_match_their_schema(path):
+    doc = json.loads(path.read_text())
+    jsonschema.Draft202012Validator(SCHEMAS[doc["schema"]]).validate(doc)
+
+
+@pytest.mark.parametrize("name", STRUCTURAL)
+def test_structural_breakage_fails_the_schema(name):
+    doc = json.loads((BROKEN / f"{name}.json").read_text())
+    default = PLAN_SCHEMA if name.startswith("plan-") else TRACE_SCHEMA
+    assert not jsonschema.Draft202012Validator(schema_for(doc, default)).is_valid(doc)
+
+
+@pytest.mark.parametrize("name", CROSS_FIELD)
+def test_cross_field_rules_are_beyond_the_schema(name):
+    doc = json.loads((BROKEN / f"{name}.json").read_text())
+    jsonschema.Draft202012Validator(SCHEMAS[doc["schema"]]).validate(doc)
+
+
+def test_every_broken_input_is_classified():
+    raw_text = {"empty", "not-json", "truncated", "duplicate-key"}
+    names = {p.stem for p in BROKEN.glob("*.json")}
+    assert names == set(STRUCTURAL) | set(CROSS_FIELD) | raw_text
