@@ -1,0 +1,116 @@
+"""Equivalence matrix: dcplan.shard() on 2 and 3 Gloo ranks against single-process training."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import dist_cases
+
+pytestmark = pytest.mark.multiprocess
+
+CASES = dist_cases.all_cases()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["ws2", "ws3"])
+def dist_results(request, dcplan_module):
+    """Spawns one process per rank once per world size; every case runs inside them."""
+    ws = request.param
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        names = os.environ.get("DCPLAN_TEST_CASES")
+        selected = names.split(",") if names else None
+        try:
+            mp.start_processes(dist_cases.worker, args=(ws, init_file, tmp, selected), nprocs=ws,
+                               join=True, start_method="spawn")
+        except mp.ProcessRaisedException as e:  # the worker records errors itself; keep going to report them
+            print(e)
+        per_rank = []
+        for r in range(ws):
+            path = os.path.join(tmp, f"rank{r}.pt")
+            assert os.path.exists(path), f"rank {r} of {ws} wrote no results"
+            per_rank.append(torch.load(path, weights_only=False))
+    return ws, per_rank
+
+
+def _result(per_rank, name):
+    for r, res in enumerate(per_rank):
+        entry = res.get(name)
+        if entry is None:
+            pytest.fail(f"{name}: rank {r} did not run it (an earlier case failed)")
+        if "error" in entry:
+            pytest.fail(f"{name} failed on rank {r}:\n{entry['error']}")
+    return per_rank[0][name]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_matches_single_process(dist_results, case):
+    ws, per_rank = dist_results
+    if os.environ.get("DCPLAN_TEST_CASES") and case.name not in os.environ["DCPLAN_TEST_CASES"].split(","):
+        pytest.skip("not selected by DCPLAN_TEST_CASES")
+    res = _result(per_rank, case.name)
+    got, ref = res["value"], res["reference"]
+    bf16 = case.variant == "bf16"
+    loss_tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-5, atol=0)
+    param_tol = dict(rtol=2e-2, atol=5e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
+    assert len(got["losses"]) == dist_cases.STEPS
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **loss_tol,
+                               msg=lambda m: f"{case.name} ws={ws} losses differ: {m}")
+    assert sorted(got["params"]) == sorted(ref["params"])
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], want, **param_tol,
+                                   msg=lambda m, n=name: f"{case.name} ws={ws} parameter {n}: {m}")
+    # Every rank holds ceil(numel/ws) elements per parameter.
+    expected = sorted(-(-v.numel() // ws) for v in ref["params"].values())
+    assert sorted(s[0] for s in got["shard_shapes"]) == expected
+    # ZeRO-3 frees every gathered parameter after its module ran; ZeRO-1/2 keep them all.
+    held = got["gathered_after_forward"]
+    if case.stage == 3:
+        assert set(held) == {0}, held
+    else:
+        assert set(held) == {got["num_params"]}, held
+
+
+def test_bf16_changes_numerics(dist_results):
+    """The bf16 run really computes in bf16: its losses are close to, not equal to, fp32."""
+    ws, per_rank = dist_results
+    if os.environ.get("DCPLAN_TEST_CASES"):
+        pytest.skip("needs every case; DCPLAN_TEST_CASES selects some")
+    for stage in (1, 2, 3):
+        bf = _result(per_rank, f"zero{stage}-bf16")["value"]["losses"]
+        fp = _result(per_rank, f"zero{stage}-base")["value"]["losses"]
+        assert bf != fp
+
+
+def test_op_results(dist_results):
+    """The CPU kernels on ws ranks: gathers (padded, fused, bf16), release counting, reductions."""
+    ws, per_rank = dist_results
+    for rank, res in enumerate(per_rank):
+        assert "error" not in res["ops"], res["ops"].get("error")
+        v = res["ops"]["value"]
+        torch.testing.assert_close(v["allgather"], (torch.arange(9.0) + 100).view(3, 3))
+        torch.testing.assert_close(v["allgather_bf16"], (torch.arange(14.0) + 300).view(2, 7).bfloat16())
+        assert v["held_after_1_of_2"] == [1, 3]
+        assert v["held_after_2_of_2"] == []
+        assert v["held_after_prefetch"] == [0, 2, 3]
+        torch.testing.assert_close(v["fused"][0], torch.arange(5.0))
+        torch.testing.assert_close(v["fused"][1], torch.tensor([200.0]))
+        torch.testing.assert_close(v["fused"][2], (torch.arange(14.0) + 300).view(2, 7))
+        assert v["held_after_clear"] == []
+        mean = sum(r + 1 for r in range(ws)) / ws
+        for i, numel in {0: 5, 1: 9, 2: 1, 3: 14}.items():
+            s = -(-numel // ws)
+            valid = max(0, min(s, numel - rank * s))
+            want = torch.zeros(s)
+            want[:valid] = mean * (i + 1)
+            torch.testing.assert_close(v["z3_grads"][i], want, msg=lambda m: f"rank {rank} z3 grad {i}: {m}")
+            # ZeRO-1 before the boundary leaves the buffer alone (it still holds the ZeRO-3 result).
+            torch.testing.assert_close(v["z1_before_boundary"][i], want)
+            want1 = torch.zeros(s)
+            want1[:valid] = 2 * mean
+            torch.testing.assert_close(v["z1_grads"][i], want1, msg=lambda m: f"rank {rank} z1 grad {i}: {m}")
+        total = float(sum(r + 1 for r in range(ws)))
+        torch.testing.assert_close(v["inference_all_reduce"], torch.full((4,), total))
+        torch.testing.assert_close(v["inference_all_reduce_input"], torch.full((4,), float(rank + 1)))
+        torch.testing.assert_close(v["inference_all_reduce_"], torch.full((2, 3), total))
