@@ -14,6 +14,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   setupValidate(app);
   setupInspect(app);
+  setupPlan(app);
+  setupDiff(app);
   // CLI11 would report an unknown subcommand as a missing one; name it instead.
   const auto subcommands = app.get_subcommands({});
   if (argc > 1 && argv[1][0] != '-' &&

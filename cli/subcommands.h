@@ -8,6 +8,8 @@ namespace dcplan::cli {
 
 void setupValidate(CLI::App& app);
 void setupInspect(CLI::App& app);
+void setupPlan(CLI::App& app);
+void setupDiff(CLI::App& app);
 
 /// Exit codes shared by all subcommands.
 inline constexpr int kExitOk = 0;

@@ -1,0 +1,80 @@
+// `dcplan plan TRACE -o PLAN`: plans a trace's communication and writes the plan.
+#include <chrono>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "dcplan/planner/planner.h"
+#include "dcplan/planner/units.h"
+#include "dcplan/schemas/io.h"
+#include "subcommands.h"
+
+namespace dcplan::cli {
+namespace {
+
+struct PlanCliOptions {
+  std::string trace;
+  std::string output;
+  std::string memoryBudget;
+  std::string strategy = "optimized";
+  int64_t worldSize = 0;
+  std::string bandwidth;
+  bool explain = false;
+};
+
+void runPlan(const PlanCliOptions& o) {
+  planner::PlanRequest req;
+  req.strategy = *planner::parseStrategy(o.strategy);  // CLI11 checked the name
+  try {
+    if (!o.memoryBudget.empty()) req.memoryBudgetBytes = planner::parseByteSize(o.memoryBudget);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("--memory-budget: ") + e.what());
+  }
+  try {
+    if (!o.bandwidth.empty()) req.bandwidthGBps = planner::parseBandwidthGBps(o.bandwidth);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("--bandwidth: ") + e.what());
+  }
+  req.worldSize = o.worldSize;
+  req.traceName = std::filesystem::path(o.trace).filename().string();
+  req.explain = o.explain;
+
+  schemas::Trace trace = schemas::readTrace(o.trace);
+  // Progress only when planning is slow enough for someone to wonder.
+  auto start = std::chrono::steady_clock::now();
+  planner::ProgressFn progress = [start](const std::string& what) {
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s > 1.0) std::cerr << "dcplan: plan: " << what << " (" << static_cast<int>(s) << " s)\n";
+  };
+  planner::PlanResult result;
+  try {
+    result = planner::makePlan(trace, req, progress);
+  } catch (const std::invalid_argument& e) {
+    throw schemas::InputError(o.trace, {{"", e.what()}});
+  }
+  for (const std::string& w : result.warnings) std::cerr << "dcplan: warning: " << w << "\n";
+  schemas::writeFileAtomically(o.output, schemas::writePlan(result.plan));
+  for (const std::string& line : result.explanation) std::cout << line << "\n";
+}
+
+}  // namespace
+
+void setupPlan(CLI::App& app) {
+  auto o = std::make_shared<PlanCliOptions>();
+  auto* cmd = app.add_subcommand("plan", "Plan a trace's communication: prefetch, persistence, reduce buckets");
+  cmd->add_option("trace", o->trace, "trace file (dcplan.trace/v1)")->required();
+  cmd->add_option("-o,--output", o->output, "plan file to write (dcplan.plan/v1)")->required();
+  cmd->add_option("--memory-budget", o->memoryBudget,
+                  "device memory the schedule may use, e.g. 40GiB, 80GB, 1.5e9 (default: the traced capacity)");
+  cmd->add_option("--strategy", o->strategy, "default, heuristic or optimized")
+      ->check(CLI::IsMember({"default", "heuristic", "optimized"}))
+      ->capture_default_str();
+  cmd->add_option("--world-size", o->worldSize, "plan for this many ranks (default: as traced)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--bandwidth", o->bandwidth, "plan for this bus bandwidth, GB/s (default: as calibrated)");
+  cmd->add_flag("--explain", o->explain, "print why each decision was taken");
+  cmd->callback([o] { runPlan(*o); });
+}
+
+}  // namespace dcplan::cli

@@ -1,0 +1,81 @@
+// Collective and copy times interpolated from a trace's calibration curves.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dcplan/schemas/trace.h"
+
+namespace dcplan::planner {
+
+enum class Collective { AllGather, ReduceScatter, AllReduce };
+
+const char* collectiveName(Collective c);
+
+/// What-if settings: the cluster to plan for when it is not the one traced.
+struct CostModelOptions {
+  int64_t worldSize = 0;               ///< 0: the trace's world size
+  std::optional<double> busBandwidthGBps;  ///< large-message bus bandwidth; absent: as calibrated
+};
+
+/// Time of a collective as a function of its full (unsharded) message size.
+///
+/// Each curve is interpolated linearly in (log bytes, log us) between measured
+/// points, so that both the latency-bound and the bandwidth-bound ends keep their
+/// shape. Below the smallest point the time falls linearly to the latency
+/// intercept of the first two points; above the largest it grows with the
+/// marginal bandwidth of the last segment. A different world size scales the
+/// bandwidth term by the ring bus factor ((N-1)/N against the traced one); a
+/// different bus bandwidth scales it by calibrated/asked. The latency term is
+/// kept: it is dominated by launch and synchronisation cost, not by ring length.
+class CostModel {
+ public:
+  /// Throws std::invalid_argument when the calibration cannot support the request
+  /// (no all-gather points, or a 1-rank trace asked to plan for more ranks).
+  CostModel(const schemas::Calibration& calibration, int64_t traceWorldSize,
+            const CostModelOptions& options = {});
+
+  /// Microseconds for one call moving `fullBytes`; 0 when the world has one rank.
+  double us(Collective c, uint64_t fullBytes) const;
+  double latencyUs(Collective c) const;
+  /// Bus bandwidth of large messages after re-scaling, GB/s (0 when unknown).
+  double busGBps(Collective c) const;
+  /// Host<->device copy time; 0 when the trace has no copy rate.
+  double copyUs(uint64_t bytes, bool hostToDevice) const;
+
+  int64_t worldSize() const { return worldSize_; }
+  int64_t traceWorldSize() const { return traceWorldSize_; }
+
+  /// One line per collective, for --explain.
+  std::vector<std::string> describe() const;
+
+ private:
+  struct Curve {
+    std::vector<double> logBytes;
+    std::vector<double> logUs;
+    std::vector<double> bytes;
+    std::vector<double> usec;
+    double latencyUs = 0;
+    double tailBytesPerUs = 0;  ///< marginal bandwidth above the largest point
+    double calibratedBusGBps = 0;
+    double scale = 1;           ///< applied to the bandwidth term
+    double plannedBusGBps = 0;  ///< bus bandwidth of large messages after re-scaling
+  };
+
+  static Curve buildCurve(const std::vector<schemas::CalibrationPoint>& points,
+                          double traceBusFactor);
+  static double rawUs(const Curve& curve, double bytes);
+  const Curve& curve(Collective c) const;
+
+  int64_t traceWorldSize_;
+  int64_t worldSize_;
+  Curve allGather_;
+  Curve reduceScatter_;
+  Curve allReduce_;
+  std::optional<double> h2dGBps_;
+  std::optional<double> d2hGBps_;
+};
+
+}  // namespace dcplan::planner

@@ -1,0 +1,66 @@
+// dcplan's planner: the three decisions (prefetch, persistence, buckets) under a memory budget.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dcplan/planner/simulator.h"
+#include "dcplan/schemas/plan.h"
+#include "dcplan/schemas/trace.h"
+
+namespace dcplan::planner {
+
+enum class Strategy { Default, Heuristic, Optimized };
+
+const char* strategyName(Strategy s);
+/// "default", "heuristic" or "optimized"; nullopt otherwise.
+std::optional<Strategy> parseStrategy(std::string_view name);
+
+/// Bucket size of the default schedule (the runtime without a plan), in bytes.
+inline constexpr uint64_t kDefaultBucketBytes = 100'000'000;
+/// The reference design's bucket size: 100M *elements* of the reduce dtype
+/// (it compares element counts against a threshold documented in bytes).
+inline constexpr uint64_t kReferenceBucketElements = 100'000'000;
+/// The reference's prefetch grouping factor: gathers are launched this many at a
+/// time, one group ahead of use.
+inline constexpr int kReferencePrefetchFactor = 3;
+/// Shares of the memory headroom (budget minus the default schedule's peak) the
+/// reference's rules may use for prefetch in flight and for persistent parameters.
+inline constexpr double kReferencePrefetchShare = 0.5;
+inline constexpr double kReferencePersistShare = 0.5;
+
+struct PlanRequest {
+  Strategy strategy = Strategy::Optimized;
+  std::optional<uint64_t> memoryBudgetBytes;  ///< absent: the device capacity, if known
+  int64_t worldSize = 0;                      ///< 0: the trace's
+  std::optional<double> bandwidthGBps;        ///< what-if bus bandwidth
+  std::string traceName;                      ///< recorded in plan.source.trace
+  bool explain = false;                       ///< fill PlanResult::explanation
+};
+
+struct PlanResult {
+  schemas::Plan plan;
+  std::vector<std::string> explanation;  ///< why each decision was taken (with explain)
+  std::vector<std::string> warnings;     ///< e.g. a default schedule over the budget
+};
+
+/// Called between planning phases with a short description of what is next.
+using ProgressFn = std::function<void(const std::string&)>;
+
+/// Plans `trace`. Deterministic: the same trace and request give the same plan.
+/// Throws std::invalid_argument when the trace cannot be planned or the budget
+/// cannot be met by any schedule (the message says what would fit).
+PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& request, const ProgressFn& progress = {});
+
+/// Gather on use, kDefaultBucketBytes buckets along gradient-ready order, no
+/// persistence (every parameter persistent for stages 1 and 2).
+Schedule defaultSchedule(const Workload& workload);
+
+/// The decisions of a plan, for simulation.
+Schedule scheduleOf(const schemas::Plan& plan);
+
+}  // namespace dcplan::planner

@@ -1,0 +1,100 @@
+// Discrete-event simulation of one optimizer step under a communication schedule.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dcplan/planner/cost_model.h"
+#include "dcplan/planner/workload.h"
+#include "dcplan/schemas/plan.h"
+
+namespace dcplan::planner {
+
+/// The decisions a plan carries, in the plan's own terms (ds_ids, positions).
+struct Schedule {
+  std::vector<int64_t> persistent;         ///< ds_ids kept gathered
+  std::vector<schemas::PlanGraph> graphs;  ///< prefetch groups and buckets per graph id
+};
+
+/// A Schedule resolved against a Workload: indices instead of ids, for speed.
+struct CompiledSchedule {
+  std::vector<char> persistent;  ///< by param index
+  uint64_t persistentBytes = 0;
+  struct Graph {
+    std::vector<int32_t> groupBegin;              ///< CSR by op index: groups issued before op i
+    std::vector<std::vector<int32_t>> groups;     ///< param indices of each group
+    std::vector<int32_t> bucketOfOp;              ///< ReduceGrad op -> bucket, else -1
+    std::vector<int32_t> bucketSize;              ///< members per bucket
+    std::vector<uint64_t> bucketBytes;
+  };
+  std::vector<Graph> graphs;  ///< by Workload graph index
+};
+
+/// Resolves `schedule` against `workload`. Throws std::invalid_argument with a
+/// JSON pointer into the plan ("/graphs/1/buckets/3/ds_ids/0: ...") when the
+/// schedule does not fit the trace: unknown graph or id, a position past the
+/// graph's end, a gradient in no bucket or in two.
+CompiledSchedule compileSchedule(const Workload& workload, const Schedule& schedule);
+
+enum class Stream { Compute, AllGather, Reduce, Copy };
+const char* streamName(Stream s);
+
+struct TimelineEvent {
+  Stream stream = Stream::Compute;
+  std::string name;
+  int32_t run = 0;       ///< index into Workload::runs
+  int64_t seq = 0;       ///< position of the op that issued it
+  std::vector<int64_t> dsIds;
+  uint64_t bytes = 0;
+  double startUs = 0;
+  double endUs = 0;
+};
+
+struct MemorySample {
+  double us = 0;
+  uint64_t bytes = 0;
+};
+
+/// What happened to one gather call (a prefetch group or an on-demand gather).
+struct GatherRecord {
+  int32_t run = 0;
+  int64_t issueSeq = 0;
+  double issueUs = 0;
+  double endUs = 0;
+  std::vector<int32_t> params;
+};
+
+struct SimResult {
+  schemas::Prediction prediction;
+  double computeUs = 0;    ///< sum of compute over the step
+  double optimizerUs = 0;
+  double gatherBusyUs = 0; ///< time the all-gather stream was busy
+  double reduceBusyUs = 0;
+  int64_t gatherCalls = 0;
+  int64_t reduceCalls = 0;
+  std::vector<GatherRecord> gathers;  ///< only with SimOptions::record
+  std::vector<TimelineEvent> timeline;
+  std::vector<MemorySample> memory;
+};
+
+struct SimOptions {
+  bool record = false;  ///< fill gathers, timeline and memory (slower)
+};
+
+/// Runs one optimizer step. Rules: the compute stream runs the recorded compute
+/// between ops and blocks at a wait until its gather is done; gathers run one at
+/// a time on the all-gather stream in issue order, a fused group as one call;
+/// a bucket is reduced on the reduce stream once its last gradient is ready
+/// (end_backward flushes partial buckets); the optimizer starts when compute and
+/// every reduction are done. A persistent parameter is gathered once per step, at
+/// its first gather or prefetch, and kept. Memory: baseline + activations +
+/// gathered parameters from issue to release + persistent parameters + bucket
+/// buffers from first gradient to the end of their reduction.
+SimResult simulate(const Workload& workload, const CostModel& cost, const CompiledSchedule& schedule,
+                   const SimOptions& options = {});
+
+/// Exposed communication = step - compute - optimizer.
+inline double exposedUs(const SimResult& r) { return r.prediction.exposedCommUs; }
+
+}  // namespace dcplan::planner

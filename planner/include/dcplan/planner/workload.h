@@ -1,0 +1,88 @@
+// The planner's view of a trace: one optimizer step as graph runs of typed ops.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dcplan/schemas/trace.h"
+
+namespace dcplan::planner {
+
+enum class OpKind {
+  AllGather,    ///< allgather_param: gather on use
+  Wait,         ///< wait_allgather: the first user needs the gathered parameter
+  Release,      ///< release_param: last user done
+  ReduceGrad,   ///< reduce_grad: the gradient is ready
+  EndBackward,  ///< end_backward: flush what is left
+  CopyStart,    ///< offload_* / reload_*: a transfer on the copy stream
+  CopyWait,     ///< wait_offload / wait_reload
+  Other,        ///< recorded but without a scheduling role (a recorded prefetch, free_tensors)
+};
+
+/// One op of a graph; `param` indexes Workload::params (not a ds_id).
+struct WorkOp {
+  OpKind kind = OpKind::Other;
+  int32_t param = -1;
+  int64_t seq = 0;         ///< position in the graph's op sequence, as recorded
+  uint64_t copyBytes = 0;  ///< CopyStart only
+  bool hostToDevice = false;
+};
+
+struct WorkParam {
+  int64_t id = 0;
+  std::string name;
+  uint64_t gatherBytes = 0;  ///< full padded size in the gather dtype, planned world size
+  uint64_t gradBytes = 0;    ///< full padded size in the reduce dtype, planned world size
+  bool requiresGrad = true;
+};
+
+/// The op structure of a graph id; every run of it must have the same structure.
+struct WorkGraph {
+  int64_t id = 0;
+  schemas::GraphKind kind = schemas::GraphKind::Forward;
+  std::vector<WorkOp> ops;
+};
+
+/// One execution of a graph within the step, with its own timings.
+struct GraphRun {
+  int32_t graph = 0;      ///< index into Workload::graphs
+  int32_t microStep = 0;  ///< 0-based micro-step of the optimizer step
+  std::vector<double> computeUs;          ///< compute before each op
+  std::vector<uint64_t> activationBytes;  ///< memory other than baseline and gathered params
+  std::vector<double> copyUs;             ///< recorded duration of each CopyStart op
+};
+
+struct Workload {
+  int64_t traceWorldSize = 1;
+  int64_t worldSize = 1;  ///< planned
+  int64_t stage = 3;
+  int64_t gradAccumSteps = 1;
+  std::string paramDtype;
+  std::string reduceDtype;
+  uint64_t baselineBytes = 0;  ///< shards and optimizer state, re-scaled to the planned world
+  uint64_t capacityBytes = 0;
+  double optimizerUs = 0;
+  int64_t traceStep = 0;  ///< index of the recorded step used
+  std::vector<WorkParam> params;
+  std::vector<WorkGraph> graphs;  ///< distinct graph ids, in first-run order
+  std::vector<GraphRun> runs;     ///< the optimizer step, in execution order
+
+  /// Index into params for a ds_id, -1 when unknown.
+  int32_t paramIndex(int64_t id) const;
+  /// Index into graphs for a graph id, -1 when unknown.
+  int32_t graphIndex(int64_t id) const;
+  /// Total compute of the step (all runs), microseconds.
+  double computeUs() const;
+
+  std::vector<int64_t> sortedIds_;  ///< ds_ids ascending, for paramIndex
+  std::vector<int32_t> sortedIdx_;
+};
+
+/// Builds the planner's view from the last recorded step of `trace`, for
+/// `worldSize` ranks (0: as recorded). Throws std::invalid_argument naming the
+/// trace element (JSON pointer) when the trace cannot be planned: graphs of one
+/// id whose runs differ, an op on an unknown parameter, no steps.
+Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0);
+
+}  // namespace dcplan::planner

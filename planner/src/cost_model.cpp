@@ -1,0 +1,169 @@
+// Calibration-curve interpolation and what-if re-scaling of collective times.
+#include "dcplan/planner/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "dcplan/planner/units.h"
+
+namespace dcplan::planner {
+namespace {
+
+/// Ring all-gather / reduce-scatter move (N-1)/N of the message over each link.
+double ringFactor(int64_t worldSize) {
+  return worldSize <= 1 ? 0.0 : static_cast<double>(worldSize - 1) / static_cast<double>(worldSize);
+}
+
+}  // namespace
+
+const char* collectiveName(Collective c) {
+  switch (c) {
+    case Collective::AllGather: return "all_gather";
+    case Collective::ReduceScatter: return "reduce_scatter";
+    case Collective::AllReduce: return "all_reduce";
+  }
+  return "?";
+}
+
+CostModel::Curve CostModel::buildCurve(const std::vector<schemas::CalibrationPoint>& points,
+                                       double traceBusFactor) {
+  Curve c;
+  for (const auto& p : points) {
+    // Zero-byte or zero-time points cannot be placed on a log scale; the
+    // validator allows them, so skip rather than fail.
+    if (p.bytes == 0 || !(p.us > 0)) continue;
+    double b = static_cast<double>(p.bytes);
+    if (!c.bytes.empty() && b <= c.bytes.back()) continue;  // keep strictly increasing
+    c.bytes.push_back(b);
+    c.usec.push_back(p.us);
+    c.logBytes.push_back(std::log(b));
+    c.logUs.push_back(std::log(p.us));
+  }
+  if (c.bytes.empty()) return c;
+  size_t n = c.bytes.size();
+  if (n >= 2) {
+    double slope = (c.usec[1] - c.usec[0]) / (c.bytes[1] - c.bytes[0]);
+    c.latencyUs = std::clamp(c.usec[0] - slope * c.bytes[0], 0.0, c.usec[0]);
+    double dt = c.usec[n - 1] - c.usec[n - 2];
+    double db = c.bytes[n - 1] - c.bytes[n - 2];
+    double average = c.bytes[n - 1] / c.usec[n - 1];
+    // The marginal rate of the last segment is the best guess for larger
+    // messages; noise can make it absurd, so keep it within sane bounds of the
+    // average rate of the largest point.
+    double marginal = dt > 0 ? db / dt : average * 4;
+    c.tailBytesPerUs = std::clamp(marginal, average, average * 4);
+  } else {
+    c.latencyUs = 0;
+    c.tailBytesPerUs = c.bytes[0] / c.usec[0];
+  }
+  double busUs = c.usec[n - 1] - c.latencyUs;
+  if (busUs > 0 && traceBusFactor > 0) {
+    c.calibratedBusGBps = c.bytes[n - 1] * traceBusFactor / busUs / 1e3;
+  }
+  return c;
+}
+
+CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorldSize,
+                     const CostModelOptions& options)
+    : traceWorldSize_(traceWorldSize),
+      worldSize_(options.worldSize > 0 ? options.worldSize : traceWorldSize),
+      h2dGBps_(calibration.h2dGBps),
+      d2hGBps_(calibration.d2hGBps) {
+  if (worldSize_ <= 1) return;  // nothing to communicate
+  if (traceWorldSize_ <= 1) {
+    throw std::invalid_argument("the trace was recorded on 1 rank and has no usable communication "
+                                "calibration; record on 2 or more ranks to plan for " +
+                                std::to_string(worldSize_));
+  }
+  double traceRing = ringFactor(traceWorldSize_);
+  allGather_ = buildCurve(calibration.allGather, traceRing);
+  if (allGather_.bytes.empty()) {
+    throw std::invalid_argument("calibration.all_gather has no point with positive bytes and time");
+  }
+  reduceScatter_ = buildCurve(calibration.reduceScatter, traceRing);
+  allReduce_ = buildCurve(calibration.allReduce, 2 * traceRing);
+  // A ring reduce-scatter moves what an all-gather moves, and an all-reduce is
+  // both: stand-ins when a curve was not measured.
+  if (reduceScatter_.bytes.empty()) reduceScatter_ = allGather_;
+  if (allReduce_.bytes.empty()) {
+    allReduce_ = reduceScatter_;
+    for (double& u : allReduce_.usec) u *= 2;
+    for (double& l : allReduce_.logUs) l += std::log(2.0);
+    allReduce_.latencyUs *= 2;
+    allReduce_.tailBytesPerUs /= 2;
+  }
+  double busScale = ringFactor(worldSize_) / traceRing;
+  for (Curve* c : {&allGather_, &reduceScatter_, &allReduce_}) {
+    c->scale = busScale;
+    if (options.busBandwidthGBps && c->calibratedBusGBps > 0) {
+      c->scale *= c->calibratedBusGBps / *options.busBandwidthGBps;
+    }
+    c->plannedBusGBps = options.busBandwidthGBps && c->calibratedBusGBps > 0
+                            ? *options.busBandwidthGBps
+                            : c->calibratedBusGBps;
+  }
+}
+
+double CostModel::rawUs(const Curve& c, double b) {
+  size_t n = c.bytes.size();
+  if (b <= c.bytes[0]) {
+    return c.latencyUs + (c.usec[0] - c.latencyUs) * (b / c.bytes[0]);
+  }
+  if (b >= c.bytes[n - 1]) {
+    return c.usec[n - 1] + (b - c.bytes[n - 1]) / c.tailBytesPerUs;
+  }
+  size_t hi = static_cast<size_t>(std::upper_bound(c.bytes.begin(), c.bytes.end(), b) - c.bytes.begin());
+  size_t lo = hi - 1;
+  double lb = std::log(b);
+  double f = (lb - c.logBytes[lo]) / (c.logBytes[hi] - c.logBytes[lo]);
+  return std::exp(c.logUs[lo] + f * (c.logUs[hi] - c.logUs[lo]));
+}
+
+const CostModel::Curve& CostModel::curve(Collective c) const {
+  switch (c) {
+    case Collective::AllGather: return allGather_;
+    case Collective::ReduceScatter: return reduceScatter_;
+    case Collective::AllReduce: return allReduce_;
+  }
+  return allGather_;
+}
+
+double CostModel::us(Collective which, uint64_t fullBytes) const {
+  if (worldSize_ <= 1 || fullBytes == 0) return 0;
+  const Curve& c = curve(which);
+  double raw = rawUs(c, static_cast<double>(fullBytes));
+  double lat = std::min(c.latencyUs, raw);
+  return lat + (raw - lat) * c.scale;
+}
+
+double CostModel::latencyUs(Collective which) const {
+  return worldSize_ <= 1 ? 0 : curve(which).latencyUs;
+}
+
+double CostModel::busGBps(Collective which) const {
+  return worldSize_ <= 1 ? 0 : curve(which).plannedBusGBps;
+}
+
+double CostModel::copyUs(uint64_t bytes, bool hostToDevice) const {
+  const std::optional<double>& rate = hostToDevice ? h2dGBps_ : d2hGBps_;
+  if (!rate || !(*rate > 0)) return 0;
+  return static_cast<double>(bytes) / (*rate * 1e3);
+}
+
+std::vector<std::string> CostModel::describe() const {
+  std::vector<std::string> out;
+  if (worldSize_ <= 1) {
+    out.push_back("1 rank: no communication");
+    return out;
+  }
+  for (Collective c : {Collective::AllGather, Collective::ReduceScatter, Collective::AllReduce}) {
+    out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) +
+                  " us, bus " + formatFixed(busGBps(c), 1) + " GB/s, 64 MiB in " +
+                  formatFixed(us(c, 64ull << 20), 1) + " us");
+  }
+  return out;
+}
+
+}  // namespace dcplan::planner

@@ -1,0 +1,555 @@
+// The planning passes: stall-free views, bucket boundaries, prefetch issue points, persistence.
+#include "decisions.h"
+
+#include "dcplan/planner/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace dcplan::planner::detail {
+namespace {
+
+/// Gradients of a graph in ready order: (op index, param), each param once.
+std::vector<std::pair<int32_t, int32_t>> gradients(const Workload& w, int32_t g) {
+  std::vector<std::pair<int32_t, int32_t>> out;
+  std::vector<char> seen(w.params.size(), 0);
+  const WorkGraph& graph = w.graphs[static_cast<size_t>(g)];
+  for (size_t i = 0; i < graph.ops.size(); ++i) {
+    const WorkOp& op = graph.ops[i];
+    if (op.kind != OpKind::ReduceGrad || seen[static_cast<size_t>(op.param)]) continue;
+    seen[static_cast<size_t>(op.param)] = 1;
+    out.emplace_back(static_cast<int32_t>(i), op.param);
+  }
+  return out;
+}
+
+schemas::PlanBucket makeBucket(const Context& c, const std::vector<int32_t>& params) {
+  schemas::PlanBucket b;
+  b.dtype = c.w.reduceDtype;
+  for (int32_t p : params) {
+    b.dsIds.push_back(c.w.params[static_cast<size_t>(p)].id);
+    b.bytes += c.w.params[static_cast<size_t>(p)].gradBytes;
+  }
+  return b;
+}
+
+}  // namespace
+
+Context makeContext(const Workload& w, const CostModel& cost, uint64_t limit) {
+  Context c{w, cost, limit, {}, w.stage >= 2 ? Collective::ReduceScatter : Collective::AllReduce};
+  c.views.resize(w.graphs.size());
+  std::vector<char> seen(w.graphs.size(), 0);
+  for (size_t r = 0; r < w.runs.size(); ++r) {
+    const GraphRun& run = w.runs[r];
+    GraphView& v = c.views[static_cast<size_t>(run.graph)];
+    if (!seen[static_cast<size_t>(run.graph)]) {
+      seen[static_cast<size_t>(run.graph)] = 1;
+      v.graph = run.graph;
+      v.run = static_cast<int32_t>(r);
+      double t = 0;
+      for (double u : run.computeUs) {
+        t += u;
+        v.issueUs.push_back(t);
+      }
+      v.activationBytes = run.activationBytes;
+    } else {
+      for (size_t i = 0; i < v.activationBytes.size(); ++i) {
+        v.activationBytes[i] = std::max(v.activationBytes[i], run.activationBytes[i]);
+      }
+    }
+  }
+  return c;
+}
+
+// ---- buckets -----------------------------------------------------------------
+
+BucketSet greedyBuckets(const Context& c, uint64_t capBytes) {
+  BucketSet out(c.w.graphs.size());
+  for (size_t g = 0; g < c.w.graphs.size(); ++g) {
+    std::vector<int32_t> cur;
+    uint64_t bytes = 0;
+    for (const auto& [op, p] : gradients(c.w, static_cast<int32_t>(g))) {
+      uint64_t b = c.w.params[static_cast<size_t>(p)].gradBytes;
+      if (!cur.empty() && bytes + b > capBytes) {
+        out[g].push_back(makeBucket(c, cur));
+        cur.clear();
+        bytes = 0;
+      }
+      cur.push_back(p);
+      bytes += b;
+    }
+    if (!cur.empty()) out[g].push_back(makeBucket(c, cur));
+  }
+  return out;
+}
+
+BucketSet optimalBuckets(const Context& c, uint64_t capBytes) {
+  // Longest run of gradients one bucket may hold; bounds the DP at O(n * window).
+  constexpr size_t kMaxWindow = 512;
+  BucketSet out(c.w.graphs.size());
+  for (size_t g = 0; g < c.w.graphs.size(); ++g) {
+    auto grads = gradients(c.w, static_cast<int32_t>(g));
+    size_t n = grads.size();
+    if (n == 0) continue;
+    const std::vector<double>& t = c.views[g].issueUs;
+    std::vector<uint64_t> prefix(n + 1, 0);
+    for (size_t i = 0; i < n; ++i) {
+      prefix[i + 1] = prefix[i] + c.w.params[static_cast<size_t>(grads[i].second)].gradBytes;
+    }
+    struct State {
+      double end = 0, busy = 0;
+      int64_t count = 0;
+      size_t from = 0;
+    };
+    auto better = [](const State& a, const State& b) {
+      // Times within a nanosecond are equal: keeps ties deterministic across
+      // summation orders.
+      if (a.end < b.end - 1e-3) return true;
+      if (a.end > b.end + 1e-3) return false;
+      if (a.busy < b.busy - 1e-3) return true;
+      if (a.busy > b.busy + 1e-3) return false;
+      return a.count < b.count;
+    };
+    std::vector<State> best(n + 1);
+    for (size_t i = 1; i <= n; ++i) {
+      double ready = t[static_cast<size_t>(grads[i - 1].first)];
+      bool have = false;
+      for (size_t k = i; k-- > 0 && i - k <= kMaxWindow;) {
+        uint64_t bytes = prefix[i] - prefix[k];
+        if (bytes > capBytes && k < i - 1) break;
+        double dur = c.cost.us(c.reduceOp, bytes);
+        State s{std::max(ready, best[k].end) + dur, best[k].busy + dur, best[k].count + 1, k};
+        if (!have || better(s, best[i])) {
+          best[i] = s;
+          have = true;
+        }
+      }
+    }
+    std::vector<std::pair<size_t, size_t>> ranges;
+    for (size_t i = n; i > 0; i = best[i].from) ranges.emplace_back(best[i].from, i);
+    std::reverse(ranges.begin(), ranges.end());
+    for (const auto& [a, b] : ranges) {
+      std::vector<int32_t> params;
+      for (size_t k = a; k < b; ++k) params.push_back(grads[k].second);
+      out[g].push_back(makeBucket(c, params));
+    }
+  }
+  return out;
+}
+
+std::vector<BucketTiming> bucketTimings(const Context& c, int32_t graph,
+                                        const std::vector<schemas::PlanBucket>& buckets) {
+  const WorkGraph& wg = c.w.graphs[static_cast<size_t>(graph)];
+  const std::vector<double>& t = c.views[static_cast<size_t>(graph)].issueUs;
+  std::vector<int32_t> bucketOf(c.w.params.size(), -1);
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    for (int64_t id : buckets[b].dsIds) {
+      int32_t p = c.w.paramIndex(id);
+      if (p >= 0) bucketOf[static_cast<size_t>(p)] = static_cast<int32_t>(b);
+    }
+  }
+  std::vector<BucketTiming> out(buckets.size());
+  std::vector<char> started(buckets.size(), 0);
+  for (size_t i = 0; i < wg.ops.size(); ++i) {
+    const WorkOp& op = wg.ops[i];
+    if (op.kind != OpKind::ReduceGrad) continue;
+    int32_t b = bucketOf[static_cast<size_t>(op.param)];
+    if (b < 0) continue;
+    BucketTiming& bt = out[static_cast<size_t>(b)];
+    if (!started[static_cast<size_t>(b)]) {
+      started[static_cast<size_t>(b)] = 1;
+      bt.firstSeq = op.seq;
+    }
+    bt.lastSeq = op.seq;
+    bt.readyUs = t[i];
+  }
+  double free = 0;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    out[b].startUs = std::max(out[b].readyUs, free);
+    out[b].endUs = out[b].startUs + c.cost.us(c.reduceOp, buckets[b].bytes);
+    free = out[b].endUs;
+  }
+  return out;
+}
+
+// ---- gathers -----------------------------------------------------------------
+
+std::vector<std::vector<GatherUse>> gatherUses(const Context& c, const std::vector<char>& persistent) {
+  const Workload& w = c.w;
+  std::vector<std::vector<GatherUse>> out(w.graphs.size());
+  std::vector<char> allocated(w.params.size(), 0);
+  std::vector<int32_t> lastRelease(w.params.size(), -1);
+  std::vector<int32_t> releaseStamp(w.params.size(), -1);
+  for (size_t r = 0; r < w.runs.size(); ++r) {
+    const GraphRun& run = w.runs[r];
+    const WorkGraph& g = w.graphs[static_cast<size_t>(run.graph)];
+    const GraphView& v = c.views[static_cast<size_t>(run.graph)];
+    bool recording = v.run == static_cast<int32_t>(r);
+    int32_t n = static_cast<int32_t>(g.ops.size());
+    for (int32_t i = 0; i < n; ++i) {
+      const WorkOp& op = g.ops[static_cast<size_t>(i)];
+      size_t p = static_cast<size_t>(op.param);
+      if (op.kind == OpKind::Release) {
+        if (!persistent[p]) allocated[p] = 0;
+        lastRelease[p] = i;
+        releaseStamp[p] = static_cast<int32_t>(r);
+      }
+      if (op.kind != OpKind::AllGather || allocated[p]) continue;
+      allocated[p] = 1;
+      if (!recording) continue;
+      GatherUse u;
+      u.param = op.param;
+      u.gatherOp = i;
+      u.waitOp = i;
+      for (int32_t k = i; k < n; ++k) {
+        const WorkOp& o = g.ops[static_cast<size_t>(k)];
+        if (o.param == op.param && o.kind == OpKind::Wait) {
+          u.waitOp = k;
+          break;
+        }
+      }
+      u.releaseOp = n;
+      if (!persistent[p]) {
+        for (int32_t k = u.waitOp; k < n; ++k) {
+          const WorkOp& o = g.ops[static_cast<size_t>(k)];
+          if (o.param == op.param && o.kind == OpKind::Release) {
+            u.releaseOp = k;
+            break;
+          }
+        }
+      }
+      u.minOp = releaseStamp[p] == static_cast<int32_t>(r) ? lastRelease[p] + 1 : 0;
+      u.needUs = v.issueUs[static_cast<size_t>(u.waitOp)];
+      u.bytes = w.params[p].gatherBytes;
+      u.durUs = c.cost.us(Collective::AllGather, u.bytes);
+      out[static_cast<size_t>(run.graph)].push_back(u);
+    }
+  }
+  return out;
+}
+
+std::vector<int32_t> gathersPerStep(const Workload& w) {
+  std::vector<int32_t> count(w.params.size(), 0);
+  std::vector<char> allocated(w.params.size(), 0);
+  for (const GraphRun& run : w.runs) {
+    for (const WorkOp& op : w.graphs[static_cast<size_t>(run.graph)].ops) {
+      size_t p = static_cast<size_t>(op.param);
+      if (op.kind == OpKind::Release) allocated[p] = 0;
+      if ((op.kind == OpKind::AllGather || op.kind == OpKind::Wait) && !allocated[p]) {
+        allocated[p] = 1;
+        count[p]++;
+      }
+    }
+  }
+  return count;
+}
+
+const char* issueReasonText(IssueReason r) {
+  switch (r) {
+    case IssueReason::OnDemand: return "on use: an earlier issue would exceed the memory limit";
+    case IssueReason::JustInTime: return "just in time: finishes before its first user";
+    case IssueReason::GraphStart: return "graph start: communication-bound, as early as the graph allows";
+    case IssueReason::AfterRelease: return "after the release of its previous use";
+    case IssueReason::IssueOrder: return "behind the gather before it on the stream";
+    case IssueReason::MemoryLimited: return "memory-limited: earlier would exceed the memory limit";
+    case IssueReason::Fused: return "fused: joins the group before it to save a call's latency";
+  }
+  return "?";
+}
+
+namespace {
+
+/// The memory curve of a graph's first run when every gather happens on use:
+/// what prefetching adds to.
+std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector<GatherUse>& uses,
+                                  const std::vector<char>& persistent, uint64_t persistentBytes,
+                                  const std::vector<schemas::PlanBucket>& buckets) {
+  const GraphView& v = c.views[static_cast<size_t>(g)];
+  size_t n = v.issueUs.size();
+  std::vector<int64_t> delta(n + 1, 0);
+  for (const GatherUse& u : uses) {
+    if (persistent[static_cast<size_t>(u.param)]) continue;
+    delta[static_cast<size_t>(u.gatherOp)] += static_cast<int64_t>(u.bytes);
+    delta[static_cast<size_t>(u.releaseOp)] -= static_cast<int64_t>(u.bytes);
+  }
+  std::vector<BucketTiming> timings = bucketTimings(c, g, buckets);
+  const WorkGraph& wg = c.w.graphs[static_cast<size_t>(g)];
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    auto first = std::lower_bound(wg.ops.begin(), wg.ops.end(), timings[b].firstSeq,
+                                  [](const WorkOp& op, int64_t s) { return op.seq < s; }) - wg.ops.begin();
+    auto last = std::lower_bound(wg.ops.begin(), wg.ops.end(), timings[b].lastSeq,
+                                 [](const WorkOp& op, int64_t s) { return op.seq < s; }) - wg.ops.begin();
+    auto until = std::lower_bound(v.issueUs.begin(), v.issueUs.end(), timings[b].endUs) - v.issueUs.begin();
+    until = std::max<ptrdiff_t>(until, last + 1);
+    delta[static_cast<size_t>(first)] += static_cast<int64_t>(buckets[b].bytes);
+    delta[static_cast<size_t>(std::min<ptrdiff_t>(until, static_cast<ptrdiff_t>(n)))] -=
+        static_cast<int64_t>(buckets[b].bytes);
+  }
+  std::vector<uint64_t> m(n);
+  int64_t live = 0;
+  for (size_t i = 0; i < n; ++i) {
+    live += delta[i];
+    m[i] = c.w.baselineBytes + persistentBytes + v.activationBytes[i] + static_cast<uint64_t>(std::max<int64_t>(0, live));
+  }
+  return m;
+}
+
+}  // namespace
+
+PrefetchResult planPrefetch(const Context& c, const std::vector<char>& persistent, const BucketSet& buckets,
+                            uint64_t limit, FuseMode mode, uint64_t maxFusedBytes) {
+  const Workload& w = c.w;
+  PrefetchResult res;
+  res.groups.resize(w.graphs.size());
+  auto uses = gatherUses(c, persistent);
+  uint64_t persistentBytes = 0;
+  for (size_t p = 0; p < w.params.size(); ++p) {
+    if (persistent[p]) persistentBytes += w.params[p].gatherBytes;
+  }
+  double latency = c.cost.latencyUs(Collective::AllGather);
+  for (size_t g = 0; g < w.graphs.size(); ++g) {
+    const std::vector<GatherUse>& us = uses[g];
+    if (us.empty()) continue;
+    const GraphView& v = c.views[g];
+    const std::vector<double>& t = v.issueUs;
+    const WorkGraph& wg = w.graphs[g];
+    std::vector<uint64_t> mem = onUseMemory(c, static_cast<int32_t>(g), us, persistent, persistentBytes, buckets[g]);
+    size_t m = us.size();
+    auto memBytes = [&](const GatherUse& u) { return persistent[static_cast<size_t>(u.param)] ? 0 : u.bytes; };
+
+    // 1. As late as still finishes in time, on one stream in issue order.
+    std::vector<int32_t> target(m);
+    std::vector<IssueReason> reason(m);
+    double latest = std::numeric_limits<double>::infinity();
+    for (size_t j = m; j-- > 0;) {
+      double end = std::min(us[j].needUs, latest);
+      double start = end - us[j].durUs;
+      latest = start;
+      auto upto = t.begin() + us[j].gatherOp + 1;
+      auto it = std::upper_bound(t.begin(), upto, start);
+      if (it == t.begin()) {
+        target[j] = 0;
+        reason[j] = IssueReason::GraphStart;
+      } else {
+        target[j] = static_cast<int32_t>(it - t.begin()) - 1;
+        reason[j] = IssueReason::JustInTime;
+      }
+      if (target[j] < us[j].minOp) {
+        target[j] = us[j].minOp;
+        reason[j] = IssueReason::AfterRelease;
+      }
+    }
+    // 2. No earlier than the gather before it; later while memory would pass the limit.
+    std::vector<int32_t> issue(m);
+    int32_t prev = 0;
+    for (size_t j = 0; j < m; ++j) {
+      int32_t want = std::max(target[j], prev);
+      if (want > target[j]) reason[j] = IssueReason::IssueOrder;
+      uint64_t b = memBytes(us[j]);
+      int32_t q = us[j].gatherOp;
+      while (q > want && mem[static_cast<size_t>(q - 1)] + b <= limit) --q;
+      if (q > want) reason[j] = q == us[j].gatherOp ? IssueReason::OnDemand : IssueReason::MemoryLimited;
+      for (int32_t i = q; i < us[j].gatherOp; ++i) mem[static_cast<size_t>(i)] += b;
+      issue[j] = q;
+      prev = q;
+    }
+    // 3. Groups: one call per gather, or fused where no member ends later.
+    struct Group {
+      int32_t op;
+      std::vector<size_t> members;
+      uint64_t bytes;
+      double start;
+      double minNeed;
+    };
+    std::vector<Group> groups;
+    double free = 0;
+    auto memFits = [&](int32_t from, int32_t to, uint64_t b) {
+      for (int32_t i = from; i < to; ++i) {
+        if (mem[static_cast<size_t>(i)] + b > limit) return false;
+      }
+      return true;
+    };
+    for (size_t j = 0; j < m; ++j) {
+      const GatherUse& u = us[j];
+      if (mode == FuseMode::Fuse && !groups.empty()) {
+        Group& cur = groups.back();
+        bool samePos = issue[j] == cur.op;
+        bool small = latency >= 0.5 * u.durUs;
+        bool canMove = !samePos && small && cur.op >= u.minOp && memFits(cur.op, issue[j], memBytes(u));
+        if ((samePos || canMove) && cur.bytes + u.bytes <= maxFusedBytes) {
+          double endGroup = cur.start + c.cost.us(Collective::AllGather, cur.bytes);
+          double sepEnd = std::max(t[static_cast<size_t>(issue[j])], endGroup) + u.durUs;
+          double lateSep = std::max(endGroup - cur.minNeed, sepEnd - u.needUs);
+          double fusedEnd = cur.start + c.cost.us(Collective::AllGather, cur.bytes + u.bytes);
+          double lateFused = std::max(fusedEnd - cur.minNeed, fusedEnd - u.needUs);
+          if (std::max(0.0, lateFused) <= std::max(0.0, lateSep) + 1e-6) {
+            if (canMove) {
+              for (int32_t i = cur.op; i < issue[j]; ++i) mem[static_cast<size_t>(i)] += memBytes(u);
+              issue[j] = cur.op;
+              reason[j] = IssueReason::Fused;
+            }
+            cur.members.push_back(j);
+            cur.bytes += u.bytes;
+            cur.minNeed = std::min(cur.minNeed, u.needUs);
+            continue;
+          }
+        }
+      }
+      if (!groups.empty()) free = groups.back().start + c.cost.us(Collective::AllGather, groups.back().bytes);
+      groups.push_back(Group{issue[j], {j}, u.bytes, std::max(t[static_cast<size_t>(issue[j])], free), u.needUs});
+    }
+    for (const Group& grp : groups) {
+      bool early = grp.op < us[grp.members.front()].gatherOp;
+      int32_t index = -1;
+      if (early || grp.members.size() > 1) {
+        schemas::PrefetchGroup pg;
+        pg.position = wg.ops[static_cast<size_t>(grp.op)].seq;
+        for (size_t j : grp.members) pg.dsIds.push_back(w.params[static_cast<size_t>(us[j].param)].id);
+        index = static_cast<int32_t>(res.groups[g].size());
+        res.groups[g].push_back(std::move(pg));
+      }
+      for (size_t j : grp.members) {
+        res.decisions.push_back(IssueDecision{static_cast<int32_t>(g), static_cast<int32_t>(j), grp.op, index,
+                                              reason[j], us[j].needUs - t[static_cast<size_t>(grp.op)]});
+      }
+    }
+  }
+  return res;
+}
+
+PrefetchResult referencePrefetch(const Context& c, const std::vector<char>& persistent, uint64_t maxInFlightBytes) {
+  const Workload& w = c.w;
+  PrefetchResult res;
+  res.groups.resize(w.graphs.size());
+  auto uses = gatherUses(c, persistent);
+  for (size_t g = 0; g < w.graphs.size(); ++g) {
+    const std::vector<GatherUse>& us = uses[g];
+    const WorkGraph& wg = w.graphs[g];
+    const std::vector<double>& t = c.views[g].issueUs;
+    size_t f = static_cast<size_t>(kReferencePrefetchFactor);
+    for (size_t first = 0; first < us.size(); first += f) {
+      size_t last = std::min(us.size(), first + f);
+      uint64_t bytes = 0;
+      int32_t minOp = 0;
+      for (size_t j = first; j < last; ++j) {
+        bytes += us[j].bytes;
+        minOp = std::max(minOp, us[j].minOp);
+      }
+      int32_t op = first == 0 ? us[first].gatherOp : us[first - f].gatherOp;
+      op = std::max(op, minOp);
+      bool grouped = bytes <= maxInFlightBytes;
+      int32_t index = -1;
+      if (grouped && (op < us[first].gatherOp || last - first > 1)) {
+        schemas::PrefetchGroup pg;
+        pg.position = wg.ops[static_cast<size_t>(op)].seq;
+        for (size_t j = first; j < last; ++j) pg.dsIds.push_back(w.params[static_cast<size_t>(us[j].param)].id);
+        index = static_cast<int32_t>(res.groups[g].size());
+        res.groups[g].push_back(std::move(pg));
+      }
+      for (size_t j = first; j < last; ++j) {
+        int32_t at = index >= 0 ? op : us[j].gatherOp;
+        res.decisions.push_back(IssueDecision{static_cast<int32_t>(g), static_cast<int32_t>(j), at, index,
+                                              index >= 0 ? IssueReason::Fused : IssueReason::OnDemand,
+                                              us[j].needUs - t[static_cast<size_t>(at)]});
+      }
+    }
+  }
+  return res;
+}
+
+// ---- persistence ---------------------------------------------------------------
+
+PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes) {
+  const Workload& w = c.w;
+  PersistChoice out;
+  out.persistent.assign(w.params.size(), 0);
+  if (capBytes == 0) return out;
+  std::vector<int32_t> count = gathersPerStep(w);
+  struct Item {
+    size_t param;
+    uint64_t bytes;
+    double value;
+  };
+  std::vector<Item> items;
+  for (size_t p = 0; p < w.params.size(); ++p) {
+    uint64_t b = w.params[p].gatherBytes;
+    if (count[p] < 2 || b == 0 || b > capBytes) continue;
+    items.push_back({p, b, (count[p] - 1) * c.cost.us(Collective::AllGather, b)});
+  }
+  if (items.empty()) return out;
+  // Capacity in units so the table stays small; weights round up, so the
+  // choice never exceeds the capacity.
+  constexpr uint64_t kUnits = 2048;
+  uint64_t unit = std::max<uint64_t>(1, (capBytes + kUnits - 1) / kUnits);
+  size_t cap = static_cast<size_t>(capBytes / unit);
+  std::vector<double> best(cap + 1, 0.0);
+  std::vector<std::vector<char>> take(items.size(), std::vector<char>(cap + 1, 0));
+  for (size_t k = 0; k < items.size(); ++k) {
+    size_t wu = static_cast<size_t>((items[k].bytes + unit - 1) / unit);
+    if (wu > cap) continue;
+    for (size_t x = cap; x >= wu; --x) {
+      double v = best[x - wu] + items[k].value;
+      if (v > best[x] + 1e-9) {
+        best[x] = v;
+        take[k][x] = 1;
+      }
+      if (x == wu) break;
+    }
+  }
+  size_t x = cap;
+  for (size_t k = items.size(); k-- > 0;) {
+    if (!take[k][x]) continue;
+    out.persistent[items[k].param] = 1;
+    out.bytes += items[k].bytes;
+    out.savedUs += items[k].value;
+    x -= static_cast<size_t>((items[k].bytes + unit - 1) / unit);
+  }
+  return out;
+}
+
+PersistChoice referencePersistence(const Context& c, uint64_t capBytes) {
+  const Workload& w = c.w;
+  PersistChoice out;
+  out.persistent.assign(w.params.size(), 0);
+  std::vector<int32_t> count = gathersPerStep(w);
+  std::vector<size_t> order;
+  for (size_t p = 0; p < w.params.size(); ++p) {
+    if (count[p] > 0 && w.params[p].gatherBytes > 0) order.push_back(p);
+  }
+  auto perByte = [&](size_t p) {
+    return c.cost.us(Collective::AllGather, w.params[p].gatherBytes) / static_cast<double>(w.params[p].gatherBytes);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return perByte(a) > perByte(b); });
+  for (size_t p : order) {
+    uint64_t b = w.params[p].gatherBytes;
+    if (out.bytes + b > capBytes) break;  // the reference stops at the first misfit
+    out.persistent[p] = 1;
+    out.bytes += b;
+    out.savedUs += (count[p] - 1) * c.cost.us(Collective::AllGather, b);
+  }
+  return out;
+}
+
+// ---- assembly ---------------------------------------------------------------------
+
+Schedule assemble(const Context& c, const std::vector<char>& persistent, const BucketSet& buckets,
+                  const std::vector<std::vector<schemas::PrefetchGroup>>& groups) {
+  Schedule s;
+  for (size_t p = 0; p < c.w.params.size(); ++p) {
+    if (persistent[p]) s.persistent.push_back(c.w.params[p].id);
+  }
+  std::sort(s.persistent.begin(), s.persistent.end());
+  for (size_t g = 0; g < c.w.graphs.size(); ++g) {
+    schemas::PlanGraph pg;
+    pg.id = c.w.graphs[g].id;
+    pg.kind = c.w.graphs[g].kind;
+    if (g < groups.size()) pg.prefetch = groups[g];
+    if (g < buckets.size()) pg.buckets = buckets[g];
+    s.graphs.push_back(std::move(pg));
+  }
+  return s;
+}
+
+}  // namespace dcplan::planner::detail

@@ -1,0 +1,429 @@
+// The strategies (default, heuristic, optimized), candidate search and --explain text.
+#include "dcplan/planner/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include "dcplan/planner/units.h"
+#include "dcplan/schemas/dtype.h"
+#include "dcplan/schemas/io.h"
+#include "dcplan/schemas/units.h"
+#include "decisions.h"
+
+#ifndef DCPLAN_VERSION
+#define DCPLAN_VERSION "0.0.0"
+#endif
+
+namespace dcplan::planner {
+
+using namespace detail;
+using schemas::formatBytes;
+
+const char* strategyName(Strategy s) {
+  switch (s) {
+    case Strategy::Default: return "default";
+    case Strategy::Heuristic: return "heuristic";
+    case Strategy::Optimized: return "optimized";
+  }
+  return "?";
+}
+
+std::optional<Strategy> parseStrategy(std::string_view name) {
+  if (name == "default") return Strategy::Default;
+  if (name == "heuristic") return Strategy::Heuristic;
+  if (name == "optimized") return Strategy::Optimized;
+  return std::nullopt;
+}
+
+Schedule scheduleOf(const schemas::Plan& plan) { return Schedule{plan.persistent, plan.graphs}; }
+
+namespace {
+
+std::string us(double v) { return formatFixed(v, 1) + " us"; }
+
+/// Stages 1 and 2 keep every parameter gathered: persistence is not a choice there.
+std::vector<char> stagePersistent(const Workload& w) {
+  return std::vector<char>(w.params.size(), w.stage < 3 ? 1 : 0);
+}
+
+struct Candidate {
+  std::string label;
+  Schedule schedule;
+  SimResult sim;
+  std::string bucketLabel;
+  BucketSet buckets;
+  PersistChoice persist;
+  std::string persistLabel;
+  PrefetchResult prefetch;
+  std::string prefetchLabel;
+  bool feasible = false;
+};
+
+class Search {
+ public:
+  Search(const Workload& w, const CostModel& cost, uint64_t limit, const ProgressFn& progress)
+      : w_(w), cost_(cost), c_(makeContext(w, cost, limit)), progress_(progress) {}
+
+  const Context& context() const { return c_; }
+  int simulated() const { return simulated_; }
+
+  Candidate evaluate(std::string label, std::vector<char> persistent, std::string persistLabel, BucketSet buckets,
+                     std::string bucketLabel, PrefetchResult prefetch, std::string prefetchLabel) {
+    Candidate k;
+    k.label = std::move(label);
+    k.persist.persistent = std::move(persistent);
+    for (size_t p = 0; p < w_.params.size(); ++p) {
+      if (k.persist.persistent[p]) k.persist.bytes += w_.params[p].gatherBytes;
+    }
+    k.persistLabel = std::move(persistLabel);
+    k.buckets = std::move(buckets);
+    k.bucketLabel = std::move(bucketLabel);
+    k.prefetch = std::move(prefetch);
+    k.prefetchLabel = std::move(prefetchLabel);
+    if (k.prefetch.groups.empty()) k.prefetch.groups.resize(w_.graphs.size());
+    k.schedule = assemble(c_, k.persist.persistent, k.buckets, k.prefetch.groups);
+    k.sim = simulate(w_, cost_, compileSchedule(w_, k.schedule));
+    k.feasible = k.sim.prediction.peakMemoryBytes <= c_.limit;
+    ++simulated_;
+    return k;
+  }
+
+  Candidate defaultCandidate() {
+    return evaluate("default", stagePersistent(w_), w_.stage < 3 ? "all (stage " + std::to_string(w_.stage) + ")" : "none",
+                    greedyBuckets(c_, kDefaultBucketBytes), "greedy, " + formatBytes(kDefaultBucketBytes), {},
+                    "on use");
+  }
+
+  /// The reference design's rules, shrinking its memory shares until the
+  /// schedule fits (its own memory check), down to the default schedule.
+  Candidate heuristicCandidate(uint64_t defaultPeak) {
+    uint64_t headroom = c_.limit > defaultPeak ? c_.limit - defaultPeak : 0;
+    int reduceSize = schemas::dtypeSize(w_.reduceDtype).value_or(4);
+    uint64_t bucketBytes = kReferenceBucketElements * static_cast<uint64_t>(reduceSize);
+    Candidate last;
+    for (int attempt = 0; attempt <= 4; ++attempt) {
+      double share = attempt == 4 ? 0.0 : 1.0 / static_cast<double>(1 << attempt);
+      auto persistCap = static_cast<uint64_t>(share * kReferencePersistShare * static_cast<double>(headroom));
+      auto inFlight = static_cast<uint64_t>(share * kReferencePrefetchShare * static_cast<double>(headroom));
+      PersistChoice persist =
+          w_.stage < 3 ? PersistChoice{stagePersistent(w_), 0, 0} : referencePersistence(c_, persistCap);
+      PrefetchResult prefetch = referencePrefetch(c_, persist.persistent, inFlight);
+      bool lastResort = attempt == 4;
+      last = evaluate("heuristic", persist.persistent,
+                      "by gather time per byte, up to " + formatBytes(persistCap), 
+                      lastResort ? greedyBuckets(c_, kDefaultBucketBytes) : greedyBuckets(c_, bucketBytes),
+                      lastResort ? "greedy, " + formatBytes(kDefaultBucketBytes)
+                                 : "greedy, " + std::to_string(kReferenceBucketElements) + " elements (" +
+                                       formatBytes(bucketBytes) + ")",
+                      std::move(prefetch),
+                      "groups of " + std::to_string(kReferencePrefetchFactor) + ", one group ahead, up to " +
+                          formatBytes(inFlight) + " in flight");
+      if (last.feasible) return last;
+    }
+    return last;
+  }
+
+  /// Fills `all` with every schedule tried; returns the index of the best.
+  size_t optimizedCandidates(std::vector<Candidate>& all, const Candidate& def, const Candidate& heur) {
+    // Buckets first: they barely interact with gathers except through memory.
+    struct BucketOption {
+      std::string label;
+      BucketSet set;
+    };
+    std::vector<BucketOption> options;
+    options.push_back({"greedy, " + formatBytes(kDefaultBucketBytes), greedyBuckets(c_, kDefaultBucketBytes)});
+    for (uint64_t cap : {16ull << 20, 64ull << 20, 256ull << 20, 1024ull << 20}) {
+      options.push_back({"shortest reduce tail, buckets up to " + formatBytes(cap), optimalBuckets(c_, cap)});
+    }
+    progress("choosing bucket boundaries");
+    std::vector<char> base = stagePersistent(w_);
+    int bestBucket = -1;
+    Candidate bestOnUse;
+    for (size_t k = 0; k < options.size(); ++k) {
+      Candidate cand = evaluate("on use, buckets: " + options[k].label, base, w_.stage < 3 ? "all" : "none",
+                                options[k].set, options[k].label, {}, "on use");
+      if (cand.feasible && (bestBucket < 0 || better(cand, bestOnUse))) {
+        bestBucket = static_cast<int>(k);
+        bestOnUse = cand;
+      }
+      all.push_back(std::move(cand));
+    }
+    if (bestBucket < 0) {
+      uint64_t least = std::numeric_limits<uint64_t>::max();
+      for (const Candidate& k : all) least = std::min(least, k.sim.prediction.peakMemoryBytes);
+      uint64_t act = 0;
+      for (const GraphRun& r : w_.runs) {
+        for (uint64_t a : r.activationBytes) act = std::max(act, a);
+      }
+      throw std::invalid_argument("memory budget " + formatBytes(c_.limit) +
+                                  " is below what any schedule needs: at least " + formatBytes(least) +
+                                  " with every gather on use (baseline " + formatBytes(w_.baselineBytes) +
+                                  ", activations up to " + formatBytes(act) + ")");
+    }
+    const BucketOption& buckets = options[static_cast<size_t>(bestBucket)];
+    uint64_t headroom = c_.limit - bestOnUse.sim.prediction.peakMemoryBytes;
+
+    progress("choosing persistent parameters and prefetch points");
+    std::vector<std::vector<char>> seen;
+    for (double fraction : {0.0, 0.25, 0.5, 1.0}) {
+      PersistChoice persist;
+      std::string persistLabel;
+      if (w_.stage < 3) {
+        if (fraction > 0) break;
+        persist.persistent = base;
+        persistLabel = "all (stage " + std::to_string(w_.stage) + ")";
+      } else {
+        auto cap = static_cast<uint64_t>(fraction * static_cast<double>(headroom));
+        persist = knapsackPersistence(c_, cap);
+        persistLabel = "knapsack up to " + formatBytes(cap) + " (" + formatFixed(fraction * 100, 0) +
+                       "% of the headroom)";
+      }
+      if (std::find(seen.begin(), seen.end(), persist.persistent) != seen.end()) continue;
+      seen.push_back(persist.persistent);
+      struct Mode {
+        FuseMode mode;
+        uint64_t cap;
+        std::string label;
+      };
+      for (const Mode& m : {Mode{FuseMode::Split, 0, "one call per gather"},
+                            Mode{FuseMode::Fuse, 64ull << 20, "fused up to 64.0 MiB"},
+                            Mode{FuseMode::Fuse, std::numeric_limits<uint64_t>::max(), "fused, no size cap"}}) {
+        uint64_t limit = c_.limit;
+        Candidate cand;
+        // The planning curve times buckets without stalls; when the simulation
+        // still passes the budget, plan again against a lower limit.
+        for (int attempt = 0; attempt < 4; ++attempt) {
+          PrefetchResult prefetch = planPrefetch(c_, persist.persistent, buckets.set, limit, m.mode, m.cap);
+          cand = evaluate("persist " + formatFixed(fraction * 100, 0) + "%, prefetch " + m.label, persist.persistent,
+                          persistLabel, buckets.set, buckets.label, std::move(prefetch),
+                          "just in time under the limit, " + m.label);
+          if (cand.feasible) break;
+          uint64_t over = cand.sim.prediction.peakMemoryBytes - c_.limit;
+          if (over + (1u << 20) >= limit) break;
+          limit -= over + (1u << 20);
+        }
+        cand.persist.savedUs = persist.savedUs;
+        all.push_back(std::move(cand));
+      }
+    }
+    if (def.feasible) all.push_back(def);
+    if (heur.feasible) all.push_back(heur);
+    int best = -1;
+    for (size_t k = 0; k < all.size(); ++k) {
+      if (all[k].feasible && (best < 0 || better(all[k], all[static_cast<size_t>(best)]))) best = static_cast<int>(k);
+    }
+    return static_cast<size_t>(best);
+  }
+
+  static bool better(const Candidate& a, const Candidate& b) {
+    double sa = a.sim.prediction.stepUs, sb = b.sim.prediction.stepUs;
+    // Differences below a nanosecond per step are noise of summation order.
+    if (sa < sb - 1e-3) return true;
+    if (sa > sb + 1e-3) return false;
+    return a.sim.prediction.peakMemoryBytes < b.sim.prediction.peakMemoryBytes;
+  }
+
+ private:
+  void progress(const std::string& what) {
+    if (progress_) progress_(what);
+  }
+
+  const Workload& w_;
+  const CostModel& cost_;
+  Context c_;
+  const ProgressFn& progress_;
+  int simulated_ = 0;
+};
+
+schemas::Prediction rounded(const schemas::Prediction& p) {
+  // Three decimals of a microsecond: enough for any decision, and stable text.
+  auto r = [](double v) { return std::round(v * 1000.0) / 1000.0; };
+  return schemas::Prediction{r(p.stepUs), r(p.exposedCommUs), p.peakMemoryBytes};
+}
+
+std::string predictionLine(const schemas::Prediction& p) {
+  return "step " + us(p.stepUs) + ", exposed comm " + us(p.exposedCommUs) + ", peak " +
+         formatBytes(p.peakMemoryBytes);
+}
+
+class Explainer {
+ public:
+  Explainer(const Workload& w, const Context& c, std::vector<std::string>& out) : w_(w), c_(c), out_(out) {}
+
+  void line(std::string s) { out_.push_back(std::move(s)); }
+
+  void buckets(const Candidate& k) {
+    line("buckets: " + k.bucketLabel);
+    for (size_t g = 0; g < w_.graphs.size(); ++g) {
+      const auto& set = k.buckets[g];
+      if (set.empty()) continue;
+      auto timing = bucketTimings(c_, static_cast<int32_t>(g), set);
+      const WorkGraph& wg = w_.graphs[g];
+      line("  graph " + std::to_string(wg.id) + " (" + schemas::graphKindName(wg.kind) + "): " +
+           std::to_string(set.size()) + " buckets, last reduction ends " +
+           us(timing.back().endUs - timing.back().readyUs) + " after the last gradient is ready");
+      for (size_t b = 0; b < set.size(); ++b) {
+        line("    bucket " + std::to_string(b) + ": " + std::to_string(set[b].dsIds.size()) + " grads (ids " +
+             idRange(set[b].dsIds) + "), " + formatBytes(set[b].bytes) + ", ready at " + us(timing[b].readyUs) +
+             ", reduced " + formatFixed(timing[b].startUs, 1) + "-" + formatFixed(timing[b].endUs, 1) + " us");
+      }
+    }
+  }
+
+  void persistence(const Candidate& k, const std::vector<int32_t>& counts) {
+    size_t n = 0;
+    for (char p : k.persist.persistent) n += p ? 1 : 0;
+    line("persistent: " + std::to_string(n) + " params, " + formatBytes(k.persist.bytes) + ": " + k.persistLabel);
+    if (w_.stage < 3) return;
+    for (size_t p = 0; p < w_.params.size(); ++p) {
+      if (!k.persist.persistent[p]) continue;
+      double gather = c_.cost.us(Collective::AllGather, w_.params[p].gatherBytes);
+      line("  id " + std::to_string(w_.params[p].id) + " " + w_.params[p].name + ": " +
+           formatBytes(w_.params[p].gatherBytes) + ", " + std::to_string(counts[p]) +
+           " gathers per step -> 1, saves " + us((counts[p] - 1) * gather));
+    }
+  }
+
+  void prefetch(const Candidate& k, const std::vector<std::vector<GatherUse>>& uses) {
+    line("prefetch: " + k.prefetchLabel);
+    for (size_t g = 0; g < w_.graphs.size(); ++g) {
+      const WorkGraph& wg = w_.graphs[g];
+      const auto& groups = k.prefetch.groups[g];
+      if (uses[g].empty()) continue;
+      size_t early = 0;
+      for (const IssueDecision& d : k.prefetch.decisions) {
+        if (d.graph == static_cast<int32_t>(g) && d.group >= 0) ++early;
+      }
+      line("  graph " + std::to_string(wg.id) + " (" + schemas::graphKindName(wg.kind) + "): " +
+           std::to_string(uses[g].size()) + " gathers, " + std::to_string(groups.size()) + " prefetch groups holding " +
+           std::to_string(early));
+      for (const IssueDecision& d : k.prefetch.decisions) {
+        if (d.graph != static_cast<int32_t>(g)) continue;
+        const GatherUse& u = uses[g][static_cast<size_t>(d.use)];
+        const WorkParam& p = w_.params[static_cast<size_t>(u.param)];
+        std::string where = d.group >= 0 ? "group @" + std::to_string(groups[static_cast<size_t>(d.group)].position)
+                                         : "on use";
+        line("    id " + std::to_string(p.id) + " " + p.name + ": used at " +
+             std::to_string(wg.ops[static_cast<size_t>(u.waitOp)].seq) + ", " + where + ", " +
+             std::to_string(u.gatherOp - d.issueOp) + " ops / " + us(d.leadUs) + " ahead: " +
+             issueReasonText(d.reason));
+      }
+    }
+  }
+
+ private:
+  static std::string idRange(const std::vector<int64_t>& ids) {
+    if (ids.size() == 1) return std::to_string(ids[0]);
+    return std::to_string(ids.front()) + ".." + std::to_string(ids.back());
+  }
+
+  const Workload& w_;
+  const Context& c_;
+  std::vector<std::string>& out_;
+};
+
+}  // namespace
+
+Schedule defaultSchedule(const Workload& w) {
+  // Costs do not enter the default schedule; a 1-rank model suffices.
+  schemas::Calibration none;
+  CostModel cost(none, 1, {1, std::nullopt});
+  Context c = makeContext(w, cost, std::numeric_limits<uint64_t>::max());
+  return assemble(c, stagePersistent(w), greedyBuckets(c, kDefaultBucketBytes), {});
+}
+
+PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const ProgressFn& progress) {
+  if (req.worldSize < 0) throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
+  Workload w = makeWorkload(trace, req.worldSize);
+  CostModel cost(trace.calibration, w.traceWorldSize, CostModelOptions{w.worldSize, req.bandwidthGBps});
+  uint64_t limit = req.memoryBudgetBytes ? *req.memoryBudgetBytes
+                   : w.capacityBytes > 0 ? w.capacityBytes
+                                         : std::numeric_limits<uint64_t>::max();
+  Search search(w, cost, limit, progress);
+  const Context& c = search.context();
+  PlanResult result;
+
+  Candidate def = search.defaultCandidate();
+  Candidate chosen;
+  std::vector<Candidate> all;
+  size_t best = 0;
+  switch (req.strategy) {
+    case Strategy::Default: chosen = def; break;
+    case Strategy::Heuristic: chosen = search.heuristicCandidate(def.sim.prediction.peakMemoryBytes); break;
+    case Strategy::Optimized: {
+      Candidate heur = search.heuristicCandidate(def.sim.prediction.peakMemoryBytes);
+      best = search.optimizedCandidates(all, def, heur);
+      chosen = all[best];
+      break;
+    }
+  }
+  if (!chosen.feasible) {
+    result.warnings.push_back("the " + std::string(strategyName(req.strategy)) + " schedule is predicted to peak at " +
+                              formatBytes(chosen.sim.prediction.peakMemoryBytes) + ", over the memory limit of " +
+                              formatBytes(limit));
+  }
+
+  schemas::Plan& plan = result.plan;
+  plan.createdBy = "dcplan " DCPLAN_VERSION;
+  plan.source.trace = req.traceName;
+  plan.source.traceDigest = schemas::traceDigest(trace);
+  plan.source.paramSignature = schemas::paramSignature(trace.params, w.worldSize);
+  plan.source.worldSize = w.worldSize;
+  plan.source.stage = w.stage;
+  plan.options.strategy = strategyName(req.strategy);
+  plan.options.memoryBudgetBytes = req.memoryBudgetBytes;
+  plan.options.bandwidthGBps = req.bandwidthGBps;
+  plan.options.gradAccumSteps = w.gradAccumSteps;
+  plan.persistent = chosen.schedule.persistent;
+  plan.graphs = chosen.schedule.graphs;
+  plan.predicted = rounded(chosen.sim.prediction);
+  plan.predictedDefault = rounded(def.sim.prediction);
+
+  if (req.explain) {
+    std::vector<std::string>& out = result.explanation;
+    Explainer ex(w, c, out);
+    size_t runs = w.runs.size();
+    ex.line("trace: " + req.traceName + ": " + std::to_string(w.params.size()) + " params, " +
+            std::to_string(w.graphs.size()) + " graphs, " + std::to_string(runs) + " graph runs per step, step " +
+            std::to_string(w.traceStep));
+    ex.line("cluster: " + std::to_string(w.worldSize) + " ranks (traced on " + std::to_string(w.traceWorldSize) +
+            "), stage " + std::to_string(w.stage) + ", grad accum " + std::to_string(w.gradAccumSteps) +
+            (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)" : ""));
+    uint64_t act = 0;
+    for (const GraphRun& r : w.runs) {
+      for (uint64_t a : r.activationBytes) act = std::max(act, a);
+    }
+    std::string limitWhy = req.memoryBudgetBytes ? "--memory-budget"
+                           : w.capacityBytes > 0 ? "device capacity"
+                                                 : "unlimited";
+    ex.line("memory limit: " + (limit == std::numeric_limits<uint64_t>::max() ? std::string("none") : formatBytes(limit)) +
+            " (" + limitWhy + "); baseline " + formatBytes(w.baselineBytes) + ", activations up to " + formatBytes(act));
+    ex.line("cost model:");
+    for (const std::string& s : cost.describe()) ex.line("  " + s);
+    ex.line("default schedule: " + predictionLine(def.sim.prediction));
+    if (req.strategy == Strategy::Optimized) {
+      ex.line("strategy optimized: " + std::to_string(all.size()) + " candidate schedules simulated");
+      for (size_t i = 0; i < all.size(); ++i) {
+        const Candidate& k = all[i];
+        ex.line(std::string(i == best ? "  * " : "    ") + k.label + ": " + predictionLine(k.sim.prediction) + (k.feasible ? "" : " (over the limit)"));
+      }
+      ex.line("chosen: " + chosen.label + " (fastest within the limit; ties go to less memory)");
+    } else {
+      ex.line("strategy " + std::string(strategyName(req.strategy)) + ": " + predictionLine(chosen.sim.prediction));
+    }
+    ex.buckets(chosen);
+    ex.persistence(chosen, gathersPerStep(w));
+    ex.prefetch(chosen, gatherUses(c, chosen.persist.persistent));
+    ex.line("predicted: " + predictionLine(plan.predicted));
+    ex.line("  against default: step " + formatChange(plan.predictedDefault.stepUs, plan.predicted.stepUs) +
+            ", exposed comm " + formatChange(plan.predictedDefault.exposedCommUs, plan.predicted.exposedCommUs) +
+            ", peak memory " +
+            formatChange(static_cast<double>(plan.predictedDefault.peakMemoryBytes),
+                         static_cast<double>(plan.predicted.peakMemoryBytes)));
+  }
+  return result;
+}
+
+}  // namespace dcplan::planner

@@ -1,0 +1,340 @@
+// Step simulation: compute, all-gather, reduce and copy streams plus the memory curve.
+#include "dcplan/planner/simulator.h"
+
+#include <algorithm>
+#include <deque>
+#include <stdexcept>
+#include <string>
+
+namespace dcplan::planner {
+
+const char* streamName(Stream s) {
+  switch (s) {
+    case Stream::Compute: return "compute";
+    case Stream::AllGather: return "allgather";
+    case Stream::Reduce: return "reduce";
+    case Stream::Copy: return "copy";
+  }
+  return "?";
+}
+
+CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
+  CompiledSchedule c;
+  c.persistent.assign(w.params.size(), 0);
+  for (size_t k = 0; k < s.persistent.size(); ++k) {
+    int32_t p = w.paramIndex(s.persistent[k]);
+    if (p < 0) {
+      throw std::invalid_argument("/persistent/" + std::to_string(k) + ": ds_id " +
+                                  std::to_string(s.persistent[k]) + " is not a parameter of the trace");
+    }
+    if (!c.persistent[static_cast<size_t>(p)]) c.persistentBytes += w.params[static_cast<size_t>(p)].gatherBytes;
+    c.persistent[static_cast<size_t>(p)] = 1;
+  }
+  c.graphs.resize(w.graphs.size());
+  std::vector<char> planned(w.graphs.size(), 0);
+  for (size_t gi = 0; gi < s.graphs.size(); ++gi) {
+    const schemas::PlanGraph& pg = s.graphs[gi];
+    std::string ptr = "/graphs/" + std::to_string(gi);
+    int32_t g = w.graphIndex(pg.id);
+    if (g < 0) throw std::invalid_argument(ptr + "/id: graph " + std::to_string(pg.id) + " is not in the trace");
+    if (planned[static_cast<size_t>(g)]) {
+      throw std::invalid_argument(ptr + "/id: graph " + std::to_string(pg.id) + " is planned twice");
+    }
+    planned[static_cast<size_t>(g)] = 1;
+    const WorkGraph& wg = w.graphs[static_cast<size_t>(g)];
+    if (pg.kind != wg.kind) {
+      throw std::invalid_argument(ptr + "/kind: graph " + std::to_string(pg.id) + " is " +
+                                  schemas::graphKindName(wg.kind) + " in the trace");
+    }
+    CompiledSchedule::Graph& cg = c.graphs[static_cast<size_t>(g)];
+    size_t n = wg.ops.size();
+    // Groups sorted by op index, keeping the plan's order within a position.
+    std::vector<std::pair<int32_t, size_t>> byOp;
+    for (size_t k = 0; k < pg.prefetch.size(); ++k) {
+      const schemas::PrefetchGroup& grp = pg.prefetch[k];
+      auto it = std::lower_bound(wg.ops.begin(), wg.ops.end(), grp.position,
+                                 [](const WorkOp& op, int64_t pos) { return op.seq < pos; });
+      if (it == wg.ops.end() || it->seq != grp.position) {
+        throw std::invalid_argument(ptr + "/prefetch/" + std::to_string(k) + "/position: " +
+                                    std::to_string(grp.position) + " is not a position of graph " +
+                                    std::to_string(pg.id) + " (" + std::to_string(n) + " ops)");
+      }
+      byOp.emplace_back(static_cast<int32_t>(it - wg.ops.begin()), k);
+    }
+    std::stable_sort(byOp.begin(), byOp.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    cg.groupBegin.assign(n + 1, 0);
+    for (const auto& [op, k] : byOp) {
+      const schemas::PrefetchGroup& grp = pg.prefetch[k];
+      std::vector<int32_t> members;
+      for (size_t m = 0; m < grp.dsIds.size(); ++m) {
+        int32_t p = w.paramIndex(grp.dsIds[m]);
+        if (p < 0) {
+          throw std::invalid_argument(ptr + "/prefetch/" + std::to_string(k) + "/ds_ids/" + std::to_string(m) +
+                                      ": ds_id " + std::to_string(grp.dsIds[m]) + " is not a parameter of the trace");
+        }
+        members.push_back(p);
+      }
+      cg.groups.push_back(std::move(members));
+      cg.groupBegin[static_cast<size_t>(op) + 1]++;
+    }
+    for (size_t i = 0; i < n; ++i) cg.groupBegin[i + 1] += cg.groupBegin[i];
+
+    // Buckets must cover the graph's gradients exactly once each.
+    std::vector<int32_t> bucketOfParam(w.params.size(), -1);
+    for (size_t b = 0; b < pg.buckets.size(); ++b) {
+      const schemas::PlanBucket& bk = pg.buckets[b];
+      uint64_t bytes = 0;
+      for (size_t m = 0; m < bk.dsIds.size(); ++m) {
+        std::string mptr = ptr + "/buckets/" + std::to_string(b) + "/ds_ids/" + std::to_string(m);
+        int32_t p = w.paramIndex(bk.dsIds[m]);
+        if (p < 0) {
+          throw std::invalid_argument(mptr + ": ds_id " + std::to_string(bk.dsIds[m]) +
+                                      " is not a parameter of the trace");
+        }
+        if (bucketOfParam[static_cast<size_t>(p)] >= 0) {
+          throw std::invalid_argument(mptr + ": ds_id " + std::to_string(bk.dsIds[m]) + " is in two buckets");
+        }
+        bucketOfParam[static_cast<size_t>(p)] = static_cast<int32_t>(b);
+        bytes += w.params[static_cast<size_t>(p)].gradBytes;
+      }
+      cg.bucketBytes.push_back(bytes);
+      cg.bucketSize.push_back(0);
+    }
+    cg.bucketOfOp.assign(n, -1);
+    std::vector<char> reduced(w.params.size(), 0);
+    for (size_t i = 0; i < n; ++i) {
+      const WorkOp& op = wg.ops[i];
+      if (op.kind != OpKind::ReduceGrad) continue;
+      int32_t b = bucketOfParam[static_cast<size_t>(op.param)];
+      if (b < 0) {
+        throw std::invalid_argument(ptr + "/buckets: ds_id " + std::to_string(w.params[static_cast<size_t>(op.param)].id) +
+                                    " is reduced in graph " + std::to_string(pg.id) + " but is in no bucket");
+      }
+      cg.bucketOfOp[i] = b;
+      cg.bucketSize[static_cast<size_t>(b)]++;
+      reduced[static_cast<size_t>(op.param)] = 1;
+    }
+    for (size_t b = 0; b < pg.buckets.size(); ++b) {
+      for (size_t m = 0; m < pg.buckets[b].dsIds.size(); ++m) {
+        int32_t p = w.paramIndex(pg.buckets[b].dsIds[m]);
+        if (!reduced[static_cast<size_t>(p)]) {
+          throw std::invalid_argument(ptr + "/buckets/" + std::to_string(b) + "/ds_ids/" + std::to_string(m) +
+                                      ": ds_id " + std::to_string(pg.buckets[b].dsIds[m]) +
+                                      " has no reduce_grad in graph " + std::to_string(pg.id));
+        }
+      }
+    }
+  }
+  for (size_t g = 0; g < w.graphs.size(); ++g) {
+    CompiledSchedule::Graph& cg = c.graphs[g];
+    if (planned[g]) continue;
+    for (const WorkOp& op : w.graphs[g].ops) {
+      if (op.kind == OpKind::ReduceGrad) {
+        throw std::invalid_argument("/graphs: graph " + std::to_string(w.graphs[g].id) +
+                                    " of the trace reduces gradients but the plan has no buckets for it");
+      }
+    }
+    cg.groupBegin.assign(w.graphs[g].ops.size() + 1, 0);
+    cg.bucketOfOp.assign(w.graphs[g].ops.size(), -1);
+  }
+  return c;
+}
+
+namespace {
+
+class Simulation {
+ public:
+  Simulation(const Workload& w, const CostModel& cost, const CompiledSchedule& s, const SimOptions& o)
+      : w_(w), cost_(cost), s_(s), record_(o.record) {
+    allocated_.assign(w.params.size(), 0);
+    readyAt_.assign(w.params.size(), 0.0);
+    lastMicroStep_.assign(w.graphs.size(), 0);
+    for (const GraphRun& r : w.runs) {
+      lastMicroStep_[static_cast<size_t>(r.graph)] = std::max(lastMicroStep_[static_cast<size_t>(r.graph)], r.microStep);
+    }
+  }
+
+  SimResult run() {
+    for (size_t r = 0; r < w_.runs.size(); ++r) runGraph(static_cast<int32_t>(r));
+    double start = std::max({t_, reduceFree_, copyFree_, gatherFree_});
+    popBuckets(start);
+    sample(start, 0);
+    double stepUs = start + w_.optimizerUs;
+    if (record_ && w_.optimizerUs > 0) {
+      event(Stream::Compute, "optimizer", static_cast<int32_t>(w_.runs.size()) - 1, -1, {}, 0, start, stepUs);
+    }
+    res_.computeUs = w_.computeUs();
+    res_.optimizerUs = w_.optimizerUs;
+    res_.prediction.stepUs = stepUs;
+    res_.prediction.exposedCommUs = std::max(0.0, stepUs - res_.computeUs - res_.optimizerUs);
+    res_.prediction.peakMemoryBytes = peak_;
+    return std::move(res_);
+  }
+
+ private:
+  void runGraph(int32_t r) {
+    const GraphRun& run = w_.runs[static_cast<size_t>(r)];
+    const WorkGraph& g = w_.graphs[static_cast<size_t>(run.graph)];
+    const CompiledSchedule::Graph& cg = s_.graphs[static_cast<size_t>(run.graph)];
+    bool reduces = w_.stage >= 2 || run.microStep == lastMicroStep_[static_cast<size_t>(run.graph)];
+    Collective reduceOp = w_.stage >= 2 ? Collective::ReduceScatter : Collective::AllReduce;
+    arrived_.assign(cg.bucketSize.size(), 0);
+    launched_.assign(cg.bucketSize.size(), 0);
+    for (size_t i = 0; i < g.ops.size(); ++i) {
+      const WorkOp& op = g.ops[i];
+      double c = run.computeUs[i];
+      if (c > 0) {
+        if (record_) event(Stream::Compute, "compute", r, op.seq, {}, 0, t_, t_ + c);
+        t_ += c;
+      }
+      for (int32_t k = cg.groupBegin[i]; k < cg.groupBegin[i + 1]; ++k) {
+        gather(cg.groups[static_cast<size_t>(k)], r, op.seq, true);
+      }
+      switch (op.kind) {
+        case OpKind::AllGather:
+          if (!allocated_[static_cast<size_t>(op.param)]) gather({op.param}, r, op.seq, false);
+          break;
+        case OpKind::Wait: {
+          size_t p = static_cast<size_t>(op.param);
+          if (!allocated_[p]) gather({op.param}, r, op.seq, false);
+          t_ = std::max(t_, readyAt_[p]);
+          break;
+        }
+        case OpKind::Release: {
+          size_t p = static_cast<size_t>(op.param);
+          if (allocated_[p] && !s_.persistent[p]) {
+            allocated_[p] = 0;
+            liveGathered_ -= w_.params[p].gatherBytes;
+          }
+          break;
+        }
+        case OpKind::ReduceGrad: {
+          if (!reduces) break;
+          int32_t b = cg.bucketOfOp[i];
+          if (b < 0) break;
+          size_t bi = static_cast<size_t>(b);
+          if (arrived_[bi]++ == 0) filling_ += cg.bucketBytes[bi];
+          if (arrived_[bi] == cg.bucketSize[bi]) reduce(cg, bi, reduceOp, r, op.seq);
+          break;
+        }
+        case OpKind::EndBackward:
+          if (reduces) flush(cg, reduceOp, r, op.seq);
+          break;
+        case OpKind::CopyStart: {
+          double start = std::max(t_, copyFree_);
+          double dur = run.copyUs[i] > 0 ? run.copyUs[i] : cost_.copyUs(op.copyBytes, op.hostToDevice);
+          copyFree_ = start + dur;
+          if (record_) event(Stream::Copy, "copy", r, op.seq, {}, op.copyBytes, start, copyFree_);
+          break;
+        }
+        case OpKind::CopyWait:
+          t_ = std::max(t_, copyFree_);
+          break;
+        case OpKind::Other:
+          break;
+      }
+      popBuckets(t_);
+      sample(t_, run.activationBytes[i]);
+    }
+    if (reduces) flush(cg, reduceOp, r, g.ops.empty() ? 0 : g.ops.back().seq);
+  }
+
+  void gather(const std::vector<int32_t>& params, int32_t r, int64_t seq, bool prefetch) {
+    uint64_t bytes = 0;
+    members_.clear();
+    for (int32_t p : params) {
+      size_t pi = static_cast<size_t>(p);
+      if (allocated_[pi]) continue;  // resident or already in flight
+      allocated_[pi] = 1;
+      bytes += w_.params[pi].gatherBytes;
+      if (!s_.persistent[pi]) liveGathered_ += w_.params[pi].gatherBytes;
+      members_.push_back(p);
+    }
+    if (members_.empty()) return;
+    double start = std::max(t_, gatherFree_);
+    double dur = cost_.us(Collective::AllGather, bytes);
+    gatherFree_ = start + dur;
+    for (int32_t p : members_) readyAt_[static_cast<size_t>(p)] = gatherFree_;
+    res_.gatherBusyUs += dur;
+    res_.gatherCalls++;
+    if (record_) {
+      std::vector<int64_t> ids;
+      for (int32_t p : members_) ids.push_back(w_.params[static_cast<size_t>(p)].id);
+      event(Stream::AllGather, prefetch ? "prefetch_params_fused" : "allgather_param", r, seq, ids, bytes, start,
+            gatherFree_);
+      res_.gathers.push_back(GatherRecord{r, seq, t_, gatherFree_, members_});
+    }
+  }
+
+  void reduce(const CompiledSchedule::Graph& cg, size_t b, Collective op, int32_t r, int64_t seq) {
+    launched_[b] = 1;
+    uint64_t bytes = cg.bucketBytes[b];
+    double start = std::max(t_, reduceFree_);
+    double dur = cost_.us(op, bytes);
+    reduceFree_ = start + dur;
+    filling_ -= bytes;
+    pending_.emplace_back(reduceFree_, bytes);
+    pendingBytes_ += bytes;
+    res_.reduceBusyUs += dur;
+    res_.reduceCalls++;
+    if (record_) {
+      event(Stream::Reduce, std::string(collectiveName(op)) + " bucket " + std::to_string(b), r, seq, {}, bytes,
+            start, reduceFree_);
+    }
+  }
+
+  void flush(const CompiledSchedule::Graph& cg, Collective op, int32_t r, int64_t seq) {
+    for (size_t b = 0; b < arrived_.size(); ++b) {
+      if (arrived_[b] > 0 && !launched_[b]) reduce(cg, b, op, r, seq);
+    }
+  }
+
+  void popBuckets(double now) {
+    while (!pending_.empty() && pending_.front().first <= now) {
+      pendingBytes_ -= pending_.front().second;
+      pending_.pop_front();
+    }
+  }
+
+  void sample(double now, uint64_t activation) {
+    uint64_t m = w_.baselineBytes + s_.persistentBytes + activation + liveGathered_ + filling_ + pendingBytes_;
+    peak_ = std::max(peak_, m);
+    if (record_) res_.memory.push_back(MemorySample{now, m});
+  }
+
+  void event(Stream s, std::string name, int32_t r, int64_t seq, std::vector<int64_t> ids, uint64_t bytes,
+             double start, double end) {
+    res_.timeline.push_back(TimelineEvent{s, std::move(name), r, seq, std::move(ids), bytes, start, end});
+  }
+
+  const Workload& w_;
+  const CostModel& cost_;
+  const CompiledSchedule& s_;
+  bool record_;
+  SimResult res_;
+  std::vector<char> allocated_;
+  std::vector<double> readyAt_;
+  std::vector<int32_t> lastMicroStep_;
+  std::vector<int32_t> arrived_;
+  std::vector<char> launched_;
+  std::vector<int32_t> members_;
+  std::deque<std::pair<double, uint64_t>> pending_;
+  uint64_t pendingBytes_ = 0;
+  uint64_t filling_ = 0;
+  uint64_t liveGathered_ = 0;
+  uint64_t peak_ = 0;
+  double t_ = 0;
+  double gatherFree_ = 0;
+  double reduceFree_ = 0;
+  double copyFree_ = 0;
+};
+
+}  // namespace
+
+SimResult simulate(const Workload& workload, const CostModel& cost, const CompiledSchedule& schedule,
+                   const SimOptions& options) {
+  return Simulation(workload, cost, schedule, options).run();
+}
+
+}  // namespace dcplan::planner

@@ -1,0 +1,187 @@
+// Turns a trace's last step into typed graph runs with activation memory isolated.
+#include "dcplan/planner/workload.h"
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+#include "dcplan/schemas/dtype.h"
+
+namespace dcplan::planner {
+namespace {
+
+OpKind kindOf(const std::string& op) {
+  if (op == "allgather_param") return OpKind::AllGather;
+  if (op == "wait_allgather") return OpKind::Wait;
+  if (op == "release_param") return OpKind::Release;
+  if (op == "reduce_grad") return OpKind::ReduceGrad;
+  if (op == "end_backward") return OpKind::EndBackward;
+  if (op == "offload_tensor" || op == "reload_tensor" || op == "offload_parameter" ||
+      op == "reload_parameter") {
+    return OpKind::CopyStart;
+  }
+  if (op == "wait_offload" || op == "wait_reload") return OpKind::CopyWait;
+  return OpKind::Other;
+}
+
+bool needsParam(OpKind k) {
+  return k == OpKind::AllGather || k == OpKind::Wait || k == OpKind::Release || k == OpKind::ReduceGrad;
+}
+
+int dtypeBytes(const std::string& dtype, const char* pointer) {
+  auto size = schemas::dtypeSize(dtype);
+  if (!size) {
+    throw std::invalid_argument(std::string(pointer) + ": unknown dtype '" + dtype + "'");
+  }
+  return *size;
+}
+
+}  // namespace
+
+int32_t Workload::paramIndex(int64_t id) const {
+  auto it = std::lower_bound(sortedIds_.begin(), sortedIds_.end(), id);
+  if (it == sortedIds_.end() || *it != id) return -1;
+  return sortedIdx_[static_cast<size_t>(it - sortedIds_.begin())];
+}
+
+int32_t Workload::graphIndex(int64_t id) const {
+  for (size_t i = 0; i < graphs.size(); ++i) {
+    if (graphs[i].id == id) return static_cast<int32_t>(i);
+  }
+  return -1;
+}
+
+double Workload::computeUs() const {
+  double total = 0;
+  for (const GraphRun& r : runs) total = std::accumulate(r.computeUs.begin(), r.computeUs.end(), total);
+  return total;
+}
+
+Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
+  Workload w;
+  w.traceWorldSize = std::max<int64_t>(1, trace.meta.worldSize);
+  w.worldSize = worldSize > 0 ? worldSize : w.traceWorldSize;
+  w.stage = trace.meta.stage;
+  w.gradAccumSteps = std::max<int64_t>(1, trace.meta.gradAccumSteps);
+  w.paramDtype = trace.meta.paramDtype;
+  w.reduceDtype = trace.meta.reduceDtype;
+  w.capacityBytes = trace.memory.capacityBytes;
+  // Shards and optimizer state are what the baseline holds; they shrink with
+  // the number of ranks sharing them.
+  w.baselineBytes = static_cast<uint64_t>(static_cast<double>(trace.memory.baselineBytes) *
+                                          static_cast<double>(w.traceWorldSize) /
+                                          static_cast<double>(w.worldSize));
+  if (trace.steps.empty()) throw std::invalid_argument("/steps: the trace has no step to plan from");
+
+  int gatherSize = dtypeBytes(w.paramDtype, "/meta/param_dtype");
+  int reduceSize = dtypeBytes(w.reduceDtype, "/meta/reduce_dtype");
+  std::unordered_map<int64_t, uint64_t> recordedGatherBytes;
+  for (const schemas::TraceParam& p : trace.params) {
+    WorkParam wp;
+    wp.id = p.id;
+    wp.name = p.name;
+    // Shards are padded to equal length, so a gather moves shard * world elements.
+    uint64_t shard = static_cast<uint64_t>((p.numel + w.worldSize - 1) / w.worldSize);
+    wp.gatherBytes = shard * static_cast<uint64_t>(w.worldSize) * static_cast<uint64_t>(gatherSize);
+    wp.gradBytes = shard * static_cast<uint64_t>(w.worldSize) * static_cast<uint64_t>(reduceSize);
+    wp.requiresGrad = p.requiresGrad;
+    w.params.push_back(std::move(wp));
+    recordedGatherBytes[p.id] = static_cast<uint64_t>(p.shardNumel) *
+                                static_cast<uint64_t>(w.traceWorldSize) *
+                                static_cast<uint64_t>(gatherSize);
+  }
+  std::vector<size_t> order(w.params.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return w.params[a].id < w.params[b].id; });
+  for (size_t i : order) {
+    w.sortedIds_.push_back(w.params[i].id);
+    w.sortedIdx_.push_back(static_cast<int32_t>(i));
+  }
+
+  size_t stepIndex = trace.steps.size() - 1;
+  const schemas::TraceStep& step = trace.steps[stepIndex];
+  w.traceStep = step.index;
+  w.optimizerUs = step.optimizerUs;
+  std::string stepPtr = "/steps/" + std::to_string(stepIndex);
+  std::unordered_map<int64_t, int32_t> runsOfGraph;
+  // What the recorded gather-on-use run had gathered, to take out of its memory.
+  std::unordered_map<int64_t, uint64_t> gathered;
+  uint64_t gatheredBytes = 0;
+  for (size_t gi = 0; gi < step.graphs.size(); ++gi) {
+    const schemas::TraceGraph& tg = step.graphs[gi];
+    std::string graphPtr = stepPtr + "/graphs/" + std::to_string(gi);
+    int32_t g = w.graphIndex(tg.id);
+    bool first = g < 0;
+    if (first) {
+      g = static_cast<int32_t>(w.graphs.size());
+      w.graphs.push_back(WorkGraph{tg.id, tg.kind, {}});
+    } else if (w.graphs[static_cast<size_t>(g)].kind != tg.kind ||
+               w.graphs[static_cast<size_t>(g)].ops.size() != tg.events.size()) {
+      throw std::invalid_argument(graphPtr + ": graph " + std::to_string(tg.id) +
+                                  " differs from its first run in this step (" +
+                                  std::to_string(tg.events.size()) + " ops against " +
+                                  std::to_string(w.graphs[static_cast<size_t>(g)].ops.size()) +
+                                  "); a plan needs every run of a graph to issue the same ops");
+    }
+    WorkGraph& graph = w.graphs[static_cast<size_t>(g)];
+    GraphRun run;
+    run.graph = g;
+    run.microStep = runsOfGraph[tg.id]++;
+    run.computeUs.reserve(tg.events.size());
+    run.activationBytes.reserve(tg.events.size());
+    run.copyUs.assign(tg.events.size(), 0.0);
+    for (size_t ei = 0; ei < tg.events.size(); ++ei) {
+      const schemas::OpEvent& e = tg.events[ei];
+      std::string evPtr = graphPtr + "/events/" + std::to_string(ei);
+      WorkOp op;
+      op.kind = kindOf(e.op);
+      op.seq = e.seq;
+      if (needsParam(op.kind)) {
+        if (e.dsIds.empty()) throw std::invalid_argument(evPtr + "/ds_ids: " + e.op + " needs a ds_id");
+        op.param = w.paramIndex(e.dsIds[0]);
+        if (op.param < 0) {
+          throw std::invalid_argument(evPtr + "/ds_ids/0: unknown ds_id " + std::to_string(e.dsIds[0]));
+        }
+      }
+      if (op.kind == OpKind::CopyStart) {
+        op.copyBytes = e.bytes;
+        op.hostToDevice = e.op.rfind("reload", 0) == 0;
+        run.copyUs[ei] = std::max(0.0, e.endUs - e.startUs);
+      }
+      if (first) {
+        graph.ops.push_back(op);
+      } else {
+        const WorkOp& had = graph.ops[ei];
+        if (had.kind != op.kind || had.param != op.param) {
+          throw std::invalid_argument(evPtr + ": op '" + e.op + "' differs from the first run of graph " +
+                                      std::to_string(tg.id) + " at seq " + std::to_string(e.seq) +
+                                      "; a plan needs every run of a graph to issue the same ops");
+        }
+      }
+      run.computeUs.push_back(std::max(0.0, e.computeUs));
+      uint64_t other = trace.memory.baselineBytes + gatheredBytes;
+      run.activationBytes.push_back(e.memoryBytes > other ? e.memoryBytes - other : 0);
+      // Update what the recorded run held after this op.
+      if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
+        for (int64_t id : e.dsIds) {
+          if (gathered.count(id)) continue;
+          uint64_t b = e.op == "allgather_param" && e.bytes > 0 ? e.bytes : recordedGatherBytes[id];
+          gathered[id] = b;
+          gatheredBytes += b;
+        }
+      } else if (e.op == "release_param" && !e.dsIds.empty()) {
+        auto it = gathered.find(e.dsIds[0]);
+        if (it != gathered.end()) {
+          gatheredBytes -= it->second;
+          gathered.erase(it);
+        }
+      }
+    }
+    w.runs.push_back(std::move(run));
+  }
+  return w;
+}
+
+}  // namespace dcplan::planner
