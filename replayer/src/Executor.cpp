@@ -713,25 +713,22 @@ at::Tensor offloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id) 
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("offload_tensor");
   ObserverScope scope(rt, OpEvent{"offload_tensor", graphId, id, tensorBytes(tensor), tensor.scalar_type()});
+  // A device tensor goes to pinned host memory; reload_tensor brings it back
+  // to the device it came from, remembered here.
   const bool onHost = tensor.device().is_cpu();
   at::Tensor host = at::empty_like(tensor, tensor.options().device(at::kCPU).pinned_memory(!onHost));
   host.copy_(tensor);
-  rt.stash_[{graphId, id}] = host;
-  return host.clone();
+  rt.offloadedFrom_.insert_or_assign(std::make_pair(graphId, id), tensor.device());
+  return host;
 }
 
 at::Tensor reloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("reload_tensor");
   ObserverScope scope(rt, OpEvent{"reload_tensor", graphId, id, tensorBytes(tensor), tensor.scalar_type()});
-  auto it = rt.stash_.find({graphId, id});
-  TORCH_CHECK(it != rt.stash_.end(), "reload_tensor: nothing was offloaded under graph_id ", graphId, ", id ", id,
-              "; call offload_tensor first");
-  TORCH_CHECK(it->second.sizes() == tensor.sizes(), "reload_tensor: graph_id ", graphId, ", id ", id,
-              ": tensor should have the offloaded shape ", it->second.sizes(), ", got ", tensor.sizes());
-  at::Tensor back = it->second.to(tensor.device(), /*non_blocking=*/false, /*copy=*/true);
-  rt.stash_.erase(it);
-  return back;
+  auto it = rt.offloadedFrom_.find({graphId, id});
+  const c10::Device device = it != rt.offloadedFrom_.end() ? it->second : tensor.device();
+  return tensor.to(device, /*non_blocking=*/false, /*copy=*/true);
 }
 
 at::Tensor waitOffload(const at::Tensor& tensor, int64_t graphId, int64_t id) {

@@ -241,7 +241,7 @@ struct RuntimeState {
   std::shared_ptr<OpObserver> observer_;
   std::unique_ptr<SchedulePolicy> schedule_;
   bool profiling_ = false;
-  std::map<std::pair<int64_t, int64_t>, at::Tensor> stash_;  // offload_tensor / reload_tensor
+  std::map<std::pair<int64_t, int64_t>, c10::Device> offloadedFrom_;  // offload_tensor -> reload_tensor
 };
 
 }  // namespace dcplan::replayer

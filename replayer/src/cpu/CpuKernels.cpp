@@ -18,12 +18,13 @@ void prefetch_params_fused_cpu(int64_t graphId, const std::vector<at::Tensor>& p
   prefetchParamsFused(graphId, params, ids, dtypes);
 }
 
+// The Tensor(a) ops return an alias (a new view), never the input itself.
 at::Tensor wait_allgather_cpu(const at::Tensor& a, int64_t graphId, int64_t id) {
-  return waitAllgather(a, graphId, id);
+  return waitAllgather(a, graphId, id).alias();
 }
 
 at::Tensor release_param_cpu(const at::Tensor& a, int64_t graphId, int64_t id, int64_t nUsers) {
-  return releaseParam(a, graphId, id, nUsers);
+  return releaseParam(a, graphId, id, nUsers).alias();
 }
 
 at::Tensor reduce_grad_cpu(const at::Tensor& a, int64_t graphId, int64_t id) {

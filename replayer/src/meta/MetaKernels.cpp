@@ -15,9 +15,9 @@ at::Tensor allgather_param_meta(const at::Tensor& a, int64_t graphId, int64_t id
 void prefetch_params_fused_meta(int64_t, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
                                 const std::optional<std::vector<at::ScalarType>>&) {}
 
-at::Tensor wait_allgather_meta(const at::Tensor& a, int64_t, int64_t) { return a; }
+at::Tensor wait_allgather_meta(const at::Tensor& a, int64_t, int64_t) { return a.alias(); }
 
-at::Tensor release_param_meta(const at::Tensor& a, int64_t, int64_t, int64_t) { return a; }
+at::Tensor release_param_meta(const at::Tensor& a, int64_t, int64_t, int64_t) { return a.alias(); }
 
 at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t, int64_t) { return at::empty({0}, a.options()); }
 

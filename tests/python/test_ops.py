@@ -1,0 +1,305 @@
+"""The dc op set on one Gloo rank: opcheck, Meta shapes, CPU semantics, error messages."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ops = torch.ops.dc if hasattr(torch.ops, "dc") else None
+
+
+@pytest.fixture(scope="module")
+def group(dcplan_module):
+    with tempfile.TemporaryDirectory() as tmp:
+        created = not dist.is_initialized()
+        if created:
+            dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        yield dist.group.WORLD
+        dcplan_module._C.cleanup()
+        if created:
+            dist.destroy_process_group()
+
+
+@pytest.fixture
+def C(dcplan_module, group):
+    """A fresh runtime with parameters 0 (shape [2, 3], trainable), 1 ([5], frozen) and graph 0 (ZeRO-3)."""
+    C = dcplan_module._C
+    C.cleanup()
+    C.init(group.group_name, reduce_bucket_bytes=64, free_activation_threshold_bytes=1024)
+    C.shard0 = torch.arange(6.0)
+    C.grad0 = torch.zeros(6)
+    C.shard1 = torch.arange(5.0) + 10
+    C.register_param(0, [2, 3], C.shard0, C.grad0, False)
+    C.register_param(1, [5], C.shard1, None, False)
+    C.register_graph_z3(0, [0, 1])
+    yield C
+    C.cleanup()
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args)
+
+
+# ------------------------------------------------------------------ opcheck
+
+
+def test_opcheck_gather_ops(C):
+    _opcheck(ops.allgather_param.default, (C.shard0, 0, 0, None))
+    _opcheck(ops.allgather_param.default, (C.shard0, 0, 0, torch.bfloat16))
+    _opcheck(ops.prefetch_params_fused.default, (0, [C.shard0, C.shard1], [0, 1], None))
+    g = ops.allgather_param(C.shard0, 0, 0)
+    _opcheck(ops.wait_allgather.default, (g, 0, 0))
+    _opcheck(ops.release_param.default, (torch.empty(0), 0, 0, 1))
+
+
+def test_opcheck_reduce_and_lifecycle_ops(C):
+    C.start_backward(True, True)
+    _opcheck(ops.reduce_grad.default, (torch.ones(2, 3), 0, 0))
+    _opcheck(ops.end_backward.default, (0,))
+    _opcheck(ops.free_tensors.default, ([torch.ones(3), torch.ones(2, 2)],))
+
+
+def test_opcheck_offload_ops(C):
+    t = torch.randn(3, 4)
+    for op in (ops.offload_tensor, ops.reload_tensor, ops.wait_offload, ops.wait_reload):
+        _opcheck(op.default, (t, 0, 7))
+    _opcheck(ops.offload_parameter.default, (torch.empty(0), 0, 0))
+    _opcheck(ops.reload_parameter.default, (torch.empty(0), 0, 0))
+
+
+def test_opcheck_inference_all_reduce(C):
+    _opcheck(ops.inference_all_reduce.default, (torch.randn(4, 3),))
+    _opcheck(ops.inference_all_reduce_.default, (torch.randn(4, 3),))
+    _opcheck(ops.inference_all_reduce.default, (torch.randn(3, 4).t(),))
+
+
+# ------------------------------------------------------------------ Meta
+
+
+def test_meta_shapes(C):
+    m = torch.empty(6, device="meta")
+    g = ops.allgather_param(m, 0, 0, torch.bfloat16)
+    assert g.device.type == "meta" and g.shape == (2, 3) and g.dtype == torch.bfloat16
+    assert ops.allgather_param(m, 0, 0).dtype == torch.float32
+    assert ops.wait_allgather(g, 0, 0) is g or ops.wait_allgather(g, 0, 0).shape == g.shape
+    assert ops.release_param(g, 0, 0, 1).shape == (2, 3)
+    assert ops.reduce_grad(torch.empty(2, 3, device="meta"), 0, 0).shape == (0,)
+    x = torch.empty(4, 5, device="meta", dtype=torch.float16)
+    for op in (ops.offload_tensor, ops.reload_tensor, ops.wait_offload, ops.wait_reload):
+        y = op(x, 0, 1)
+        assert y.shape == x.shape and y.dtype == x.dtype and y.device.type == "meta"
+    y = ops.inference_all_reduce(x)
+    assert y.shape == x.shape and y.dtype == torch.float16
+    assert ops.inference_all_reduce_(x) is x
+    ops.prefetch_params_fused(0, [m], [0], None)
+    assert C.gathered_param_ids() == []  # Meta does no communication
+
+
+def test_inference_all_reduce_functionalizes(C):
+    def f(x):
+        y = x * 2
+        ops.inference_all_reduce_(y)
+        return y + 1
+
+    x = torch.randn(3)
+    gm = torch.func.functionalize(f)
+    torch.testing.assert_close(gm(x), f(x))
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(torch.func.functionalize(f))(x)
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert ops.inference_all_reduce.default in targets
+    assert ops.inference_all_reduce_.default not in targets
+
+
+# ------------------------------------------------------------------ CPU semantics
+
+
+def test_gather_returns_full_param_and_release_frees(C):
+    g = ops.wait_allgather(ops.allgather_param(C.shard0, 0, 0), 0, 0)
+    torch.testing.assert_close(g, torch.arange(6.0).view(2, 3))
+    assert C.gathered_param_ids() == [0]
+    again = ops.allgather_param(C.shard0, 0, 0)
+    assert again.data_ptr() == g.data_ptr()  # held copy reused, no second gather
+    ops.release_param(torch.empty(0), 0, 0, 1)
+    assert C.gathered_param_ids() == []
+
+
+def test_persistent_and_profiling(C):
+    C.set_persistent(0, True)
+    ops.wait_allgather(ops.allgather_param(C.shard0, 0, 0), 0, 0)
+    ops.release_param(torch.empty(0), 0, 0, 1)
+    assert C.gathered_param_ids() == [0]
+    C.invalidate_gathered_param(0)
+    assert C.gathered_param_ids() == []
+    C.enable_profiling(True)
+    assert C.is_profiling()
+    ops.wait_allgather(ops.allgather_param(C.shard0, 0, 0), 0, 0)
+    ops.release_param(torch.empty(0), 0, 0, 1)
+    assert C.gathered_param_ids() == []  # profiling ignores persistence
+    C.enable_profiling(False)
+    assert not C.is_profiling()
+
+
+def test_stale_copy_after_shard_update(C):
+    C.set_persistent(0, True)
+    g = ops.wait_allgather(ops.allgather_param(C.shard0, 0, 0), 0, 0)
+    C.shard0.add_(1.0)
+    C.invalidate_gathered_param(0)
+    g2 = ops.wait_allgather(ops.allgather_param(C.shard0, 0, 0), 0, 0)
+    torch.testing.assert_close(g2, torch.arange(6.0).view(2, 3) + 1)
+    torch.testing.assert_close(g, torch.arange(6.0).view(2, 3))
+
+
+def test_reduce_grad_copies_then_accumulates(C):
+    C.start_backward(True, True)
+    ops.reduce_grad(torch.full((2, 3), 2.0), 0, 0)
+    ops.reduce_grad(torch.full((2, 3), 3.0), 0, 0)  # a second use (tied weights) adds
+    ops.end_backward(0)
+    torch.testing.assert_close(C.grad0, torch.full((6,), 5.0))
+    C.start_backward(False, True)  # gradients kept: accumulate
+    ops.reduce_grad(torch.ones(2, 3), 0, 0)
+    ops.end_backward(0)
+    torch.testing.assert_close(C.grad0, torch.full((6,), 6.0))
+    C.start_backward(True, True)  # optimizer consumed them: overwrite
+    ops.reduce_grad(torch.ones(2, 3), 0, 0)
+    ops.end_backward(0)
+    torch.testing.assert_close(C.grad0, torch.ones(6))
+
+
+def test_free_tensors_frees_only_large(C):
+    big, small = torch.ones(1024), torch.ones(4)
+    ops.free_tensors([big, small])
+    assert big.untyped_storage().nbytes() == 0
+    assert small.untyped_storage().nbytes() == 16 and small.sum().item() == 4
+
+
+def test_offload_and_reload(C):
+    t = torch.randn(3, 4)
+    host = ops.wait_offload(ops.offload_tensor(t, 0, 3), 0, 3)
+    back = ops.wait_reload(ops.reload_tensor(host, 0, 3), 0, 3)
+    torch.testing.assert_close(back, t)
+    assert back.data_ptr() != t.data_ptr()
+    ops.offload_parameter(torch.empty(0), 0, 0)
+    assert C.shard0.untyped_storage().nbytes() == 0
+    ops.reload_parameter(torch.empty(0), 0, 0)
+    torch.testing.assert_close(C.shard0, torch.arange(6.0))
+    ops.offload_parameter(torch.empty(0), 0, 0)  # a gather reloads on its own
+    g = ops.wait_allgather(ops.allgather_param(C.shard0, 0, 0), 0, 0)
+    torch.testing.assert_close(g, torch.arange(6.0).view(2, 3))
+
+
+def test_reset_drops_graphs(C):
+    C.reset()
+    with pytest.raises(RuntimeError, match="allgather_param: graph_id 0 is not registered"):
+        ops.allgather_param(C.shard0, 0, 0)
+    C.register_graph_z2(0, [0])  # params stay registered
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_errors_before_init(dcplan_module, group):
+    dcplan_module._C.cleanup()
+    with pytest.raises(RuntimeError, match="allgather_param: the dc runtime is not initialized"):
+        ops.allgather_param(torch.zeros(3), 0, 0)
+    with pytest.raises(RuntimeError, match="end_backward: the dc runtime is not initialized"):
+        ops.end_backward(0)
+    with pytest.raises(RuntimeError, match="register_param: the dc runtime is not initialized"):
+        dcplan_module._C.register_param(0, [3], torch.zeros(3), None)
+
+
+def test_errors_with_ids_and_expectations(C, group):
+    with pytest.raises(RuntimeError, match="allgather_param: ds_id 9 is not registered"):
+        ops.allgather_param(C.shard0, 0, 9)
+    with pytest.raises(RuntimeError, match="reduce_grad: graph_id 4 is not registered"):
+        ops.reduce_grad(torch.ones(2, 3), 4, 0)
+    with pytest.raises(RuntimeError, match="register_param: ds_id 0 is already registered"):
+        C.register_param(0, [2, 3], torch.zeros(6), None)
+    with pytest.raises(RuntimeError, match="register_graph: graph_id 0 is already registered"):
+        C.register_graph_z1(0, [0])
+    with pytest.raises(RuntimeError, match="register_graph: ds_id 7 is not registered"):
+        C.register_graph_z1(5, [7])
+    with pytest.raises(RuntimeError, match=r"register_param: ds_id 3: ds_tensor should have ceil\(numel/world_size\) = 6"):
+        C.register_param(3, [2, 3], torch.zeros(5), None)
+    with pytest.raises(RuntimeError, match="register_param: ds_id 3: grad_buffer should be a contiguous 1-D tensor of 6"):
+        C.register_param(3, [2, 3], torch.zeros(6), torch.zeros(7))
+    with pytest.raises(RuntimeError, match=r"reduce_grad: ds_id 0: gradient should have shape \[2, 3\]"):
+        ops.reduce_grad(torch.ones(7), 0, 0)
+    with pytest.raises(RuntimeError, match="reduce_grad: ds_id 1 was registered without a gradient buffer"):
+        ops.reduce_grad(torch.ones(5), 0, 1)
+    with pytest.raises(RuntimeError, match="allgather_param: ds_id 0: the tensor should be the registered shard of 6"):
+        ops.allgather_param(torch.zeros(4), 0, 0)
+    with pytest.raises(RuntimeError, match="release_param: n_users should be >= 1, got 0"):
+        ops.release_param(torch.empty(0), 0, 0, 0)
+    with pytest.raises(RuntimeError, match="wait_allgather: ds_id 0 has no gather in flight or held"):
+        ops.wait_allgather(torch.empty(0), 0, 0)
+    C.register_param(3, [4], torch.zeros(4), None)
+    with pytest.raises(RuntimeError, match="allgather_param: ds_id 3 is not a parameter of graph_id 0"):
+        ops.allgather_param(torch.zeros(4), 0, 3)
+    with pytest.raises(RuntimeError, match="prefetch_params_fused: params and ids should have the same length"):
+        ops.prefetch_params_fused(0, [C.shard0], [0, 1], None)
+    with pytest.raises(RuntimeError, match="init: the dc runtime is already initialized"):
+        C.init(group.group_name)
+
+
+def test_init_with_unknown_group(dcplan_module, group):
+    dcplan_module._C.cleanup()
+    with pytest.raises(RuntimeError, match="init: no process group is registered under the name 'nope'"):
+        dcplan_module._C.init("nope")
+
+
+def test_shard_argument_errors(dcplan_module, group):
+    dcplan_module.shutdown()
+    with pytest.raises(ValueError, match="stage should be 1, 2 or 3, got 4"):
+        dcplan_module.shard(nn.Linear(2, 2), stage=4)
+    with pytest.raises(ValueError, match="stage should be 1, 2 or 3, got '3'"):
+        dcplan_module.shard(nn.Linear(2, 2), stage="3")
+    with pytest.raises(ValueError, match="param_dtype should be None or a floating torch.dtype"):
+        dcplan_module.shard(nn.Linear(2, 2), param_dtype=torch.int32)
+    with pytest.raises(TypeError, match="model should be a torch.nn.Module"):
+        dcplan_module.shard(object())
+    with pytest.raises(ValueError, match="reduce_bucket_bytes should be a positive int"):
+        dcplan_module.shard(nn.Linear(2, 2), reduce_bucket_bytes=0)
+    m = dcplan_module.shard(nn.Linear(2, 2), stage=2)
+    with pytest.raises(ValueError, match="model is already sharded"):
+        dcplan_module.shard(m)
+    with pytest.raises(ValueError, match="requires_gradient_sync should be a bool"):
+        m.set_requires_gradient_sync(1)
+    dcplan_module.shutdown()
+
+
+def test_shard_single_rank_trains_like_plain(dcplan_module, group):
+    """World size 1: shards are whole parameters and training matches plain PyTorch exactly."""
+    dcplan_module.shutdown()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+    ref = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+    ref.load_state_dict(model.state_dict())
+    dcplan_module.shard(model, stage=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 5)
+    for _ in range(3):
+        for m, o in ((model, opt), (ref, ropt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    full = dcplan_module.full_parameters(model)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=0)
+    dcplan_module.shutdown()
+
+
+def test_import_error_names_the_build(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DCPLAN_BUILD_DIR=str(tmp_path))
+    repo_python = os.path.join(os.path.dirname(__file__), "..", "..", "python")
+    env["PYTHONPATH"] = os.path.abspath(repo_python)
+    r = subprocess.run([sys.executable, "-c", "import dcplan"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "the runtime extension dcplan._C is not built" in r.stderr
