@@ -461,7 +461,8 @@ PrefetchResult referencePrefetch(const Context& c, const std::vector<char>& pers
 
 // ---- persistence ---------------------------------------------------------------
 
-PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes) {
+PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes, const std::vector<double>* stallUs,
+                                  double streamWeight) {
   const Workload& w = c.w;
   PersistChoice out;
   out.persistent.assign(w.params.size(), 0);
@@ -476,7 +477,10 @@ PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes) {
   for (size_t p = 0; p < w.params.size(); ++p) {
     uint64_t b = w.params[p].gatherBytes;
     if (count[p] < 2 || b == 0 || b > capBytes) continue;
-    items.push_back({p, b, (count[p] - 1) * c.cost.us(Collective::AllGather, b)});
+    double saved = (count[p] - 1) * c.cost.us(Collective::AllGather, b);
+    double value = streamWeight * saved + (stallUs ? (*stallUs)[p] : 0.0);
+    if (value <= 0) continue;
+    items.push_back({p, b, value});
   }
   if (items.empty()) return out;
   // Capacity in units so the table stays small; weights round up, so the
@@ -503,7 +507,7 @@ PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes) {
     if (!take[k][x]) continue;
     out.persistent[items[k].param] = 1;
     out.bytes += items[k].bytes;
-    out.savedUs += items[k].value;
+    out.savedUs += (count[items[k].param] - 1) * c.cost.us(Collective::AllGather, items[k].bytes);
     x -= static_cast<size_t>((items[k].bytes + unit - 1) / unit);
   }
   return out;

@@ -167,45 +167,38 @@ class Search {
 
     progress("choosing persistent parameters and prefetch points");
     std::vector<std::vector<char>> seen;
-    for (double fraction : {0.0, 0.25, 0.5, 1.0}) {
-      PersistChoice persist;
-      std::string persistLabel;
-      if (w_.stage < 3) {
-        if (fraction > 0) break;
-        persist.persistent = base;
-        persistLabel = "all (stage " + std::to_string(w_.stage) + ")";
-      } else {
-        auto cap = static_cast<uint64_t>(fraction * static_cast<double>(headroom));
-        persist = knapsackPersistence(c_, cap);
-        persistLabel = "knapsack up to " + formatBytes(cap) + " (" + formatFixed(fraction * 100, 0) +
-                       "% of the headroom)";
-      }
-      if (std::find(seen.begin(), seen.end(), persist.persistent) != seen.end()) continue;
-      seen.push_back(persist.persistent);
-      struct Mode {
-        FuseMode mode;
-        uint64_t cap;
-        std::string label;
-      };
-      for (const Mode& m : {Mode{FuseMode::Split, 0, "one call per gather"},
-                            Mode{FuseMode::Fuse, 64ull << 20, "fused up to 64.0 MiB"},
-                            Mode{FuseMode::Fuse, std::numeric_limits<uint64_t>::max(), "fused, no size cap"}}) {
-        uint64_t limit = c_.limit;
-        Candidate cand;
-        // The planning curve times buckets without stalls; when the simulation
-        // still passes the budget, plan again against a lower limit.
-        for (int attempt = 0; attempt < 4; ++attempt) {
-          PrefetchResult prefetch = planPrefetch(c_, persist.persistent, buckets.set, limit, m.mode, m.cap);
-          cand = evaluate("persist " + formatFixed(fraction * 100, 0) + "%, prefetch " + m.label, persist.persistent,
-                          persistLabel, buckets.set, buckets.label, std::move(prefetch),
-                          "just in time under the limit, " + m.label);
-          if (cand.feasible) break;
-          uint64_t over = cand.sim.prediction.peakMemoryBytes - c_.limit;
-          if (over + (1u << 20) >= limit) break;
-          limit -= over + (1u << 20);
+    // Two passes: persistence valued by the gather-stream time it saves, then
+    // by the stalls the best schedule so far still shows on repeated gathers.
+    std::vector<double> stalls;
+    for (int pass = 0; pass < 2; ++pass) {
+      if (pass == 1) {
+        const Candidate* ref = nullptr;
+        for (const Candidate& k : all) {
+          if (k.feasible && !k.prefetch.decisions.empty() && (!ref || better(k, *ref))) ref = &k;
         }
-        cand.persist.savedUs = persist.savedUs;
-        all.push_back(std::move(cand));
+        if (!ref || w_.stage < 3) break;
+        stalls = ref->sim.repeatStallUs;
+        if (std::all_of(stalls.begin(), stalls.end(), [](double v) { return v <= 0; })) break;
+      }
+      for (double fraction : {0.0, 0.25, 0.5, 1.0}) {
+        if (pass == 1 && fraction == 0.0) continue;
+        PersistChoice persist;
+        std::string persistLabel;
+        if (w_.stage < 3) {
+          if (fraction > 0) break;
+          persist.persistent = base;
+          persistLabel = "all (stage " + std::to_string(w_.stage) + ")";
+        } else {
+          auto cap = static_cast<uint64_t>(fraction * static_cast<double>(headroom));
+          persist = pass == 0 ? knapsackPersistence(c_, cap) : knapsackPersistence(c_, cap, &stalls, 1e-3);
+          persistLabel = std::string(pass == 0 ? "knapsack of gather time saved" : "knapsack of stalls removed") +
+                         " per byte, up to " + formatBytes(cap) + " (" + formatFixed(fraction * 100, 0) +
+                         "% of the headroom)";
+        }
+        if (std::find(seen.begin(), seen.end(), persist.persistent) != seen.end()) continue;
+        seen.push_back(persist.persistent);
+        addPrefetchCandidates(all, persist, persistLabel, (pass == 0 ? "persist " : "persist stalls ") +
+                                                              formatFixed(fraction * 100, 0) + "%", buckets);
       }
     }
     if (def.feasible) all.push_back(def);
@@ -215,6 +208,35 @@ class Search {
       if (all[k].feasible && (best < 0 || better(all[k], all[static_cast<size_t>(best)]))) best = static_cast<int>(k);
     }
     return static_cast<size_t>(best);
+  }
+
+  template <typename Buckets>
+  void addPrefetchCandidates(std::vector<Candidate>& all, const PersistChoice& persist, const std::string& persistLabel,
+                             const std::string& name, const Buckets& buckets) {
+    struct Mode {
+      FuseMode mode;
+      uint64_t cap;
+      std::string label;
+    };
+    for (const Mode& m : {Mode{FuseMode::Split, 0, "one call per gather"},
+                          Mode{FuseMode::Fuse, 64ull << 20, "fused up to 64.0 MiB"},
+                          Mode{FuseMode::Fuse, std::numeric_limits<uint64_t>::max(), "fused, no size cap"}}) {
+      uint64_t limit = c_.limit;
+      Candidate cand;
+      // The planning curve times buckets without stalls; when the simulation
+      // still passes the budget, plan again against a lower limit.
+      for (int attempt = 0; attempt < 4; ++attempt) {
+        PrefetchResult prefetch = planPrefetch(c_, persist.persistent, buckets.set, limit, m.mode, m.cap);
+        cand = evaluate(name + ", prefetch " + m.label, persist.persistent, persistLabel, buckets.set, buckets.label,
+                        std::move(prefetch), "just in time under the limit, " + m.label);
+        if (cand.feasible) break;
+        uint64_t over = cand.sim.prediction.peakMemoryBytes - c_.limit;
+        if (over + (1u << 20) >= limit) break;
+        limit -= over + (1u << 20);
+      }
+      cand.persist.savedUs = persist.savedUs;
+      all.push_back(std::move(cand));
+    }
   }
 
   static bool better(const Candidate& a, const Candidate& b) {

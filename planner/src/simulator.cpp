@@ -149,6 +149,8 @@ class Simulation {
       : w_(w), cost_(cost), s_(s), record_(o.record) {
     allocated_.assign(w.params.size(), 0);
     readyAt_.assign(w.params.size(), 0.0);
+    gatherCount_.assign(w.params.size(), 0);
+    res_.repeatStallUs.assign(w.params.size(), 0.0);
     lastMicroStep_.assign(w.graphs.size(), 0);
     for (const GraphRun& r : w.runs) {
       lastMicroStep_[static_cast<size_t>(r.graph)] = std::max(lastMicroStep_[static_cast<size_t>(r.graph)], r.microStep);
@@ -193,11 +195,12 @@ class Simulation {
       }
       switch (op.kind) {
         case OpKind::AllGather:
-          if (!allocated_[static_cast<size_t>(op.param)]) gather({op.param}, r, op.seq, false);
+          if (!allocated_[static_cast<size_t>(op.param)]) gatherOne(op.param, r, op.seq);
           break;
         case OpKind::Wait: {
           size_t p = static_cast<size_t>(op.param);
-          if (!allocated_[p]) gather({op.param}, r, op.seq, false);
+          if (!allocated_[p]) gatherOne(op.param, r, op.seq);
+          if (readyAt_[p] > t_ && gatherCount_[p] > 1) res_.repeatStallUs[p] += readyAt_[p] - t_;
           t_ = std::max(t_, readyAt_[p]);
           break;
         }
@@ -240,6 +243,11 @@ class Simulation {
     if (reduces) flush(cg, reduceOp, r, g.ops.empty() ? 0 : g.ops.back().seq);
   }
 
+  void gatherOne(int32_t p, int32_t r, int64_t seq) {
+    one_[0] = p;
+    gather(one_, r, seq, false);
+  }
+
   void gather(const std::vector<int32_t>& params, int32_t r, int64_t seq, bool prefetch) {
     uint64_t bytes = 0;
     members_.clear();
@@ -247,6 +255,7 @@ class Simulation {
       size_t pi = static_cast<size_t>(p);
       if (allocated_[pi]) continue;  // resident or already in flight
       allocated_[pi] = 1;
+      gatherCount_[pi]++;
       bytes += w_.params[pi].gatherBytes;
       if (!s_.persistent[pi]) liveGathered_ += w_.params[pi].gatherBytes;
       members_.push_back(p);
@@ -315,10 +324,12 @@ class Simulation {
   SimResult res_;
   std::vector<char> allocated_;
   std::vector<double> readyAt_;
+  std::vector<int32_t> gatherCount_;
   std::vector<int32_t> lastMicroStep_;
   std::vector<int32_t> arrived_;
   std::vector<char> launched_;
   std::vector<int32_t> members_;
+  std::vector<int32_t> one_ = std::vector<int32_t>(1, 0);
   std::deque<std::pair<double, uint64_t>> pending_;
   uint64_t pendingBytes_ = 0;
   uint64_t filling_ = 0;

@@ -73,6 +73,9 @@ struct SimResult {
   double reduceBusyUs = 0;
   int64_t gatherCalls = 0;
   int64_t reduceCalls = 0;
+  /// Compute stalled at waits for each parameter's gathers after its first one
+  /// in the step, by param index: what keeping it gathered could save.
+  std::vector<double> repeatStallUs;
   std::vector<GatherRecord> gathers;  ///< only with SimOptions::record
   std::vector<TimelineEvent> timeline;
   std::vector<MemorySample> memory;

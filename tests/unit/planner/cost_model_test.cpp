@@ -1,0 +1,92 @@
+// Tests of the calibration-curve cost model: interpolation, extrapolation, what-if scaling.
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+
+#include "dcplan/planner/cost_model.h"
+
+namespace dcplan::planner {
+namespace {
+
+schemas::Calibration linearCalibration(double latencyUs, double bytesPerUs) {
+  schemas::Calibration c;
+  for (uint64_t b = 1 << 16; b <= (1ull << 30); b *= 4) {
+    c.allGather.push_back({b, latencyUs + static_cast<double>(b) / bytesPerUs});
+  }
+  return c;
+}
+
+TEST(CostModel, ReproducesMeasuredPoints) {
+  schemas::Calibration c = linearCalibration(20, 100e3);
+  CostModel m(c, 8);
+  for (const auto& p : c.allGather) EXPECT_NEAR(m.us(Collective::AllGather, p.bytes), p.us, 1e-6 * p.us);
+}
+
+TEST(CostModel, IsMonotoneAndHasALatencyFloor) {
+  CostModel m(linearCalibration(20, 100e3), 8);
+  double prev = 0;
+  for (uint64_t b = 1; b < (4ull << 30); b = b * 3 + 1) {
+    double t = m.us(Collective::AllGather, b);
+    EXPECT_GE(t, prev) << b;
+    prev = t;
+  }
+  // Below the smallest point the time tends to the latency intercept.
+  EXPECT_NEAR(m.us(Collective::AllGather, 1), 20, 0.5);
+  EXPECT_NEAR(m.latencyUs(Collective::AllGather), 20, 1e-6);
+  EXPECT_EQ(m.us(Collective::AllGather, 0), 0);
+}
+
+TEST(CostModel, ExtrapolatesWithTheLastBandwidth) {
+  CostModel m(linearCalibration(20, 100e3), 8);
+  double at1g = m.us(Collective::AllGather, 1ull << 30);
+  double at4g = m.us(Collective::AllGather, 4ull << 30);
+  EXPECT_NEAR(at4g - at1g, 3.0 * (1ull << 30) / 100e3, 1.0);
+}
+
+TEST(CostModel, MissingCurvesFallBackToAllGather) {
+  CostModel m(linearCalibration(20, 100e3), 8);
+  EXPECT_NEAR(m.us(Collective::ReduceScatter, 1 << 20), m.us(Collective::AllGather, 1 << 20), 1e-9);
+  EXPECT_NEAR(m.us(Collective::AllReduce, 1 << 20), 2 * m.us(Collective::AllGather, 1 << 20), 1e-6);
+}
+
+TEST(CostModel, WorldSizeScalesTheBandwidthTermByTheBusFactor) {
+  schemas::Calibration c = linearCalibration(20, 100e3);
+  CostModel at8(c, 8);
+  CostModel at16(c, 8, {16, std::nullopt});
+  CostModel at2(c, 8, {2, std::nullopt});
+  uint64_t b = 256ull << 20;
+  double bw8 = at8.us(Collective::AllGather, b) - 20;
+  EXPECT_NEAR(at16.us(Collective::AllGather, b) - 20, bw8 * (15.0 / 16) / (7.0 / 8), 1e-6 * bw8);
+  EXPECT_NEAR(at2.us(Collective::AllGather, b) - 20, bw8 * (1.0 / 2) / (7.0 / 8), 1e-6 * bw8);
+  CostModel at1(c, 8, {1, std::nullopt});
+  EXPECT_EQ(at1.us(Collective::AllGather, b), 0);
+}
+
+TEST(CostModel, BandwidthOverrideRescalesLargeMessages) {
+  schemas::Calibration c = linearCalibration(20, 100e3);
+  CostModel base(c, 8);
+  double calibrated = base.busGBps(Collective::AllGather);
+  EXPECT_NEAR(calibrated, 100.0 * 7 / 8, 0.5);  // 100e3 bytes/us = 100 GB/s algorithmic
+  CostModel half(c, 8, {0, calibrated / 2});
+  uint64_t b = 1ull << 30;
+  EXPECT_NEAR(half.us(Collective::AllGather, b) - 20, 2 * (base.us(Collective::AllGather, b) - 20), 1.0);
+  EXPECT_NEAR(half.busGBps(Collective::AllGather), calibrated / 2, 1e-9);
+}
+
+TEST(CostModel, RefusesWhatItCannotKnow) {
+  schemas::Calibration empty;
+  EXPECT_THROW(CostModel(empty, 8), std::invalid_argument);
+  EXPECT_THROW(CostModel(linearCalibration(20, 1e5), 1, {8, std::nullopt}), std::invalid_argument);
+  EXPECT_NO_THROW(CostModel(empty, 1));
+}
+
+TEST(CostModel, CopyRate) {
+  schemas::Calibration c = linearCalibration(20, 100e3);
+  c.h2dGBps = 50;
+  CostModel m(c, 8);
+  EXPECT_NEAR(m.copyUs(50'000'000, true), 1000, 1e-9);
+  EXPECT_EQ(m.copyUs(50'000'000, false), 0);
+}
+
+}  // namespace
+}  // namespace dcplan::planner

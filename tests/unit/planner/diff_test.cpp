@@ -1,0 +1,72 @@
+// Tests of the semantic plan diff.
+#include <gtest/gtest.h>
+
+#include "dcplan/planner/diff.h"
+#include "dcplan/planner/planner.h"
+#include "tiny_trace.h"
+
+namespace dcplan::planner {
+namespace {
+
+schemas::Plan tinyPlan() {
+  PlanRequest r;
+  r.traceName = "tiny.json";
+  return makePlan(test::tinyTrace(), r).plan;
+}
+
+TEST(Diff, EqualPlans) {
+  schemas::Plan a = tinyPlan();
+  PlanDiff d = diffPlans(a, a);
+  EXPECT_TRUE(d.equal());
+  EXPECT_NE(renderDiffText(d, "a", "b").find("plans are equal"), std::string::npos);
+}
+
+TEST(Diff, ProvenanceIsANoteNotADifference) {
+  schemas::Plan a = tinyPlan(), b = a;
+  b.source.traceDigest = "fnv1a64:0000000000000000";
+  b.createdBy = "dcplan 9.9.9";
+  PlanDiff d = diffPlans(a, b);
+  EXPECT_TRUE(d.equal());
+  EXPECT_EQ(d.notes.size(), 2u);
+}
+
+TEST(Diff, ScheduleChangesArePinnedByPointer) {
+  schemas::Plan a = tinyPlan(), b = a;
+  b.persistent = {1};
+  a.persistent = {0};
+  b.graphs[0].prefetch = {{0, {0, 1}}};
+  a.graphs[0].prefetch.clear();
+  b.graphs[1].buckets = {{{1}, 100'000, "float32"}, {{0}, 100'000, "float32"}};
+  a.graphs[1].buckets = {{{1, 0}, 200'000, "float32"}};
+  PlanDiff d = diffPlans(a, b);
+  ASSERT_FALSE(d.equal());
+  std::vector<std::string> paths;
+  for (const auto& x : d.differences) paths.push_back(x.path);
+  EXPECT_NE(std::find(paths.begin(), paths.end(), "/persistent"), paths.end());
+  EXPECT_NE(std::find(paths.begin(), paths.end(), "/graphs/0/prefetch/0"), paths.end());
+  EXPECT_NE(std::find(paths.begin(), paths.end(), "/graphs/1/buckets/0"), paths.end());
+  EXPECT_NE(std::find(paths.begin(), paths.end(), "/graphs/1/buckets/1"), paths.end());
+  std::string text = renderDiffText(d, "a", "b");
+  EXPECT_NE(text.find("+ persistent: [1]"), std::string::npos) << text;
+  EXPECT_NE(text.find("- persistent: [0]"), std::string::npos) << text;
+  EXPECT_NE(text.find("+ graph 0 (forward) prefetch @0: [0-1]"), std::string::npos) << text;
+  std::string json = renderDiffJson(d, "a", "b", 0);
+  EXPECT_NE(json.find("\"equal\": false"), std::string::npos);
+}
+
+TEST(Diff, PredictionsWithinToleranceAreEqual) {
+  schemas::Plan a = tinyPlan(), b = a;
+  b.predicted.stepUs = a.predicted.stepUs * 1.004;
+  EXPECT_FALSE(diffPlans(a, b).equal());
+  EXPECT_TRUE(diffPlans(a, b, 0.005).equal());
+  EXPECT_FALSE(diffPlans(a, b, 0.003).equal());
+}
+
+TEST(Diff, FormatIds) {
+  EXPECT_EQ(formatIds({3, 4, 5, 6, 9, 12, 13}), "3-6 9 12-13");
+  EXPECT_EQ(formatIds({5, 4, 3}), "5 4 3");
+  EXPECT_EQ(formatIds({}), "");
+}
+
+}  // namespace
+}  // namespace dcplan::planner

@@ -1,0 +1,169 @@
+// Tests of the simulator's timeline and memory rules on a trace with round numbers.
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+
+#include "dcplan/planner/planner.h"
+#include "dcplan/planner/simulator.h"
+#include "dcplan/planner/workload.h"
+#include "tiny_trace.h"
+
+namespace dcplan::planner {
+namespace {
+
+using schemas::GraphKind;
+
+struct Fixture {
+  schemas::Trace trace = test::tinyTrace();
+  Workload w = makeWorkload(trace);
+  CostModel cost{trace.calibration, 2};
+
+  Schedule onUse(std::vector<std::vector<int64_t>> buckets = {{1, 0}}) const {
+    Schedule s;
+    s.graphs.push_back({0, GraphKind::Forward, {}, {}});
+    schemas::PlanGraph b{1, GraphKind::Backward, {}, {}};
+    for (auto& ids : buckets) b.buckets.push_back({ids, 0, "float32"});
+    s.graphs.push_back(b);
+    return s;
+  }
+  SimResult run(const Schedule& s, bool record = false) const {
+    return simulate(w, cost, compileSchedule(w, s), SimOptions{record});
+  }
+};
+
+TEST(Simulator, GatherOnUseExposesEveryGatherAndTheReduceTail) {
+  Fixture f;
+  SimResult r = f.run(f.onUse());
+  double rs = f.cost.us(Collective::ReduceScatter, 200'000);
+  EXPECT_NEAR(r.computeUs, 3000, 1e-9);
+  EXPECT_NEAR(r.prediction.stepUs, 4 * 110 + 3000 + rs + 50, 1e-6);
+  EXPECT_NEAR(r.prediction.exposedCommUs, 4 * 110 + rs, 1e-6);
+  EXPECT_EQ(r.gatherCalls, 4);
+  EXPECT_EQ(r.reduceCalls, 1);
+  // Backward: param 0 gathered while the (unreduced) bucket of both gradients lives.
+  EXPECT_EQ(r.prediction.peakMemoryBytes, 1'000'000u + 100'000 + 200'000);
+}
+
+TEST(Simulator, PrefetchHidesTheSecondGather) {
+  Fixture f;
+  Schedule s = f.onUse();
+  s.graphs[0].prefetch = {{0, {0}}, {0, {1}}};  // two calls at graph start
+  SimResult r = f.run(s);
+  SimResult base = f.run(f.onUse());
+  EXPECT_NEAR(base.prediction.stepUs - r.prediction.stepUs, 110, 1e-6);
+  EXPECT_EQ(r.gatherCalls, 4);
+  // Both parameters are gathered together in the forward now.
+  EXPECT_EQ(r.prediction.peakMemoryBytes, base.prediction.peakMemoryBytes);
+}
+
+TEST(Simulator, FusedGroupIsOneCallThatEndsTogether) {
+  Fixture f;
+  Schedule s = f.onUse();
+  s.graphs[0].prefetch = {{0, {0, 1}}};
+  SimResult r = f.run(s, true);
+  EXPECT_EQ(r.gatherCalls, 3);
+  ASSERT_FALSE(r.gathers.empty());
+  EXPECT_NEAR(r.gathers[0].endUs, f.cost.us(Collective::AllGather, 200'000), 1e-9);
+  EXPECT_EQ(r.gathers[0].params.size(), 2u);
+}
+
+TEST(Simulator, BucketReducesWhenItsLastGradientIsReady) {
+  Fixture f;
+  SimResult one = f.run(f.onUse({{1, 0}}));
+  SimResult two = f.run(f.onUse({{1}, {0}}));
+  // Two buckets: the first overlaps the second half of backward; the tail is one small reduce.
+  EXPECT_NEAR(two.prediction.stepUs, 4 * 110 + 3000 + 110 + 50, 1e-6);
+  EXPECT_LT(two.prediction.stepUs, one.prediction.stepUs);
+  EXPECT_EQ(two.reduceCalls, 2);
+  EXPECT_EQ(two.prediction.peakMemoryBytes, 1'000'000u + 100'000 + 100'000);
+}
+
+TEST(Simulator, PersistentParameterIsGatheredOncePerStepAndCountsAllStep) {
+  Fixture f;
+  Schedule s = f.onUse();
+  s.persistent = {0};
+  SimResult r = f.run(s);
+  EXPECT_EQ(r.gatherCalls, 3);
+  SimResult base = f.run(f.onUse());
+  EXPECT_NEAR(base.prediction.stepUs - r.prediction.stepUs, 110, 1e-6);
+  // In backward: persistent 0, gathered 1 and the bucket.
+  EXPECT_EQ(r.prediction.peakMemoryBytes, 1'000'000u + 100'000 + 100'000 + 200'000);
+}
+
+TEST(Simulator, TimelineCoversStreamsAndOptimizer) {
+  Fixture f;
+  SimResult r = f.run(f.onUse(), true);
+  int compute = 0, gathers = 0, reduces = 0, optimizer = 0;
+  for (const TimelineEvent& e : r.timeline) {
+    EXPECT_LE(e.startUs, e.endUs);
+    EXPECT_LE(e.endUs, r.prediction.stepUs + 1e-9);
+    if (e.stream == Stream::Compute && e.name == "optimizer") ++optimizer;
+    else if (e.stream == Stream::Compute) ++compute;
+    if (e.stream == Stream::AllGather) ++gathers;
+    if (e.stream == Stream::Reduce) ++reduces;
+  }
+  EXPECT_EQ(compute, 4);
+  EXPECT_EQ(gathers, 4);
+  EXPECT_EQ(reduces, 1);
+  EXPECT_EQ(optimizer, 1);
+  EXPECT_FALSE(r.memory.empty());
+}
+
+TEST(Simulator, ScheduleThatDoesNotFitTheTraceIsRejectedWithAPointer) {
+  Fixture f;
+  auto expectError = [&](const Schedule& s, const std::string& start) {
+    try {
+      compileSchedule(f.w, s);
+      ADD_FAILURE() << "accepted, expected " << start;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(start, 0), 0u) << e.what();
+    }
+  };
+  expectError(f.onUse({{1}}), "/graphs/1/buckets: ds_id 0 is reduced in graph 1 but is in no bucket");
+  Schedule s = f.onUse();
+  s.graphs[0].prefetch = {{0, {7}}};
+  expectError(s, "/graphs/0/prefetch/0/ds_ids/0: ds_id 7 is not a parameter");
+  s.graphs[0].prefetch = {{99, {1}}};
+  expectError(s, "/graphs/0/prefetch/0/position: 99 is not a position of graph 0");
+  s = f.onUse();
+  s.persistent = {5};
+  expectError(s, "/persistent/0: ds_id 5");
+  s = f.onUse();
+  s.graphs[1].id = 9;
+  expectError(s, "/graphs/1/id: graph 9 is not in the trace");
+  s = f.onUse({{1, 0}, {0}});
+  expectError(s, "/graphs/1/buckets/1/ds_ids/0: ds_id 0 is in two buckets");
+}
+
+TEST(Simulator, ActivationMemoryIsRecordedMemoryLessRecordedGathers) {
+  schemas::Trace t = test::tinyTrace();
+  // 5,000 bytes of activations appear after the first forward module.
+  for (size_t i = 3; i < t.steps[0].graphs[0].events.size(); ++i) t.steps[0].graphs[0].events[i].memoryBytes += 5'000;
+  Workload w = makeWorkload(t);
+  EXPECT_EQ(w.runs[0].activationBytes[0], 0u);
+  EXPECT_EQ(w.runs[0].activationBytes[1], 0u);
+  EXPECT_EQ(w.runs[0].activationBytes[3], 5'000u);
+  EXPECT_EQ(w.runs[0].activationBytes[4], 5'000u);
+}
+
+TEST(Simulator, GraphRunsMustRepeatTheSameOps) {
+  schemas::Trace t = test::tinyTrace();
+  schemas::TraceGraph again = t.steps[0].graphs[0];
+  again.events.pop_back();
+  t.steps[0].graphs.push_back(again);
+  EXPECT_THROW(makeWorkload(t), std::invalid_argument);
+}
+
+TEST(Simulator, DefaultScheduleIsGatherOnUseWithOneBucketSize) {
+  Fixture f;
+  Schedule d = defaultSchedule(f.w);
+  EXPECT_TRUE(d.persistent.empty());
+  ASSERT_EQ(d.graphs.size(), 2u);
+  EXPECT_TRUE(d.graphs[0].prefetch.empty());
+  ASSERT_EQ(d.graphs[1].buckets.size(), 1u);
+  EXPECT_EQ(d.graphs[1].buckets[0].dsIds, (std::vector<int64_t>{1, 0}));
+  EXPECT_EQ(d.graphs[1].buckets[0].bytes, 200'000u);
+}
+
+}  // namespace
+}  // namespace dcplan::planner

@@ -1,0 +1,86 @@
+// A two-parameter trace with round numbers, for exact simulator expectations.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dcplan/schemas/trace.h"
+
+namespace dcplan::planner::test {
+
+/// Two parameters of 100,000 gathered bytes each on 2 ranks; all-gather and
+/// reduce-scatter take 10 us + 1 us per 1,000 bytes at the measured sizes.
+/// Forward: gather 0, 500 us compute, release 0, gather 1, 500 us, release 1.
+/// Backward: gather 1, 1000 us, reduce 1, release 1, gather 0, 1000 us, reduce 0,
+/// release 0, end_backward. Optimizer 50 us. Memory recorded = baseline + gathered.
+inline schemas::Trace tinyTrace() {
+  using schemas::OpEvent;
+  schemas::Trace t;
+  t.meta.createdBy = "test";
+  t.meta.worldSize = 2;
+  t.meta.backend = "nccl";
+  t.meta.device = "test";
+  t.meta.stage = 3;
+  t.meta.gradAccumSteps = 1;
+  t.meta.paramDtype = "float32";
+  t.meta.reduceDtype = "float32";
+  t.memory.capacityBytes = 1'000'000'000;
+  t.memory.baselineBytes = 1'000'000;
+  for (int64_t id : {0, 1}) {
+    schemas::TraceParam p;
+    p.id = id;
+    p.name = "layer" + std::to_string(id) + ".weight";
+    p.shape = {250, 100};
+    p.dtype = "float32";
+    p.numel = 25'000;
+    p.shardNumel = 12'500;
+    t.params.push_back(p);
+  }
+  for (uint64_t b : {10'000ull, 100'000ull, 1'000'000ull}) {
+    double us = 10 + static_cast<double>(b) / 1000;
+    t.calibration.allGather.push_back({b, us});
+    t.calibration.reduceScatter.push_back({b, us});
+    t.calibration.allReduce.push_back({b, 2 * us});
+  }
+  uint64_t base = t.memory.baselineBytes;
+  auto ev = [](int64_t seq, std::string op, std::vector<int64_t> ids, double compute, uint64_t mem) {
+    OpEvent e;
+    e.seq = seq;
+    e.op = std::move(op);
+    e.dsIds = std::move(ids);
+    e.bytes = e.dsIds.empty() ? 0 : 100'000;
+    e.dtype = e.dsIds.empty() ? "" : "float32";
+    e.stream = "compute";
+    e.computeUs = compute;
+    e.memoryBytes = mem;
+    if (e.op == "release_param") e.nUsers = 1;
+    return e;
+  };
+  schemas::TraceGraph fwd{0, schemas::GraphKind::Forward, {}};
+  fwd.events = {ev(0, "allgather_param", {0}, 0, base),       ev(1, "wait_allgather", {0}, 0, base + 100'000),
+                ev(2, "release_param", {0}, 500, base + 100'000), ev(3, "allgather_param", {1}, 0, base),
+                ev(4, "wait_allgather", {1}, 0, base + 100'000), ev(5, "release_param", {1}, 500, base + 100'000)};
+  schemas::TraceGraph bwd{1, schemas::GraphKind::Backward, {}};
+  bwd.events = {ev(0, "allgather_param", {1}, 0, base),          ev(1, "wait_allgather", {1}, 0, base + 100'000),
+                ev(2, "reduce_grad", {1}, 1000, base + 100'000),  ev(3, "release_param", {1}, 0, base + 100'000),
+                ev(4, "allgather_param", {0}, 0, base),          ev(5, "wait_allgather", {0}, 0, base + 100'000),
+                ev(6, "reduce_grad", {0}, 1000, base + 100'000),  ev(7, "release_param", {0}, 0, base + 100'000),
+                ev(8, "end_backward", {}, 0, base)};
+  double clock = 0;
+  for (auto* g : {&fwd, &bwd}) {
+    clock = 0;
+    for (OpEvent& e : g->events) {
+      clock += e.computeUs;
+      e.startUs = clock;
+      e.endUs = clock;
+    }
+  }
+  schemas::TraceStep step;
+  step.index = 0;
+  step.graphs = {fwd, bwd};
+  step.optimizerUs = 50;
+  t.steps.push_back(step);
+  return t;
+}
+
+}  // namespace dcplan::planner::test
