@@ -40,6 +40,6 @@ except ImportError as e:  # pragma: no cover - depends on the build
         f"build directory that has python/dcplan/_C*.so. Cause: {e}"
     ) from e
 
-from .shard import full_parameters, shard, shutdown  # noqa: E402
+from ._shard import full_parameters, shard, shutdown  # noqa: E402
 
 __all__ = ["shard", "full_parameters", "shutdown"]

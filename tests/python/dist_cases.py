@@ -152,8 +152,11 @@ def train_sharded(case: Case, rank: int, ws: int) -> Dict:
     import dcplan
 
     model = make_model(case)
+    # bf16: gather and compute in bf16, reduce gradients in fp32, fp32 master shards.
     param_dtype = torch.bfloat16 if case.variant == "bf16" else None
-    dcplan.shard(model, stage=case.stage, param_dtype=param_dtype, reduce_bucket_bytes=BUCKET_BYTES)
+    reduce_dtype = torch.float32 if case.variant == "bf16" else None
+    dcplan.shard(model, stage=case.stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                 reduce_bucket_bytes=BUCKET_BYTES)
     shards = list(model.parameters())
     opt = torch.optim.AdamW([p for p in shards if p.requires_grad], lr=LR, weight_decay=0.01)
     n = micro_steps(case)
