@@ -303,3 +303,25 @@ def test_import_error_names_the_build(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import dcplan"], env=env, capture_output=True, text=True)
     assert r.returncode != 0
     assert "the runtime extension dcplan._C is not built" in r.stderr
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage3_frees_gathered_params_after_use(dcplan_module, group, stage):
+    """After forward, nothing but a probe holds a ZeRO-3 gathered weight (autograd keeps an id);
+    ZeRO-1/2 keep it (the runtime holds it, autograd saved it)."""
+    dcplan_module.shutdown()
+    m = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    dcplan_module.shard(m, stage=stage)
+    caught = []
+    m[0].register_forward_hook(lambda mod, a, o: caught.append(mod.weight.untyped_storage()), prepend=True)
+    loss = m(torch.randn(3, 16)).square().mean()
+    holders = torch._C._storage_Use_Count(caught[0]._cdata) - 1  # minus the probe
+    if stage == 3:
+        assert holders == 0
+        assert dcplan_module._C.gathered_param_ids() == []
+    else:
+        assert holders >= 2
+        assert len(dcplan_module._C.gathered_param_ids()) == 6
+    loss.backward()
+    assert all(p.grad is not None for p in m.parameters())
+    dcplan_module.shutdown()
