@@ -8,6 +8,7 @@
 #include "dcplan/schemas/io.h"
 #include "dcplan/schemas/trace_summary.h"
 #include "dcplan/schemas/units.h"
+#include "inspect_plan.h"
 #include "subcommands.h"
 
 namespace dcplan::cli {
@@ -18,6 +19,7 @@ using namespace dcplan::schemas;
 struct InspectOptions {
   std::string file;
   size_t top = 5;
+  InspectPlanOptions plan;
 };
 
 std::string percent(double part, double whole) {
@@ -77,7 +79,8 @@ void printTraceSummary(const std::string& file, const Trace& t, size_t top) {
 void runInspect(const InspectOptions& options) {
   auto doc = readJsonFile(options.file);
   if (detectKind(doc, options.file) == DocumentKind::Plan) {
-    throw InputError(options.file, {{"", "inspecting plans is not supported by this build yet"}});
+    inspectPlan(doc, options.file, options.plan, std::cout);
+    return;
   }
   Trace trace;
   auto diags = validateTrace(doc, trace);
@@ -89,10 +92,11 @@ void runInspect(const InspectOptions& options) {
 
 void setupInspect(CLI::App& app) {
   auto options = std::make_shared<InspectOptions>();
-  auto* cmd = app.add_subcommand("inspect", "Summarise a trace: model, op counts, bytes moved, time split");
+  auto* cmd = app.add_subcommand("inspect", "Summarise a trace (model, op counts, bytes moved, time split) or a plan (schedule, prediction, per-layer table)");
   cmd->add_option("file", options->file, "trace file")->required();
   cmd->add_option("--top", options->top, "how many of the slowest communication ops to list")
       ->capture_default_str();
+  addInspectPlanOptions(*cmd, options->plan);
   cmd->callback([options] { runInspect(*options); });
 }
 

@@ -1,0 +1,285 @@
+// Plan reports for `dcplan inspect`: summary, per-layer table, Chrome trace of the simulated step.
+#include "dcplan/planner/report.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "dcplan/planner/diff.h"
+#include "dcplan/planner/planner.h"
+#include "dcplan/planner/simulator.h"
+#include "dcplan/planner/units.h"
+#include "dcplan/schemas/io.h"
+#include "dcplan/schemas/units.h"
+
+namespace dcplan::planner {
+namespace {
+
+using schemas::formatBytes;
+using schemas::formatMs;
+
+std::string pad(const std::string& s, size_t width, bool right = false) {
+  if (s.size() >= width) return s;
+  return right ? std::string(width - s.size(), ' ') + s : s + std::string(width - s.size(), ' ');
+}
+
+/// The module a parameter belongs to, at layer granularity: the name up to its
+/// first numeric component ("layers.3.attn.wq.weight" -> "layers.3"), else the
+/// name without its last component ("embed.weight" -> "embed").
+std::string layerOf(const std::string& name) {
+  size_t start = 0;
+  while (start < name.size()) {
+    size_t dot = name.find('.', start);
+    std::string part = name.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+    if (numeric) return name.substr(0, dot == std::string::npos ? name.size() : dot);
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  size_t last = name.rfind('.');
+  return last == std::string::npos ? name : name.substr(0, last);
+}
+
+struct Simulated {
+  Workload w;
+  SimResult plan;
+  SimResult def;
+};
+
+Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
+  Workload w = makeWorkload(trace, plan.source.worldSize);
+  CostModel cost(trace.calibration, w.traceWorldSize, CostModelOptions{plan.source.worldSize, plan.options.bandwidthGBps});
+  SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), SimOptions{true});
+  SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
+  return Simulated{std::move(w), std::move(p), std::move(d)};
+}
+
+std::string budgetText(const schemas::Plan& plan) {
+  return plan.options.memoryBudgetBytes ? formatBytes(*plan.options.memoryBudgetBytes) : "none (device capacity)";
+}
+
+}  // namespace
+
+void checkPlanMatchesTrace(const schemas::Plan& plan, const schemas::Trace& trace) {
+  std::string sig = schemas::paramSignature(trace.params, plan.source.worldSize);
+  if (sig != plan.source.paramSignature) {
+    throw std::invalid_argument("/source/param_signature: the plan was made for another model (" +
+                                plan.source.paramSignature + ") than the trace has at world size " +
+                                std::to_string(plan.source.worldSize) + " (" + sig + ")");
+  }
+}
+
+std::string renderPlanReport(const schemas::Plan& plan, const std::string& planName, const schemas::Trace* trace,
+                             const std::string& traceName) {
+  std::ostringstream s;
+  s << "plan:     " << planName << " (" << schemas::kPlanSchema << ", " << plan.createdBy << ")\n"
+    << "made for: " << (plan.source.trace.empty() ? "?" : plan.source.trace) << " (" << plan.source.traceDigest
+    << "), " << plan.source.worldSize << " ranks, ZeRO-" << plan.source.stage << ", grad accum "
+    << plan.options.gradAccumSteps << "\n"
+    << "options:  strategy " << plan.options.strategy << ", memory budget " << budgetText(plan) << ", bandwidth "
+    << (plan.options.bandwidthGBps ? formatFixed(*plan.options.bandwidthGBps, 1) + " GB/s" : std::string("as calibrated"))
+    << "\n";
+  if (trace) {
+    checkPlanMatchesTrace(plan, *trace);
+    if (schemas::traceDigest(*trace) != plan.source.traceDigest) {
+      s << "note:     " << traceName << " is another trace of the same model (" << schemas::traceDigest(*trace)
+        << "); the timeline below is simulated on it\n";
+    }
+  }
+  s << "\nschedule:\n  persistent: " << plan.persistent.size() << " params";
+  if (!plan.persistent.empty()) s << " [" << formatIds(plan.persistent) << "]";
+  s << "\n";
+  for (const schemas::PlanGraph& g : plan.graphs) {
+    size_t ids = 0, largest = 0;
+    for (const auto& p : g.prefetch) {
+      ids += p.dsIds.size();
+      largest = std::max(largest, p.dsIds.size());
+    }
+    uint64_t bytes = 0, biggest = 0;
+    for (const auto& b : g.buckets) {
+      bytes += b.bytes;
+      biggest = std::max(biggest, b.bytes);
+    }
+    s << "  graph " << g.id << " (" << schemas::graphKindName(g.kind) << "): " << g.prefetch.size()
+      << " prefetch groups (" << ids << " gathers, up to " << largest << " fused)";
+    if (!g.buckets.empty()) {
+      s << ", " << g.buckets.size() << " buckets (" << formatBytes(bytes) << ", largest " << formatBytes(biggest) << ")";
+    }
+    s << "\n";
+  }
+
+  const schemas::Prediction& p = plan.predicted;
+  const schemas::Prediction& d = plan.predictedDefault;
+  s << "\nprediction:      step   exposed comm    peak memory\n"
+    << "  plan     " << pad(formatMs(p.stepUs), 12, true) << pad(formatMs(p.exposedCommUs), 15, true)
+    << pad(formatBytes(p.peakMemoryBytes), 15, true) << "\n"
+    << "  default  " << pad(formatMs(d.stepUs), 12, true) << pad(formatMs(d.exposedCommUs), 15, true)
+    << pad(formatBytes(d.peakMemoryBytes), 15, true) << "\n"
+    << "  change   " << pad(formatChange(d.stepUs, p.stepUs), 12, true)
+    << pad(formatChange(d.exposedCommUs, p.exposedCommUs), 15, true)
+    << pad(formatChange(static_cast<double>(d.peakMemoryBytes), static_cast<double>(p.peakMemoryBytes)), 15, true)
+    << "\n";
+
+  if (!trace) {
+    s << "\n(pass --trace TRACE for the per-layer table and --chrome-trace OUT.json for the timeline)\n";
+    return s.str();
+  }
+
+  Simulated sim = simulatePlan(plan, *trace);
+  const Workload& w = sim.w;
+  const schemas::Prediction& again = sim.plan.prediction;
+  s << "  simulated on " << traceName << ": step " << formatMs(again.stepUs) << ", exposed comm "
+    << formatMs(again.exposedCommUs) << ", peak " << formatBytes(again.peakMemoryBytes) << "\n";
+
+  // Per layer: gathers per step, how far ahead they were issued, persistence, buckets.
+  struct Layer {
+    std::string name;
+    size_t params = 0;
+    uint64_t bytes = 0;
+    int64_t gathers = 0;
+    int64_t aheadFwd = -1, aheadBwd = -1;
+    size_t persistent = 0;
+    std::vector<int64_t> buckets;
+  };
+  std::vector<Layer> layers;
+  std::map<std::string, size_t> index;
+  std::vector<size_t> layerOfParam(w.params.size());
+  std::vector<size_t> order(w.params.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return w.params[a].id < w.params[b].id; });
+  std::vector<char> persistent(w.params.size(), 0);
+  for (int64_t id : plan.persistent) {
+    int32_t pi = w.paramIndex(id);
+    if (pi >= 0) persistent[static_cast<size_t>(pi)] = 1;
+  }
+  for (size_t pi : order) {
+    std::string name = layerOf(w.params[pi].name);
+    auto [it, fresh] = index.emplace(name, layers.size());
+    if (fresh) {
+      layers.emplace_back();
+      layers.back().name = name;
+    }
+    Layer& l = layers[it->second];
+    l.params++;
+    l.bytes += w.params[pi].gatherBytes;
+    l.persistent += persistent[pi] ? 1 : 0;
+    layerOfParam[pi] = it->second;
+  }
+  for (const GatherRecord& g : sim.plan.gathers) {
+    const GraphRun& run = w.runs[static_cast<size_t>(g.run)];
+    const WorkGraph& graph = w.graphs[static_cast<size_t>(run.graph)];
+    for (int32_t p : g.params) {
+      Layer& l = layers[layerOfParam[static_cast<size_t>(p)]];
+      l.gathers++;
+      // Distance in ops from the issue to the parameter's first user.
+      int64_t ahead = 0;
+      for (const WorkOp& op : graph.ops) {
+        if (op.seq >= g.issueSeq && op.param == p && op.kind == OpKind::Wait) {
+          ahead = op.seq - g.issueSeq;
+          break;
+        }
+      }
+      int64_t& slot = graph.kind == schemas::GraphKind::Forward ? l.aheadFwd : l.aheadBwd;
+      slot = std::max(slot, ahead);
+    }
+  }
+  for (const schemas::PlanGraph& g : plan.graphs) {
+    for (size_t b = 0; b < g.buckets.size(); ++b) {
+      for (int64_t id : g.buckets[b].dsIds) {
+        int32_t pi = w.paramIndex(id);
+        if (pi < 0) continue;
+        auto& list = layers[layerOfParam[static_cast<size_t>(pi)]].buckets;
+        if (std::find(list.begin(), list.end(), static_cast<int64_t>(b)) == list.end()) list.push_back(static_cast<int64_t>(b));
+      }
+    }
+  }
+  size_t width = 5;
+  for (const Layer& l : layers) width = std::max(width, l.name.size());
+  s << "\nper layer (simulated):\n  " << pad("layer", width) << "  params   gathered  gathers/step  ahead fwd/bwd"
+    << "  persistent  buckets\n";
+  auto ahead = [](int64_t v) { return v < 0 ? std::string("-") : std::to_string(v); };
+  for (Layer& l : layers) {
+    std::sort(l.buckets.begin(), l.buckets.end());
+    s << "  " << pad(l.name, width) << pad(std::to_string(l.params), 8, true) << pad(formatBytes(l.bytes), 11, true)
+      << pad(std::to_string(l.gathers), 14, true) << pad(ahead(l.aheadFwd) + "/" + ahead(l.aheadBwd), 15, true)
+      << pad(std::to_string(l.persistent) + "/" + std::to_string(l.params), 12, true) << "  "
+      << (l.buckets.empty() ? "-" : formatIds(l.buckets)) << "\n";
+  }
+  s << "  (ahead: most ops between a gather's issue and its first user; gathers/step counts parameters gathered)\n";
+  return s.str();
+}
+
+std::string renderChromeTrace(const schemas::Plan& plan, const std::string& planName, const schemas::Trace& trace) {
+  using nlohmann::ordered_json;
+  checkPlanMatchesTrace(plan, trace);
+  Simulated sim = simulatePlan(plan, trace);
+  std::vector<ordered_json> events;
+  auto meta = [&](int pid, int tid, const char* what, const std::string& name) {
+    ordered_json e;
+    e["name"] = what;
+    e["ph"] = "M";
+    e["pid"] = pid;
+    if (tid >= 0) e["tid"] = tid;
+    e["args"] = {{"name", name}};
+    events.push_back(std::move(e));
+  };
+  auto emit = [&](int pid, const SimResult& r) {
+    for (Stream st : {Stream::Compute, Stream::AllGather, Stream::Reduce, Stream::Copy}) {
+      meta(pid, static_cast<int>(st) + 1, "thread_name", streamName(st));
+    }
+    for (const TimelineEvent& t : r.timeline) {
+      const GraphRun& run = sim.w.runs[static_cast<size_t>(t.run)];
+      const WorkGraph& g = sim.w.graphs[static_cast<size_t>(run.graph)];
+      std::string name = t.name;
+      if (t.name == "compute") name = std::string(schemas::graphKindName(g.kind)) + " compute";
+      if (!t.dsIds.empty()) name += " [" + formatIds(t.dsIds) + "]";
+      ordered_json e;
+      e["name"] = name;
+      e["cat"] = streamName(t.stream);
+      e["ph"] = "X";
+      e["pid"] = pid;
+      e["tid"] = static_cast<int>(t.stream) + 1;
+      e["ts"] = std::round(t.startUs * 1000) / 1000;
+      e["dur"] = std::round((t.endUs - t.startUs) * 1000) / 1000;
+      ordered_json args;
+      if (t.name != "optimizer") {
+        args["graph"] = g.id;
+        args["micro_step"] = run.microStep;
+        args["seq"] = t.seq;
+      }
+      if (!t.dsIds.empty()) args["ds_ids"] = t.dsIds;
+      if (t.bytes) args["bytes"] = t.bytes;
+      if (!args.empty()) e["args"] = std::move(args);
+      events.push_back(std::move(e));
+    }
+    uint64_t last = UINT64_MAX;
+    for (const MemorySample& m : r.memory) {
+      if (m.bytes == last) continue;
+      last = m.bytes;
+      ordered_json e;
+      e["name"] = "memory";
+      e["ph"] = "C";
+      e["pid"] = pid;
+      e["ts"] = std::round(m.us * 1000) / 1000;
+      e["args"] = {{"bytes", m.bytes}};
+      events.push_back(std::move(e));
+    }
+  };
+  meta(1, -1, "process_name", "plan " + planName + " (" + plan.options.strategy + ")");
+  meta(2, -1, "process_name", "default schedule");
+  emit(1, sim.plan);
+  emit(2, sim.def);
+  std::string out = "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+  for (size_t i = 0; i < events.size(); ++i) out += events[i].dump() + (i + 1 < events.size() ? ",\n" : "\n");
+  out += "]}\n";
+  return out;
+}
+
+}  // namespace dcplan::planner
