@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   CLI::App app{"dcplan: plan the communication of ZeRO-sharded PyTorch training", "dcplan"};
   app.set_version_flag("--version", "dcplan " DCPLAN_VERSION);
   app.require_subcommand(1);
+  setupRecord(app);
   setupValidate(app);
   setupInspect(app);
   setupPlan(app);

@@ -10,6 +10,7 @@ void setupValidate(CLI::App& app);
 void setupInspect(CLI::App& app);
 void setupPlan(CLI::App& app);
 void setupDiff(CLI::App& app);
+void setupRecord(CLI::App& app);
 
 /// Exit codes shared by all subcommands.
 inline constexpr int kExitOk = 0;

@@ -7,7 +7,7 @@ set -euo pipefail
 need_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 debian_packages=(cmake ninja-build ccache g++ libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev
-                 pybind11-dev llvm-14-tools)
+                 pybind11-dev llvm-14-tools procps)
 missing=()
 for p in "${debian_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

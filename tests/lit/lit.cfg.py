@@ -17,6 +17,7 @@ config.environment["PATH"] = os.pathsep.join(
 # Golden output must not depend on the terminal or the locale.
 config.environment["LC_ALL"] = "C"
 config.environment["COLUMNS"] = "100"
+config.substitutions.append(("%python", config.python_executable))
 config.substitutions.append(("%inputs", os.path.join(config.test_source_root, "Inputs")))
 config.substitutions.append(("%examples", os.path.join(config.dcplan_source_dir, "examples")))
 config.substitutions.append(
