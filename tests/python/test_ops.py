@@ -169,6 +169,20 @@ def test_reduce_grad_copies_then_accumulates(C):
     torch.testing.assert_close(C.grad0, torch.ones(6))
 
 
+def test_no_double_buffer(C, group):
+    C.cleanup()
+    C.init(group.group_name, reduce_bucket_bytes=8, double_buffer=False)
+    g = torch.zeros(3)
+    C.register_param(0, [3], torch.zeros(3), g, False)
+    C.register_param(1, [2], torch.zeros(2), torch.zeros(2), False)
+    C.register_graph_z2(0, [0, 1])
+    C.start_backward(True, True)
+    for k in range(3):  # every gradient overflows the 8-byte bucket: one flush each
+        ops.reduce_grad(torch.full((3,), float(k + 1)), 0, 0)
+    ops.end_backward(0)
+    torch.testing.assert_close(g, torch.full((3,), 6.0))
+
+
 def test_free_tensors_frees_only_large(C):
     big, small = torch.ones(1024), torch.ones(4)
     ops.free_tensors([big, small])
