@@ -30,12 +30,13 @@ BUCKET_BYTES = 1024  # small, so that backward flushes several buckets (double b
 class Case:
     name: str
     stage: int
-    variant: str = "base"  # base, accum, tied, twice, frozen, odd, bf16
+    variant: str = "base"  # base, accum, tied, twice, frozen, odd, bf16, subgroup
 
 
 def all_cases() -> List[Case]:
     variants = ["base", "accum", "tied", "twice", "frozen", "odd", "bf16"]
-    return [Case(f"zero{s}-{v}", s, v) for s in (1, 2, 3) for v in variants]
+    cases = [Case(f"zero{s}-{v}", s, v) for s in (1, 2, 3) for v in variants]
+    return cases + [Case("zero3-subgroup", 3, "subgroup")]  # a group made by dist.new_group
 
 
 class Attention(nn.Module):
@@ -155,8 +156,9 @@ def train_sharded(case: Case, rank: int, ws: int) -> Dict:
     # bf16: gather and compute in bf16, reduce gradients in fp32, fp32 master shards.
     param_dtype = torch.bfloat16 if case.variant == "bf16" else None
     reduce_dtype = torch.float32 if case.variant == "bf16" else None
-    dcplan.shard(model, stage=case.stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                 reduce_bucket_bytes=BUCKET_BYTES)
+    group = dist.new_group(list(range(ws))) if case.variant == "subgroup" else None
+    dcplan.shard(model, stage=case.stage, process_group=group, param_dtype=param_dtype,
+                 reduce_dtype=reduce_dtype, reduce_bucket_bytes=BUCKET_BYTES)
     shards = list(model.parameters())
     opt = torch.optim.AdamW([p for p in shards if p.requires_grad], lr=LR, weight_decay=0.01)
     n = micro_steps(case)
