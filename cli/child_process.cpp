@@ -45,10 +45,12 @@ struct sigaction gPrevious[3];
 
 }  // namespace
 
-ChildProcess::ChildProcess(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+ChildProcess::ChildProcess(const std::vector<std::string>& argv,
+                           const std::map<std::string, std::string>& env) {
   if (argv.empty()) throw std::runtime_error("no command to run");
   int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error(std::string("cannot create a pipe: ") + std::strerror(errno));
+  if (::pipe2(fds, O_CLOEXEC) != 0)
+    throw std::runtime_error(std::string("cannot create a pipe: ") + std::strerror(errno));
   // Built before fork: the child may only call async-signal-safe functions.
   std::vector<std::string> envStrings;
   for (char** e = environ; *e; ++e) {
@@ -64,7 +66,8 @@ ChildProcess::ChildProcess(const std::vector<std::string>& argv, const std::map<
   args.push_back(nullptr);
   // exec failure is reported through a second close-on-exec pipe.
   int errFds[2];
-  if (::pipe2(errFds, O_CLOEXEC) != 0) throw std::runtime_error(std::string("cannot create a pipe: ") + std::strerror(errno));
+  if (::pipe2(errFds, O_CLOEXEC) != 0)
+    throw std::runtime_error(std::string("cannot create a pipe: ") + std::strerror(errno));
 
   pid_ = ::fork();
   if (pid_ < 0) throw std::runtime_error(std::string("cannot fork: ") + std::strerror(errno));
@@ -164,7 +167,7 @@ ChildStatus ChildProcess::stop(std::chrono::milliseconds grace) {
 InterruptGuard::InterruptGuard() {
   gReceived.store(0);
   for (size_t i = 0; i < std::size(kForwarded); ++i) {
-    struct sigaction action {};
+    struct sigaction action{};
     action.sa_handler = recordSignal;
     sigemptyset(&action.sa_mask);
     ::sigaction(kForwarded[i], &action, &gPrevious[i]);

@@ -36,7 +36,8 @@ class ChildProcess {
 
   /// Waits up to `timeout` for output or exit; passes each complete output line to
   /// `onLine`. Returns the status once the child has exited and its output is drained.
-  std::optional<ChildStatus> poll(std::chrono::milliseconds timeout, const std::function<void(const std::string&)>& onLine);
+  std::optional<ChildStatus> poll(std::chrono::milliseconds timeout,
+                                  const std::function<void(const std::string&)>& onLine);
 
   /// Sends `signal` to the whole process group.
   void signalGroup(int signal);

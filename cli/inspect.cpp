@@ -36,7 +36,9 @@ void runInspect(const InspectOptions& options) {
 
 void setupInspect(CLI::App& app) {
   auto options = std::make_shared<InspectOptions>();
-  auto* cmd = app.add_subcommand("inspect", "Summarise a trace (model, op counts, bytes moved, time split) or a plan (schedule, prediction, per-layer table)");
+  auto* cmd = app.add_subcommand("inspect",
+                                 "Summarise a trace (model, op counts, bytes moved, time split) or a plan "
+                                 "(schedule, prediction, per-layer table)");
   cmd->add_option("file", options->file, "trace file")->required();
   cmd->add_option("--top", options->top, "how many of the slowest communication ops to list")
       ->capture_default_str();

@@ -19,8 +19,9 @@ int main(int argc, char** argv) {
   setupDiff(app);
   // CLI11 would report an unknown subcommand as a missing one; name it instead.
   const auto subcommands = app.get_subcommands({});
-  if (argc > 1 && argv[1][0] != '-' &&
-      std::none_of(subcommands.begin(), subcommands.end(), [&](auto* sub) { return sub->check_name(argv[1]); })) {
+  if (argc > 1 && argv[1][0] != '-' && std::none_of(subcommands.begin(), subcommands.end(), [&](auto* sub) {
+        return sub->check_name(argv[1]);
+      })) {
     std::string known;
     for (const auto* sub : subcommands) known += (known.empty() ? "" : ", ") + sub->get_name();
     std::cerr << "dcplan: error: unknown subcommand '" << argv[1] << "' (expected one of " << known << ")\n"

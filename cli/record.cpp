@@ -49,7 +49,8 @@ class RankDirectory {
     std::error_code ec;
     fs::remove_all(path_, ec);
     if (!fs::create_directories(path_, ec)) {
-      throw std::runtime_error(path_.string() + ": cannot create the directory for rank traces: " + ec.message());
+      throw std::runtime_error(path_.string() +
+                               ": cannot create the directory for rank traces: " + ec.message());
     }
   }
   ~RankDirectory() {
@@ -158,8 +159,8 @@ void runRecord(const RecordOptions& o) {
     if (o.timeoutS > 0 &&
         std::chrono::steady_clock::now() - started > std::chrono::duration<double>(o.timeoutS)) {
       child.stop(std::chrono::seconds(5));
-      failWithOutput("the command did not finish recording within " + std::to_string(static_cast<int64_t>(o.timeoutS)) +
-                         " s (--timeout)",
+      failWithOutput("the command did not finish recording within " +
+                         std::to_string(static_cast<int64_t>(o.timeoutS)) + " s (--timeout)",
                      lastLines);
     }
     Progress p = readProgress(rankDir);
@@ -175,8 +176,8 @@ void runRecord(const RecordOptions& o) {
   std::vector<RankTrace> rankTraces = readRankTraces(rankDir);
   if (rankTraces.empty()) {
     failWithOutput("the command finished without recording: no rank traces in " + rankDir.string() +
-                       "/ (does it call dcplan.shard() and run at least " + std::to_string(o.warmup + o.steps) +
-                       " steps?)",
+                       "/ (does it call dcplan.shard() and run at least " +
+                       std::to_string(o.warmup + o.steps) + " steps?)",
                    lastLines);
   }
   Trace merged;
@@ -195,7 +196,8 @@ void runRecord(const RecordOptions& o) {
     throw InputError(output.string(), std::move(diags));
   }
   writeFileAtomically(output, text);
-  std::cerr << "dcplan record: merged " << rankTraces.size() << " rank traces into " << output.string() << "\n\n";
+  std::cerr << "dcplan record: merged " << rankTraces.size() << " rank traces into " << output.string()
+            << "\n\n";
   printTraceSummary(std::cout, output.string(), merged, o.top);
 }
 
@@ -203,9 +205,12 @@ void runRecord(const RecordOptions& o) {
 
 void setupRecord(CLI::App& app) {
   auto o = std::make_shared<RecordOptions>();
-  auto* cmd = app.add_subcommand("record", "Run a training command with recording on and write its merged trace");
+  auto* cmd =
+      app.add_subcommand("record", "Run a training command with recording on and write its merged trace");
   cmd->add_option("-o,--output", o->output, "trace file to write")->required();
-  cmd->add_option("--steps", o->steps, "steps to record")->check(CLI::Range(1, 100000))->capture_default_str();
+  cmd->add_option("--steps", o->steps, "steps to record")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
   cmd->add_option("--warmup", o->warmup, "steps to run before recording")
       ->check(CLI::Range(0, 100000))
       ->capture_default_str();
@@ -215,10 +220,12 @@ void setupRecord(CLI::App& app) {
   cmd->add_option("--top", o->top, "slowest ops listed in the summary")->capture_default_str();
   cmd->add_flag("-v,--verbose", o->verbose, "show the command's output as it runs");
   cmd->add_flag("--keep-rank-traces", o->keepRankTraces, "keep the per-rank traces in OUTPUT.ranks/");
-  cmd->add_option("command", o->command, "training command, after --, e.g. -- torchrun --nproc-per-node 2 train.py")
+  cmd->add_option("command", o->command,
+                  "training command, after --, e.g. -- torchrun --nproc-per-node 2 train.py")
       ->required();
   cmd->footer(
-      "The command runs with DCPLAN_RECORD=<OUTPUT>.ranks, DCPLAN_RECORD_STEPS and DCPLAN_RECORD_WARMUP set;\n"
+      "The command runs with DCPLAN_RECORD=<OUTPUT>.ranks, DCPLAN_RECORD_STEPS and DCPLAN_RECORD_WARMUP "
+      "set;\n"
       "each rank writes rank<N>.trace.json there and ends after the recorded steps (docs/recording.md).");
   cmd->callback([o] { runRecord(*o); });
 }

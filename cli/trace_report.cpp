@@ -27,45 +27,46 @@ std::string padded(const std::string& s, size_t width, bool right = false) {
 void printTraceSummary(std::ostream& out, const std::string& file, const Trace& t, size_t top) {
   const TraceSummary s = summarizeTrace(t, top);
   out << "trace:    " << file << " (" << kTraceSchema << ", " << t.meta.createdBy << ")\n"
-            << "cluster:  " << t.meta.worldSize << " x " << t.meta.device << ", " << t.meta.backend << ", ZeRO-"
-            << t.meta.stage << ", grad accum " << t.meta.gradAccumSteps << ", gather " << t.meta.paramDtype
-            << ", reduce " << t.meta.reduceDtype << "\n"
-            << "model:    " << s.params << " parameters (" << s.trainableParams << " trainable), " << s.elements
-            << " elements, " << formatBytes(s.masterBytes) << " master\n"
-            << "memory:   capacity " << formatBytes(t.memory.capacityBytes) << ", baseline "
-            << formatBytes(t.memory.baselineBytes) << ", peak recorded " << formatBytes(s.peakMemoryBytes) << "\n\n";
+      << "cluster:  " << t.meta.worldSize << " x " << t.meta.device << ", " << t.meta.backend << ", ZeRO-"
+      << t.meta.stage << ", grad accum " << t.meta.gradAccumSteps << ", gather " << t.meta.paramDtype
+      << ", reduce " << t.meta.reduceDtype << "\n"
+      << "model:    " << s.params << " parameters (" << s.trainableParams << " trainable), " << s.elements
+      << " elements, " << formatBytes(s.masterBytes) << " master\n"
+      << "memory:   capacity " << formatBytes(t.memory.capacityBytes) << ", baseline "
+      << formatBytes(t.memory.baselineBytes) << ", peak recorded " << formatBytes(s.peakMemoryBytes)
+      << "\n\n";
 
   out << "per step (mean of " << s.steps << " recorded):\n"
-            << "  graph  kind       ops  gathers  releases  reduces    gathered     reduced     compute     exposed\n";
+      << "  graph  kind       ops  gathers  releases  reduces    gathered     reduced     compute     "
+         "exposed\n";
   uint64_t gathered = 0, reduced = 0;
   for (const auto& g : s.graphs) {
     gathered += g.gatheredBytes;
     reduced += g.reducedBytes;
     out << "  " << padded(std::to_string(g.id), 5, true) << "  " << padded(graphKindName(g.kind), 8) << " "
-              << padded(std::to_string(g.ops), 5, true) << padded(std::to_string(g.gathers), 9, true)
-              << padded(std::to_string(g.releases), 10, true) << padded(std::to_string(g.reduces), 9, true)
-              << padded(formatBytes(g.gatheredBytes), 12, true) << padded(formatBytes(g.reducedBytes), 12, true)
-              << padded(formatMs(g.computeUs), 12, true) << padded(formatMs(g.exposedCommUs), 12, true) << "\n";
+        << padded(std::to_string(g.ops), 5, true) << padded(std::to_string(g.gathers), 9, true)
+        << padded(std::to_string(g.releases), 10, true) << padded(std::to_string(g.reduces), 9, true)
+        << padded(formatBytes(g.gatheredBytes), 12, true) << padded(formatBytes(g.reducedBytes), 12, true)
+        << padded(formatMs(g.computeUs), 12, true) << padded(formatMs(g.exposedCommUs), 12, true) << "\n";
   }
   out << "  bytes per step: " << formatBytes(gathered) << " gathered, " << formatBytes(reduced)
-            << " reduced\n\n";
+      << " reduced\n\n";
 
   const double total = s.computeUs + s.exposedCommUs + s.optimizerUs;
   out << "time per step: " << formatMs(total) << " = compute " << formatMs(s.computeUs) << " ("
-            << percent(s.computeUs, total) << ") + exposed communication " << formatMs(s.exposedCommUs) << " ("
-            << percent(s.exposedCommUs, total) << ") + optimizer " << formatMs(s.optimizerUs) << " ("
-            << percent(s.optimizerUs, total) << ")\n";
+      << percent(s.computeUs, total) << ") + exposed communication " << formatMs(s.exposedCommUs) << " ("
+      << percent(s.exposedCommUs, total) << ") + optimizer " << formatMs(s.optimizerUs) << " ("
+      << percent(s.optimizerUs, total) << ")\n";
   if (!s.slowest.empty()) {
     out << "\nslowest communication ops:\n"
-              << "  step  graph    seq  op                     time       bytes  parameter\n";
+        << "  step  graph    seq  op                     time       bytes  parameter\n";
     for (const auto& op : s.slowest) {
       out << "  " << padded(std::to_string(op.step), 4, true) << padded(std::to_string(op.graph), 7, true)
-                << padded(std::to_string(op.seq), 7, true) << "  " << padded(op.op, 16)
-                << padded(formatMs(op.us), 12, true) << padded(formatBytes(op.bytes), 12, true) << "  " << op.param
-                << "\n";
+          << padded(std::to_string(op.seq), 7, true) << "  " << padded(op.op, 16)
+          << padded(formatMs(op.us), 12, true) << padded(formatBytes(op.bytes), 12, true) << "  " << op.param
+          << "\n";
     }
   }
 }
-
 
 }  // namespace dcplan::cli

@@ -9,6 +9,7 @@
 
 namespace dcplan::cli {
 
-void printTraceSummary(std::ostream& out, const std::string& file, const schemas::Trace& trace, size_t topOps);
+void printTraceSummary(std::ostream& out, const std::string& file, const schemas::Trace& trace,
+                       size_t topOps);
 
 }  // namespace dcplan::cli

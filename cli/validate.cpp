@@ -26,8 +26,9 @@ bool validateFile(const std::string& file, bool quiet) {
     if (detectKind(doc, file) == DocumentKind::Trace) {
       Trace trace;
       diags = validateTrace(doc, trace);
-      summary = std::string("valid ") + kTraceSchema + " (" + std::to_string(trace.params.size()) + " params, " +
-                std::to_string(trace.steps.size()) + (trace.steps.size() == 1 ? " step)" : " steps)");
+      summary = std::string("valid ") + kTraceSchema + " (" + std::to_string(trace.params.size()) +
+                " params, " + std::to_string(trace.steps.size()) +
+                (trace.steps.size() == 1 ? " step)" : " steps)");
     } else {
       Plan plan;
       diags = validatePlan(doc, plan);
@@ -53,7 +54,8 @@ void runValidate(const ValidateOptions& options) {
 
 void setupValidate(CLI::App& app) {
   auto options = std::make_shared<ValidateOptions>();
-  auto* cmd = app.add_subcommand("validate", "Check traces and plans against their schema (exit 2 on a problem)");
+  auto* cmd =
+      app.add_subcommand("validate", "Check traces and plans against their schema (exit 2 on a problem)");
   cmd->add_option("files", options->files, "trace or plan files (kind detected from their \"schema\" field)")
       ->required();
   cmd->add_flag("-q,--quiet", options->quiet, "print nothing for valid files");

@@ -8,9 +8,17 @@ namespace dcplan::schemas {
 namespace {
 
 constexpr std::array<std::pair<std::string_view, int>, 11> kDtypes{{
-    {"float32", 4}, {"float16", 2}, {"bfloat16", 2}, {"float64", 8},
-    {"float8_e4m3fn", 1}, {"float8_e5m2", 1}, {"int64", 8}, {"int32", 4},
-    {"int8", 1}, {"uint8", 1}, {"bool", 1},
+    {"float32", 4},
+    {"float16", 2},
+    {"bfloat16", 2},
+    {"float64", 8},
+    {"float8_e4m3fn", 1},
+    {"float8_e5m2", 1},
+    {"int64", 8},
+    {"int32", 4},
+    {"int8", 1},
+    {"uint8", 1},
+    {"bool", 1},
 }};
 
 }  // namespace

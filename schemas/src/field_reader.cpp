@@ -127,8 +127,8 @@ std::optional<std::string> FieldReader::dtype(const std::string& key, Presence p
   auto s = string(key, presence);
   if (!s) return std::nullopt;
   if (!dtypeSize(*s)) {
-    diags_.add(pointerOf(key), "unknown dtype \"" + *s + "\" (expected one of " +
-                                   std::string(knownDtypeNames()) + ")");
+    diags_.add(pointerOf(key),
+               "unknown dtype \"" + *s + "\" (expected one of " + std::string(knownDtypeNames()) + ")");
     return std::nullopt;
   }
   return s;
@@ -172,8 +172,10 @@ std::optional<std::vector<int64_t>> FieldReader::integers(const std::string& key
   bool ok = true;
   for (size_t i = 0; i < list->size(); ++i) {
     auto v = readInteger((*list)[i], pointerOf(key) + "/" + std::to_string(i), min, diags_);
-    if (v) out.push_back(*v);
-    else ok = false;
+    if (v)
+      out.push_back(*v);
+    else
+      ok = false;
   }
   if (!ok) return std::nullopt;
   return out;

@@ -16,9 +16,7 @@ namespace dcplan::schemas {
 
 using nlohmann::ordered_json;
 
-std::string Diagnostic::str() const {
-  return pointer.empty() ? message : pointer + ": " + message;
-}
+std::string Diagnostic::str() const { return pointer.empty() ? message : pointer + ": " + message; }
 
 InputError::InputError(std::string file, std::vector<Diagnostic> diagnostics)
     : std::runtime_error(file + ": " + (diagnostics.empty() ? "invalid input" : diagnostics.front().str())),
@@ -46,8 +44,8 @@ class DuplicateKeyFinder {
         Frame& top = frames_.back();
         top.key = parsed.get<std::string>();
         if (!top.keys.insert(top.key).second && !duplicate_) {
-          duplicate_ = Diagnostic{pointer() + "/" + escapePointerToken(top.key),
-                                  "duplicate key \"" + top.key + "\""};
+          duplicate_ =
+              Diagnostic{pointer() + "/" + escapePointerToken(top.key), "duplicate key \"" + top.key + "\""};
         }
         break;
       }
@@ -98,9 +96,12 @@ std::string withoutExceptionTag(const std::string& what) {
 std::string escapePointerToken(std::string_view token) {
   std::string out;
   for (char c : token) {
-    if (c == '~') out += "~0";
-    else if (c == '/') out += "~1";
-    else out += c;
+    if (c == '~')
+      out += "~0";
+    else if (c == '/')
+      out += "~1";
+    else
+      out += c;
   }
   return out;
 }
@@ -136,8 +137,8 @@ ordered_json readJsonFile(const std::filesystem::path& path) {
 
 DocumentKind detectKind(const ordered_json& doc, const std::string& name) {
   if (!doc.is_object()) {
-    throw InputError(name, {{"", std::string("expected a JSON object at the top level, got ") +
-                                     doc.type_name()}});
+    throw InputError(name,
+                     {{"", std::string("expected a JSON object at the top level, got ") + doc.type_name()}});
   }
   auto it = doc.find("schema");
   if (it == doc.end()) {

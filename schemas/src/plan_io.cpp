@@ -102,7 +102,8 @@ class PlanValidator {
       FieldReader r(list[g], ptr, diags_);
       PlanGraph graph;
       if (auto id = r.integer("id", 0)) {
-        if (!graphIds.insert(*id).second) diags_.add(ptr + "/id", "duplicate graph id " + std::to_string(*id));
+        if (!graphIds.insert(*id).second)
+          diags_.add(ptr + "/id", "duplicate graph id " + std::to_string(*id));
         graph.id = *id;
       }
       if (auto kind = r.oneOf("kind", {"forward", "backward"})) {
@@ -137,9 +138,9 @@ class PlanValidator {
           for (size_t k = 0; k < bucket.dsIds.size(); ++k) {
             auto [it, fresh] = bucketOf.emplace(bucket.dsIds[k], i);
             if (!fresh && it->second != i) {
-              diags_.add(itemPtr + "/ds_ids/" + std::to_string(k),
-                         "id " + std::to_string(bucket.dsIds[k]) + " is already in bucket " +
-                             std::to_string(it->second));
+              diags_.add(itemPtr + "/ds_ids/" + std::to_string(k), "id " + std::to_string(bucket.dsIds[k]) +
+                                                                       " is already in bucket " +
+                                                                       std::to_string(it->second));
             }
           }
           bucket.bytes = item.bytes("bytes").value_or(0);
@@ -168,7 +169,8 @@ class PlanValidator {
 };
 
 ordered_json predictionJson(const Prediction& p) {
-  return {{"step_us", p.stepUs}, {"exposed_comm_us", p.exposedCommUs}, {"peak_memory_bytes", p.peakMemoryBytes}};
+  return {
+      {"step_us", p.stepUs}, {"exposed_comm_us", p.exposedCommUs}, {"peak_memory_bytes", p.peakMemoryBytes}};
 }
 
 }  // namespace
@@ -184,7 +186,8 @@ Plan readPlan(const std::filesystem::path& path) {
   const std::string name = path.string();
   ordered_json doc = readJsonFile(path);
   if (detectKind(doc, name) != DocumentKind::Plan) {
-    throw InputError(name, {{"/schema", std::string("expected a plan (\"") + kPlanSchema + "\"), got a trace"}});
+    throw InputError(name,
+                     {{"/schema", std::string("expected a plan (\"") + kPlanSchema + "\"), got a trace"}});
   }
   Plan plan;
   auto diags = validatePlan(doc, plan);
@@ -203,8 +206,11 @@ std::string writePlan(const Plan& plan) {
     ordered_json prefetch = ordered_json::array();
     for (const auto& p : g.prefetch) prefetch.push_back({{"position", p.position}, {"ds_ids", p.dsIds}});
     ordered_json buckets = ordered_json::array();
-    for (const auto& b : g.buckets) buckets.push_back({{"ds_ids", b.dsIds}, {"bytes", b.bytes}, {"dtype", b.dtype}});
-    graphs.push_back({{"id", g.id}, {"kind", graphKindName(g.kind)}, {"prefetch", std::move(prefetch)},
+    for (const auto& b : g.buckets)
+      buckets.push_back({{"ds_ids", b.dsIds}, {"bytes", b.bytes}, {"dtype", b.dtype}});
+    graphs.push_back({{"id", g.id},
+                      {"kind", graphKindName(g.kind)},
+                      {"prefetch", std::move(prefetch)},
                       {"buckets", std::move(buckets)}});
   }
   ordered_json doc{

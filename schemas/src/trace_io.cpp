@@ -16,9 +16,7 @@ namespace dcplan::schemas {
 using nlohmann::ordered_json;
 using P = FieldReader::Presence;
 
-const char* graphKindName(GraphKind kind) {
-  return kind == GraphKind::Forward ? "forward" : "backward";
-}
+const char* graphKindName(GraphKind kind) { return kind == GraphKind::Forward ? "forward" : "backward"; }
 
 namespace {
 
@@ -27,12 +25,12 @@ enum class IdArity { None, One, Many, TensorId };
 
 const std::map<std::string, IdArity>& opArity() {
   static const std::map<std::string, IdArity> ops{
-      {"allgather_param", IdArity::One},      {"prefetch_params_fused", IdArity::Many},
-      {"wait_allgather", IdArity::One},       {"release_param", IdArity::One},
-      {"reduce_grad", IdArity::One},          {"free_tensors", IdArity::None},
-      {"offload_tensor", IdArity::TensorId},  {"reload_tensor", IdArity::TensorId},
-      {"wait_offload", IdArity::TensorId},    {"wait_reload", IdArity::TensorId},
-      {"offload_parameter", IdArity::One},    {"reload_parameter", IdArity::One},
+      {"allgather_param", IdArity::One},     {"prefetch_params_fused", IdArity::Many},
+      {"wait_allgather", IdArity::One},      {"release_param", IdArity::One},
+      {"reduce_grad", IdArity::One},         {"free_tensors", IdArity::None},
+      {"offload_tensor", IdArity::TensorId}, {"reload_tensor", IdArity::TensorId},
+      {"wait_offload", IdArity::TensorId},   {"wait_reload", IdArity::TensorId},
+      {"offload_parameter", IdArity::One},   {"reload_parameter", IdArity::One},
       {"end_backward", IdArity::None},
   };
   return ops;
@@ -148,7 +146,8 @@ class TraceValidator {
         const int64_t expected = (*numel + *worldSize_ - 1) / *worldSize_;
         if (*shardNumel != expected) {
           diags_.add(ptr + "/shard_numel", "expected " + std::to_string(expected) +
-                                               " (ceil(numel / world_size)), got " + std::to_string(*shardNumel));
+                                               " (ceil(numel / world_size)), got " +
+                                               std::to_string(*shardNumel));
         }
       }
       p.shape = shape.value_or(std::vector<int64_t>{});
@@ -287,7 +286,8 @@ class TraceValidator {
     } else if (arity == IdArity::Many) {
       if (auto ids = r.integers("ds_ids", 0)) {
         if (ids->empty()) diags_.add(ptr + "/ds_ids", "expected at least one id");
-        for (size_t k = 0; k < ids->size(); ++k) checkParamId((*ids)[k], ptr + "/ds_ids/" + std::to_string(k));
+        for (size_t k = 0; k < ids->size(); ++k)
+          checkParamId((*ids)[k], ptr + "/ds_ids/" + std::to_string(k));
         ev.dsIds = *ids;
       }
     }
@@ -307,9 +307,10 @@ class TraceValidator {
     if (start && !ev.stream.empty()) {
       auto [last, fresh] = lastStartByStream.emplace(ev.stream, *start);
       if (!fresh && *start < last->second) {
-        diags_.add(ptr + "/start_us", "times must not go backwards on stream \"" + ev.stream + "\": start_us " +
-                                          ordered_json(*start).dump() + " is before the previous " + ev.stream +
-                                          " op's " + ordered_json(last->second).dump());
+        diags_.add(ptr + "/start_us", "times must not go backwards on stream \"" + ev.stream +
+                                          "\": start_us " + ordered_json(*start).dump() +
+                                          " is before the previous " + ev.stream + " op's " +
+                                          ordered_json(last->second).dump());
       }
       last->second = std::max(last->second, *start);
     }
@@ -349,7 +350,8 @@ Trace readTrace(const std::filesystem::path& path) {
   const std::string name = path.string();
   ordered_json doc = readJsonFile(path);
   if (detectKind(doc, name) != DocumentKind::Trace) {
-    throw InputError(name, {{"/schema", std::string("expected a trace (\"") + kTraceSchema + "\"), got a plan"}});
+    throw InputError(name,
+                     {{"/schema", std::string("expected a trace (\"") + kTraceSchema + "\"), got a plan"}});
   }
   Trace trace;
   auto diags = validateTrace(doc, trace);
@@ -358,17 +360,25 @@ Trace readTrace(const std::filesystem::path& path) {
 }
 
 std::string writeTrace(const Trace& t) {
-  ordered_json meta{{"created_by", t.meta.createdBy}, {"world_size", t.meta.worldSize},
-                    {"backend", t.meta.backend},       {"device", t.meta.device},
-                    {"stage", t.meta.stage},           {"grad_accum_steps", t.meta.gradAccumSteps},
-                    {"param_dtype", t.meta.paramDtype}, {"reduce_dtype", t.meta.reduceDtype}};
+  ordered_json meta{{"created_by", t.meta.createdBy},
+                    {"world_size", t.meta.worldSize},
+                    {"backend", t.meta.backend},
+                    {"device", t.meta.device},
+                    {"stage", t.meta.stage},
+                    {"grad_accum_steps", t.meta.gradAccumSteps},
+                    {"param_dtype", t.meta.paramDtype},
+                    {"reduce_dtype", t.meta.reduceDtype}};
   meta["versions"] = ordered_json::object();
   for (const auto& [k, v] : t.meta.versions) meta["versions"][k] = v;
 
   ordered_json params = ordered_json::array();
   for (const auto& p : t.params) {
-    params.push_back({{"id", p.id},       {"name", p.name},   {"shape", p.shape},
-                      {"dtype", p.dtype}, {"numel", p.numel}, {"shard_numel", p.shardNumel},
+    params.push_back({{"id", p.id},
+                      {"name", p.name},
+                      {"shape", p.shape},
+                      {"dtype", p.dtype},
+                      {"numel", p.numel},
+                      {"shard_numel", p.shardNumel},
                       {"requires_grad", p.requiresGrad}});
   }
   ordered_json calibration{{"all_gather", curveJson(t.calibration.allGather)},
@@ -384,8 +394,10 @@ std::string writeTrace(const Trace& t) {
       ordered_json events = ordered_json::array();
       for (const auto& e : g.events) {
         ordered_json ev{{"seq", e.seq}, {"op", e.op}};
-        if (takesOneId(e.op) && !e.dsIds.empty()) ev["ds_id"] = e.dsIds.front();
-        else if (e.op == "prefetch_params_fused") ev["ds_ids"] = e.dsIds;
+        if (takesOneId(e.op) && !e.dsIds.empty())
+          ev["ds_id"] = e.dsIds.front();
+        else if (e.op == "prefetch_params_fused")
+          ev["ds_ids"] = e.dsIds;
         if (e.nUsers) ev["n_users"] = *e.nUsers;
         ev["bytes"] = e.bytes;
         if (!e.dtype.empty()) ev["dtype"] = e.dtype;
@@ -401,12 +413,13 @@ std::string writeTrace(const Trace& t) {
     steps.push_back({{"index", s.index}, {"optimizer_us", s.optimizerUs}, {"graphs", std::move(graphs)}});
   }
 
-  ordered_json doc{{"schema", kTraceSchema},
-                   {"meta", std::move(meta)},
-                   {"memory", {{"capacity_bytes", t.memory.capacityBytes}, {"baseline_bytes", t.memory.baselineBytes}}},
-                   {"params", std::move(params)},
-                   {"calibration", std::move(calibration)},
-                   {"steps", std::move(steps)}};
+  ordered_json doc{
+      {"schema", kTraceSchema},
+      {"meta", std::move(meta)},
+      {"memory", {{"capacity_bytes", t.memory.capacityBytes}, {"baseline_bytes", t.memory.baselineBytes}}},
+      {"params", std::move(params)},
+      {"calibration", std::move(calibration)},
+      {"steps", std::move(steps)}};
   return doc.dump(2) + "\n";
 }
 

@@ -22,14 +22,18 @@ namespace {
 }
 
 template <typename T>
-void requireSame(const RankTrace& base, const RankTrace& r, const std::string& pointer, const T& a, const T& b) {
+void requireSame(const RankTrace& base, const RankTrace& r, const std::string& pointer, const T& a,
+                 const T& b) {
   if (a == b) return;
   auto str = [](const auto& v) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, std::string>) return "\"" + v + "\"";
-    else return std::to_string(v);
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, std::string>)
+      return "\"" + v + "\"";
+    else
+      return std::to_string(v);
   };
-  disagree(r, pointer, "rank " + std::to_string(r.rank) + " has " + str(b) + " where rank " +
-                           std::to_string(base.rank) + " has " + str(a));
+  disagree(r, pointer,
+           "rank " + std::to_string(r.rank) + " has " + str(b) + " where rank " + std::to_string(base.rank) +
+               " has " + str(a));
 }
 
 void checkAgreement(const RankTrace& base, const RankTrace& r) {
@@ -67,7 +71,8 @@ void checkAgreement(const RankTrace& base, const RankTrace& r) {
         if (ea.op != eb.op || ea.dsIds != eb.dsIds) {
           disagree(r, graphAt + "/events/" + std::to_string(e),
                    "rank " + std::to_string(r.rank) + " issued " + describeOp(eb) + " where rank " +
-                       std::to_string(base.rank) + " issued " + describeOp(ea) + where + std::to_string(e) + ")");
+                       std::to_string(base.rank) + " issued " + describeOp(ea) + where + std::to_string(e) +
+                       ")");
         }
       }
       if (ga.events.size() != gb.events.size()) {
@@ -75,8 +80,8 @@ void checkAgreement(const RankTrace& base, const RankTrace& r) {
         const OpEvent& extra = shorter ? ga.events[common] : gb.events[common];
         disagree(r, graphAt + "/events/" + std::to_string(common),
                  "rank " + std::to_string(shorter ? base.rank : r.rank) + " issued " + describeOp(extra) +
-                     " where rank " + std::to_string(shorter ? r.rank : base.rank) + " ended the graph" + where +
-                     std::to_string(common) + ")");
+                     " where rank " + std::to_string(shorter ? r.rank : base.rank) + " ended the graph" +
+                     where + std::to_string(common) + ")");
       }
     }
   }
@@ -115,8 +120,9 @@ Trace mergeRankTraces(const std::vector<RankTrace>& input) {
     if (!byRank.count(rank)) missing += (missing.empty() ? "" : ", ") + std::to_string(rank);
   }
   if (!missing.empty()) {
-    throw InputError(base.file, {{"", "no trace from rank " + missing + " (world size " + std::to_string(worldSize) +
-                                          "): that rank did not finish recording"}});
+    throw InputError(base.file,
+                     {{"", "no trace from rank " + missing + " (world size " + std::to_string(worldSize) +
+                               "): that rank did not finish recording"}});
   }
 
   Trace merged = base.trace;

@@ -50,7 +50,8 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
         }
         if (e.stream == "compute") gs.exposedCommUs += us;
         if (e.stream == "allgather" || e.stream == "reduce") {
-          comm.push_back({step.index, g.id, e.seq, e.op, e.dsIds.empty() ? "" : names[e.dsIds.front()], e.bytes, us});
+          comm.push_back(
+              {step.index, g.id, e.seq, e.op, e.dsIds.empty() ? "" : names[e.dsIds.front()], e.bytes, us});
         }
       }
     }

@@ -19,7 +19,11 @@ std::string formatBytes(uint64_t bytes) {
     ++unit;
   }
   char out[32];
-  std::snprintf(out, sizeof out, value < 10 ? "%.2f %s" : value < 100 ? "%.1f %s" : "%.0f %s", value, kUnits[unit]);
+  std::snprintf(out, sizeof out,
+                value < 10    ? "%.2f %s"
+                : value < 100 ? "%.1f %s"
+                              : "%.0f %s",
+                value, kUnits[unit]);
   return out;
 }
 
@@ -41,9 +45,13 @@ std::optional<uint64_t> parseByteSize(std::string_view text) {
   }
   double scale = 1;
   if (!suffix.empty() && suffix.back() == 'b') suffix.pop_back();
-  static const struct { const char* name; double scale; } kSuffixes[] = {
-      {"", 1},       {"k", 1e3},        {"m", 1e6},        {"g", 1e9},        {"t", 1e12},
-      {"ki", 1024.0}, {"mi", 1048576.0}, {"gi", 1073741824.0}, {"ti", 1099511627776.0},
+  static const struct {
+    const char* name;
+    double scale;
+  } kSuffixes[] = {
+      {"", 1},           {"k", 1e3},           {"m", 1e6},
+      {"g", 1e9},        {"t", 1e12},          {"ki", 1024.0},
+      {"mi", 1048576.0}, {"gi", 1073741824.0}, {"ti", 1099511627776.0},
   };
   bool known = false;
   for (const auto& k : kSuffixes) {

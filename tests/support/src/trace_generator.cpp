@@ -148,7 +148,8 @@ class GraphWriter {
   double jitter(double us) { return us * (1.0 + o_.jitter * (2.0 * random_.uniform() - 1.0)); }
 
   uint64_t paddedBytes(int64_t p, const std::string& dtype) const {
-    return static_cast<uint64_t>(model_.params[p].shardNumel) * o_.worldSize * schemas::dtypeSize(dtype).value_or(4);
+    return static_cast<uint64_t>(model_.params[p].shardNumel) * o_.worldSize *
+           schemas::dtypeSize(dtype).value_or(4);
   }
 
   // Starts an event at the host clock after the compute accumulated since the last op.

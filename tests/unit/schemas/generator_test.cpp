@@ -66,7 +66,8 @@ TEST(Generator, EveryGeneratedTraceValidates) {
       o.model.layers = layers;
       o.worldSize = ws;
       schemas::Trace parsed;
-      auto diags = schemas::validateTrace(schemas::parseJson(schemas::writeTrace(generateTrace(o)), "gen"), parsed);
+      auto diags =
+          schemas::validateTrace(schemas::parseJson(schemas::writeTrace(generateTrace(o)), "gen"), parsed);
       EXPECT_TRUE(diags.empty()) << layers << " layers, " << ws << " ranks: " << diags.front().str();
     }
   }

@@ -28,8 +28,8 @@ void mutateEverywhere(const std::string& file,
   const ordered_json original = readJsonFile(std::string(DCPLAN_SOURCE_DIR) + "/tests/lit/Inputs/" + file);
   std::vector<std::string> pointers;
   collectPointers(original, "", pointers);
-  const std::vector<ordered_json> replacements{nullptr, -1, 1e300, "x", true, ordered_json::array(),
-                                               ordered_json::object(), 18446744073709551615ull};
+  const std::vector<ordered_json> replacements{
+      nullptr, -1, 1e300, "x", true, ordered_json::array(), ordered_json::object(), 18446744073709551615ull};
   size_t diagnosed = 0, accepted = 0;
   for (const auto& pointer : pointers) {
     const ordered_json::json_pointer at(pointer);
@@ -54,11 +54,13 @@ void mutateEverywhere(const std::string& file,
 }
 
 TEST(Mutation, TraceMutationsAreDiagnosedNeverCrash) {
-  mutateEverywhere<Trace>("minimal.trace.json", [](const ordered_json& d, Trace& t) { return validateTrace(d, t); });
+  mutateEverywhere<Trace>("minimal.trace.json",
+                          [](const ordered_json& d, Trace& t) { return validateTrace(d, t); });
 }
 
 TEST(Mutation, PlanMutationsAreDiagnosedNeverCrash) {
-  mutateEverywhere<Plan>("minimal.plan.json", [](const ordered_json& d, Plan& p) { return validatePlan(d, p); });
+  mutateEverywhere<Plan>("minimal.plan.json",
+                         [](const ordered_json& d, Plan& p) { return validatePlan(d, p); });
 }
 
 }  // namespace

@@ -115,7 +115,8 @@ TEST(AtomicWrite, ReplacesTheFileAndLeavesNoTemporary) {
   writeFileAtomically(path, "first\n");
   writeFileAtomically(path, "second\n");
   EXPECT_EQ(readText(path), "second\n");
-  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), std::filesystem::directory_iterator()), 1);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), std::filesystem::directory_iterator()),
+            1);
   std::filesystem::remove_all(dir);
 }
 
@@ -125,7 +126,8 @@ TEST(AtomicWrite, FailureNamesTheFileAndLeavesNothing) {
     writeFileAtomically(path, "x");
     FAIL() << "expected an error";
   } catch (const std::runtime_error& e) {
-    EXPECT_EQ(std::string(e.what()), "/nonexistent-dir-dcplan/out.json: cannot write: No such file or directory");
+    EXPECT_EQ(std::string(e.what()),
+              "/nonexistent-dir-dcplan/out.json: cannot write: No such file or directory");
   }
   EXPECT_FALSE(std::filesystem::exists(path));
 }

@@ -36,7 +36,9 @@ struct TraceCase {
   std::vector<std::string> expected;
 };
 
-ordered_json& event(ordered_json& t, int graph, int index) { return t["steps"][0]["graphs"][graph]["events"][index]; }
+ordered_json& event(ordered_json& t, int graph, int index) {
+  return t["steps"][0]["graphs"][graph]["events"][index];
+}
 
 class BrokenTrace : public ::testing::TestWithParam<TraceCase> {};
 
@@ -50,22 +52,32 @@ INSTANTIATE_TEST_SUITE_P(
     Kinds, BrokenTrace,
     ::testing::Values(
         TraceCase{"MissingMeta", [](auto& t) { t.erase("meta"); }, {"missing required field \"meta\""}},
-        TraceCase{"StringWorldSize", [](auto& t) { t["meta"]["world_size"] = "2"; },
+        TraceCase{"StringWorldSize",
+                  [](auto& t) { t["meta"]["world_size"] = "2"; },
                   {"/meta/world_size: expected an integer, got string \"2\""}},
-        TraceCase{"FloatWorldSize", [](auto& t) { t["meta"]["world_size"] = 2.5; },
+        TraceCase{"FloatWorldSize",
+                  [](auto& t) { t["meta"]["world_size"] = 2.5; },
                   {"/meta/world_size: expected an integer, got number 2.5"}},
-        TraceCase{"HugeBytes", [](auto& t) { event(t, 0, 0)["bytes"] = 18446744073709551615ull; },
+        TraceCase{"HugeBytes",
+                  [](auto& t) { event(t, 0, 0)["bytes"] = 18446744073709551615ull; },
                   {"/steps/0/graphs/0/events/0/bytes: integer 18446744073709551615 is out of range"}},
-        TraceCase{"UnknownBackend", [](auto& t) { t["meta"]["backend"] = "mpi"; },
+        TraceCase{"UnknownBackend",
+                  [](auto& t) { t["meta"]["backend"] = "mpi"; },
                   {"/meta/backend: expected one of \"nccl\", \"gloo\", got \"mpi\""}},
-        TraceCase{"VersionNotString", [](auto& t) { t["meta"]["versions"]["torch"] = 2; },
+        TraceCase{"VersionNotString",
+                  [](auto& t) { t["meta"]["versions"]["torch"] = 2; },
                   {"/meta/versions/torch: expected a version string, got integer 2"}},
-        TraceCase{"NegativeNumel", [](auto& t) { t["params"][1]["numel"] = -3; },
+        TraceCase{"NegativeNumel",
+                  [](auto& t) { t["params"][1]["numel"] = -3; },
                   {"/params/1/numel: expected an integer >= 0, got -3"}},
-        TraceCase{"EmptyName", [](auto& t) { t["params"][0]["name"] = ""; }, {"/params/0/name: expected a non-empty name"}},
-        TraceCase{"DuplicateName", [](auto& t) { t["params"][1]["name"] = "fc.weight"; },
+        TraceCase{"EmptyName",
+                  [](auto& t) { t["params"][0]["name"] = ""; },
+                  {"/params/0/name: expected a non-empty name"}},
+        TraceCase{"DuplicateName",
+                  [](auto& t) { t["params"][1]["name"] = "fc.weight"; },
                   {"/params/1/name: duplicate parameter name \"fc.weight\" (first at /params/0)"}},
-        TraceCase{"ShapeNotArray", [](auto& t) { t["params"][0]["shape"] = 12; },
+        TraceCase{"ShapeNotArray",
+                  [](auto& t) { t["params"][0]["shape"] = 12; },
                   {"/params/0/shape: expected an array, got integer 12"}},
         TraceCase{"DanglingFusedId",
                   [](auto& t) {
@@ -75,23 +87,31 @@ INSTANTIATE_TEST_SUITE_P(
                     e["ds_ids"] = {0, 9};
                   },
                   {"/steps/0/graphs/0/events/0/ds_ids/1: ds_id 9 is not in the parameter table (/params)"}},
-        TraceCase{"ReleaseWithoutUsers", [](auto& t) { event(t, 0, 2).erase("n_users"); },
+        TraceCase{"ReleaseWithoutUsers",
+                  [](auto& t) { event(t, 0, 2).erase("n_users"); },
                   {"/steps/0/graphs/0/events/2: missing required field \"n_users\""}},
-        TraceCase{"IdOnEndBackward", [](auto& t) { event(t, 1, 5)["ds_id"] = 0; },
+        TraceCase{"IdOnEndBackward",
+                  [](auto& t) { event(t, 1, 5)["ds_id"] = 0; },
                   {"/steps/0/graphs/1/events/5/ds_id: unknown field \"ds_id\""}},
-        TraceCase{"UnknownStream", [](auto& t) { event(t, 0, 0)["stream"] = "nccl"; },
-                  {"/steps/0/graphs/0/events/0/stream: expected one of \"compute\", \"allgather\", \"reduce\", "
-                   "\"copy\", \"offload\", \"reload\", got \"nccl\""}},
-        TraceCase{"DuplicateGraphId", [](auto& t) { t["steps"][0]["graphs"][1]["id"] = 0; },
+        TraceCase{
+            "UnknownStream",
+            [](auto& t) { event(t, 0, 0)["stream"] = "nccl"; },
+            {"/steps/0/graphs/0/events/0/stream: expected one of \"compute\", \"allgather\", \"reduce\", "
+             "\"copy\", \"offload\", \"reload\", got \"nccl\""}},
+        TraceCase{"DuplicateGraphId",
+                  [](auto& t) { t["steps"][0]["graphs"][1]["id"] = 0; },
                   {"/steps/0/graphs/1/id: duplicate graph id 0 in this step"}},
         TraceCase{"StepIndexRepeats",
                   [](auto& t) { t["steps"].push_back(t["steps"][0]); },
                   {"/steps/1/index: step indices must increase: 0 follows 0"}},
-        TraceCase{"NegativeTime", [](auto& t) { event(t, 0, 1)["compute_us"] = -1.0; },
+        TraceCase{"NegativeTime",
+                  [](auto& t) { event(t, 0, 1)["compute_us"] = -1.0; },
                   {"/steps/0/graphs/0/events/1/compute_us: expected a number >= 0.0, got -1.0"}},
-        TraceCase{"EmptyCurve", [](auto& t) { t["calibration"]["all_reduce"] = ordered_json::array(); },
+        TraceCase{"EmptyCurve",
+                  [](auto& t) { t["calibration"]["all_reduce"] = ordered_json::array(); },
                   {"/calibration/all_reduce: expected at least one calibration point"}},
-        TraceCase{"ZeroCopyRate", [](auto& t) { t["calibration"]["h2d_gbps"] = 0; },
+        TraceCase{"ZeroCopyRate",
+                  [](auto& t) { t["calibration"]["h2d_gbps"] = 0; },
                   {"/calibration/h2d_gbps: expected a number > 0, got 0.0"}},
         TraceCase{"TwoProblems",
                   [](auto& t) {
@@ -133,8 +153,9 @@ TEST(Validate, PlanProblems) {
 TEST(Validate, PrefetchPositionsMustNotDecrease) {
   ordered_json plan = minimalPlan();
   plan["graphs"][0]["prefetch"] = {{{"position", 4}, {"ds_ids", {0}}}, {{"position", 2}, {"ds_ids", {1}}}};
-  EXPECT_EQ(planProblems(plan),
-            std::vector<std::string>{"/graphs/0/prefetch/1/position: positions must not decrease: 2 follows 4"});
+  EXPECT_EQ(
+      planProblems(plan),
+      std::vector<std::string>{"/graphs/0/prefetch/1/position: positions must not decrease: 2 follows 4"});
 }
 
 TEST(Parse, RejectsDuplicateKeysWithTheirPointer) {
@@ -160,7 +181,8 @@ TEST(Parse, SyntaxErrorsNameLineAndColumn) {
     parseJson("{\n  \"a\": trux\n}", "bad.json");
     FAIL() << "expected an error";
   } catch (const InputError& e) {
-    EXPECT_EQ(std::string(e.what()).rfind("bad.json: not valid JSON: parse error at line 2, column", 0), 0u) << e.what();
+    EXPECT_EQ(std::string(e.what()).rfind("bad.json: not valid JSON: parse error at line 2, column", 0), 0u)
+        << e.what();
   }
 }
 

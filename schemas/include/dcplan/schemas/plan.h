@@ -62,8 +62,8 @@ struct Plan {
   PlanOptions options;
   std::vector<int64_t> persistent;  ///< ds_ids kept gathered, ascending
   std::vector<PlanGraph> graphs;
-  Prediction predicted;             ///< this plan
-  Prediction predictedDefault;      ///< the default schedule on the same trace
+  Prediction predicted;         ///< this plan
+  Prediction predictedDefault;  ///< the default schedule on the same trace
 };
 
 }  // namespace dcplan::schemas

@@ -13,14 +13,14 @@ inline constexpr const char* kTraceSchema = "dcplan.trace/v1";
 
 /// Who recorded the trace and on what cluster.
 struct TraceMeta {
-  std::string createdBy;      ///< "dcplan-recorder 0.1.0", "dcplan-gen-trace 0.1.0", ...
+  std::string createdBy;  ///< "dcplan-recorder 0.1.0", "dcplan-gen-trace 0.1.0", ...
   int64_t worldSize = 1;
-  std::string backend;        ///< "nccl" or "gloo"
-  std::string device;         ///< device name, e.g. "NVIDIA H200" or "cpu"
-  int64_t stage = 3;          ///< ZeRO stage the run used (1, 2 or 3)
-  int64_t gradAccumSteps = 1; ///< micro-steps per optimizer step
-  std::string paramDtype;     ///< dtype parameters are gathered in
-  std::string reduceDtype;    ///< dtype gradients are reduced in
+  std::string backend;                          ///< "nccl" or "gloo"
+  std::string device;                           ///< device name, e.g. "NVIDIA H200" or "cpu"
+  int64_t stage = 3;                            ///< ZeRO stage the run used (1, 2 or 3)
+  int64_t gradAccumSteps = 1;                   ///< micro-steps per optimizer step
+  std::string paramDtype;                       ///< dtype parameters are gathered in
+  std::string reduceDtype;                      ///< dtype gradients are reduced in
   std::map<std::string, std::string> versions;  ///< "dcplan", "torch", "nccl", ...
 };
 
@@ -33,11 +33,11 @@ struct TraceMemory {
 /// One row of the parameter table; ids are the runtime's ds_ids.
 struct TraceParam {
   int64_t id = 0;
-  std::string name;            ///< qualified name, e.g. "layers.0.attn.wq.weight"
+  std::string name;  ///< qualified name, e.g. "layers.0.attn.wq.weight"
   std::vector<int64_t> shape;
-  std::string dtype;           ///< dtype of the master shard
-  int64_t numel = 0;           ///< product of shape
-  int64_t shardNumel = 0;      ///< ceil(numel / world_size): padded shard length
+  std::string dtype;       ///< dtype of the master shard
+  int64_t numel = 0;       ///< product of shape
+  int64_t shardNumel = 0;  ///< ceil(numel / world_size): padded shard length
   bool requiresGrad = true;
 };
 
@@ -58,9 +58,9 @@ struct Calibration {
 
 /// One dc op as the runtime executed it.
 struct OpEvent {
-  int64_t seq = 0;                ///< position in its graph's op sequence
-  std::string op;                 ///< dc op name, e.g. "allgather_param"
-  std::vector<int64_t> dsIds;     ///< one id ("ds_id"), several for prefetch_params_fused, none for end_backward
+  int64_t seq = 0;             ///< position in its graph's op sequence
+  std::string op;              ///< dc op name, e.g. "allgather_param"
+  std::vector<int64_t> dsIds;  ///< one id ("ds_id"), several for prefetch_params_fused, none for end_backward
   std::optional<int64_t> nUsers;  ///< release_param only
   uint64_t bytes = 0;             ///< bytes moved or freed (gathered size, gradient size)
   std::string dtype;              ///< dtype of those bytes ("" when none)

@@ -18,10 +18,10 @@ struct GraphSummary {
   int64_t reduces = 0;
   uint64_t gatheredBytes = 0;
   uint64_t reducedBytes = 0;
-  double computeUs = 0;       ///< sum of compute_us
-  double exposedCommUs = 0;   ///< compute-stream time spent waiting (wait_*, end_backward)
-  double allgatherBusyUs = 0; ///< sum of all-gather durations
-  double reduceBusyUs = 0;    ///< sum of reduce durations
+  double computeUs = 0;        ///< sum of compute_us
+  double exposedCommUs = 0;    ///< compute-stream time spent waiting (wait_*, end_backward)
+  double allgatherBusyUs = 0;  ///< sum of all-gather durations
+  double reduceBusyUs = 0;     ///< sum of reduce durations
 };
 
 struct SlowOp {
@@ -38,14 +38,14 @@ struct TraceSummary {
   int64_t params = 0;
   int64_t trainableParams = 0;
   uint64_t elements = 0;
-  uint64_t masterBytes = 0;       ///< elements x master dtype size
-  uint64_t peakMemoryBytes = 0;   ///< highest memory_bytes of any event
+  uint64_t masterBytes = 0;      ///< elements x master dtype size
+  uint64_t peakMemoryBytes = 0;  ///< highest memory_bytes of any event
   int64_t steps = 0;
   std::vector<GraphSummary> graphs;  ///< per graph id, averaged over steps
-  double computeUs = 0;           ///< per step
-  double exposedCommUs = 0;       ///< per step
-  double optimizerUs = 0;         ///< per optimizer step, averaged over the steps that ran it
-  std::vector<SlowOp> slowest;    ///< communication ops, longest first
+  double computeUs = 0;              ///< per step
+  double exposedCommUs = 0;          ///< per step
+  double optimizerUs = 0;            ///< per optimizer step, averaged over the steps that ran it
+  std::vector<SlowOp> slowest;       ///< communication ops, longest first
 };
 
 /// Averages over the recorded steps; `slowest` keeps the `topOps` longest collectives.
