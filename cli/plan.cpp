@@ -62,16 +62,18 @@ void runPlan(const PlanCliOptions& o) {
 
 void setupPlan(CLI::App& app) {
   auto o = std::make_shared<PlanCliOptions>();
-  auto* cmd = app.add_subcommand("plan", "Plan a trace's communication: prefetch, persistence, reduce buckets");
+  auto* cmd =
+      app.add_subcommand("plan", "Plan a trace's communication: prefetch, persistence, reduce buckets");
   cmd->add_option("trace", o->trace, "trace file (dcplan.trace/v1)")->required();
   cmd->add_option("-o,--output", o->output, "plan file to write (dcplan.plan/v1)")->required();
-  cmd->add_option("--memory-budget", o->memoryBudget,
-                  "device memory the schedule may use, e.g. 40GiB, 80GB, 1.5e9 (default: the traced capacity)");
+  cmd->add_option(
+      "--memory-budget", o->memoryBudget,
+      "device memory the schedule may use, e.g. 40GiB, 80GB, 1.5e9 (default: the traced capacity)");
   cmd->add_option("--strategy", o->strategy, "default, heuristic or optimized")
       ->check(CLI::IsMember({"default", "heuristic", "optimized"}))
       ->capture_default_str();
   cmd->add_option("--world-size", o->worldSize, "plan for this many ranks (default: as traced)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--bandwidth", o->bandwidth, "plan for this bus bandwidth, GB/s (default: as calibrated)");
   cmd->add_flag("--explain", o->explain, "print why each decision was taken");
   cmd->callback([o] { runPlan(*o); });

@@ -43,6 +43,11 @@ namespace {
 
 std::string us(double v) { return formatFixed(v, 1) + " us"; }
 
+/// "1 bucket", "3 buckets".
+std::string count(size_t n, const std::string& noun) {
+  return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
+}
+
 /// Stages 1 and 2 keep every parameter gathered: persistence is not a choice there.
 std::vector<char> stagePersistent(const Workload& w) {
   return std::vector<char>(w.params.size(), w.stage < 3 ? 1 : 0);
@@ -100,8 +105,7 @@ class Search {
   /// schedule fits (its own memory check), down to the default schedule.
   Candidate heuristicCandidate(uint64_t defaultPeak) {
     uint64_t headroom = c_.limit > defaultPeak ? c_.limit - defaultPeak : 0;
-    int reduceSize = schemas::dtypeSize(w_.reduceDtype).value_or(4);
-    uint64_t bucketBytes = kReferenceBucketElements * static_cast<uint64_t>(reduceSize);
+    BucketSet buckets = greedyBuckets(c_, kDefaultBucketBytes);
     Candidate last;
     for (int attempt = 0; attempt <= 4; ++attempt) {
       double share = attempt == 4 ? 0.0 : 1.0 / static_cast<double>(1 << attempt);
@@ -110,14 +114,10 @@ class Search {
       PersistChoice persist =
           w_.stage < 3 ? PersistChoice{stagePersistent(w_), 0, 0} : referencePersistence(c_, persistCap);
       PrefetchResult prefetch = referencePrefetch(c_, persist.persistent, inFlight);
-      bool lastResort = attempt == 4;
       last = evaluate("heuristic", persist.persistent,
-                      "by gather time per byte, up to " + formatBytes(persistCap), 
-                      lastResort ? greedyBuckets(c_, kDefaultBucketBytes) : greedyBuckets(c_, bucketBytes),
-                      lastResort ? "greedy, " + formatBytes(kDefaultBucketBytes)
-                                 : "greedy, " + std::to_string(kReferenceBucketElements) + " elements (" +
-                                       formatBytes(bucketBytes) + ")",
-                      std::move(prefetch),
+                      w_.stage < 3 ? "all (stage " + std::to_string(w_.stage) + ")"
+                                   : "by gather time per byte, up to " + formatBytes(persistCap),
+                      buckets, "greedy, " + formatBytes(kDefaultBucketBytes), std::move(prefetch),
                       "groups of " + std::to_string(kReferencePrefetchFactor) + ", one group ahead, up to " +
                           formatBytes(inFlight) + " in flight");
       if (last.feasible) return last;
@@ -284,10 +284,10 @@ class Explainer {
       auto timing = bucketTimings(c_, static_cast<int32_t>(g), set);
       const WorkGraph& wg = w_.graphs[g];
       line("  graph " + std::to_string(wg.id) + " (" + schemas::graphKindName(wg.kind) + "): " +
-           std::to_string(set.size()) + " buckets, last reduction ends " +
+           count(set.size(), "bucket") + ", last reduction ends " +
            us(timing.back().endUs - timing.back().readyUs) + " after the last gradient is ready");
       for (size_t b = 0; b < set.size(); ++b) {
-        line("    bucket " + std::to_string(b) + ": " + std::to_string(set[b].dsIds.size()) + " grads (ids " +
+        line("    bucket " + std::to_string(b) + ": " + count(set[b].dsIds.size(), "grad") + " (ids " +
              idRange(set[b].dsIds) + "), " + formatBytes(set[b].bytes) + ", ready at " + us(timing[b].readyUs) +
              ", reduced " + formatFixed(timing[b].startUs, 1) + "-" + formatFixed(timing[b].endUs, 1) + " us");
       }
@@ -297,7 +297,7 @@ class Explainer {
   void persistence(const Candidate& k, const std::vector<int32_t>& counts) {
     size_t n = 0;
     for (char p : k.persist.persistent) n += p ? 1 : 0;
-    line("persistent: " + std::to_string(n) + " params, " + formatBytes(k.persist.bytes) + ": " + k.persistLabel);
+    line("persistent: " + count(n, "param") + ", " + formatBytes(k.persist.bytes) + ": " + k.persistLabel);
     if (w_.stage < 3) return;
     for (size_t p = 0; p < w_.params.size(); ++p) {
       if (!k.persist.persistent[p]) continue;
@@ -319,7 +319,7 @@ class Explainer {
         if (d.graph == static_cast<int32_t>(g) && d.group >= 0) ++early;
       }
       line("  graph " + std::to_string(wg.id) + " (" + schemas::graphKindName(wg.kind) + "): " +
-           std::to_string(uses[g].size()) + " gathers, " + std::to_string(groups.size()) + " prefetch groups holding " +
+           count(uses[g].size(), "gather") + ", " + count(groups.size(), "prefetch group") + " holding " +
            std::to_string(early));
       for (const IssueDecision& d : k.prefetch.decisions) {
         if (d.graph != static_cast<int32_t>(g)) continue;

@@ -61,6 +61,10 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   return Simulated{std::move(w), std::move(p), std::move(d)};
 }
 
+std::string count(size_t n, const std::string& noun) {
+  return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
+}
+
 std::string budgetText(const schemas::Plan& plan) {
   return plan.options.memoryBudgetBytes ? formatBytes(*plan.options.memoryBudgetBytes) : "none (device capacity)";
 }
@@ -93,7 +97,7 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
         << "); the timeline below is simulated on it\n";
     }
   }
-  s << "\nschedule:\n  persistent: " << plan.persistent.size() << " params";
+  s << "\nschedule:\n  persistent: " << count(plan.persistent.size(), "param");
   if (!plan.persistent.empty()) s << " [" << formatIds(plan.persistent) << "]";
   s << "\n";
   for (const schemas::PlanGraph& g : plan.graphs) {
@@ -107,10 +111,10 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
       bytes += b.bytes;
       biggest = std::max(biggest, b.bytes);
     }
-    s << "  graph " << g.id << " (" << schemas::graphKindName(g.kind) << "): " << g.prefetch.size()
-      << " prefetch groups (" << ids << " gathers, up to " << largest << " fused)";
+    s << "  graph " << g.id << " (" << schemas::graphKindName(g.kind) << "): " << count(g.prefetch.size(), "prefetch group");
+    if (!g.prefetch.empty()) s << " (" << count(ids, "gather") << ", up to " << largest << " fused)";
     if (!g.buckets.empty()) {
-      s << ", " << g.buckets.size() << " buckets (" << formatBytes(bytes) << ", largest " << formatBytes(biggest) << ")";
+      s << ", " << count(g.buckets.size(), "bucket") << " (" << formatBytes(bytes) << ", largest " << formatBytes(biggest) << ")";
     }
     s << "\n";
   }

@@ -22,9 +22,6 @@ std::optional<Strategy> parseStrategy(std::string_view name);
 
 /// Bucket size of the default schedule (the runtime without a plan), in bytes.
 inline constexpr uint64_t kDefaultBucketBytes = 100'000'000;
-/// The reference design's bucket size: 100M *elements* of the reduce dtype
-/// (it compares element counts against a threshold documented in bytes).
-inline constexpr uint64_t kReferenceBucketElements = 100'000'000;
 /// The reference's prefetch grouping factor: gathers are launched this many at a
 /// time, one group ahead of use.
 inline constexpr int kReferencePrefetchFactor = 3;
