@@ -205,8 +205,9 @@ void ParamRegistry::reload(Param& p) {
 
 // ---------------------------------------------------------------- ReduceBucket
 
-ReduceBucket::ReduceBucket(at::ScalarType dtype, int worldSize, bool rankMajor, int64_t capacityBytes)
-    : dtype_(dtype), worldSize_(worldSize), rankMajor_(rankMajor) {
+ReduceBucket::ReduceBucket(at::ScalarType dtype, c10::Device device, int worldSize, bool rankMajor,
+                           int64_t capacityBytes)
+    : dtype_(dtype), device_(device), worldSize_(worldSize), rankMajor_(rankMajor) {
   const int64_t elemBytes = static_cast<int64_t>(c10::elementSize(dtype));
   capacityCols_ = std::max<int64_t>(1, capacityBytes / (elemBytes * worldSize));
 }
@@ -214,7 +215,7 @@ ReduceBucket::ReduceBucket(at::ScalarType dtype, int worldSize, bool rankMajor, 
 void ReduceBucket::reserveCols(int64_t cols) {
   if (buffer_.defined() && usedCols_ + cols <= capacityCols_) return;
   const int64_t newCap = std::max(capacityCols_, usedCols_ + cols);
-  at::Tensor fresh = at::empty({worldSize_ * newCap}, at::TensorOptions().dtype(dtype_));
+  at::Tensor fresh = at::empty({worldSize_ * newCap}, at::TensorOptions().dtype(dtype_).device(device_));
   if (buffer_.defined() && usedCols_ > 0) {
     if (rankMajor_) {
       fresh.view({worldSize_, newCap}).narrow(1, 0, usedCols_).copy_(
@@ -259,8 +260,8 @@ void ReduceBucket::reset() {
   output_ = at::Tensor();
 }
 
-ReduceBucket& DoubleBufferedReduceBucket::current(at::ScalarType dtype) {
-  Pair& p = pair(dtype);
+ReduceBucket& DoubleBufferedReduceBucket::current(at::ScalarType dtype, c10::Device device) {
+  Pair& p = pair(dtype, device);
   return *p.buckets[p.current];
 }
 
@@ -280,11 +281,13 @@ std::vector<ReduceBucket*> DoubleBufferedReduceBucket::all() {
   return out;
 }
 
-DoubleBufferedReduceBucket::Pair& DoubleBufferedReduceBucket::pair(at::ScalarType dtype) {
+DoubleBufferedReduceBucket::Pair& DoubleBufferedReduceBucket::pair(at::ScalarType dtype, c10::Device device) {
   auto it = pairs_.find(dtype);
   if (it != pairs_.end()) return it->second;
   Pair p;
-  for (auto& b : p.buckets) b = std::make_unique<ReduceBucket>(dtype, worldSize_, rankMajor_, capacityBytes_);
+  for (auto& b : p.buckets) {
+    b = std::make_unique<ReduceBucket>(dtype, device, worldSize_, rankMajor_, capacityBytes_);
+  }
   return pairs_.emplace(dtype, std::move(p)).first->second;
 }
 
@@ -366,7 +369,7 @@ void Executor::putInBucket(Param& p, const at::Tensor& gradFlat) {
   const at::ScalarType dtype = reduceDtype_.value_or(gradFlat.scalar_type());
   const int ws = rt_.transport_->worldSize();
   const int64_t nextBytes = ws * p.shardNumel_ * int64_t(c10::elementSize(dtype));
-  ReduceBucket* bucket = &buckets_->current(dtype);
+  ReduceBucket* bucket = &buckets_->current(dtype, gradFlat.device());
   if (rt_.schedule_->flushBefore(graphId_, bucket->usedBytes(), nextBytes, rt_.config_.reduceBucketBytes)) {
     flush(dtype);
     bucket = &buckets_->current(dtype);

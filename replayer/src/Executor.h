@@ -92,7 +92,7 @@ struct ReduceTask {
 /// (all-reduce): gradients are stored one after another.
 class ReduceBucket {
  public:
-  ReduceBucket(at::ScalarType dtype, int worldSize, bool rankMajor, int64_t capacityBytes);
+  ReduceBucket(at::ScalarType dtype, c10::Device device, int worldSize, bool rankMajor, int64_t capacityBytes);
   ReduceBucket(const ReduceBucket&) = delete;
   ReduceBucket& operator=(const ReduceBucket&) = delete;
 
@@ -116,6 +116,7 @@ class ReduceBucket {
   void reserveCols(int64_t cols);
 
   at::ScalarType dtype_;
+  c10::Device device_;
   int worldSize_;
   bool rankMajor_;
   int64_t capacityCols_;
@@ -130,7 +131,8 @@ class DoubleBufferedReduceBucket {
   DoubleBufferedReduceBucket(int worldSize, bool rankMajor, int64_t capacityBytes, bool doubleBuffer)
       : worldSize_(worldSize), rankMajor_(rankMajor), capacityBytes_(capacityBytes),
         doubleBuffer_(doubleBuffer) {}
-  ReduceBucket& current(at::ScalarType dtype);
+  /// The bucket being filled; device is used when the dtype's buckets are created.
+  ReduceBucket& current(at::ScalarType dtype, c10::Device device = c10::Device(c10::kCPU));
   /// Makes the other bucket current and returns it; the caller completes
   /// that bucket's pending reduction before filling it.
   ReduceBucket& swap(at::ScalarType dtype);
@@ -141,7 +143,7 @@ class DoubleBufferedReduceBucket {
     std::array<std::unique_ptr<ReduceBucket>, 2> buckets;
     int current = 0;
   };
-  Pair& pair(at::ScalarType dtype);
+  Pair& pair(at::ScalarType dtype, c10::Device device = c10::Device(c10::kCPU));
 
   int worldSize_;
   bool rankMajor_;

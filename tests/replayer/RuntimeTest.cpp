@@ -136,7 +136,7 @@ std::vector<at::Tensor> registerAll(Rank& rk, int rank, int ws) {
 }  // namespace
 
 TEST(ReduceBucket, RankMajorRegionsAreColumnsAndSurviveGrowth) {
-  ReduceBucket b(at::kFloat, 2, /*rankMajor=*/true, /*capacityBytes=*/16);  // 2 columns
+  ReduceBucket b(at::kFloat, at::kCPU, 2, /*rankMajor=*/true, /*capacityBytes=*/16);  // 2 columns
   at::Tensor r0 = b.allocate(7, 2);
   r0.copy_(at::arange(4, at::kFloat).view({2, 2}));
   at::Tensor r1 = b.allocate(8, 3);  // grows past the capacity
@@ -153,7 +153,7 @@ TEST(ReduceBucket, RankMajorRegionsAreColumnsAndSurviveGrowth) {
 }
 
 TEST(ReduceBucket, FlatRegionsAreConsecutive) {
-  ReduceBucket b(at::kFloat, 3, /*rankMajor=*/false, 1024);
+  ReduceBucket b(at::kFloat, at::kCPU, 3, /*rankMajor=*/false, 1024);
   b.allocate(0, 2).fill_(1);
   b.allocate(1, 1).fill_(2);
   EXPECT_TRUE(at::equal(b.commInput(), at::tensor({1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 2.f, 2.f, 2.f})));

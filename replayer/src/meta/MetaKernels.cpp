@@ -23,9 +23,14 @@ at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t, int64_t) { return at::
 
 void free_tensors_meta(const std::vector<at::Tensor>&) {}
 
-at::Tensor copy_like_meta(const at::Tensor& a, int64_t, int64_t) { return at::empty_like(a); }
+// The offload/reload copies keep shape, dtype and layout.
+at::Tensor offload_tensor_meta(const at::Tensor& a, int64_t, int64_t) { return at::empty_like(a); }
+at::Tensor reload_tensor_meta(const at::Tensor& a, int64_t, int64_t) { return at::empty_like(a); }
+at::Tensor wait_offload_meta(const at::Tensor& a, int64_t, int64_t) { return at::empty_like(a); }
+at::Tensor wait_reload_meta(const at::Tensor& a, int64_t, int64_t) { return at::empty_like(a); }
 
-void parameter_meta(const at::Tensor&, int64_t, int64_t) {}
+void offload_parameter_meta(const at::Tensor&, int64_t, int64_t) {}
+void reload_parameter_meta(const at::Tensor&, int64_t, int64_t) {}
 
 void end_backward_meta(int64_t) {}
 
@@ -44,12 +49,12 @@ TORCH_LIBRARY_IMPL(dc, Meta, m) {
   m.impl("release_param", &release_param_meta);
   m.impl("reduce_grad", &reduce_grad_meta);
   m.impl("free_tensors", &free_tensors_meta);
-  m.impl("offload_tensor", &copy_like_meta);
-  m.impl("reload_tensor", &copy_like_meta);
-  m.impl("wait_offload", &copy_like_meta);
-  m.impl("wait_reload", &copy_like_meta);
-  m.impl("offload_parameter", &parameter_meta);
-  m.impl("reload_parameter", &parameter_meta);
+  m.impl("offload_tensor", &offload_tensor_meta);
+  m.impl("reload_tensor", &reload_tensor_meta);
+  m.impl("wait_offload", &wait_offload_meta);
+  m.impl("wait_reload", &wait_reload_meta);
+  m.impl("offload_parameter", &offload_parameter_meta);
+  m.impl("reload_parameter", &reload_parameter_meta);
   m.impl("end_backward", &end_backward_meta);
   m.impl("inference_all_reduce", &inference_all_reduce_meta);
   m.impl("inference_all_reduce_", &inference_all_reduce__meta);
