@@ -15,6 +15,7 @@ executor's. Per model:
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import weakref
 from typing import Dict, List, Optional
@@ -269,8 +270,11 @@ def shard(
     model._dcplan = state
     model_ref = weakref.ref(model)
 
-    def set_requires_gradient_sync(requires_gradient_sync: bool) -> None:
-        """False on the micro-steps before a gradient-accumulation boundary (ZeRO-1 defers its reduction)."""
+    def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False on the micro-steps before a gradient-accumulation boundary (ZeRO-1 defers its reduction).
+
+        recurse is accepted for FSDP2 compatibility; the setting always covers the whole model.
+        """
         if not isinstance(requires_gradient_sync, bool):
             raise ValueError(
                 f"set_requires_gradient_sync: requires_gradient_sync should be a bool, got {requires_gradient_sync!r}"
@@ -378,6 +382,13 @@ def full_parameters(model: nn.Module) -> Dict[str, torch.Tensor]:
         dist.all_gather(parts, shard, group=state.pg)
         out[info.name] = torch.cat(parts)[: info.numel].view(info.shape).clone()
     return out
+
+
+@atexit.register
+def _cleanup_at_exit() -> None:
+    # Pending collectives are waited for and the process group released while
+    # Python and torch are still alive, not during static destruction.
+    _C.cleanup()
 
 
 def shutdown() -> None:
