@@ -339,3 +339,40 @@ def test_stage3_frees_gathered_params_after_use(dcplan_module, group, stage):
     loss.backward()
     assert all(p.grad is not None for p in m.parameters())
     dcplan_module.shutdown()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_two_forwards_one_backward_and_kept_grads(dcplan_module, group, stage):
+    """Two forwards feeding one backward (pack counts add up), then a second backward without
+    zero_grad (gradients accumulate), against plain PyTorch on one rank."""
+    dcplan_module.shutdown()
+    torch.manual_seed(0)
+
+    def make():
+        emb = nn.Embedding(7, 5)
+        head = nn.Linear(5, 7, bias=False)
+        head.weight = emb.weight
+        return nn.ModuleDict({"emb": emb, "mid": nn.Linear(5, 5), "head": head})
+
+    def run(m, idx):
+        h = m["mid"](m["mid"](m["emb"](idx)))  # mid called twice
+        return m["head"](h).logsumexp(-1).mean()
+
+    model, ref = make(), make()
+    ref.load_state_dict(model.state_dict())
+    # ModuleDict has no forward: shard a wrapper whose forward runs the pieces.
+    wrapper = nn.Module()
+    wrapper.m = model
+    wrapper.forward = lambda idx: run(model, idx)
+    dcplan_module.shard(wrapper, stage=stage)
+    a, b = torch.randint(0, 7, (3, 4)), torch.randint(0, 7, (3, 4))
+    (wrapper(a) + wrapper(b)).backward()
+    (run(ref, a) + run(ref, b)).backward()
+    wrapper(a).backward()
+    run(ref, a).backward()
+    assert dcplan_module._C.gathered_param_ids() == ([] if stage == 3 else [0, 1, 2])
+    shards = {info.name: info for info in wrapper._dcplan.infos}
+    for name, p in ref.named_parameters():
+        info = shards["m." + name]
+        torch.testing.assert_close(info.shard.grad, p.grad.reshape(-1), rtol=1e-6, atol=1e-7)
+    dcplan_module.shutdown()
