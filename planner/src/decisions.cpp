@@ -462,7 +462,7 @@ PrefetchResult referencePrefetch(const Context& c, const std::vector<char>& pers
 // ---- persistence ---------------------------------------------------------------
 
 PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes, const std::vector<double>* stallUs,
-                                  double streamWeight) {
+                                  double streamWeight, bool onlyStalled) {
   const Workload& w = c.w;
   PersistChoice out;
   out.persistent.assign(w.params.size(), 0);
@@ -477,6 +477,8 @@ PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes, const std
   for (size_t p = 0; p < w.params.size(); ++p) {
     uint64_t b = w.params[p].gatherBytes;
     if (count[p] < 2 || b == 0 || b > capBytes) continue;
+    // Valued by stalls, a parameter that never stalls is not worth its memory.
+    if (onlyStalled && stallUs && (*stallUs)[p] <= 0) continue;
     double saved = (count[p] - 1) * c.cost.us(Collective::AllGather, b);
     double value = streamWeight * saved + (stallUs ? (*stallUs)[p] : 0.0);
     if (value <= 0) continue;

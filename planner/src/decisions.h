@@ -124,11 +124,12 @@ struct PersistChoice {
 
 /// 0/1 knapsack against gathered bytes, capacity `capBytes`. Value of a
 /// parameter: `stallUs[p]` (compute stalled on its repeated gathers in a
-/// simulation) when given, plus the all-gather stream time it saves per step
-/// (gathers per optimizer step minus one, times the gather time) scaled by
-/// `streamWeight`, which breaks ties towards freeing the stream.
+/// simulation) when given (with `onlyStalled`, only parameters that stalled take part), plus the
+/// all-gather stream time it saves per step (gathers per optimizer step minus
+/// one, times the gather time) scaled by `streamWeight`, which breaks ties
+/// towards freeing the stream.
 PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes, const std::vector<double>* stallUs = nullptr,
-                                  double streamWeight = 1.0);
+                                  double streamWeight = 1.0, bool onlyStalled = false);
 
 /// The reference's rule: by gather time per byte, descending, stopping at the
 /// first parameter that does not fit in `capBytes`.

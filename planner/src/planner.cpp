@@ -167,10 +167,12 @@ class Search {
 
     progress("choosing persistent parameters and prefetch points");
     std::vector<std::vector<char>> seen;
-    // Two passes: persistence valued by the gather-stream time it saves, then
-    // by the stalls the best schedule so far still shows on repeated gathers.
+    // Three passes: persistence valued by the gather-stream time it saves; by
+    // the stalls the best schedule so far still shows on repeated gathers (plus
+    // stream time, which shortens the queue in front of later gathers); by the
+    // stalls alone, which keeps memory down when only a few gathers hurt.
     std::vector<double> stalls;
-    for (int pass = 0; pass < 2; ++pass) {
+    for (int pass = 0; pass < 3; ++pass) {
       if (pass == 1) {
         const Candidate* ref = nullptr;
         for (const Candidate& k : all) {
@@ -181,7 +183,7 @@ class Search {
         if (std::all_of(stalls.begin(), stalls.end(), [](double v) { return v <= 0; })) break;
       }
       for (double fraction : {0.0, 0.25, 0.5, 1.0}) {
-        if (pass == 1 && fraction == 0.0) continue;
+        if (pass > 0 && fraction == 0.0) continue;
         PersistChoice persist;
         std::string persistLabel;
         if (w_.stage < 3) {
@@ -190,14 +192,18 @@ class Search {
           persistLabel = "all (stage " + std::to_string(w_.stage) + ")";
         } else {
           auto cap = static_cast<uint64_t>(fraction * static_cast<double>(headroom));
-          persist = pass == 0 ? knapsackPersistence(c_, cap) : knapsackPersistence(c_, cap, &stalls, 1e-3);
-          persistLabel = std::string(pass == 0 ? "knapsack of gather time saved" : "knapsack of stalls removed") +
+          persist = pass == 0 ? knapsackPersistence(c_, cap)
+                              : knapsackPersistence(c_, cap, &stalls, 1e-3, /*onlyStalled=*/pass == 2);
+          persistLabel = std::string(pass == 0   ? "knapsack of gather time saved"
+                                     : pass == 1 ? "knapsack of stalls removed and gather time saved"
+                                                 : "knapsack of stalls removed") +
                          " per byte, up to " + formatBytes(cap) + " (" + formatFixed(fraction * 100, 0) +
                          "% of the headroom)";
         }
         if (std::find(seen.begin(), seen.end(), persist.persistent) != seen.end()) continue;
         seen.push_back(persist.persistent);
-        addPrefetchCandidates(all, persist, persistLabel, (pass == 0 ? "persist " : "persist stalls ") +
+        addPrefetchCandidates(all, persist, persistLabel,
+                              (pass == 0 ? "persist " : pass == 1 ? "persist stalls+time " : "persist stalls ") +
                                                               formatFixed(fraction * 100, 0) + "%", buckets);
       }
     }
