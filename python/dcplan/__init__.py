@@ -34,10 +34,11 @@ try:
     from . import _C  # noqa: E402
 except ImportError as e:  # pragma: no cover - depends on the build
     searched = ", ".join(str(d) for d in _extension_dirs())
+    found = f"found {_EXTENSION_DIR} but loading failed: {e}" if _EXTENSION_DIR else "no build directory found"
     raise ImportError(
-        f"dcplan: the runtime extension dcplan._C is not built or cannot be loaded (searched: {searched}). "
-        "Build it with `cmake --preset cpu && cmake --build --preset cpu`, or set DCPLAN_BUILD_DIR to a "
-        f"build directory that has python/dcplan/_C*.so. Cause: {e}"
+        f"dcplan: the runtime extension dcplan._C is not built or cannot be loaded (searched: {searched}; "
+        f"{found}). Build it with `cmake --preset cpu && cmake --build --preset cpu`, or set DCPLAN_BUILD_DIR "
+        "to a build directory that has python/dcplan/_C*.so."
     ) from e
 
 from ._shard import full_parameters, shard, shutdown  # noqa: E402
