@@ -41,7 +41,8 @@ void runDiff(const DiffOptions& o) {
   schemas::Plan a = schemas::readPlan(o.a);
   schemas::Plan b = schemas::readPlan(o.b);
   planner::PlanDiff diff = planner::diffPlans(a, b, tolerance);
-  std::cout << (o.json ? planner::renderDiffJson(diff, o.a, o.b, tolerance) : planner::renderDiffText(diff, o.a, o.b));
+  std::cout << (o.json ? planner::renderDiffJson(diff, o.a, o.b, tolerance)
+                       : planner::renderDiffText(diff, o.a, o.b));
   if (!diff.equal()) throw ExitCode{kExitDiffers};
 }
 
@@ -49,12 +50,14 @@ void runDiff(const DiffOptions& o) {
 
 void setupDiff(CLI::App& app) {
   auto o = std::make_shared<DiffOptions>();
-  auto* cmd = app.add_subcommand("diff", "Compare two plans: buckets, prefetch groups, persistent set, predictions "
-                                         "(exit 0 equal, 1 different, 2 error)");
+  auto* cmd = app.add_subcommand("diff",
+                                 "Compare two plans: buckets, prefetch groups, persistent set, predictions "
+                                 "(exit 0 equal, 1 different, 2 error)");
   cmd->add_option("a", o->a, "first plan")->required();
   cmd->add_option("b", o->b, "second plan")->required();
   cmd->add_flag("--json", o->json, "print the differences as JSON");
-  cmd->add_option("--tolerance", o->tolerance, "relative tolerance for predicted time and memory, e.g. 0.01 or 1%")
+  cmd->add_option("--tolerance", o->tolerance,
+                  "relative tolerance for predicted time and memory, e.g. 0.01 or 1%")
       ->capture_default_str();
   cmd->callback([o] { runDiff(*o); });
 }

@@ -21,7 +21,8 @@ void inspectPlan(const nlohmann::ordered_json& doc, const std::string& file, con
   auto diags = validatePlan(doc, plan);
   if (!diags.empty()) throw InputError(file, std::move(diags));
   if (!o.chromeTrace.empty() && o.trace.empty()) {
-    throw InputError(file, {{"", "--chrome-trace needs --trace TRACE: the timeline is simulated on the trace"}});
+    throw InputError(file,
+                     {{"", "--chrome-trace needs --trace TRACE: the timeline is simulated on the trace"}});
   }
   if (o.trace.empty()) {
     out << planner::renderPlanReport(plan, file);

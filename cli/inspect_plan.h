@@ -19,7 +19,7 @@ void addInspectPlanOptions(CLI::App& cmd, InspectPlanOptions& options);
 
 /// Validates `doc` as a plan and prints its report; throws schemas::InputError
 /// naming the file (the plan's, or the trace's) on bad input.
-void inspectPlan(const nlohmann::ordered_json& doc, const std::string& file, const InspectPlanOptions& options,
-                 std::ostream& out);
+void inspectPlan(const nlohmann::ordered_json& doc, const std::string& file,
+                 const InspectPlanOptions& options, std::ostream& out);
 
 }  // namespace dcplan::cli

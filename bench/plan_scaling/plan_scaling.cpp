@@ -22,10 +22,11 @@ int main(int argc, char** argv) {
   using namespace dcplan;
   // --quick: small sizes only, for a smoke test in CI.
   bool quick = argc > 1 && std::string(argv[1]) == "--quick";
-  std::vector<int64_t> layers = quick ? std::vector<int64_t>{2, 8} : std::vector<int64_t>{10, 20, 40, 80, 120, 160};
+  std::vector<int64_t> layers =
+      quick ? std::vector<int64_t>{2, 8} : std::vector<int64_t>{10, 20, 40, 80, 120, 160};
   int repeats = quick ? 1 : 3;
-  std::printf("%7s %7s %9s %12s %12s %12s %14s\n", "layers", "params", "ops/step", "default_ms", "heuristic_ms",
-              "optimized_ms", "optimized_vs");
+  std::printf("%7s %7s %9s %12s %12s %12s %14s\n", "layers", "params", "ops/step", "default_ms",
+              "heuristic_ms", "optimized_ms", "optimized_vs");
   for (int64_t l : layers) {
     testing::GeneratorOptions o;
     o.model.layers = l;
@@ -57,11 +58,12 @@ int main(int argc, char** argv) {
       }
     }
     double gain = 1 - results[2].plan.predicted.stepUs / results[1].plan.predicted.stepUs;
-    std::printf("%7lld %7zu %9zu %12.1f %12.1f %12.1f %13.1f%%\n", static_cast<long long>(l), w.params.size(), ops,
-                best[0] * 1e3, best[1] * 1e3, best[2] * 1e3, gain * 100);
+    std::printf("%7lld %7zu %9zu %12.1f %12.1f %12.1f %13.1f%%\n", static_cast<long long>(l), w.params.size(),
+                ops, best[0] * 1e3, best[1] * 1e3, best[2] * 1e3, gain * 100);
   }
-  std::printf("(best of %d; optimized_vs: predicted step time saved against heuristic; budget 2%% above "
-              "the default schedule's peak)\n",
-              repeats);
+  std::printf(
+      "(best of %d; optimized_vs: predicted step time saved against heuristic; budget 2%% above "
+      "the default schedule's peak)\n",
+      repeats);
   return 0;
 }

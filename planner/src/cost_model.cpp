@@ -20,9 +20,12 @@ double ringFactor(int64_t worldSize) {
 
 const char* collectiveName(Collective c) {
   switch (c) {
-    case Collective::AllGather: return "all_gather";
-    case Collective::ReduceScatter: return "reduce_scatter";
-    case Collective::AllReduce: return "all_reduce";
+    case Collective::AllGather:
+      return "all_gather";
+    case Collective::ReduceScatter:
+      return "reduce_scatter";
+    case Collective::AllReduce:
+      return "all_reduce";
   }
   return "?";
 }
@@ -73,9 +76,10 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
       d2hGBps_(calibration.d2hGBps) {
   if (worldSize_ <= 1) return;  // nothing to communicate
   if (traceWorldSize_ <= 1) {
-    throw std::invalid_argument("the trace was recorded on 1 rank and has no usable communication "
-                                "calibration; record on 2 or more ranks to plan for " +
-                                std::to_string(worldSize_));
+    throw std::invalid_argument(
+        "the trace was recorded on 1 rank and has no usable communication "
+        "calibration; record on 2 or more ranks to plan for " +
+        std::to_string(worldSize_));
   }
   double traceRing = ringFactor(traceWorldSize_);
   allGather_ = buildCurve(calibration.allGather, traceRing);
@@ -100,9 +104,8 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
     if (options.busBandwidthGBps && c->calibratedBusGBps > 0) {
       c->scale *= c->calibratedBusGBps / *options.busBandwidthGBps;
     }
-    c->plannedBusGBps = options.busBandwidthGBps && c->calibratedBusGBps > 0
-                            ? *options.busBandwidthGBps
-                            : c->calibratedBusGBps;
+    c->plannedBusGBps = options.busBandwidthGBps && c->calibratedBusGBps > 0 ? *options.busBandwidthGBps
+                                                                             : c->calibratedBusGBps;
   }
 }
 
@@ -123,9 +126,12 @@ double CostModel::rawUs(const Curve& c, double b) {
 
 const CostModel::Curve& CostModel::curve(Collective c) const {
   switch (c) {
-    case Collective::AllGather: return allGather_;
-    case Collective::ReduceScatter: return reduceScatter_;
-    case Collective::AllReduce: return allReduce_;
+    case Collective::AllGather:
+      return allGather_;
+    case Collective::ReduceScatter:
+      return reduceScatter_;
+    case Collective::AllReduce:
+      return allReduce_;
   }
   return allGather_;
 }
@@ -138,9 +144,7 @@ double CostModel::us(Collective which, uint64_t fullBytes) const {
   return lat + (raw - lat) * c.scale;
 }
 
-double CostModel::latencyUs(Collective which) const {
-  return worldSize_ <= 1 ? 0 : curve(which).latencyUs;
-}
+double CostModel::latencyUs(Collective which) const { return worldSize_ <= 1 ? 0 : curve(which).latencyUs; }
 
 double CostModel::busGBps(Collective which) const {
   return worldSize_ <= 1 ? 0 : curve(which).plannedBusGBps;
@@ -159,9 +163,9 @@ std::vector<std::string> CostModel::describe() const {
     return out;
   }
   for (Collective c : {Collective::AllGather, Collective::ReduceScatter, Collective::AllReduce}) {
-    out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) +
-                  " us, bus " + formatFixed(busGBps(c), 1) + " GB/s, 64 MiB in " +
-                  formatFixed(us(c, 64ull << 20), 1) + " us");
+    out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) + " us, bus " +
+                  formatFixed(busGBps(c), 1) + " GB/s, 64 MiB in " + formatFixed(us(c, 64ull << 20), 1) +
+                  " us");
   }
   return out;
 }

@@ -230,31 +230,22 @@ std::vector<std::vector<GatherUse>> gatherUses(const Context& c, const std::vect
   return out;
 }
 
-std::vector<int32_t> gathersPerStep(const Workload& w) {
-  std::vector<int32_t> count(w.params.size(), 0);
-  std::vector<char> allocated(w.params.size(), 0);
-  for (const GraphRun& run : w.runs) {
-    for (const WorkOp& op : w.graphs[static_cast<size_t>(run.graph)].ops) {
-      size_t p = static_cast<size_t>(op.param);
-      if (op.kind == OpKind::Release) allocated[p] = 0;
-      if ((op.kind == OpKind::AllGather || op.kind == OpKind::Wait) && !allocated[p]) {
-        allocated[p] = 1;
-        count[p]++;
-      }
-    }
-  }
-  return count;
-}
-
 const char* issueReasonText(IssueReason r) {
   switch (r) {
-    case IssueReason::OnDemand: return "on use: an earlier issue would exceed the memory limit";
-    case IssueReason::JustInTime: return "just in time: finishes before its first user";
-    case IssueReason::GraphStart: return "graph start: communication-bound, as early as the graph allows";
-    case IssueReason::AfterRelease: return "after the release of its previous use";
-    case IssueReason::IssueOrder: return "behind the gather before it on the stream";
-    case IssueReason::MemoryLimited: return "memory-limited: earlier would exceed the memory limit";
-    case IssueReason::Fused: return "fused: joins the group before it to save a call's latency";
+    case IssueReason::OnDemand:
+      return "on use: an earlier issue would exceed the memory limit";
+    case IssueReason::JustInTime:
+      return "just in time: finishes before its first user";
+    case IssueReason::GraphStart:
+      return "graph start: communication-bound, as early as the graph allows";
+    case IssueReason::AfterRelease:
+      return "after the release of its previous use";
+    case IssueReason::IssueOrder:
+      return "behind the gather before it on the stream";
+    case IssueReason::MemoryLimited:
+      return "memory-limited: earlier would exceed the memory limit";
+    case IssueReason::Fused:
+      return "fused: joins the group before it to save a call's latency";
   }
   return "?";
 }
@@ -278,9 +269,11 @@ std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector
   const WorkGraph& wg = c.w.graphs[static_cast<size_t>(g)];
   for (size_t b = 0; b < buckets.size(); ++b) {
     auto first = std::lower_bound(wg.ops.begin(), wg.ops.end(), timings[b].firstSeq,
-                                  [](const WorkOp& op, int64_t s) { return op.seq < s; }) - wg.ops.begin();
+                                  [](const WorkOp& op, int64_t s) { return op.seq < s; }) -
+                 wg.ops.begin();
     auto last = std::lower_bound(wg.ops.begin(), wg.ops.end(), timings[b].lastSeq,
-                                 [](const WorkOp& op, int64_t s) { return op.seq < s; }) - wg.ops.begin();
+                                 [](const WorkOp& op, int64_t s) { return op.seq < s; }) -
+                wg.ops.begin();
     auto until = std::lower_bound(v.issueUs.begin(), v.issueUs.end(), timings[b].endUs) - v.issueUs.begin();
     until = std::max<ptrdiff_t>(until, last + 1);
     delta[static_cast<size_t>(first)] += static_cast<int64_t>(buckets[b].bytes);
@@ -291,7 +284,8 @@ std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector
   int64_t live = 0;
   for (size_t i = 0; i < n; ++i) {
     live += delta[i];
-    m[i] = c.w.baselineBytes + persistentBytes + v.activationBytes[i] + static_cast<uint64_t>(std::max<int64_t>(0, live));
+    m[i] = c.w.baselineBytes + persistentBytes + v.activationBytes[i] +
+           static_cast<uint64_t>(std::max<int64_t>(0, live));
   }
   return m;
 }
@@ -315,9 +309,12 @@ PrefetchResult planPrefetch(const Context& c, const std::vector<char>& persisten
     const GraphView& v = c.views[g];
     const std::vector<double>& t = v.issueUs;
     const WorkGraph& wg = w.graphs[g];
-    std::vector<uint64_t> mem = onUseMemory(c, static_cast<int32_t>(g), us, persistent, persistentBytes, buckets[g]);
+    std::vector<uint64_t> mem =
+        onUseMemory(c, static_cast<int32_t>(g), us, persistent, persistentBytes, buckets[g]);
     size_t m = us.size();
-    auto memBytes = [&](const GatherUse& u) { return persistent[static_cast<size_t>(u.param)] ? 0 : u.bytes; };
+    auto memBytes = [&](const GatherUse& u) {
+      return persistent[static_cast<size_t>(u.param)] ? 0 : u.bytes;
+    };
 
     // 1. As late as still finishes in time, on one stream in issue order.
     std::vector<int32_t> target(m);
@@ -398,7 +395,8 @@ PrefetchResult planPrefetch(const Context& c, const std::vector<char>& persisten
         }
       }
       if (!groups.empty()) free = groups.back().start + c.cost.us(Collective::AllGather, groups.back().bytes);
-      groups.push_back(Group{issue[j], {j}, u.bytes, std::max(t[static_cast<size_t>(issue[j])], free), u.needUs});
+      groups.push_back(
+          Group{issue[j], {j}, u.bytes, std::max(t[static_cast<size_t>(issue[j])], free), u.needUs});
     }
     for (const Group& grp : groups) {
       bool early = grp.op < us[grp.members.front()].gatherOp;
@@ -419,7 +417,8 @@ PrefetchResult planPrefetch(const Context& c, const std::vector<char>& persisten
   return res;
 }
 
-PrefetchResult referencePrefetch(const Context& c, const std::vector<char>& persistent, uint64_t maxInFlightBytes) {
+PrefetchResult referencePrefetch(const Context& c, const std::vector<char>& persistent,
+                                 uint64_t maxInFlightBytes) {
   const Workload& w = c.w;
   PrefetchResult res;
   res.groups.resize(w.graphs.size());
@@ -429,6 +428,7 @@ PrefetchResult referencePrefetch(const Context& c, const std::vector<char>& pers
     const WorkGraph& wg = w.graphs[g];
     const std::vector<double>& t = c.views[g].issueUs;
     size_t f = static_cast<size_t>(kReferencePrefetchFactor);
+    int32_t lastOp = 0;
     for (size_t first = 0; first < us.size(); first += f) {
       size_t last = std::min(us.size(), first + f);
       uint64_t bytes = 0;
@@ -438,15 +438,18 @@ PrefetchResult referencePrefetch(const Context& c, const std::vector<char>& pers
         minOp = std::max(minOp, us[j].minOp);
       }
       int32_t op = first == 0 ? us[first].gatherOp : us[first - f].gatherOp;
-      op = std::max(op, minOp);
+      // Plans list groups in position order; a clamp may not reorder them.
+      op = std::max({op, minOp, lastOp});
       bool grouped = bytes <= maxInFlightBytes;
       int32_t index = -1;
       if (grouped && (op < us[first].gatherOp || last - first > 1)) {
         schemas::PrefetchGroup pg;
         pg.position = wg.ops[static_cast<size_t>(op)].seq;
-        for (size_t j = first; j < last; ++j) pg.dsIds.push_back(w.params[static_cast<size_t>(us[j].param)].id);
+        for (size_t j = first; j < last; ++j)
+          pg.dsIds.push_back(w.params[static_cast<size_t>(us[j].param)].id);
         index = static_cast<int32_t>(res.groups[g].size());
         res.groups[g].push_back(std::move(pg));
+        lastOp = op;
       }
       for (size_t j = first; j < last; ++j) {
         int32_t at = index >= 0 ? op : us[j].gatherOp;
@@ -525,7 +528,8 @@ PersistChoice referencePersistence(const Context& c, uint64_t capBytes) {
     if (count[p] > 0 && w.params[p].gatherBytes > 0) order.push_back(p);
   }
   auto perByte = [&](size_t p) {
-    return c.cost.us(Collective::AllGather, w.params[p].gatherBytes) / static_cast<double>(w.params[p].gatherBytes);
+    return c.cost.us(Collective::AllGather, w.params[p].gatherBytes) /
+           static_cast<double>(w.params[p].gatherBytes);
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return perByte(a) > perByte(b); });
   for (size_t p : order) {

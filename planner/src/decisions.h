@@ -14,8 +14,8 @@ namespace dcplan::planner::detail {
 /// A graph as the planner reasons about it: its first run, with stall-free times.
 struct GraphView {
   int32_t graph = 0;
-  int32_t run = 0;              ///< first run of the graph in the step
-  std::vector<double> issueUs;  ///< stall-free time at which op i is issued
+  int32_t run = 0;                        ///< first run of the graph in the step
+  std::vector<double> issueUs;            ///< stall-free time at which op i is issued
   std::vector<uint64_t> activationBytes;  ///< max over the graph's runs
 };
 
@@ -70,8 +70,6 @@ struct GatherUse {
 /// parameters gather once per step; later uses find them resident).
 std::vector<std::vector<GatherUse>> gatherUses(const Context& c, const std::vector<char>& persistent);
 
-/// How many gathers each parameter costs per optimizer step with no persistence.
-std::vector<int32_t> gathersPerStep(const Workload& w);
 
 enum class IssueReason {
   OnDemand,       ///< no earlier issue fits the memory limit
@@ -90,7 +88,7 @@ struct IssueDecision {
   int32_t issueOp = 0;
   int32_t group = -1;  ///< index into the graph's prefetch groups, -1: natural gather
   IssueReason reason = IssueReason::OnDemand;
-  double leadUs = 0;   ///< stall-free time from issue to first user
+  double leadUs = 0;  ///< stall-free time from issue to first user
 };
 
 enum class FuseMode { Split, Fuse };
@@ -119,7 +117,7 @@ PrefetchResult referencePrefetch(const Context& c, const std::vector<char>& pers
 struct PersistChoice {
   std::vector<char> persistent;  ///< by param index
   uint64_t bytes = 0;
-  double savedUs = 0;            ///< all-gather time saved per step
+  double savedUs = 0;  ///< all-gather time saved per step
 };
 
 /// 0/1 knapsack against gathered bytes, capacity `capBytes`. Value of a
@@ -128,8 +126,9 @@ struct PersistChoice {
 /// all-gather stream time it saves per step (gathers per optimizer step minus
 /// one, times the gather time) scaled by `streamWeight`, which breaks ties
 /// towards freeing the stream.
-PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes, const std::vector<double>* stallUs = nullptr,
-                                  double streamWeight = 1.0, bool onlyStalled = false);
+PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes,
+                                  const std::vector<double>* stallUs = nullptr, double streamWeight = 1.0,
+                                  bool onlyStalled = false);
 
 /// The reference's rule: by gather time per byte, descending, stopping at the
 /// first parameter that does not fit in `capBytes`.

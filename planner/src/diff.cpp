@@ -17,9 +17,12 @@ namespace {
 
 const char* changeName(Change c) {
   switch (c) {
-    case Change::Added: return "added";
-    case Change::Removed: return "removed";
-    case Change::Changed: return "changed";
+    case Change::Added:
+      return "added";
+    case Change::Removed:
+      return "removed";
+    case Change::Changed:
+      return "changed";
   }
   return "?";
 }
@@ -50,8 +53,8 @@ class Differ {
     push(path, what, a, b);
   }
 
-  void ids(const std::string& path, const std::string& what, Change change, std::optional<std::vector<int64_t>> a,
-           std::optional<std::vector<int64_t>> b) {
+  void ids(const std::string& path, const std::string& what, Change change,
+           std::optional<std::vector<int64_t>> a, std::optional<std::vector<int64_t>> b) {
     PlanDifference d;
     d.path = path;
     d.what = what;
@@ -107,9 +110,11 @@ void diffGraph(Differ& d, const schemas::PlanGraph& a, const schemas::PlanGraph&
     for (size_t k = 0; k < std::max(la.size(), lb.size()); ++k) {
       std::string what = label + " prefetch @" + std::to_string(pos);
       if (k >= la.size()) {
-        d.ids(pb + "/prefetch/" + std::to_string(lb[k].first), what, Change::Added, std::nullopt, lb[k].second->dsIds);
+        d.ids(pb + "/prefetch/" + std::to_string(lb[k].first), what, Change::Added, std::nullopt,
+              lb[k].second->dsIds);
       } else if (k >= lb.size()) {
-        d.ids(pa + "/prefetch/" + std::to_string(la[k].first), what, Change::Removed, la[k].second->dsIds, std::nullopt);
+        d.ids(pa + "/prefetch/" + std::to_string(la[k].first), what, Change::Removed, la[k].second->dsIds,
+              std::nullopt);
       } else if (la[k].second->dsIds != lb[k].second->dsIds) {
         d.ids(pb + "/prefetch/" + std::to_string(lb[k].first), what, Change::Changed, la[k].second->dsIds,
               lb[k].second->dsIds);
@@ -146,12 +151,12 @@ void diffGraph(Differ& d, const schemas::PlanGraph& a, const schemas::PlanGraph&
   }
 }
 
-void diffPrediction(Differ& d, const std::string& path, const std::string& label, const schemas::Prediction& a,
-                    const schemas::Prediction& b) {
+void diffPrediction(Differ& d, const std::string& path, const std::string& label,
+                    const schemas::Prediction& a, const schemas::Prediction& b) {
   d.predicted(path + "/step_us", label + " step_us", a.stepUs, b.stepUs);
   d.predicted(path + "/exposed_comm_us", label + " exposed_comm_us", a.exposedCommUs, b.exposedCommUs);
-  d.predicted(path + "/peak_memory_bytes", label + " peak_memory_bytes", static_cast<double>(a.peakMemoryBytes),
-              static_cast<double>(b.peakMemoryBytes));
+  d.predicted(path + "/peak_memory_bytes", label + " peak_memory_bytes",
+              static_cast<double>(a.peakMemoryBytes), static_cast<double>(b.peakMemoryBytes));
 }
 
 }  // namespace
@@ -172,18 +177,20 @@ std::string formatIds(const std::vector<int64_t>& ids) {
 PlanDiff diffPlans(const schemas::Plan& a, const schemas::Plan& b, double tolerance) {
   PlanDiff out;
   Differ d(tolerance, out);
-  d.text("/source/param_signature", "source.param_signature", a.source.paramSignature, b.source.paramSignature);
+  d.text("/source/param_signature", "source.param_signature", a.source.paramSignature,
+         b.source.paramSignature);
   d.exact("/source/world_size", "source.world_size", static_cast<double>(a.source.worldSize),
           static_cast<double>(b.source.worldSize));
-  d.exact("/source/stage", "source.stage", static_cast<double>(a.source.stage), static_cast<double>(b.source.stage));
+  d.exact("/source/stage", "source.stage", static_cast<double>(a.source.stage),
+          static_cast<double>(b.source.stage));
   d.text("/options/strategy", "options.strategy", a.options.strategy, b.options.strategy);
   d.text("/options/memory_budget_bytes", "options.memory_budget_bytes",
          a.options.memoryBudgetBytes ? std::to_string(*a.options.memoryBudgetBytes) : "none",
          b.options.memoryBudgetBytes ? std::to_string(*b.options.memoryBudgetBytes) : "none");
   d.text("/options/bandwidth_gbps", "options.bandwidth_gbps", optNumber(a.options.bandwidthGBps),
          optNumber(b.options.bandwidthGBps));
-  d.exact("/options/grad_accum_steps", "options.grad_accum_steps", static_cast<double>(a.options.gradAccumSteps),
-          static_cast<double>(b.options.gradAccumSteps));
+  d.exact("/options/grad_accum_steps", "options.grad_accum_steps",
+          static_cast<double>(a.options.gradAccumSteps), static_cast<double>(b.options.gradAccumSteps));
   // Provenance: the same schedule from a re-recorded trace or a newer dcplan is the same plan.
   d.text("/source/trace_digest", "source.trace_digest", a.source.traceDigest, b.source.traceDigest, true);
   d.text("/source/trace", "source.trace", a.source.trace, b.source.trace, true);
@@ -207,7 +214,8 @@ PlanDiff diffPlans(const schemas::Plan& a, const schemas::Plan& b, double tolera
     }
   }
   for (size_t ib = 0; ib < b.graphs.size(); ++ib) {
-    bool inA = std::any_of(a.graphs.begin(), a.graphs.end(), [&](const auto& g) { return g.id == b.graphs[ib].id; });
+    bool inA =
+        std::any_of(a.graphs.begin(), a.graphs.end(), [&](const auto& g) { return g.id == b.graphs[ib].id; });
     if (!inA) d.text("/graphs/" + std::to_string(ib), graphLabel(b.graphs[ib]), "absent", "present");
   }
   diffPrediction(d, "/predicted", "predicted", a.predicted, b.predicted);
@@ -234,8 +242,12 @@ std::string renderDiffText(const PlanDiff& diff, const std::string& nameA, const
     std::string a = value(d.idsA, d.numberA, d.textA, bytes);
     std::string b = value(d.idsB, d.numberB, d.textB, bytes);
     switch (d.change) {
-      case Change::Added: s << "+ " << d.what << ": " << b << "\n"; break;
-      case Change::Removed: s << "- " << d.what << ": " << a << "\n"; break;
+      case Change::Added:
+        s << "+ " << d.what << ": " << b << "\n";
+        break;
+      case Change::Removed:
+        s << "- " << d.what << ": " << a << "\n";
+        break;
       case Change::Changed: {
         s << "~ " << d.what << ": " << a << " -> " << b;
         if (d.numberA && d.numberB && !d.idsA) s << " (" << formatChange(*d.numberA, *d.numberB) << ")";
@@ -244,7 +256,8 @@ std::string renderDiffText(const PlanDiff& diff, const std::string& nameA, const
       }
     }
   }
-  for (const PlanDifference& d : diff.notes) s << "  note: " << d.what << ": " << d.textA << " -> " << d.textB << "\n";
+  for (const PlanDifference& d : diff.notes)
+    s << "  note: " << d.what << ": " << d.textA << " -> " << d.textB << "\n";
   if (diff.equal()) {
     s << "plans are equal\n";
   } else {
@@ -261,8 +274,8 @@ std::string renderDiffJson(const PlanDiff& diff, const std::string& nameA, const
     j["path"] = d.path;
     j["change"] = changeName(d.change);
     j["what"] = d.what;
-    auto side = [&](const char* key, const std::optional<std::vector<int64_t>>& ids, const std::optional<double>& n,
-                    const std::string& text) {
+    auto side = [&](const char* key, const std::optional<std::vector<int64_t>>& ids,
+                    const std::optional<double>& n, const std::string& text) {
       if (!ids && !n && text.empty()) return;
       ordered_json v = ordered_json::object();
       if (ids) v["ds_ids"] = *ids;

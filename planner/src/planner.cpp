@@ -23,9 +23,12 @@ using schemas::formatBytes;
 
 const char* strategyName(Strategy s) {
   switch (s) {
-    case Strategy::Default: return "default";
-    case Strategy::Heuristic: return "heuristic";
-    case Strategy::Optimized: return "optimized";
+    case Strategy::Default:
+      return "default";
+    case Strategy::Heuristic:
+      return "heuristic";
+    case Strategy::Optimized:
+      return "optimized";
   }
   return "?";
 }
@@ -74,8 +77,9 @@ class Search {
   const Context& context() const { return c_; }
   int simulated() const { return simulated_; }
 
-  Candidate evaluate(std::string label, std::vector<char> persistent, std::string persistLabel, BucketSet buckets,
-                     std::string bucketLabel, PrefetchResult prefetch, std::string prefetchLabel) {
+  Candidate evaluate(std::string label, std::vector<char> persistent, std::string persistLabel,
+                     BucketSet buckets, std::string bucketLabel, PrefetchResult prefetch,
+                     std::string prefetchLabel) {
     Candidate k;
     k.label = std::move(label);
     k.persist.persistent = std::move(persistent);
@@ -96,7 +100,8 @@ class Search {
   }
 
   Candidate defaultCandidate() {
-    return evaluate("default", stagePersistent(w_), w_.stage < 3 ? "all (stage " + std::to_string(w_.stage) + ")" : "none",
+    return evaluate("default", stagePersistent(w_),
+                    w_.stage < 3 ? "all (stage " + std::to_string(w_.stage) + ")" : "none",
                     greedyBuckets(c_, kDefaultBucketBytes), "greedy, " + formatBytes(kDefaultBucketBytes), {},
                     "on use");
   }
@@ -133,7 +138,8 @@ class Search {
       BucketSet set;
     };
     std::vector<BucketOption> options;
-    options.push_back({"greedy, " + formatBytes(kDefaultBucketBytes), greedyBuckets(c_, kDefaultBucketBytes)});
+    options.push_back(
+        {"greedy, " + formatBytes(kDefaultBucketBytes), greedyBuckets(c_, kDefaultBucketBytes)});
     for (uint64_t cap : {16ull << 20, 64ull << 20, 256ull << 20, 1024ull << 20}) {
       options.push_back({"shortest reduce tail, buckets up to " + formatBytes(cap), optimalBuckets(c_, cap)});
     }
@@ -203,22 +209,27 @@ class Search {
         if (std::find(seen.begin(), seen.end(), persist.persistent) != seen.end()) continue;
         seen.push_back(persist.persistent);
         addPrefetchCandidates(all, persist, persistLabel,
-                              (pass == 0 ? "persist " : pass == 1 ? "persist stalls+time " : "persist stalls ") +
-                                                              formatFixed(fraction * 100, 0) + "%", buckets);
+                              (pass == 0   ? "persist "
+                               : pass == 1 ? "persist stalls+time "
+                                           : "persist stalls ") +
+                                  formatFixed(fraction * 100, 0) + "%",
+                              buckets);
       }
     }
     if (def.feasible) all.push_back(def);
     if (heur.feasible) all.push_back(heur);
     int best = -1;
     for (size_t k = 0; k < all.size(); ++k) {
-      if (all[k].feasible && (best < 0 || better(all[k], all[static_cast<size_t>(best)]))) best = static_cast<int>(k);
+      if (all[k].feasible && (best < 0 || better(all[k], all[static_cast<size_t>(best)])))
+        best = static_cast<int>(k);
     }
     return static_cast<size_t>(best);
   }
 
   template <typename Buckets>
-  void addPrefetchCandidates(std::vector<Candidate>& all, const PersistChoice& persist, const std::string& persistLabel,
-                             const std::string& name, const Buckets& buckets) {
+  void addPrefetchCandidates(std::vector<Candidate>& all, const PersistChoice& persist,
+                             const std::string& persistLabel, const std::string& name,
+                             const Buckets& buckets) {
     struct Mode {
       FuseMode mode;
       uint64_t cap;
@@ -233,8 +244,8 @@ class Search {
       // still passes the budget, plan again against a lower limit.
       for (int attempt = 0; attempt < 4; ++attempt) {
         PrefetchResult prefetch = planPrefetch(c_, persist.persistent, buckets.set, limit, m.mode, m.cap);
-        cand = evaluate(name + ", prefetch " + m.label, persist.persistent, persistLabel, buckets.set, buckets.label,
-                        std::move(prefetch), "just in time under the limit, " + m.label);
+        cand = evaluate(name + ", prefetch " + m.label, persist.persistent, persistLabel, buckets.set,
+                        buckets.label, std::move(prefetch), "just in time under the limit, " + m.label);
         if (cand.feasible) break;
         uint64_t over = cand.sim.prediction.peakMemoryBytes - c_.limit;
         if (over + (1u << 20) >= limit) break;
@@ -289,13 +300,14 @@ class Explainer {
       if (set.empty()) continue;
       auto timing = bucketTimings(c_, static_cast<int32_t>(g), set);
       const WorkGraph& wg = w_.graphs[g];
-      line("  graph " + std::to_string(wg.id) + " (" + schemas::graphKindName(wg.kind) + "): " +
-           count(set.size(), "bucket") + ", last reduction ends " +
+      line("  graph " + std::to_string(wg.id) + " (" + schemas::graphKindName(wg.kind) +
+           "): " + count(set.size(), "bucket") + ", last reduction ends " +
            us(timing.back().endUs - timing.back().readyUs) + " after the last gradient is ready");
       for (size_t b = 0; b < set.size(); ++b) {
         line("    bucket " + std::to_string(b) + ": " + count(set[b].dsIds.size(), "grad") + " (ids " +
-             idRange(set[b].dsIds) + "), " + formatBytes(set[b].bytes) + ", ready at " + us(timing[b].readyUs) +
-             ", reduced " + formatFixed(timing[b].startUs, 1) + "-" + formatFixed(timing[b].endUs, 1) + " us");
+             idRange(set[b].dsIds) + "), " + formatBytes(set[b].bytes) + ", ready at " +
+             us(timing[b].readyUs) + ", reduced " + formatFixed(timing[b].startUs, 1) + "-" +
+             formatFixed(timing[b].endUs, 1) + " us");
       }
     }
   }
@@ -324,19 +336,20 @@ class Explainer {
       for (const IssueDecision& d : k.prefetch.decisions) {
         if (d.graph == static_cast<int32_t>(g) && d.group >= 0) ++early;
       }
-      line("  graph " + std::to_string(wg.id) + " (" + schemas::graphKindName(wg.kind) + "): " +
-           count(uses[g].size(), "gather") + ", " + count(groups.size(), "prefetch group") + " holding " +
-           std::to_string(early));
+      line("  graph " + std::to_string(wg.id) + " (" + schemas::graphKindName(wg.kind) +
+           "): " + count(uses[g].size(), "gather") + ", " + count(groups.size(), "prefetch group") +
+           " holding " + std::to_string(early));
       for (const IssueDecision& d : k.prefetch.decisions) {
         if (d.graph != static_cast<int32_t>(g)) continue;
         const GatherUse& u = uses[g][static_cast<size_t>(d.use)];
         const WorkParam& p = w_.params[static_cast<size_t>(u.param)];
-        std::string where = d.group >= 0 ? "group @" + std::to_string(groups[static_cast<size_t>(d.group)].position)
-                                         : "on use";
+        std::string where = d.group >= 0
+                                ? "group @" + std::to_string(groups[static_cast<size_t>(d.group)].position)
+                                : "on use";
         line("    id " + std::to_string(p.id) + " " + p.name + ": used at " +
              std::to_string(wg.ops[static_cast<size_t>(u.waitOp)].seq) + ", " + where + ", " +
-             std::to_string(u.gatherOp - d.issueOp) + " ops / " + us(d.leadUs) + " ahead: " +
-             issueReasonText(d.reason));
+             std::to_string(u.gatherOp - d.issueOp) + " ops / " + us(d.leadUs) +
+             " ahead: " + issueReasonText(d.reason));
       }
     }
   }
@@ -363,7 +376,8 @@ Schedule defaultSchedule(const Workload& w) {
 }
 
 PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const ProgressFn& progress) {
-  if (req.worldSize < 0) throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
+  if (req.worldSize < 0)
+    throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
   Workload w = makeWorkload(trace, req.worldSize);
   CostModel cost(trace.calibration, w.traceWorldSize, CostModelOptions{w.worldSize, req.bandwidthGBps});
   uint64_t limit = req.memoryBudgetBytes ? *req.memoryBudgetBytes
@@ -378,8 +392,12 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   std::vector<Candidate> all;
   size_t best = 0;
   switch (req.strategy) {
-    case Strategy::Default: chosen = def; break;
-    case Strategy::Heuristic: chosen = search.heuristicCandidate(def.sim.prediction.peakMemoryBytes); break;
+    case Strategy::Default:
+      chosen = def;
+      break;
+    case Strategy::Heuristic:
+      chosen = search.heuristicCandidate(def.sim.prediction.peakMemoryBytes);
+      break;
     case Strategy::Optimized: {
       Candidate heur = search.heuristicCandidate(def.sim.prediction.peakMemoryBytes);
       best = search.optimizedCandidates(all, def, heur);
@@ -388,9 +406,10 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     }
   }
   if (!chosen.feasible) {
-    result.warnings.push_back("the " + std::string(strategyName(req.strategy)) + " schedule is predicted to peak at " +
-                              formatBytes(chosen.sim.prediction.peakMemoryBytes) + ", over the memory limit of " +
-                              formatBytes(limit));
+    result.warnings.push_back("the " + std::string(strategyName(req.strategy)) +
+                              " schedule is predicted to peak at " +
+                              formatBytes(chosen.sim.prediction.peakMemoryBytes) +
+                              ", over the memory limit of " + formatBytes(limit));
   }
 
   schemas::Plan& plan = result.plan;
@@ -414,11 +433,13 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     Explainer ex(w, c, out);
     size_t runs = w.runs.size();
     ex.line("trace: " + req.traceName + ": " + std::to_string(w.params.size()) + " params, " +
-            std::to_string(w.graphs.size()) + " graphs, " + std::to_string(runs) + " graph runs per step, step " +
-            std::to_string(w.traceStep));
-    ex.line("cluster: " + std::to_string(w.worldSize) + " ranks (traced on " + std::to_string(w.traceWorldSize) +
-            "), stage " + std::to_string(w.stage) + ", grad accum " + std::to_string(w.gradAccumSteps) +
-            (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)" : ""));
+            std::to_string(w.graphs.size()) + " graphs, " + std::to_string(runs) +
+            " graph runs per step, step " + std::to_string(w.traceStep));
+    ex.line("cluster: " + std::to_string(w.worldSize) + " ranks (traced on " +
+            std::to_string(w.traceWorldSize) + "), stage " + std::to_string(w.stage) + ", grad accum " +
+            std::to_string(w.gradAccumSteps) +
+            (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)"
+                               : ""));
     uint64_t act = 0;
     for (const GraphRun& r : w.runs) {
       for (uint64_t a : r.activationBytes) act = std::max(act, a);
@@ -426,8 +447,10 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     std::string limitWhy = req.memoryBudgetBytes ? "--memory-budget"
                            : w.capacityBytes > 0 ? "device capacity"
                                                  : "unlimited";
-    ex.line("memory limit: " + (limit == std::numeric_limits<uint64_t>::max() ? std::string("none") : formatBytes(limit)) +
-            " (" + limitWhy + "); baseline " + formatBytes(w.baselineBytes) + ", activations up to " + formatBytes(act));
+    ex.line("memory limit: " +
+            (limit == std::numeric_limits<uint64_t>::max() ? std::string("none") : formatBytes(limit)) +
+            " (" + limitWhy + "); baseline " + formatBytes(w.baselineBytes) + ", activations up to " +
+            formatBytes(act));
     ex.line("cost model:");
     for (const std::string& s : cost.describe()) ex.line("  " + s);
     ex.line("default schedule: " + predictionLine(def.sim.prediction));
@@ -435,18 +458,21 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
       ex.line("strategy optimized: " + std::to_string(all.size()) + " candidate schedules simulated");
       for (size_t i = 0; i < all.size(); ++i) {
         const Candidate& k = all[i];
-        ex.line(std::string(i == best ? "  * " : "    ") + k.label + ": " + predictionLine(k.sim.prediction) + (k.feasible ? "" : " (over the limit)"));
+        ex.line(std::string(i == best ? "  * " : "    ") + k.label + ": " + predictionLine(k.sim.prediction) +
+                (k.feasible ? "" : " (over the limit)"));
       }
       ex.line("chosen: " + chosen.label + " (fastest within the limit; ties go to less memory)");
     } else {
-      ex.line("strategy " + std::string(strategyName(req.strategy)) + ": " + predictionLine(chosen.sim.prediction));
+      ex.line("strategy " + std::string(strategyName(req.strategy)) + ": " +
+              predictionLine(chosen.sim.prediction));
     }
     ex.buckets(chosen);
     ex.persistence(chosen, gathersPerStep(w));
     ex.prefetch(chosen, gatherUses(c, chosen.persist.persistent));
     ex.line("predicted: " + predictionLine(plan.predicted));
     ex.line("  against default: step " + formatChange(plan.predictedDefault.stepUs, plan.predicted.stepUs) +
-            ", exposed comm " + formatChange(plan.predictedDefault.exposedCommUs, plan.predicted.exposedCommUs) +
+            ", exposed comm " +
+            formatChange(plan.predictedDefault.exposedCommUs, plan.predicted.exposedCommUs) +
             ", peak memory " +
             formatChange(static_cast<double>(plan.predictedDefault.peakMemoryBytes),
                          static_cast<double>(plan.predicted.peakMemoryBytes)));

@@ -38,7 +38,9 @@ std::string layerOf(const std::string& name) {
   while (start < name.size()) {
     size_t dot = name.find('.', start);
     std::string part = name.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) {
+      return std::isdigit(static_cast<unsigned char>(c));
+    });
     if (numeric) return name.substr(0, dot == std::string::npos ? name.size() : dot);
     if (dot == std::string::npos) break;
     start = dot + 1;
@@ -55,7 +57,8 @@ struct Simulated {
 
 Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   Workload w = makeWorkload(trace, plan.source.worldSize);
-  CostModel cost(trace.calibration, w.traceWorldSize, CostModelOptions{plan.source.worldSize, plan.options.bandwidthGBps});
+  CostModel cost(trace.calibration, w.traceWorldSize,
+                 CostModelOptions{plan.source.worldSize, plan.options.bandwidthGBps});
   SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), SimOptions{true});
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
   return Simulated{std::move(w), std::move(p), std::move(d)};
@@ -66,7 +69,8 @@ std::string count(size_t n, const std::string& noun) {
 }
 
 std::string budgetText(const schemas::Plan& plan) {
-  return plan.options.memoryBudgetBytes ? formatBytes(*plan.options.memoryBudgetBytes) : "none (device capacity)";
+  return plan.options.memoryBudgetBytes ? formatBytes(*plan.options.memoryBudgetBytes)
+                                        : "none (device capacity)";
 }
 
 }  // namespace
@@ -80,21 +84,23 @@ void checkPlanMatchesTrace(const schemas::Plan& plan, const schemas::Trace& trac
   }
 }
 
-std::string renderPlanReport(const schemas::Plan& plan, const std::string& planName, const schemas::Trace* trace,
-                             const std::string& traceName) {
+std::string renderPlanReport(const schemas::Plan& plan, const std::string& planName,
+                             const schemas::Trace* trace, const std::string& traceName) {
   std::ostringstream s;
   s << "plan:     " << planName << " (" << schemas::kPlanSchema << ", " << plan.createdBy << ")\n"
-    << "made for: " << (plan.source.trace.empty() ? "?" : plan.source.trace) << " (" << plan.source.traceDigest
-    << "), " << plan.source.worldSize << " ranks, ZeRO-" << plan.source.stage << ", grad accum "
-    << plan.options.gradAccumSteps << "\n"
-    << "options:  strategy " << plan.options.strategy << ", memory budget " << budgetText(plan) << ", bandwidth "
-    << (plan.options.bandwidthGBps ? formatFixed(*plan.options.bandwidthGBps, 1) + " GB/s" : std::string("as calibrated"))
+    << "made for: " << (plan.source.trace.empty() ? "?" : plan.source.trace) << " ("
+    << plan.source.traceDigest << "), " << plan.source.worldSize << " ranks, ZeRO-" << plan.source.stage
+    << ", grad accum " << plan.options.gradAccumSteps << "\n"
+    << "options:  strategy " << plan.options.strategy << ", memory budget " << budgetText(plan)
+    << ", bandwidth "
+    << (plan.options.bandwidthGBps ? formatFixed(*plan.options.bandwidthGBps, 1) + " GB/s"
+                                   : std::string("as calibrated"))
     << "\n";
   if (trace) {
     checkPlanMatchesTrace(plan, *trace);
     if (schemas::traceDigest(*trace) != plan.source.traceDigest) {
-      s << "note:     " << traceName << " is another trace of the same model (" << schemas::traceDigest(*trace)
-        << "); the timeline below is simulated on it\n";
+      s << "note:     " << traceName << " is another trace of the same model ("
+        << schemas::traceDigest(*trace) << "); the timeline below is simulated on it\n";
     }
   }
   s << "\nschedule:\n  persistent: " << count(plan.persistent.size(), "param");
@@ -111,10 +117,12 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
       bytes += b.bytes;
       biggest = std::max(biggest, b.bytes);
     }
-    s << "  graph " << g.id << " (" << schemas::graphKindName(g.kind) << "): " << count(g.prefetch.size(), "prefetch group");
+    s << "  graph " << g.id << " (" << schemas::graphKindName(g.kind)
+      << "): " << count(g.prefetch.size(), "prefetch group");
     if (!g.prefetch.empty()) s << " (" << count(ids, "gather") << ", up to " << largest << " fused)";
     if (!g.buckets.empty()) {
-      s << ", " << count(g.buckets.size(), "bucket") << " (" << formatBytes(bytes) << ", largest " << formatBytes(biggest) << ")";
+      s << ", " << count(g.buckets.size(), "bucket") << " (" << formatBytes(bytes) << ", largest "
+        << formatBytes(biggest) << ")";
     }
     s << "\n";
   }
@@ -128,7 +136,8 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
     << pad(formatBytes(d.peakMemoryBytes), 15, true) << "\n"
     << "  change   " << pad(formatChange(d.stepUs, p.stepUs), 12, true)
     << pad(formatChange(d.exposedCommUs, p.exposedCommUs), 15, true)
-    << pad(formatChange(static_cast<double>(d.peakMemoryBytes), static_cast<double>(p.peakMemoryBytes)), 15, true)
+    << pad(formatChange(static_cast<double>(d.peakMemoryBytes), static_cast<double>(p.peakMemoryBytes)), 15,
+           true)
     << "\n";
 
   if (!trace) {
@@ -157,7 +166,8 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
   std::vector<size_t> layerOfParam(w.params.size());
   std::vector<size_t> order(w.params.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return w.params[a].id < w.params[b].id; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return w.params[a].id < w.params[b].id; });
   std::vector<char> persistent(w.params.size(), 0);
   for (int64_t id : plan.persistent) {
     int32_t pi = w.paramIndex(id);
@@ -200,27 +210,32 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
         int32_t pi = w.paramIndex(id);
         if (pi < 0) continue;
         auto& list = layers[layerOfParam[static_cast<size_t>(pi)]].buckets;
-        if (std::find(list.begin(), list.end(), static_cast<int64_t>(b)) == list.end()) list.push_back(static_cast<int64_t>(b));
+        if (std::find(list.begin(), list.end(), static_cast<int64_t>(b)) == list.end())
+          list.push_back(static_cast<int64_t>(b));
       }
     }
   }
   size_t width = 5;
   for (const Layer& l : layers) width = std::max(width, l.name.size());
-  s << "\nper layer (simulated):\n  " << pad("layer", width) << "  params   gathered  gathers/step  ahead fwd/bwd"
+  s << "\nper layer (simulated):\n  " << pad("layer", width)
+    << "  params   gathered  gathers/step  ahead fwd/bwd"
     << "  persistent  buckets\n";
   auto ahead = [](int64_t v) { return v < 0 ? std::string("-") : std::to_string(v); };
   for (Layer& l : layers) {
     std::sort(l.buckets.begin(), l.buckets.end());
-    s << "  " << pad(l.name, width) << pad(std::to_string(l.params), 8, true) << pad(formatBytes(l.bytes), 11, true)
-      << pad(std::to_string(l.gathers), 14, true) << pad(ahead(l.aheadFwd) + "/" + ahead(l.aheadBwd), 15, true)
+    s << "  " << pad(l.name, width) << pad(std::to_string(l.params), 8, true)
+      << pad(formatBytes(l.bytes), 11, true) << pad(std::to_string(l.gathers), 14, true)
+      << pad(ahead(l.aheadFwd) + "/" + ahead(l.aheadBwd), 15, true)
       << pad(std::to_string(l.persistent) + "/" + std::to_string(l.params), 12, true) << "  "
       << (l.buckets.empty() ? "-" : formatIds(l.buckets)) << "\n";
   }
-  s << "  (ahead: most ops between a gather's issue and its first user; gathers/step counts parameters gathered)\n";
+  s << "  (ahead: most ops between a gather's issue and its first user; gathers/step counts parameters "
+       "gathered)\n";
   return s.str();
 }
 
-std::string renderChromeTrace(const schemas::Plan& plan, const std::string& planName, const schemas::Trace& trace) {
+std::string renderChromeTrace(const schemas::Plan& plan, const std::string& planName,
+                              const schemas::Trace& trace) {
   using nlohmann::ordered_json;
   checkPlanMatchesTrace(plan, trace);
   Simulated sim = simulatePlan(plan, trace);

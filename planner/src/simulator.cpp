@@ -10,10 +10,14 @@ namespace dcplan::planner {
 
 const char* streamName(Stream s) {
   switch (s) {
-    case Stream::Compute: return "compute";
-    case Stream::AllGather: return "allgather";
-    case Stream::Reduce: return "reduce";
-    case Stream::Copy: return "copy";
+    case Stream::Compute:
+      return "compute";
+    case Stream::AllGather:
+      return "allgather";
+    case Stream::Reduce:
+      return "reduce";
+    case Stream::Copy:
+      return "copy";
   }
   return "?";
 }
@@ -27,7 +31,8 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
       throw std::invalid_argument("/persistent/" + std::to_string(k) + ": ds_id " +
                                   std::to_string(s.persistent[k]) + " is not a parameter of the trace");
     }
-    if (!c.persistent[static_cast<size_t>(p)]) c.persistentBytes += w.params[static_cast<size_t>(p)].gatherBytes;
+    if (!c.persistent[static_cast<size_t>(p)])
+      c.persistentBytes += w.params[static_cast<size_t>(p)].gatherBytes;
     c.persistent[static_cast<size_t>(p)] = 1;
   }
   c.graphs.resize(w.graphs.size());
@@ -36,7 +41,8 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
     const schemas::PlanGraph& pg = s.graphs[gi];
     std::string ptr = "/graphs/" + std::to_string(gi);
     int32_t g = w.graphIndex(pg.id);
-    if (g < 0) throw std::invalid_argument(ptr + "/id: graph " + std::to_string(pg.id) + " is not in the trace");
+    if (g < 0)
+      throw std::invalid_argument(ptr + "/id: graph " + std::to_string(pg.id) + " is not in the trace");
     if (planned[static_cast<size_t>(g)]) {
       throw std::invalid_argument(ptr + "/id: graph " + std::to_string(pg.id) + " is planned twice");
     }
@@ -55,9 +61,9 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
       auto it = std::lower_bound(wg.ops.begin(), wg.ops.end(), grp.position,
                                  [](const WorkOp& op, int64_t pos) { return op.seq < pos; });
       if (it == wg.ops.end() || it->seq != grp.position) {
-        throw std::invalid_argument(ptr + "/prefetch/" + std::to_string(k) + "/position: " +
-                                    std::to_string(grp.position) + " is not a position of graph " +
-                                    std::to_string(pg.id) + " (" + std::to_string(n) + " ops)");
+        throw std::invalid_argument(
+            ptr + "/prefetch/" + std::to_string(k) + "/position: " + std::to_string(grp.position) +
+            " is not a position of graph " + std::to_string(pg.id) + " (" + std::to_string(n) + " ops)");
       }
       byOp.emplace_back(static_cast<int32_t>(it - wg.ops.begin()), k);
     }
@@ -70,8 +76,9 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
       for (size_t m = 0; m < grp.dsIds.size(); ++m) {
         int32_t p = w.paramIndex(grp.dsIds[m]);
         if (p < 0) {
-          throw std::invalid_argument(ptr + "/prefetch/" + std::to_string(k) + "/ds_ids/" + std::to_string(m) +
-                                      ": ds_id " + std::to_string(grp.dsIds[m]) + " is not a parameter of the trace");
+          throw std::invalid_argument(ptr + "/prefetch/" + std::to_string(k) + "/ds_ids/" +
+                                      std::to_string(m) + ": ds_id " + std::to_string(grp.dsIds[m]) +
+                                      " is not a parameter of the trace");
         }
         members.push_back(p);
       }
@@ -108,7 +115,8 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
       if (op.kind != OpKind::ReduceGrad) continue;
       int32_t b = bucketOfParam[static_cast<size_t>(op.param)];
       if (b < 0) {
-        throw std::invalid_argument(ptr + "/buckets: ds_id " + std::to_string(w.params[static_cast<size_t>(op.param)].id) +
+        throw std::invalid_argument(ptr + "/buckets: ds_id " +
+                                    std::to_string(w.params[static_cast<size_t>(op.param)].id) +
                                     " is reduced in graph " + std::to_string(pg.id) + " but is in no bucket");
       }
       cg.bucketOfOp[i] = b;
@@ -153,7 +161,8 @@ class Simulation {
     res_.repeatStallUs.assign(w.params.size(), 0.0);
     lastMicroStep_.assign(w.graphs.size(), 0);
     for (const GraphRun& r : w.runs) {
-      lastMicroStep_[static_cast<size_t>(r.graph)] = std::max(lastMicroStep_[static_cast<size_t>(r.graph)], r.microStep);
+      lastMicroStep_[static_cast<size_t>(r.graph)] =
+          std::max(lastMicroStep_[static_cast<size_t>(r.graph)], r.microStep);
     }
   }
 
@@ -270,8 +279,8 @@ class Simulation {
     if (record_) {
       std::vector<int64_t> ids;
       for (int32_t p : members_) ids.push_back(w_.params[static_cast<size_t>(p)].id);
-      event(Stream::AllGather, prefetch ? "prefetch_params_fused" : "allgather_param", r, seq, ids, bytes, start,
-            gatherFree_);
+      event(Stream::AllGather, prefetch ? "prefetch_params_fused" : "allgather_param", r, seq, ids, bytes,
+            start, gatherFree_);
       res_.gathers.push_back(GatherRecord{r, seq, t_, gatherFree_, members_});
     }
   }
@@ -288,8 +297,8 @@ class Simulation {
     res_.reduceBusyUs += dur;
     res_.reduceCalls++;
     if (record_) {
-      event(Stream::Reduce, std::string(collectiveName(op)) + " bucket " + std::to_string(b), r, seq, {}, bytes,
-            start, reduceFree_);
+      event(Stream::Reduce, std::string(collectiveName(op)) + " bucket " + std::to_string(b), r, seq, {},
+            bytes, start, reduceFree_);
     }
   }
 
@@ -307,7 +316,8 @@ class Simulation {
   }
 
   void sample(double now, uint64_t activation) {
-    uint64_t m = w_.baselineBytes + s_.persistentBytes + activation + liveGathered_ + filling_ + pendingBytes_;
+    uint64_t m =
+        w_.baselineBytes + s_.persistentBytes + activation + liveGathered_ + filling_ + pendingBytes_;
     peak_ = std::max(peak_, m);
     if (record_) res_.memory.push_back(MemorySample{now, m});
   }

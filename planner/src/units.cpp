@@ -29,8 +29,8 @@ std::string lower(std::string_view s) {
 /// same forms as the user would type (no hex, no inf, no nan: checked below).
 bool splitNumber(std::string_view text, double& value, std::string_view& unit) {
   std::string buf(text);
-  if (buf.empty() || !(std::isdigit(static_cast<unsigned char>(buf[0])) || buf[0] == '.' ||
-                       buf[0] == '-' || buf[0] == '+')) {
+  if (buf.empty() || !(std::isdigit(static_cast<unsigned char>(buf[0])) || buf[0] == '.' || buf[0] == '-' ||
+                       buf[0] == '+')) {
     return false;
   }
   // Refuse the forms strtod takes but a size never is.

@@ -59,6 +59,22 @@ double Workload::computeUs() const {
   return total;
 }
 
+std::vector<int32_t> gathersPerStep(const Workload& w) {
+  std::vector<int32_t> count(w.params.size(), 0);
+  std::vector<char> allocated(w.params.size(), 0);
+  for (const GraphRun& run : w.runs) {
+    for (const WorkOp& op : w.graphs[static_cast<size_t>(run.graph)].ops) {
+      size_t p = static_cast<size_t>(op.param);
+      if (op.kind == OpKind::Release) allocated[p] = 0;
+      if ((op.kind == OpKind::AllGather || op.kind == OpKind::Wait) && !allocated[p]) {
+        allocated[p] = 1;
+        count[p]++;
+      }
+    }
+  }
+  return count;
+}
+
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
   Workload w;
   w.traceWorldSize = std::max<int64_t>(1, trace.meta.worldSize);
@@ -70,9 +86,9 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
   w.capacityBytes = trace.memory.capacityBytes;
   // Shards and optimizer state are what the baseline holds; they shrink with
   // the number of ranks sharing them.
-  w.baselineBytes = static_cast<uint64_t>(static_cast<double>(trace.memory.baselineBytes) *
-                                          static_cast<double>(w.traceWorldSize) /
-                                          static_cast<double>(w.worldSize));
+  w.baselineBytes =
+      static_cast<uint64_t>(static_cast<double>(trace.memory.baselineBytes) *
+                            static_cast<double>(w.traceWorldSize) / static_cast<double>(w.worldSize));
   if (trace.steps.empty()) throw std::invalid_argument("/steps: the trace has no step to plan from");
 
   int gatherSize = dtypeBytes(w.paramDtype, "/meta/param_dtype");
@@ -89,8 +105,7 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
     wp.requiresGrad = p.requiresGrad;
     w.params.push_back(std::move(wp));
     recordedGatherBytes[p.id] = static_cast<uint64_t>(p.shardNumel) *
-                                static_cast<uint64_t>(w.traceWorldSize) *
-                                static_cast<uint64_t>(gatherSize);
+                                static_cast<uint64_t>(w.traceWorldSize) * static_cast<uint64_t>(gatherSize);
   }
   std::vector<size_t> order(w.params.size());
   std::iota(order.begin(), order.end(), 0);
@@ -100,86 +115,105 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
     w.sortedIdx_.push_back(static_cast<int32_t>(i));
   }
 
-  size_t stepIndex = trace.steps.size() - 1;
-  const schemas::TraceStep& step = trace.steps[stepIndex];
-  w.traceStep = step.index;
-  w.optimizerUs = step.optimizerUs;
-  std::string stepPtr = "/steps/" + std::to_string(stepIndex);
+  // Steps are micro-steps; an optimizer step is the grad_accum_steps of them
+  // ending at the last one after which the optimizer ran.
+  size_t end = trace.steps.size() - 1;
+  for (size_t i = trace.steps.size(); i-- > 0;) {
+    if (trace.steps[i].optimizerUs > 0) {
+      end = i;
+      break;
+    }
+  }
+  std::vector<size_t> micro{end};
+  while (static_cast<int64_t>(micro.size()) < w.gradAccumSteps && micro.back() > 0 &&
+         !(trace.steps[micro.back() - 1].optimizerUs > 0)) {
+    micro.push_back(micro.back() - 1);
+  }
+  std::reverse(micro.begin(), micro.end());
+  // Fewer micro-steps recorded than the step has: the first recorded one stands
+  // in for the missing ones, so that per-step gather counts stay right.
+  while (static_cast<int64_t>(micro.size()) < w.gradAccumSteps) micro.insert(micro.begin(), micro.front());
+  w.traceStep = trace.steps[end].index;
+  w.optimizerUs = trace.steps[end].optimizerUs;
   std::unordered_map<int64_t, int32_t> runsOfGraph;
   // What the recorded gather-on-use run had gathered, to take out of its memory.
   std::unordered_map<int64_t, uint64_t> gathered;
   uint64_t gatheredBytes = 0;
-  for (size_t gi = 0; gi < step.graphs.size(); ++gi) {
-    const schemas::TraceGraph& tg = step.graphs[gi];
-    std::string graphPtr = stepPtr + "/graphs/" + std::to_string(gi);
-    int32_t g = w.graphIndex(tg.id);
-    bool first = g < 0;
-    if (first) {
-      g = static_cast<int32_t>(w.graphs.size());
-      w.graphs.push_back(WorkGraph{tg.id, tg.kind, {}});
-    } else if (w.graphs[static_cast<size_t>(g)].kind != tg.kind ||
-               w.graphs[static_cast<size_t>(g)].ops.size() != tg.events.size()) {
-      throw std::invalid_argument(graphPtr + ": graph " + std::to_string(tg.id) +
-                                  " differs from its first run in this step (" +
-                                  std::to_string(tg.events.size()) + " ops against " +
-                                  std::to_string(w.graphs[static_cast<size_t>(g)].ops.size()) +
-                                  "); a plan needs every run of a graph to issue the same ops");
-    }
-    WorkGraph& graph = w.graphs[static_cast<size_t>(g)];
-    GraphRun run;
-    run.graph = g;
-    run.microStep = runsOfGraph[tg.id]++;
-    run.computeUs.reserve(tg.events.size());
-    run.activationBytes.reserve(tg.events.size());
-    run.copyUs.assign(tg.events.size(), 0.0);
-    for (size_t ei = 0; ei < tg.events.size(); ++ei) {
-      const schemas::OpEvent& e = tg.events[ei];
-      std::string evPtr = graphPtr + "/events/" + std::to_string(ei);
-      WorkOp op;
-      op.kind = kindOf(e.op);
-      op.seq = e.seq;
-      if (needsParam(op.kind)) {
-        if (e.dsIds.empty()) throw std::invalid_argument(evPtr + "/ds_ids: " + e.op + " needs a ds_id");
-        op.param = w.paramIndex(e.dsIds[0]);
-        if (op.param < 0) {
-          throw std::invalid_argument(evPtr + "/ds_ids/0: unknown ds_id " + std::to_string(e.dsIds[0]));
-        }
-      }
-      if (op.kind == OpKind::CopyStart) {
-        op.copyBytes = e.bytes;
-        op.hostToDevice = e.op.rfind("reload", 0) == 0;
-        run.copyUs[ei] = std::max(0.0, e.endUs - e.startUs);
-      }
+  for (size_t stepIndex : micro) {
+    const schemas::TraceStep& step = trace.steps[stepIndex];
+    std::string stepPtr = "/steps/" + std::to_string(stepIndex);
+    for (size_t gi = 0; gi < step.graphs.size(); ++gi) {
+      const schemas::TraceGraph& tg = step.graphs[gi];
+      std::string graphPtr = stepPtr + "/graphs/" + std::to_string(gi);
+      int32_t g = w.graphIndex(tg.id);
+      bool first = g < 0;
       if (first) {
-        graph.ops.push_back(op);
-      } else {
-        const WorkOp& had = graph.ops[ei];
-        if (had.kind != op.kind || had.param != op.param) {
-          throw std::invalid_argument(evPtr + ": op '" + e.op + "' differs from the first run of graph " +
-                                      std::to_string(tg.id) + " at seq " + std::to_string(e.seq) +
-                                      "; a plan needs every run of a graph to issue the same ops");
+        g = static_cast<int32_t>(w.graphs.size());
+        w.graphs.push_back(WorkGraph{tg.id, tg.kind, {}});
+      } else if (w.graphs[static_cast<size_t>(g)].kind != tg.kind ||
+                 w.graphs[static_cast<size_t>(g)].ops.size() != tg.events.size()) {
+        throw std::invalid_argument(graphPtr + ": graph " + std::to_string(tg.id) +
+                                    " differs from its first run in this step (" +
+                                    std::to_string(tg.events.size()) + " ops against " +
+                                    std::to_string(w.graphs[static_cast<size_t>(g)].ops.size()) +
+                                    "); a plan needs every run of a graph to issue the same ops");
+      }
+      WorkGraph& graph = w.graphs[static_cast<size_t>(g)];
+      GraphRun run;
+      run.graph = g;
+      run.microStep = runsOfGraph[tg.id]++;
+      run.computeUs.reserve(tg.events.size());
+      run.activationBytes.reserve(tg.events.size());
+      run.copyUs.assign(tg.events.size(), 0.0);
+      for (size_t ei = 0; ei < tg.events.size(); ++ei) {
+        const schemas::OpEvent& e = tg.events[ei];
+        std::string evPtr = graphPtr + "/events/" + std::to_string(ei);
+        WorkOp op;
+        op.kind = kindOf(e.op);
+        op.seq = e.seq;
+        if (needsParam(op.kind)) {
+          if (e.dsIds.empty()) throw std::invalid_argument(evPtr + "/ds_ids: " + e.op + " needs a ds_id");
+          op.param = w.paramIndex(e.dsIds[0]);
+          if (op.param < 0) {
+            throw std::invalid_argument(evPtr + "/ds_ids/0: unknown ds_id " + std::to_string(e.dsIds[0]));
+          }
+        }
+        if (op.kind == OpKind::CopyStart) {
+          op.copyBytes = e.bytes;
+          op.hostToDevice = e.op.rfind("reload", 0) == 0;
+          run.copyUs[ei] = std::max(0.0, e.endUs - e.startUs);
+        }
+        if (first) {
+          graph.ops.push_back(op);
+        } else {
+          const WorkOp& had = graph.ops[ei];
+          if (had.kind != op.kind || had.param != op.param) {
+            throw std::invalid_argument(evPtr + ": op '" + e.op + "' differs from the first run of graph " +
+                                        std::to_string(tg.id) + " at seq " + std::to_string(e.seq) +
+                                        "; a plan needs every run of a graph to issue the same ops");
+          }
+        }
+        run.computeUs.push_back(std::max(0.0, e.computeUs));
+        uint64_t other = trace.memory.baselineBytes + gatheredBytes;
+        run.activationBytes.push_back(e.memoryBytes > other ? e.memoryBytes - other : 0);
+        // Update what the recorded run held after this op.
+        if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
+          for (int64_t id : e.dsIds) {
+            if (gathered.count(id)) continue;
+            uint64_t b = e.op == "allgather_param" && e.bytes > 0 ? e.bytes : recordedGatherBytes[id];
+            gathered[id] = b;
+            gatheredBytes += b;
+          }
+        } else if (e.op == "release_param" && !e.dsIds.empty()) {
+          auto it = gathered.find(e.dsIds[0]);
+          if (it != gathered.end()) {
+            gatheredBytes -= it->second;
+            gathered.erase(it);
+          }
         }
       }
-      run.computeUs.push_back(std::max(0.0, e.computeUs));
-      uint64_t other = trace.memory.baselineBytes + gatheredBytes;
-      run.activationBytes.push_back(e.memoryBytes > other ? e.memoryBytes - other : 0);
-      // Update what the recorded run held after this op.
-      if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
-        for (int64_t id : e.dsIds) {
-          if (gathered.count(id)) continue;
-          uint64_t b = e.op == "allgather_param" && e.bytes > 0 ? e.bytes : recordedGatherBytes[id];
-          gathered[id] = b;
-          gatheredBytes += b;
-        }
-      } else if (e.op == "release_param" && !e.dsIds.empty()) {
-        auto it = gathered.find(e.dsIds[0]);
-        if (it != gathered.end()) {
-          gatheredBytes -= it->second;
-          gathered.erase(it);
-        }
-      }
+      w.runs.push_back(std::move(run));
     }
-    w.runs.push_back(std::move(run));
   }
   return w;
 }

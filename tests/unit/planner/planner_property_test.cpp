@@ -22,7 +22,8 @@ struct Case {
 std::string name(const Case& c) {
   return "layers=" + std::to_string(c.layers) + " hidden=" + std::to_string(c.hidden) +
          " tokens=" + std::to_string(c.tokens) + " world=" + std::to_string(c.world) +
-         " accum=" + std::to_string(c.accum) + " stage=" + std::to_string(c.stage) + " seed=" + std::to_string(c.seed);
+         " accum=" + std::to_string(c.accum) + " stage=" + std::to_string(c.stage) +
+         " seed=" + std::to_string(c.seed);
 }
 
 schemas::Trace generate(const Case& c) {
@@ -99,7 +100,8 @@ TEST(PlannerProperties, BudgetOrderingDeterminismAndRoundTrip) {
 
       // The prediction is what the simulator says of the written plan.
       Workload w = makeWorkload(trace, back.source.worldSize);
-      CostModel cost(trace.calibration, trace.meta.worldSize, {back.source.worldSize, back.options.bandwidthGBps});
+      CostModel cost(trace.calibration, trace.meta.worldSize,
+                     {back.source.worldSize, back.options.bandwidthGBps});
       SimResult again = simulate(w, cost, compileSchedule(w, scheduleOf(back)));
       EXPECT_NEAR(again.prediction.stepUs, p.stepUs, 1e-3);
       EXPECT_EQ(again.prediction.peakMemoryBytes, p.peakMemoryBytes);
@@ -177,7 +179,8 @@ TEST(PlannerProperties, ImpossibleBudgetIsAnErrorThatSaysWhatWouldFit) {
     plan(t, Strategy::Optimized, 1000);
     ADD_FAILURE() << "planned under 1000 bytes";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("is below what any schedule needs: at least"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("is below what any schedule needs: at least"), std::string::npos)
+        << e.what();
   }
   PlanResult d = plan(t, Strategy::Default, 1000);
   ASSERT_EQ(d.warnings.size(), 1u);

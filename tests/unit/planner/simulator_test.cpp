@@ -6,6 +6,7 @@
 #include "dcplan/planner/planner.h"
 #include "dcplan/planner/simulator.h"
 #include "dcplan/planner/workload.h"
+#include "dcplan/testing/trace_generator.h"
 #include "tiny_trace.h"
 
 namespace dcplan::planner {
@@ -97,8 +98,10 @@ TEST(Simulator, TimelineCoversStreamsAndOptimizer) {
   for (const TimelineEvent& e : r.timeline) {
     EXPECT_LE(e.startUs, e.endUs);
     EXPECT_LE(e.endUs, r.prediction.stepUs + 1e-9);
-    if (e.stream == Stream::Compute && e.name == "optimizer") ++optimizer;
-    else if (e.stream == Stream::Compute) ++compute;
+    if (e.stream == Stream::Compute && e.name == "optimizer")
+      ++optimizer;
+    else if (e.stream == Stream::Compute)
+      ++compute;
     if (e.stream == Stream::AllGather) ++gathers;
     if (e.stream == Stream::Reduce) ++reduces;
   }
@@ -138,7 +141,8 @@ TEST(Simulator, ScheduleThatDoesNotFitTheTraceIsRejectedWithAPointer) {
 TEST(Simulator, ActivationMemoryIsRecordedMemoryLessRecordedGathers) {
   schemas::Trace t = test::tinyTrace();
   // 5,000 bytes of activations appear after the first forward module.
-  for (size_t i = 3; i < t.steps[0].graphs[0].events.size(); ++i) t.steps[0].graphs[0].events[i].memoryBytes += 5'000;
+  for (size_t i = 3; i < t.steps[0].graphs[0].events.size(); ++i)
+    t.steps[0].graphs[0].events[i].memoryBytes += 5'000;
   Workload w = makeWorkload(t);
   EXPECT_EQ(w.runs[0].activationBytes[0], 0u);
   EXPECT_EQ(w.runs[0].activationBytes[1], 0u);
@@ -163,6 +167,36 @@ TEST(Simulator, DefaultScheduleIsGatherOnUseWithOneBucketSize) {
   ASSERT_EQ(d.graphs[1].buckets.size(), 1u);
   EXPECT_EQ(d.graphs[1].buckets[0].dsIds, (std::vector<int64_t>{1, 0}));
   EXPECT_EQ(d.graphs[1].buckets[0].bytes, 200'000u);
+}
+
+}  // namespace
+}  // namespace dcplan::planner
+
+namespace dcplan::planner {
+namespace {
+
+TEST(Workload, AnOptimizerStepIsGradAccumMicroSteps) {
+  testing::GeneratorOptions o;
+  o.model.layers = 1;
+  o.model.hidden = 256;
+  o.model.heads = 2;
+  o.model.vocab = 1000;
+  o.gradAccumSteps = 4;
+  o.steps = 2;  // 8 recorded micro-steps
+  schemas::Trace t = testing::generateTrace(o);
+  Workload w = makeWorkload(t);
+  ASSERT_EQ(w.runs.size(), 8u);
+  for (size_t r = 0; r < w.runs.size(); ++r) EXPECT_EQ(w.runs[r].microStep, static_cast<int32_t>(r / 2));
+  EXPECT_EQ(w.traceStep, 7);
+  EXPECT_GT(w.optimizerUs, 0);
+  // Gathered on use, every parameter is gathered in each forward and backward.
+  for (int32_t n : gathersPerStep(w)) EXPECT_EQ(n, 8);
+
+  // One recorded micro-step of a 4-step accumulation stands in for the others.
+  t.steps.erase(t.steps.begin(), t.steps.end() - 1);
+  Workload one = makeWorkload(t);
+  EXPECT_EQ(one.runs.size(), 8u);
+  EXPECT_EQ(one.runs.back().microStep, 3);
 }
 
 }  // namespace

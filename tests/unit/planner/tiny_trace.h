@@ -57,14 +57,19 @@ inline schemas::Trace tinyTrace() {
     return e;
   };
   schemas::TraceGraph fwd{0, schemas::GraphKind::Forward, {}};
-  fwd.events = {ev(0, "allgather_param", {0}, 0, base),       ev(1, "wait_allgather", {0}, 0, base + 100'000),
-                ev(2, "release_param", {0}, 500, base + 100'000), ev(3, "allgather_param", {1}, 0, base),
-                ev(4, "wait_allgather", {1}, 0, base + 100'000), ev(5, "release_param", {1}, 500, base + 100'000)};
+  fwd.events = {
+      ev(0, "allgather_param", {0}, 0, base),           ev(1, "wait_allgather", {0}, 0, base + 100'000),
+      ev(2, "release_param", {0}, 500, base + 100'000), ev(3, "allgather_param", {1}, 0, base),
+      ev(4, "wait_allgather", {1}, 0, base + 100'000),  ev(5, "release_param", {1}, 500, base + 100'000)};
   schemas::TraceGraph bwd{1, schemas::GraphKind::Backward, {}};
-  bwd.events = {ev(0, "allgather_param", {1}, 0, base),          ev(1, "wait_allgather", {1}, 0, base + 100'000),
-                ev(2, "reduce_grad", {1}, 1000, base + 100'000),  ev(3, "release_param", {1}, 0, base + 100'000),
-                ev(4, "allgather_param", {0}, 0, base),          ev(5, "wait_allgather", {0}, 0, base + 100'000),
-                ev(6, "reduce_grad", {0}, 1000, base + 100'000),  ev(7, "release_param", {0}, 0, base + 100'000),
+  bwd.events = {ev(0, "allgather_param", {1}, 0, base),
+                ev(1, "wait_allgather", {1}, 0, base + 100'000),
+                ev(2, "reduce_grad", {1}, 1000, base + 100'000),
+                ev(3, "release_param", {1}, 0, base + 100'000),
+                ev(4, "allgather_param", {0}, 0, base),
+                ev(5, "wait_allgather", {0}, 0, base + 100'000),
+                ev(6, "reduce_grad", {0}, 1000, base + 100'000),
+                ev(7, "release_param", {0}, 0, base + 100'000),
                 ev(8, "end_backward", {}, 0, base)};
   double clock = 0;
   for (auto* g : {&fwd, &bwd}) {

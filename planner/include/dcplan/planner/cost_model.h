@@ -16,7 +16,7 @@ const char* collectiveName(Collective c);
 
 /// What-if settings: the cluster to plan for when it is not the one traced.
 struct CostModelOptions {
-  int64_t worldSize = 0;               ///< 0: the trace's world size
+  int64_t worldSize = 0;                   ///< 0: the trace's world size
   std::optional<double> busBandwidthGBps;  ///< large-message bus bandwidth; absent: as calibrated
 };
 
@@ -64,8 +64,7 @@ class CostModel {
     double plannedBusGBps = 0;  ///< bus bandwidth of large messages after re-scaling
   };
 
-  static Curve buildCurve(const std::vector<schemas::CalibrationPoint>& points,
-                          double traceBusFactor);
+  static Curve buildCurve(const std::vector<schemas::CalibrationPoint>& points, double traceBusFactor);
   static double rawUs(const Curve& curve, double bytes);
   const Curve& curve(Collective c) const;
 

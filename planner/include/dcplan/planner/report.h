@@ -22,6 +22,7 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
 /// Chrome trace-event JSON (opens in Perfetto / chrome://tracing) of the
 /// predicted step: process 1 is the plan, process 2 the default schedule; one
 /// thread per stream and a memory counter. One event per line.
-std::string renderChromeTrace(const schemas::Plan& plan, const std::string& planName, const schemas::Trace& trace);
+std::string renderChromeTrace(const schemas::Plan& plan, const std::string& planName,
+                              const schemas::Trace& trace);
 
 }  // namespace dcplan::planner

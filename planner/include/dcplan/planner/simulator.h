@@ -22,10 +22,10 @@ struct CompiledSchedule {
   std::vector<char> persistent;  ///< by param index
   uint64_t persistentBytes = 0;
   struct Graph {
-    std::vector<int32_t> groupBegin;              ///< CSR by op index: groups issued before op i
-    std::vector<std::vector<int32_t>> groups;     ///< param indices of each group
-    std::vector<int32_t> bucketOfOp;              ///< ReduceGrad op -> bucket, else -1
-    std::vector<int32_t> bucketSize;              ///< members per bucket
+    std::vector<int32_t> groupBegin;           ///< CSR by op index: groups issued before op i
+    std::vector<std::vector<int32_t>> groups;  ///< param indices of each group
+    std::vector<int32_t> bucketOfOp;           ///< ReduceGrad op -> bucket, else -1
+    std::vector<int32_t> bucketSize;           ///< members per bucket
     std::vector<uint64_t> bucketBytes;
   };
   std::vector<Graph> graphs;  ///< by Workload graph index
@@ -43,8 +43,8 @@ const char* streamName(Stream s);
 struct TimelineEvent {
   Stream stream = Stream::Compute;
   std::string name;
-  int32_t run = 0;       ///< index into Workload::runs
-  int64_t seq = 0;       ///< position of the op that issued it
+  int32_t run = 0;  ///< index into Workload::runs
+  int64_t seq = 0;  ///< position of the op that issued it
   std::vector<int64_t> dsIds;
   uint64_t bytes = 0;
   double startUs = 0;
@@ -67,9 +67,9 @@ struct GatherRecord {
 
 struct SimResult {
   schemas::Prediction prediction;
-  double computeUs = 0;    ///< sum of compute over the step
+  double computeUs = 0;  ///< sum of compute over the step
   double optimizerUs = 0;
-  double gatherBusyUs = 0; ///< time the all-gather stream was busy
+  double gatherBusyUs = 0;  ///< time the all-gather stream was busy
   double reduceBusyUs = 0;
   int64_t gatherCalls = 0;
   int64_t reduceCalls = 0;

@@ -46,8 +46,8 @@ struct WorkGraph {
 
 /// One execution of a graph within the step, with its own timings.
 struct GraphRun {
-  int32_t graph = 0;      ///< index into Workload::graphs
-  int32_t microStep = 0;  ///< 0-based micro-step of the optimizer step
+  int32_t graph = 0;                      ///< index into Workload::graphs
+  int32_t microStep = 0;                  ///< 0-based micro-step of the optimizer step
   std::vector<double> computeUs;          ///< compute before each op
   std::vector<uint64_t> activationBytes;  ///< memory other than baseline and gathered params
   std::vector<double> copyUs;             ///< recorded duration of each CopyStart op
@@ -84,5 +84,9 @@ struct Workload {
 /// trace element (JSON pointer) when the trace cannot be planned: graphs of one
 /// id whose runs differ, an op on an unknown parameter, no steps.
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0);
+
+/// How many gathers each parameter costs per optimizer step when every gather
+/// happens on use (by param index): what persistence would save, plus one.
+std::vector<int32_t> gathersPerStep(const Workload& workload);
 
 }  // namespace dcplan::planner
