@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <stdexcept>
 
@@ -58,6 +59,8 @@ std::vector<char> stagePersistent(const Workload& w) {
 
 struct Candidate {
   std::string label;
+  std::string name;  ///< label without the prefetch mode, for refinements
+  int mode = -1;     ///< index into kModes for planned prefetch, -1 otherwise
   Schedule schedule;
   SimResult sim;
   std::string bucketLabel;
@@ -68,6 +71,20 @@ struct Candidate {
   std::string prefetchLabel;
   bool feasible = false;
 };
+
+struct BucketOption {
+  std::string label;
+  BucketSet set;
+};
+
+struct Mode {
+  FuseMode mode;
+  uint64_t cap;
+  const char* label;
+};
+const Mode kModes[] = {{FuseMode::Split, 0, "one call per gather"},
+                       {FuseMode::Fuse, 64ull << 20, "fused up to 64.0 MiB"},
+                       {FuseMode::Fuse, std::numeric_limits<uint64_t>::max(), "fused, no size cap"}};
 
 class Search {
  public:
@@ -133,10 +150,6 @@ class Search {
   /// Fills `all` with every schedule tried; returns the index of the best.
   size_t optimizedCandidates(std::vector<Candidate>& all, const Candidate& def, const Candidate& heur) {
     // Buckets first: they barely interact with gathers except through memory.
-    struct BucketOption {
-      std::string label;
-      BucketSet set;
-    };
     std::vector<BucketOption> options;
     options.push_back(
         {"greedy, " + formatBytes(kDefaultBucketBytes), greedyBuckets(c_, kDefaultBucketBytes)});
@@ -216,6 +229,23 @@ class Search {
                               buckets);
       }
     }
+    // The buckets were chosen with gathers on use; with the best prefetch and
+    // persistence they may no longer be the best: try the others with them.
+    int bestPlanned = -1;
+    for (size_t k = 0; k < all.size(); ++k) {
+      if (all[k].mode >= 0 && all[k].feasible &&
+          (bestPlanned < 0 || better(all[k], all[static_cast<size_t>(bestPlanned)]))) {
+        bestPlanned = static_cast<int>(k);
+      }
+    }
+    if (bestPlanned >= 0) {
+      Candidate ref = all[static_cast<size_t>(bestPlanned)];
+      for (size_t k = 0; k < options.size(); ++k) {
+        if (static_cast<int>(k) == bestBucket) continue;
+        all.push_back(planned(ref.persist, ref.persistLabel, ref.name + ", buckets: " + options[k].label,
+                              options[k], ref.mode));
+      }
+    }
     if (def.feasible) all.push_back(def);
     if (heur.feasible) all.push_back(heur);
     int best = -1;
@@ -226,34 +256,36 @@ class Search {
     return static_cast<size_t>(best);
   }
 
-  template <typename Buckets>
   void addPrefetchCandidates(std::vector<Candidate>& all, const PersistChoice& persist,
                              const std::string& persistLabel, const std::string& name,
-                             const Buckets& buckets) {
-    struct Mode {
-      FuseMode mode;
-      uint64_t cap;
-      std::string label;
-    };
-    for (const Mode& m : {Mode{FuseMode::Split, 0, "one call per gather"},
-                          Mode{FuseMode::Fuse, 64ull << 20, "fused up to 64.0 MiB"},
-                          Mode{FuseMode::Fuse, std::numeric_limits<uint64_t>::max(), "fused, no size cap"}}) {
-      uint64_t limit = c_.limit;
-      Candidate cand;
-      // The planning curve times buckets without stalls; when the simulation
-      // still passes the budget, plan again against a lower limit.
-      for (int attempt = 0; attempt < 4; ++attempt) {
-        PrefetchResult prefetch = planPrefetch(c_, persist.persistent, buckets.set, limit, m.mode, m.cap);
-        cand = evaluate(name + ", prefetch " + m.label, persist.persistent, persistLabel, buckets.set,
-                        buckets.label, std::move(prefetch), "just in time under the limit, " + m.label);
-        if (cand.feasible) break;
-        uint64_t over = cand.sim.prediction.peakMemoryBytes - c_.limit;
-        if (over + (1u << 20) >= limit) break;
-        limit -= over + (1u << 20);
-      }
-      cand.persist.savedUs = persist.savedUs;
-      all.push_back(std::move(cand));
+                             const BucketOption& buckets) {
+    for (int m = 0; m < static_cast<int>(std::size(kModes)); ++m) {
+      all.push_back(planned(persist, persistLabel, name, buckets, m));
     }
+  }
+
+  /// Prefetch planned for a persistent set and buckets, simulated.
+  Candidate planned(const PersistChoice& persist, const std::string& persistLabel, const std::string& name,
+                    const BucketOption& buckets, int modeIndex) {
+    const Mode& m = kModes[modeIndex];
+    uint64_t limit = c_.limit;
+    Candidate cand;
+    // The planning curve times buckets without stalls; when the simulation
+    // still passes the budget, plan again against a lower limit.
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      PrefetchResult prefetch = planPrefetch(c_, persist.persistent, buckets.set, limit, m.mode, m.cap);
+      cand = evaluate(name + ", prefetch " + m.label, persist.persistent, persistLabel, buckets.set,
+                      buckets.label, std::move(prefetch),
+                      std::string("just in time under the limit, ") + m.label);
+      if (cand.feasible) break;
+      uint64_t over = cand.sim.prediction.peakMemoryBytes - c_.limit;
+      if (over + (1u << 20) >= limit) break;
+      limit -= over + (1u << 20);
+    }
+    cand.persist.savedUs = persist.savedUs;
+    cand.name = name;
+    cand.mode = modeIndex;
+    return cand;
   }
 
   static bool better(const Candidate& a, const Candidate& b) {
