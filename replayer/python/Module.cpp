@@ -4,12 +4,34 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <mutex>
 #include <optional>
+#include <utility>
 
 namespace py = pybind11;
 using namespace dcplan::replayer;
 
 namespace {
+
+/// Keeps every op event in memory, for tests and quick inspection; the
+/// recorder proper is a separate observer.
+class OpLog final : public OpObserver {
+ public:
+  void onOpBegin(const OpEvent& event) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    events_.push_back(event);
+  }
+  std::vector<OpEvent> take() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::exchange(events_, {});
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<OpEvent> events_;
+};
+
+std::shared_ptr<OpLog> gOpLog;
 
 std::optional<at::ScalarType> optionalDtype(const py::object& obj, const char* what) {
   if (obj.is_none()) return std::nullopt;
@@ -82,4 +104,31 @@ PYBIND11_MODULE(_C, m) {
   m.def("clear_all_gathered_params", &clearAllGatheredParams, Release());
   m.def("gathered_param_ids", &gatheredParamIds, Release(),
         "Ids holding a gathered copy (valid or in flight), ascending.");
+  m.def(
+      "start_op_log",
+      [] {
+        auto log = std::make_shared<OpLog>();
+        setObserver(log);
+        gOpLog = log;
+      },
+      Release(), "Records every dc op (op, graph_id, ds_id, bytes, dtype) until stop_op_log().");
+  m.def(
+      "take_op_log",
+      [] {
+        py::list out;
+        if (!gOpLog) return out;
+        for (const OpEvent& e : gOpLog->take()) {
+          out.append(py::make_tuple(std::string(e.op), e.graphId, e.dsId, e.bytes,
+                                    e.dtype == at::ScalarType::Undefined ? std::string() : std::string(c10::toString(e.dtype))));
+        }
+        return out;
+      },
+      "The ops recorded since the last call, as (op, graph_id, ds_id, bytes, dtype) tuples.");
+  m.def(
+      "stop_op_log",
+      [] {
+        if (isInitialized()) setObserver(nullptr);
+        gOpLog.reset();
+      },
+      Release());
 }

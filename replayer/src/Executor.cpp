@@ -77,6 +77,13 @@ void restoreStorage(const at::Tensor& t, size_t nbytes) {
   impl->set_nbytes(nbytes);
 }
 
+/// Bytes a gather of p in dtype receives; 0 when a copy in that dtype is held
+/// (the op is then served without communication).
+int64_t gatherBytes(const Param& p, at::ScalarType dtype, int worldSize) {
+  if (p.hasGathered() && p.gathered_.scalar_type() == dtype) return 0;
+  return worldSize * p.shardNumel_ * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
 int64_t tensorBytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
@@ -630,8 +637,9 @@ at::Tensor allgatherParam(const at::Tensor& shard, int64_t graphId, int64_t dsId
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("allgather_param");
   Executor& ex = executor("allgather_param", graphId);
-  const at::ScalarType t = dtype.value_or(shard.scalar_type());
-  ObserverScope scope(rt, OpEvent{"allgather_param", graphId, dsId, tensorBytes(shard) * rt.transport_->worldSize(), t});
+  Param& p = ex.param("allgather_param", dsId);
+  const at::ScalarType t = dtype.value_or(p.shard_.scalar_type());
+  ObserverScope scope(rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
   return ex.allgatherParam(shard, dsId, dtype);
 }
 
@@ -654,7 +662,7 @@ void prefetchParamsFused(int64_t graphId, const std::vector<at::Tensor>& shards,
                 ": params[", i, "] should be the registered shard of ", p.shardNumel_, " elements, got ",
                 shards[i].numel());
     types.push_back(dtypes ? (*dtypes)[i] : p.shard_.scalar_type());
-    bytes += p.numel_ * int64_t(c10::elementSize(types.back()));
+    bytes += gatherBytes(p, types.back(), rt.transport_->worldSize());
   }
   ObserverScope scope(rt, OpEvent{"prefetch_params_fused", graphId, -1, bytes,
                                   types.empty() ? at::ScalarType::Undefined : types.front()});

@@ -23,6 +23,7 @@ STEPS = 10
 SEQ = 6
 BATCH = 6  # global batch per micro-step; divisible by 2 and 3 ranks
 LR = 1e-3
+LOG_STEP = 2  # the optimizer step whose dc ops are recorded
 BUCKET_BYTES = 1024  # small, so that backward flushes several buckets (double buffering)
 
 
@@ -165,7 +166,10 @@ def train_sharded(case: Case, rank: int, ws: int) -> Dict:
     per = BATCH // ws
     losses = []
     gathered_after_forward = []
-    for step in batches(case, model.embed.num_embeddings):
+    op_log = None
+    for s, step in enumerate(batches(case, model.embed.num_embeddings)):
+        if s == LOG_STEP:
+            dcplan._C.start_op_log()
         total = torch.zeros(())
         for k, (idx, tgt) in enumerate(step):
             model.set_requires_gradient_sync(k == n - 1)
@@ -176,15 +180,26 @@ def train_sharded(case: Case, rank: int, ws: int) -> Dict:
             total += loss.detach()
         opt.step()
         opt.zero_grad()
+        if s == LOG_STEP:
+            op_log = dcplan._C.take_op_log()
+            dcplan._C.stop_op_log()
         dist.all_reduce(total)
         losses.append(total.item() / ws)
     full = dcplan.full_parameters(model)
+    state = model._dcplan
+    elem = torch.tensor([], dtype=param_dtype or torch.float32).element_size()
     return {
         "losses": losses,
         "params": full,
         "shard_shapes": [tuple(p.shape) for p in shards],
         "num_params": len(model._dcplan.infos),
         "gathered_after_forward": gathered_after_forward,
+        "op_log": op_log,
+        "graphs": (state.fwd_graph, state.bwd_graph),
+        "trainable_ids": sorted(i.ds_id for i in state.infos if i.trainable),
+        "frozen_ids": sorted(i.ds_id for i in state.infos if not i.trainable),
+        "all_gather_bytes": sum(ws * i.shard.numel() * elem for i in state.infos),
+        "trainable_gather_bytes": sum(ws * i.shard.numel() * elem for i in state.infos if i.trainable),
     }
 
 

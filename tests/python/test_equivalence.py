@@ -72,6 +72,46 @@ def test_matches_single_process(dist_results, case):
         assert set(held) == {got["num_params"]}, held
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_op_sequence(dist_results, case):
+    """The dc ops of one optimizer step, as the runtime saw them: natural order, one gather
+    per updated parameter and step for ZeRO-1/2, gradients reduced only for trainable parameters."""
+    ws, per_rank = dist_results
+    if os.environ.get("DCPLAN_TEST_CASES") and case.name not in os.environ["DCPLAN_TEST_CASES"].split(","):
+        pytest.skip("not selected by DCPLAN_TEST_CASES")
+    got = _result(per_rank, case.name)["value"]
+    log, (fwd, bwd) = got["op_log"], got["graphs"]
+    n = dist_cases.micro_steps(case)
+    assert log, "no op recorded"
+    gathered = sum(b for op, g, i, b, dt in log if op in ("allgather_param", "prefetch_params_fused"))
+    if case.stage in (1, 2):
+        # Once per optimizer step, however many micro-steps; frozen parameters never change,
+        # so they stay gathered from the first step on.
+        assert gathered == got["trainable_gather_bytes"]
+    else:
+        assert gathered >= n * got["all_gather_bytes"]  # every forward gathers, backward again
+    ends = [(op, g) for op, g, i, b, dt in log if op == "end_backward"]
+    assert ends == [("end_backward", bwd)] * n
+    reduced = [i for op, g, i, b, dt in log if op == "reduce_grad"]
+    assert sorted(set(reduced)) == got["trainable_ids"]
+    assert not set(reduced) & set(got["frozen_ids"])
+    assert all(reduced.count(i) >= n for i in got["trainable_ids"])
+    state = {}
+    for op, g, i, b, dt in log:
+        if g != fwd:
+            continue
+        if op == "allgather_param":
+            state[i] = "gathered"
+        elif op == "wait_allgather":
+            assert state.get(i) == "gathered", f"wait_allgather of {i} before allgather_param"
+            state[i] = "ready"
+        elif op == "release_param":
+            assert state.get(i) == "ready", f"release_param of {i} before wait_allgather"
+            state[i] = "released"
+    if case.variant == "bf16":
+        assert {dt for op, g, i, b, dt in log if op == "allgather_param"} == {"BFloat16"}
+
+
 def test_bf16_changes_numerics(dist_results):
     """The bf16 run really computes in bf16: its losses are close to, not equal to, fp32."""
     ws, per_rank = dist_results

@@ -8,7 +8,9 @@
 namespace dcplan::replayer {
 
 /// One dc op as the executor sees it. bytes is the size of the data the op
-/// moves or holds (a gathered parameter, a gradient), 0 when none.
+/// moves: for allgather_param / prefetch_params_fused what is received
+/// (padded; 0 when a held copy serves the op), for reduce_grad the gradient,
+/// for the offload ops the tensor; 0 when none.
 struct OpEvent {
   const char* op = "";
   int64_t graphId = -1;
