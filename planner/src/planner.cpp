@@ -92,7 +92,6 @@ class Search {
       : w_(w), cost_(cost), c_(makeContext(w, cost, limit)), progress_(progress) {}
 
   const Context& context() const { return c_; }
-  int simulated() const { return simulated_; }
 
   Candidate evaluate(std::string label, std::vector<char> persistent, std::string persistLabel,
                      BucketSet buckets, std::string bucketLabel, PrefetchResult prefetch,
@@ -112,7 +111,6 @@ class Search {
     k.schedule = assemble(c_, k.persist.persistent, k.buckets, k.prefetch.groups);
     k.sim = simulate(w_, cost_, compileSchedule(w_, k.schedule));
     k.feasible = k.sim.prediction.peakMemoryBytes <= c_.limit;
-    ++simulated_;
     return k;
   }
 
@@ -305,7 +303,6 @@ class Search {
   const CostModel& cost_;
   Context c_;
   const ProgressFn& progress_;
-  int simulated_ = 0;
 };
 
 schemas::Prediction rounded(const schemas::Prediction& p) {
