@@ -83,15 +83,24 @@ PYBIND11_MODULE(_C, m) {
         "and the gradient buffer of the same size (None for a frozen parameter).");
   m.def("register_z3_param", regParam, py::arg("ds_id"), py::arg("ds_shape"), py::arg("ds_tensor"),
         py::arg("grad_buffer"), py::arg("persistent") = false, Release(), "Same as register_param.");
-  m.def("register_graph_z1", [](int64_t g, const std::vector<int64_t>& ids, const py::object& rd) {
-    registerGraphOfStage(Stage::Zero1, g, ids, rd);
-  }, py::arg("graph_id"), py::arg("ds_ids"), py::arg("reduce_dtype") = py::none());
-  m.def("register_graph_z2", [](int64_t g, const std::vector<int64_t>& ids, const py::object& rd) {
-    registerGraphOfStage(Stage::Zero2, g, ids, rd);
-  }, py::arg("graph_id"), py::arg("ds_ids"), py::arg("reduce_dtype") = py::none());
-  m.def("register_graph_z3", [](int64_t g, const std::vector<int64_t>& ids, const py::object& rd) {
-    registerGraphOfStage(Stage::Zero3, g, ids, rd);
-  }, py::arg("graph_id"), py::arg("ds_ids"), py::arg("reduce_dtype") = py::none());
+  m.def(
+      "register_graph_z1",
+      [](int64_t g, const std::vector<int64_t>& ids, const py::object& rd) {
+        registerGraphOfStage(Stage::Zero1, g, ids, rd);
+      },
+      py::arg("graph_id"), py::arg("ds_ids"), py::arg("reduce_dtype") = py::none());
+  m.def(
+      "register_graph_z2",
+      [](int64_t g, const std::vector<int64_t>& ids, const py::object& rd) {
+        registerGraphOfStage(Stage::Zero2, g, ids, rd);
+      },
+      py::arg("graph_id"), py::arg("ds_ids"), py::arg("reduce_dtype") = py::none());
+  m.def(
+      "register_graph_z3",
+      [](int64_t g, const std::vector<int64_t>& ids, const py::object& rd) {
+        registerGraphOfStage(Stage::Zero3, g, ids, rd);
+      },
+      py::arg("graph_id"), py::arg("ds_ids"), py::arg("reduce_dtype") = py::none());
   m.def("set_persistent", &setPersistent, py::arg("ds_id"), py::arg("persistent") = true, Release());
   m.def("start_forward", &startForward, Release());
   m.def("end_forward", &endForward, Release());
@@ -118,8 +127,9 @@ PYBIND11_MODULE(_C, m) {
         py::list out;
         if (!gOpLog) return out;
         for (const OpEvent& e : gOpLog->take()) {
-          out.append(py::make_tuple(std::string(e.op), e.graphId, e.dsId, e.bytes,
-                                    e.dtype == at::ScalarType::Undefined ? std::string() : std::string(c10::toString(e.dtype))));
+          out.append(py::make_tuple(
+              std::string(e.op), e.graphId, e.dsId, e.bytes,
+              e.dtype == at::ScalarType::Undefined ? std::string() : std::string(c10::toString(e.dtype))));
         }
         return out;
       },

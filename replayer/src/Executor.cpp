@@ -92,9 +92,8 @@ int64_t tensorBytes(const at::Tensor& t) {
 
 // ---------------------------------------------------------------- ParamRegistry
 
-void ParamRegistry::registerParam(int64_t dsId, const std::vector<int64_t>& shape,
-                                  const at::Tensor& shard, const at::Tensor& gradBuffer,
-                                  bool persistent) {
+void ParamRegistry::registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
+                                  const at::Tensor& gradBuffer, bool persistent) {
   TORCH_CHECK(dsId >= 0, "register_param: ds_id should be >= 0, got ", dsId);
   TORCH_CHECK(!contains(dsId), "register_param: ds_id ", dsId, " is already registered");
   int64_t numel = 1;
@@ -104,15 +103,13 @@ void ParamRegistry::registerParam(int64_t dsId, const std::vector<int64_t>& shap
     numel *= d;
   }
   const int64_t shardNumel = shardNumelOf(numel, worldSize_);
-  TORCH_CHECK(shard.defined() && shard.dim() == 1 && shard.is_contiguous(),
-              "register_param: ds_id ", dsId, ": ds_tensor should be a contiguous 1-D tensor");
+  TORCH_CHECK(shard.defined() && shard.dim() == 1 && shard.is_contiguous(), "register_param: ds_id ", dsId,
+              ": ds_tensor should be a contiguous 1-D tensor");
   TORCH_CHECK(shard.numel() == shardNumel, "register_param: ds_id ", dsId,
-              ": ds_tensor should have ceil(numel/world_size) = ", shardNumel,
-              " elements for shape ", shapeString(shape), " and world size ", worldSize_, ", got ",
-              shard.numel());
+              ": ds_tensor should have ceil(numel/world_size) = ", shardNumel, " elements for shape ",
+              shapeString(shape), " and world size ", worldSize_, ", got ", shard.numel());
   if (gradBuffer.defined()) {
-    TORCH_CHECK(gradBuffer.dim() == 1 && gradBuffer.is_contiguous() &&
-                    gradBuffer.numel() == shardNumel,
+    TORCH_CHECK(gradBuffer.dim() == 1 && gradBuffer.is_contiguous() && gradBuffer.numel() == shardNumel,
                 "register_param: ds_id ", dsId, ": grad_buffer should be a contiguous 1-D tensor of ",
                 shardNumel, " elements, got ", gradBuffer.sizes());
     TORCH_CHECK(gradBuffer.device() == shard.device(), "register_param: ds_id ", dsId,
@@ -148,8 +145,7 @@ void ParamRegistry::startGather(Param& p, at::ScalarType dtype, Transport& trans
   p.valid_ = false;
 }
 
-void ParamRegistry::startGatherFused(const std::vector<Param*>& ps,
-                                     const std::vector<at::ScalarType>& dtypes,
+void ParamRegistry::startGatherFused(const std::vector<Param*>& ps, const std::vector<at::ScalarType>& dtypes,
                                      Transport& transport) {
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> inputs;
@@ -225,8 +221,9 @@ void ReduceBucket::reserveCols(int64_t cols) {
   at::Tensor fresh = at::empty({worldSize_ * newCap}, at::TensorOptions().dtype(dtype_).device(device_));
   if (buffer_.defined() && usedCols_ > 0) {
     if (rankMajor_) {
-      fresh.view({worldSize_, newCap}).narrow(1, 0, usedCols_).copy_(
-          buffer_.view({worldSize_, capacityCols_}).narrow(1, 0, usedCols_));
+      fresh.view({worldSize_, newCap})
+          .narrow(1, 0, usedCols_)
+          .copy_(buffer_.view({worldSize_, capacityCols_}).narrow(1, 0, usedCols_));
     } else {
       fresh.narrow(0, 0, worldSize_ * usedCols_).copy_(buffer_.narrow(0, 0, worldSize_ * usedCols_));
     }
@@ -327,8 +324,8 @@ at::Tensor Executor::allgatherParam(const at::Tensor& shard, int64_t dsId,
               ": the tensor should be the registered shard of ", p.shardNumel_, " elements, got ",
               shard.numel());
   const at::ScalarType gatherType = dtype.value_or(p.shard_.scalar_type());
-  std::vector<int64_t> ahead = rt_.schedule_->prefetchBefore(
-      OpEvent{"allgather_param", graphId_, dsId, p.numel_ * int64_t(c10::elementSize(gatherType)), gatherType});
+  std::vector<int64_t> ahead = rt_.schedule_->prefetchBefore(OpEvent{
+      "allgather_param", graphId_, dsId, p.numel_ * int64_t(c10::elementSize(gatherType)), gatherType});
   if (!ahead.empty()) {
     prefetchParamsFused(ahead, std::vector<at::ScalarType>(ahead.size(), gatherType));
   }
@@ -387,7 +384,8 @@ void Executor::putInBucket(Param& p, const at::Tensor& gradFlat) {
   const int64_t s = p.shardNumel_;
   const int64_t fullRows = s == 0 ? 0 : p.numel_ / s;
   const int64_t rem = p.numel_ - fullRows * s;
-  if (fullRows > 0) region.narrow(0, 0, fullRows).copy_(gradFlat.narrow(0, 0, fullRows * s).view({fullRows, s}));
+  if (fullRows > 0)
+    region.narrow(0, 0, fullRows).copy_(gradFlat.narrow(0, 0, fullRows * s).view({fullRows, s}));
   if (fullRows < ws) {
     at::Tensor row = region.select(0, fullRows);
     if (rem > 0) row.narrow(0, 0, rem).copy_(gradFlat.narrow(0, fullRows * s, rem));
@@ -495,7 +493,8 @@ void init(std::shared_ptr<Transport> transport, const RuntimeConfig& config) {
   TORCH_CHECK(config.reduceBucketBytes > 0, "init: reduce_bucket_bytes should be > 0, got ",
               config.reduceBucketBytes);
   TORCH_CHECK(config.freeActivationThresholdBytes >= 0,
-              "init: free_activation_threshold_bytes should be >= 0, got ", config.freeActivationThresholdBytes);
+              "init: free_activation_threshold_bytes should be >= 0, got ",
+              config.freeActivationThresholdBytes);
   auto st = std::make_unique<RuntimeState>();
   st->registry_ = std::make_unique<ParamRegistry>(transport->worldSize());
   st->transport_ = std::move(transport);
@@ -563,6 +562,7 @@ void startForward() {
   // Use counts of an interrupted step must not leak into this one.
   for (auto& [id, p] : rt.registry_->all()) p.uses_ = 0;
   rt.schedule_->onGraphStart(-1);
+  if (rt.observer_) rt.observer_->onStartForward();
 }
 
 void endForward() {
@@ -574,6 +574,7 @@ void startBackward(bool update, bool sync) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("start_backward");
   for (auto& [id, ex] : rt.executors_) ex->startBackward(update, sync);
+  if (rt.observer_) rt.observer_->onStartBackward(update, sync);
 }
 
 void reset() {
@@ -639,7 +640,8 @@ at::Tensor allgatherParam(const at::Tensor& shard, int64_t graphId, int64_t dsId
   Executor& ex = executor("allgather_param", graphId);
   Param& p = ex.param("allgather_param", dsId);
   const at::ScalarType t = dtype.value_or(p.shard_.scalar_type());
-  ObserverScope scope(rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
+  ObserverScope scope(
+      rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
   return ex.allgatherParam(shard, dsId, dtype);
 }
 
@@ -649,8 +651,9 @@ void prefetchParamsFused(int64_t graphId, const std::vector<at::Tensor>& shards,
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("prefetch_params_fused");
   Executor& ex = executor("prefetch_params_fused", graphId);
-  TORCH_CHECK(shards.size() == dsIds.size(), "prefetch_params_fused: params and ids should have the same length, got ",
-              shards.size(), " and ", dsIds.size());
+  TORCH_CHECK(shards.size() == dsIds.size(),
+              "prefetch_params_fused: params and ids should have the same length, got ", shards.size(),
+              " and ", dsIds.size());
   TORCH_CHECK(!dtypes || dtypes->size() == dsIds.size(),
               "prefetch_params_fused: dtypes should have one entry per id (", dsIds.size(), "), got ",
               dtypes ? dtypes->size() : 0);
@@ -673,7 +676,8 @@ at::Tensor waitAllgather(const at::Tensor& gathered, int64_t graphId, int64_t ds
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("wait_allgather");
   Executor& ex = executor("wait_allgather", graphId);
-  ObserverScope scope(rt, OpEvent{"wait_allgather", graphId, dsId, tensorBytes(gathered), gathered.scalar_type()});
+  ObserverScope scope(
+      rt, OpEvent{"wait_allgather", graphId, dsId, tensorBytes(gathered), gathered.scalar_type()});
   return ex.waitAllgather(gathered, dsId);
 }
 
@@ -762,7 +766,8 @@ void offloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId) {
   auto& rt = state("offload_parameter");
   Executor& ex = executor("offload_parameter", graphId);
   Param& p = ex.param("offload_parameter", dsId);
-  ObserverScope scope(rt, OpEvent{"offload_parameter", graphId, dsId, tensorBytes(p.shard_), p.shard_.scalar_type()});
+  ObserverScope scope(
+      rt, OpEvent{"offload_parameter", graphId, dsId, tensorBytes(p.shard_), p.shard_.scalar_type()});
   rt.registry_->offload(p);
 }
 
@@ -771,7 +776,8 @@ void reloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId) {
   auto& rt = state("reload_parameter");
   Executor& ex = executor("reload_parameter", graphId);
   Param& p = ex.param("reload_parameter", dsId);
-  ObserverScope scope(rt, OpEvent{"reload_parameter", graphId, dsId, tensorBytes(p.shard_), p.shard_.scalar_type()});
+  ObserverScope scope(
+      rt, OpEvent{"reload_parameter", graphId, dsId, tensorBytes(p.shard_), p.shard_.scalar_type()});
   rt.registry_->reload(p);
 }
 

@@ -15,9 +15,7 @@
 namespace dcplan::replayer {
 
 /// Elements of one rank's slice of a parameter of numel elements.
-inline int64_t shardNumelOf(int64_t numel, int worldSize) {
-  return (numel + worldSize - 1) / worldSize;
-}
+inline int64_t shardNumelOf(int64_t numel, int worldSize) { return (numel + worldSize - 1) / worldSize; }
 
 /// One registered parameter: its shard, gradient buffer, gathered copy and offload state.
 struct Param {
@@ -92,7 +90,8 @@ struct ReduceTask {
 /// (all-reduce): gradients are stored one after another.
 class ReduceBucket {
  public:
-  ReduceBucket(at::ScalarType dtype, c10::Device device, int worldSize, bool rankMajor, int64_t capacityBytes);
+  ReduceBucket(at::ScalarType dtype, c10::Device device, int worldSize, bool rankMajor,
+               int64_t capacityBytes);
   ReduceBucket(const ReduceBucket&) = delete;
   ReduceBucket& operator=(const ReduceBucket&) = delete;
 
@@ -129,7 +128,9 @@ class ReduceBucket {
 class DoubleBufferedReduceBucket {
  public:
   DoubleBufferedReduceBucket(int worldSize, bool rankMajor, int64_t capacityBytes, bool doubleBuffer)
-      : worldSize_(worldSize), rankMajor_(rankMajor), capacityBytes_(capacityBytes),
+      : worldSize_(worldSize),
+        rankMajor_(rankMajor),
+        capacityBytes_(capacityBytes),
         doubleBuffer_(doubleBuffer) {}
   /// The bucket being filled; device is used when the dtype's buckets are created.
   ReduceBucket& current(at::ScalarType dtype, c10::Device device = c10::Device(c10::kCPU));
@@ -170,8 +171,7 @@ class Executor {
   Param& param(const char* op, int64_t dsId);
 
   at::Tensor allgatherParam(const at::Tensor& shard, int64_t dsId, std::optional<at::ScalarType> dtype);
-  void prefetchParamsFused(const std::vector<int64_t>& dsIds,
-                           const std::vector<at::ScalarType>& dtypes);
+  void prefetchParamsFused(const std::vector<int64_t>& dsIds, const std::vector<at::ScalarType>& dtypes);
   at::Tensor waitAllgather(const at::Tensor& gathered, int64_t dsId);
   void releaseParam(int64_t dsId, int64_t nUsers);
   void reduceGrad(const at::Tensor& grad, int64_t dsId);

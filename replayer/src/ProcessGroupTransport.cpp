@@ -55,10 +55,12 @@ class ProcessGroupTransport final : public Transport {
     TORCH_CHECK(output.numel() == ws * input.numel(), "allGather: output should have world_size * ",
                 input.numel(), " elements, got ", output.numel());
     std::vector<std::vector<at::Tensor>> outs(1);
-    if (input.numel() == 0) return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
+    if (input.numel() == 0)
+      return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
     for (int r = 0; r < ws; ++r) outs[0].push_back(output.narrow(0, r * input.numel(), input.numel()));
     std::vector<at::Tensor> ins{input};
-    return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->allgather(outs, ins)});
+    return std::make_shared<WorkHandle>(
+        std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->allgather(outs, ins)});
   }
 
   CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
@@ -71,8 +73,8 @@ class ProcessGroupTransport final : public Transport {
     std::map<at::ScalarType, std::vector<size_t>> byType;
     for (size_t i = 0; i < inputs.size(); ++i) {
       TORCH_CHECK(outputs[i].numel() == ws * inputs[i].numel() && outputs[i].is_contiguous(),
-                  "allGatherCoalesced: output ", i, " should be contiguous with world_size * ", inputs[i].numel(),
-                  " elements, got ", outputs[i].numel());
+                  "allGatherCoalesced: output ", i, " should be contiguous with world_size * ",
+                  inputs[i].numel(), " elements, got ", outputs[i].numel());
       byType[inputs[i].scalar_type()].push_back(i);
     }
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -110,7 +112,8 @@ class ProcessGroupTransport final : public Transport {
     const int ws = worldSize();
     TORCH_CHECK(input.dim() == 2 && input.size(0) == ws && input.size(1) == output.numel(),
                 "reduceScatter: input should be [world_size, ", output.numel(), "], got ", input.sizes());
-    if (output.numel() == 0) return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
+    if (output.numel() == 0)
+      return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
     std::vector<std::vector<at::Tensor>> ins(1);
     for (int r = 0; r < ws; ++r) {
       at::Tensor row = input.select(0, r);
@@ -126,11 +129,13 @@ class ProcessGroupTransport final : public Transport {
 
   CommHandlePtr allReduce(const at::Tensor& tensor) override {
     TORCH_CHECK(tensor.is_contiguous(), "allReduce: tensor should be contiguous");
-    if (tensor.numel() == 0) return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
+    if (tensor.numel() == 0)
+      return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
     std::vector<at::Tensor> ts{tensor};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
-    return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->allreduce(ts, opts)});
+    return std::make_shared<WorkHandle>(
+        std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->allreduce(ts, opts)});
   }
 
  private:

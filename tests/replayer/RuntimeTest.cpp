@@ -167,7 +167,8 @@ TEST(ParamRegistry, RejectsBadRegistrations) {
     reg.registerParam(1, {7}, at::zeros({2}), at::Tensor(), false);
     FAIL() << "a shard of the wrong size was accepted";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("ds_tensor should have ceil(numel/world_size) = 3"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("ds_tensor should have ceil(numel/world_size) = 3"),
+              std::string::npos);
   }
   EXPECT_THROW(reg.get("allgather_param", 5), c10::Error);
 }
@@ -269,7 +270,13 @@ struct KeepAndFlushEverything final : SchedulePolicy {
 };
 
 struct RecordingObserver final : OpObserver {
-  void onOpBegin(const OpEvent& e) override { ops.push_back(std::string(e.op) + ":" + std::to_string(e.dsId)); }
+  void onOpBegin(const OpEvent& e) override {
+    ops.push_back(std::string(e.op) + ":" + std::to_string(e.dsId));
+  }
+  void onStartForward() override { ops.push_back("start_forward"); }
+  void onStartBackward(bool update, bool sync) override {
+    ops.push_back(std::string("start_backward:") + (update ? "u" : "") + (sync ? "s" : ""));
+  }
   std::vector<std::string> ops;
 };
 
@@ -285,6 +292,7 @@ TEST(Runtime, ScheduleAndObserverSeams) {
   registerParam(0, {4}, at::ones({4}), g0, false);
   registerParam(3, {2}, at::ones({2}), g3, false);
   registerGraph(0, Stage::Zero3, {0, 3});
+  startForward();
   at::Tensor p = allgatherParam(at::ones({4}), 0, 0, std::nullopt);
   waitAllgather(p, 0, 0);
   EXPECT_EQ(gatheredParamIds(), (std::vector<int64_t>{0, 3}));  // 3 prefetched by the schedule
@@ -296,8 +304,9 @@ TEST(Runtime, ScheduleAndObserverSeams) {
   endBackward(0);
   EXPECT_TRUE(at::equal(g0, at::full({4}, 2.0)));
   EXPECT_TRUE(at::equal(g3, at::full({2}, 3.0)));
-  EXPECT_EQ(observer->ops, (std::vector<std::string>{"allgather_param:0", "wait_allgather:0", "release_param:0",
-                                                     "reduce_grad:0", "reduce_grad:3", "end_backward:-1"}));
+  EXPECT_EQ(observer->ops, (std::vector<std::string>{"start_forward", "allgather_param:0", "wait_allgather:0",
+                                                     "release_param:0", "start_backward:us", "reduce_grad:0",
+                                                     "reduce_grad:3", "end_backward:-1"}));
   EXPECT_THROW(init(std::make_shared<ThreadTransport>(rv, 0), RuntimeConfig{}), c10::Error);
   cleanup();
   EXPECT_FALSE(isInitialized());
@@ -305,6 +314,7 @@ TEST(Runtime, ScheduleAndObserverSeams) {
     endBackward(0);
     FAIL() << "end_backward ran without a runtime";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("end_backward: the dc runtime is not initialized"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("end_backward: the dc runtime is not initialized"),
+              std::string::npos);
   }
 }

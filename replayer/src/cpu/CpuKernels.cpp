@@ -63,14 +63,16 @@ void end_backward_cpu(int64_t graphId) { endBackward(graphId); }
 // ranks of one host. This one goes through the process group's allreduce
 // (Gloo): the same result, without the SHM fast path.
 at::Tensor inference_all_reduce_cpu(const at::Tensor& self) {
-  TORCH_CHECK(self.device().is_cpu(), "inference_all_reduce: self should be a CPU tensor, got ", self.device());
+  TORCH_CHECK(self.device().is_cpu(), "inference_all_reduce: self should be a CPU tensor, got ",
+              self.device());
   at::Tensor out = self.clone(at::MemoryFormat::Contiguous);
   allReduceInPlace("inference_all_reduce", out);
   return out;
 }
 
 at::Tensor& inference_all_reduce__cpu(at::Tensor& self) {
-  TORCH_CHECK(self.device().is_cpu(), "inference_all_reduce_: self should be a CPU tensor, got ", self.device());
+  TORCH_CHECK(self.device().is_cpu(), "inference_all_reduce_: self should be a CPU tensor, got ",
+              self.device());
   allReduceInPlace("inference_all_reduce_", self);
   return self;
 }
@@ -97,8 +99,6 @@ TORCH_LIBRARY_IMPL(dc, CPU, m) {
 
 // end_backward has no tensor argument, so the dispatcher finds no backend key
 // and dispatches to Undefined. Its work is the executor's, whatever the device.
-TORCH_LIBRARY_IMPL(dc, Undefined, m) {
-  m.impl("end_backward", &end_backward_cpu);
-}
+TORCH_LIBRARY_IMPL(dc, Undefined, m) { m.impl("end_backward", &end_backward_cpu); }
 
 }  // namespace dcplan::replayer

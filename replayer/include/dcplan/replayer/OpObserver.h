@@ -26,6 +26,11 @@ class OpObserver {
   virtual ~OpObserver() = default;
   virtual void onOpBegin(const OpEvent& event) {}
   virtual void onOpEnd(const OpEvent& event) {}
+  /// start_forward() was called.
+  virtual void onStartForward() {}
+  /// start_backward() was called; sync marks the micro-step that ends an
+  /// optimizer step (the gradient-accumulation boundary).
+  virtual void onStartBackward(bool update, bool sync) {}
 };
 
 }  // namespace dcplan::replayer

@@ -27,8 +27,7 @@ class SchedulePolicy {
 
   /// Whether the reduce bucket holding pendingBytes must be flushed before a
   /// gradient of nextBytes is added. All sizes in bytes.
-  virtual bool flushBefore(int64_t graphId, int64_t pendingBytes, int64_t nextBytes,
-                           int64_t bucketBytes) {
+  virtual bool flushBefore(int64_t graphId, int64_t pendingBytes, int64_t nextBytes, int64_t bucketBytes) {
     return pendingBytes > 0 && pendingBytes + nextBytes > bucketBytes;
   }
 
