@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Trains a small Llama-style model with dcplan's ZeRO sharding.
+
+    torchrun --standalone --nproc-per-node 2 examples/train_llama.py  # 2 CPU ranks (Gloo)
+    torchrun --nproc-per-node 2 examples/train_llama.py --device cuda  # 2 GPUs (NCCL)
+    python examples/train_llama.py --no-shard --ranks 2                # plain single-process reference
+
+The model: token embedding, per block RMSNorm + grouped-query attention with rotary
+embeddings + RMSNorm + SwiGLU MLP, a final RMSNorm and an output head (tied to the
+embedding with --tied). Its size comes from the flags. The data are synthetic and
+deterministic: every step draws one global batch of sequences made of repeated short
+random patterns (learnable, so the loss falls) and each rank trains on its slice, so a
+sharded run and a --no-shard run of the same global batch give the same losses.
+Rank 0 prints one line per step; --losses FILE writes them as JSON.
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_seq: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq)
+        # Buffers, not parameters: nothing to shard.
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: batch, heads, seq, head_dim
+        seq = x.shape[-2]
+        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.rotary(q), self.rotary(k)
+        if self.kv_heads != self.heads:
+            repeat = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w_gate = nn.Linear(hidden, ffn, bias=False)
+        self.w_up = nn.Linear(hidden, ffn, bias=False)
+        self.w_down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(hidden)
+        self.attn = Attention(hidden, heads, kv_heads, rotary)
+        self.mlp_norm = nn.RMSNorm(hidden)
+        self.mlp = SwiGLU(hidden, ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
+                 max_seq: int, tied: bool):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        rotary = RotaryEmbedding(hidden // heads, max_seq)
+        self.layers = nn.ModuleList(Block(hidden, heads, kv_heads, ffn, rotary) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+            # Rows of norm ~1 rather than ~sqrt(hidden): the tied head would start with huge logits.
+            nn.init.normal_(self.embed.weight, std=hidden**-0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=0, help="0: as many as --heads")
+    p.add_argument("--ffn", type=int, default=0, help="0: 8/3 x hidden, rounded up to 64")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per micro-step")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage")
+    p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype parameters are gathered and computed in")
+    p.add_argument("--reduce-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-shard", action="store_true",
+                   help="train the whole global batch in one process, without dcplan (the reference)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="with --no-shard: train the global batch of a run on this many ranks")
+    p.add_argument("--losses", metavar="FILE", help="write the per-step losses to FILE as JSON")
+    args = p.parse_args(argv)
+    if args.hidden % args.heads:
+        p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
+    kv = args.kv_heads or args.heads
+    if args.heads % kv:
+        p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({kv})")
+    return args
+
+
+def synthetic_batch(step: int, micro: int, sequences: int, seq: int, vocab: int, seed: int):
+    """Walks of a fixed random successor table from random starts, with 10% random
+    tokens: learnable, so the loss falls. The same on every rank."""
+    successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + micro)
+    data = torch.empty(sequences, seq + 1, dtype=torch.long)
+    data[:, 0] = torch.randint(0, vocab, (sequences,), generator=g)
+    noise = torch.rand(sequences, seq + 1, generator=g) < 0.1
+    random_tokens = torch.randint(0, vocab, (sequences, seq + 1), generator=g)
+    for t in range(1, seq + 1):
+        data[:, t] = torch.where(noise[:, t], random_tokens[:, t], successor[data[:, t - 1]])
+    return data[:, :-1], data[:, 1:]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    distributed = not args.no_shard and "WORLD_SIZE" in os.environ
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("train_llama.py: --device cuda, but torch sees no GPU")
+    if distributed:
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    ranks_in_batch = args.ranks if args.no_shard else world
+
+    torch.manual_seed(args.seed)
+    ffn = args.ffn or (8 * args.hidden // 3 + 63) // 64 * 64
+    model = Llama(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads or args.heads, ffn, args.seq,
+                  args.tied).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    param_dtype = getattr(torch, args.param_dtype)
+    if args.no_shard:
+        model = model.to(param_dtype) if param_dtype != torch.float32 else model
+    else:
+        import dcplan
+
+        model = dcplan.shard(model, stage=args.stage, param_dtype=param_dtype if param_dtype != torch.float32
+                             else None, reduce_dtype=getattr(torch, args.reduce_dtype))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+
+    if rank == 0:
+        mode = "single process (no dcplan)" if args.no_shard else f"dcplan ZeRO-{args.stage} on {world} ranks"
+        print(f"train_llama: {n_params / 1e6:.2f}M parameters, {args.layers} layers, hidden {args.hidden}, "
+              f"{mode}, {device.type}, {args.param_dtype}", flush=True)
+    losses = []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        step_loss = torch.zeros((), device=device)
+        for micro in range(args.grad_accum):
+            inputs, targets = synthetic_batch(step, micro, args.batch * ranks_in_batch, args.seq, args.vocab,
+                                              args.seed)
+            if not args.no_shard:
+                inputs = inputs[rank * args.batch:(rank + 1) * args.batch]
+                targets = targets[rank * args.batch:(rank + 1) * args.batch]
+            inputs, targets = inputs.to(device), targets.to(device)
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(micro == args.grad_accum - 1)
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / args.grad_accum
+            loss.backward()
+            step_loss += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if distributed:  # the mean over ranks is the global batch's loss
+            dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+        if use_cuda:
+            torch.cuda.synchronize()
+        value = float(step_loss)
+        losses.append(value)
+        if rank == 0:
+            print(f"step {step:3d}  loss {value:.6f}  {1e3 * (time.perf_counter() - start):8.1f} ms", flush=True)
+    if rank == 0 and args.losses:
+        with open(args.losses, "w") as f:
+            json.dump({"losses": losses}, f)
+    if distributed:
+        if not args.no_shard:
+            import dcplan
+
+            dcplan.shutdown()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
