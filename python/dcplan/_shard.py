@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C
+from . import _C, _record
 
 _DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -217,17 +217,26 @@ def shard(
     param_dtype). ``reduce_bucket_bytes``: reduce bucket size in bytes (used by
     the first shard() of the process, which starts the runtime). Use
     ``model.set_requires_gradient_sync(False)`` on the micro-steps before a
-    gradient-accumulation boundary. Modifies and returns model.
+    gradient-accumulation boundary. ``record``: a directory to record a trace
+    into (docs/recording.md); None: ``$DCPLAN_RECORD`` decides; False: off.
+    Modifies and returns model.
     """
     global _runtime_group, _next_ds_id, _next_graph_id
     _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_bucket_bytes)
-    if plan is not None or record is not None:
-        raise NotImplementedError("dcplan.shard: plan= and record= are not supported by this runtime yet")
+    if plan is not None:
+        raise NotImplementedError("dcplan.shard: plan= is not supported by this runtime yet")
+    recording = _record.settings(record)
     pg = process_group if process_group is not None else dist.group.WORLD
     group_name = pg.group_name
     if _runtime_group is None or not _C.is_initialized():
+        if recording is not None and not _record.active():
+            _record.begin(recording, _model_device(model))  # before init: the recorder times its transport
         _C.init(group_name, reduce_bucket_bytes=reduce_bucket_bytes)
         _runtime_group = group_name
+        if _record.active():
+            _record.attach()
+    elif recording is not None and not _record.active():
+        raise ValueError("dcplan.shard: recording must be switched on at the first dcplan.shard() of the process")
     elif _runtime_group != group_name:
         raise ValueError(
             f"dcplan.shard: the runtime runs on process group '{_runtime_group}', got '{group_name}'; "
@@ -259,6 +268,8 @@ def shard(
     register = {1: _C.register_graph_z1, 2: _C.register_graph_z2, 3: _C.register_graph_z3}[stage]
     register(fwd_graph, ids)
     register(bwd_graph, ids, reduce_dtype)
+    if _record.active():
+        _record.add_model(stage, fwd_graph, bwd_graph, state.infos, world_size, param_dtype, reduce_dtype)
 
     for module in model.modules():
         if id(module) in state.owned:
@@ -285,6 +296,11 @@ def shard(
 
     model.set_requires_gradient_sync = set_requires_gradient_sync
     return model
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: int) -> _ParamInfo:
@@ -346,6 +362,8 @@ def _make_root_pre_hook(state: _ShardState):
         if state.forward_depth > 1:
             return
         _C.start_forward()
+        if _record.active():
+            _record.after_start_forward()  # ends the process once every step is recorded
         if state.stage == 3:
             state.saved_hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
             state.saved_hooks.__enter__()
@@ -394,6 +412,7 @@ def _cleanup_at_exit() -> None:
 def shutdown() -> None:
     """Stops the runtime: every sharded model of this process stops working."""
     global _runtime_group, _next_ds_id, _next_graph_id
+    _record.stop()
     _C.cleanup()
     _runtime_group = None
     _next_ds_id = 0

@@ -1,4 +1,5 @@
 // dcplan._C: the Python binding of the dc runtime (lifecycle and registration; the ops are torch.ops.dc.*).
+#include "dcplan/recorder/PythonBindings.h"
 #include "dcplan/replayer/Runtime.h"
 
 #include <torch/csrc/Dtype.h>
@@ -61,7 +62,7 @@ PYBIND11_MODULE(_C, m) {
         config.reduceBucketBytes = reduceBucketBytes;
         config.doubleBuffer = doubleBuffer;
         config.freeActivationThresholdBytes = freeActivationThresholdBytes;
-        init(makeProcessGroupTransport(groupName), config);
+        init(dcplan::recorder::transportForRuntime(makeProcessGroupTransport(groupName)), config);
       },
       py::arg("group_name"), py::arg("reduce_bucket_bytes") = RuntimeConfig{}.reduceBucketBytes,
       py::arg("double_buffer") = true,
@@ -141,4 +142,5 @@ PYBIND11_MODULE(_C, m) {
         gOpLog.reset();
       },
       Release());
+  dcplan::recorder::bindRecorder(m);  // record_*: python/dcplan/_record.py
 }

@@ -668,7 +668,7 @@ void prefetchParamsFused(int64_t graphId, const std::vector<at::Tensor>& shards,
     bytes += gatherBytes(p, types.back(), rt.transport_->worldSize());
   }
   ObserverScope scope(rt, OpEvent{"prefetch_params_fused", graphId, -1, bytes,
-                                  types.empty() ? at::ScalarType::Undefined : types.front()});
+                                  types.empty() ? at::ScalarType::Undefined : types.front(), dsIds});
   ex.prefetchParamsFused(dsIds, types);
 }
 
@@ -685,7 +685,7 @@ at::Tensor releaseParam(const at::Tensor& token, int64_t graphId, int64_t dsId, 
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("release_param");
   Executor& ex = executor("release_param", graphId);
-  ObserverScope scope(rt, OpEvent{"release_param", graphId, dsId, 0, token.scalar_type()});
+  ObserverScope scope(rt, OpEvent{"release_param", graphId, dsId, 0, token.scalar_type(), {}, nUsers});
   ex.releaseParam(dsId, nUsers);
   return token;
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
 
 #include <cstdint>
 
@@ -17,6 +18,11 @@ struct OpEvent {
   int64_t dsId = -1;
   int64_t bytes = 0;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
+  /// prefetch_params_fused: the ids as issued (dsId is -1 then); valid only
+  /// during the callback.
+  c10::ArrayRef<int64_t> dsIds = {};
+  /// release_param: the n_users argument; 0 for other ops.
+  int64_t nUsers = 0;
 };
 
 /// Called by the executor around every op; the default does nothing.

@@ -1,0 +1,144 @@
+"""Record mode: the DCPLAN_RECORD* environment / ``record=`` switch and the hooks' side of it.
+
+docs/recording.md is the protocol. The recorder itself is C++ (``recorder/``,
+bound as ``dcplan._C.record_*``): it observes every dc op and every
+collective of the runtime, counts steps from ``start_forward`` /
+``start_backward(sync)``, keeps everything in memory and writes
+``rank<R>.progress`` after each recorded step. This module parses the
+settings, arms the recorder before the runtime starts, registers each sharded
+model's parameter table, and, at the first forward after the last recorded
+step, has it calibrate and write ``rank<R>.trace.json``; then the process ends
+with exit code 0 (``DCPLAN_RECORD_EXIT=1``, the default) or trains on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import platform
+from typing import Optional
+
+import torch
+
+from . import _C
+
+_VERSION = "0.1.0"
+_DEFAULTS = {"DCPLAN_RECORD_STEPS": 3, "DCPLAN_RECORD_WARMUP": 2, "DCPLAN_RECORD_EXIT": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    directory: pathlib.Path
+    steps: int
+    warmup: int
+    exit_after: bool
+    calibration_seconds: float
+
+
+def _env_int(name: str, minimum: int, maximum: Optional[int] = None) -> int:
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return _DEFAULTS[name]
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bound = f"an integer >= {minimum}" if maximum is None else f"{minimum} or {maximum}"
+        raise ValueError(f"dcplan: {name} should be {bound}, got {raw!r}")
+    return value
+
+
+def settings(record) -> Optional[Settings]:
+    """What record= (or, when it is None, $DCPLAN_RECORD) asks for; None when recording is off.
+
+    record: None (the environment decides), False (off), or the directory for the rank files.
+    Steps, warm-up and exit come from DCPLAN_RECORD_STEPS / _WARMUP / _EXIT either way.
+    """
+    if record is False:
+        return None
+    if record is None:
+        directory = os.environ.get("DCPLAN_RECORD", "")
+        if not directory:
+            return None
+    elif isinstance(record, (str, os.PathLike)) and str(record):
+        directory = os.fspath(record)
+    else:
+        raise ValueError(f"dcplan.shard: record should be None, False or a directory path, got {record!r}")
+    calibration = os.environ.get("DCPLAN_RECORD_CALIBRATION_S", "3")
+    try:
+        calibration_seconds = float(calibration)
+    except ValueError:
+        calibration_seconds = -1.0
+    if not calibration_seconds > 0:
+        raise ValueError(f"dcplan: DCPLAN_RECORD_CALIBRATION_S should be a number of seconds > 0, got {calibration!r}")
+    path = pathlib.Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)  # every rank may get here first
+    except OSError as e:
+        raise ValueError(f"dcplan: cannot create the record directory {directory} (DCPLAN_RECORD / record=): {e}")
+    return Settings(
+        directory=path.resolve(),
+        steps=_env_int("DCPLAN_RECORD_STEPS", 1),
+        warmup=_env_int("DCPLAN_RECORD_WARMUP", 0),
+        exit_after=_env_int("DCPLAN_RECORD_EXIT", 0, 1) == 1,
+        calibration_seconds=calibration_seconds,
+    )
+
+
+_active: Optional[Settings] = None
+
+
+def active() -> bool:
+    return _active is not None
+
+
+def begin(s: Settings, device: torch.device) -> None:
+    """Arms the recorder; must come before the runtime starts (_C.init wraps its transport then)."""
+    global _active
+    versions = {"torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.nccl.is_available([]):
+            versions["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+    else:
+        name = device.type
+    _C.record_begin(str(s.directory), s.steps, s.warmup, str(device), name, versions, s.calibration_seconds)
+    _active = s
+
+
+def attach() -> None:
+    """After the runtime started: the recorder observes its ops from now on."""
+    _C.record_attach()
+
+
+def add_model(stage: int, fwd_graph: int, bwd_graph: int, infos, world_size: int, param_dtype, reduce_dtype) -> None:
+    def name(dt):
+        return str(dt or torch.float32).replace("torch.", "")
+
+    params = [
+        (i.ds_id, i.name, list(i.shape), name(i.shard.dtype), i.numel, (i.numel + world_size - 1) // world_size,
+         i.trainable)
+        for i in infos
+    ]
+    _C.record_add_model(stage, fwd_graph, bwd_graph, name(param_dtype), name(reduce_dtype or param_dtype), params)
+
+
+def after_start_forward() -> None:
+    """Called by the root forward pre-hook after start_forward(): finishes once every step is recorded."""
+    global _active
+    if _active is None or not _C.record_done():
+        return
+    s = _active
+    _active = None
+    _C.record_finish()  # collective: calibration on every rank, then this rank's trace
+    if s.exit_after:
+        # From the forward pre-hook, so that the training script's loop ends
+        # here and torchrun sees exit code 0 from every rank.
+        raise SystemExit(0)
+
+
+def stop() -> None:
+    global _active
+    _active = None
+    _C.record_stop()

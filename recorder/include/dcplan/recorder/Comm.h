@@ -1,0 +1,58 @@
+// The recorder's view of communication: a timing Transport decorator and the calibration.
+#pragma once
+
+#include "dcplan/replayer/Transport.h"
+#include "dcplan/schemas/trace.h"
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+namespace dcplan::recorder {
+
+enum class CollectiveKind { Gather, Reduce, Copy };
+
+/// Told by a timed transport when each collective is launched and when it was
+/// first seen complete.
+class CollectiveListener {
+ public:
+  virtual ~CollectiveListener() = default;
+  /// Called just before the collective is handed to the wrapped transport;
+  /// returns a token for onCollectiveDone, or -1 to hear nothing more of it.
+  virtual int64_t onCollectiveLaunch(CollectiveKind kind) = 0;
+  /// The wrapped handle exists: the listener may poll `handle->isCompleted()`.
+  virtual void onCollectiveHandle(int64_t token, const std::shared_ptr<replayer::CommHandle>& handle) {}
+  /// The collective's wait() returned, or isCompleted() said true, for the first time.
+  virtual void onCollectiveDone(int64_t token) = 0;
+};
+
+/// A Transport that forwards everything to `inner` and reports launches and
+/// completions to `listener` (held weakly: a gone listener hears nothing).
+std::shared_ptr<replayer::Transport> makeTimedTransport(std::shared_ptr<replayer::Transport> inner,
+                                                        std::weak_ptr<CollectiveListener> listener);
+
+struct CalibrationOptions {
+  /// Total time the measurement may take, in seconds (agreed on by all ranks).
+  double budgetSeconds = 3.0;
+  /// Timed repetitions per size and collective; the median is kept.
+  int repetitions = 5;
+  /// Smallest and largest full message size in bytes; sizes grow by 4x.
+  uint64_t minBytes = 64 * 1024;
+  uint64_t maxBytes = uint64_t{1} << 30;
+  /// Sizes always measured, whatever the budget, so that a curve has a slope.
+  int minPoints = 3;
+  /// Device of the buffers (the transport's device).
+  c10::Device device = c10::Device(c10::DeviceType::CPU);
+  /// Makes the host wait for the device's queued work (a no-op on CPU), so that
+  /// host clock times are device times. Called after each wait().
+  std::function<void()> synchronize;
+};
+
+/// Measures all-gather, reduce-scatter and all-reduce time against message size
+/// through `transport`, and the host<->device copy rate when the device is not
+/// the CPU. Collective: every rank of the transport calls it with the same options.
+schemas::Calibration calibrate(replayer::Transport& transport, const CalibrationOptions& options);
+
+}  // namespace dcplan::recorder

@@ -1,0 +1,55 @@
+// Where the recorder reads time and memory: host clock and CPU allocator now, device events later.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace dcplan::recorder {
+
+/// The streams of the trace format; an event's times are taken on its stream.
+enum class Stream { Compute, AllGather, Reduce, Copy, Offload, Reload };
+
+/// The trace's name of a stream ("compute", "allgather", ...).
+const char* streamName(Stream stream);
+
+/// An opaque point in time made by a DeviceTimer; only that timer can read it.
+using TimePoint = int64_t;
+
+/// Takes time points on a stream and turns them into microseconds later. The
+/// host timer reads a steady clock at mark(); a device timer (the CUDA build)
+/// records an event on the stream at mark() and resolves it in elapsedUs(),
+/// which the recorder calls only when it assembles the trace, after the steps.
+class DeviceTimer {
+ public:
+  virtual ~DeviceTimer() = default;
+  virtual TimePoint mark(Stream stream) = 0;
+  /// Microseconds from `from` to `to` (negative when `to` is earlier).
+  virtual double elapsedUs(TimePoint from, TimePoint to) = 0;
+};
+
+/// Memory in use, as the trace's memory_bytes and baseline_bytes report it.
+class MemoryProbe {
+ public:
+  virtual ~MemoryProbe() = default;
+  /// Bytes in use now; called when each op is issued, so it must be cheap.
+  virtual uint64_t bytesInUse() = 0;
+  /// Capacity of the memory bytesInUse() counts from.
+  virtual uint64_t capacityBytes() = 0;
+  /// One line saying what is counted, for docs and logs.
+  virtual std::string describe() = 0;
+};
+
+/// std::chrono::steady_clock in nanoseconds; elapsedUs is exact.
+std::unique_ptr<DeviceTimer> makeHostTimer();
+
+/// Host memory as the CPU allocator sees it: installs (once per process) a
+/// counting wrapper around torch's CPU allocator, so that bytesInUse() is the
+/// bytes of live CPU tensors allocated since then (shards, gradient buffers,
+/// optimizer state, gathered parameters, activations). Tensors allocated
+/// before the first call are not counted. Capacity: physical memory, or the
+/// cgroup limit when lower. When another allocator of higher priority is
+/// installed, falls back to the process's resident set size.
+std::unique_ptr<MemoryProbe> makeCpuMemoryProbe();
+
+}  // namespace dcplan::recorder

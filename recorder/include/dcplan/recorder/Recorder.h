@@ -1,0 +1,145 @@
+// Record mode of the runtime: captures every dc op of the recorded steps and writes the rank's trace.
+#pragma once
+
+#include "dcplan/recorder/Comm.h"
+#include "dcplan/recorder/Probes.h"
+#include "dcplan/replayer/OpObserver.h"
+#include "dcplan/schemas/trace.h"
+
+#include <deque>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace dcplan::recorder {
+
+struct RecorderConfig {
+  /// Where rank<R>.progress and rank<R>.trace.json go ($DCPLAN_RECORD).
+  std::filesystem::path directory;
+  /// Optimizer steps to record, after `warmup` unrecorded ones.
+  int64_t steps = 3;
+  int64_t warmup = 2;
+  /// meta.device ("cpu", "NVIDIA H200") and meta.versions.
+  std::string deviceName = "cpu";
+  std::map<std::string, std::string> versions;
+  CalibrationOptions calibration;
+};
+
+/// One sharded model: its graphs and parameter table (one per dcplan.shard()).
+struct ModelInfo {
+  int64_t stage = 3;
+  int64_t forwardGraph = 0;
+  int64_t backwardGraph = 1;
+  std::string paramDtype = "float32";   ///< gather dtype, torch name
+  std::string reduceDtype = "float32";  ///< dtype of the reduce buckets
+  std::vector<schemas::TraceParam> params;
+};
+
+/// Observes the runtime (OpObserver) and its transport (CollectiveListener).
+///
+/// Steps: a micro-step starts at start_forward; an optimizer step ends with the
+/// micro-step whose backward was started with sync. The first `warmup`
+/// optimizer steps are not recorded, the next `steps` are, each micro-step as
+/// one trace step. Events are kept in memory as raw time points and turned
+/// into the trace only by buildTrace(), after the last step.
+///
+/// Sequence: an event's seq is its index among the ops of its graph id within
+/// the micro-step, counting only the ops the runtime's entry points report
+/// (what the Python hooks issue); ops of no graph (graph_id -1) are not part of
+/// any sequence.
+class Recorder final : public replayer::OpObserver, public CollectiveListener {
+ public:
+  Recorder(RecorderConfig config, std::unique_ptr<DeviceTimer> timer, std::unique_ptr<MemoryProbe> memory);
+
+  /// The transport the runtime runs on (unwrapped): rank, world size, backend,
+  /// and the calibration's collectives.
+  void attachTransport(std::shared_ptr<replayer::Transport> transport);
+  void addModel(const ModelInfo& model);
+
+  void onOpBegin(const replayer::OpEvent& event) override;
+  void onOpEnd(const replayer::OpEvent& event) override;
+  void onStartForward() override;
+  void onStartBackward(bool update, bool sync) override;
+
+  int64_t onCollectiveLaunch(CollectiveKind kind) override;
+  void onCollectiveHandle(int64_t token, const std::shared_ptr<replayer::CommHandle>& handle) override;
+  void onCollectiveDone(int64_t token) override;
+
+  /// All steps are recorded (known at the start_forward after the last one).
+  bool done() const;
+  int64_t recordedSteps() const;
+  /// What the memory probe reports now.
+  uint64_t memoryInUse() const { return memory_->bytesInUse(); }
+  /// The rank's trace from what was recorded, with the given calibration.
+  schemas::Trace buildTrace(const schemas::Calibration& calibration);
+  /// Once done(): calibrates, builds and checks the trace, writes
+  /// rank<R>.trace.json atomically, stops recording; returns the file.
+  std::filesystem::path finish();
+  std::filesystem::path tracePath() const;
+  std::filesystem::path progressPath() const;
+
+ private:
+  struct RawEvent {
+    const char* op = "";  // the runtime's op names are string literals
+    int64_t graphId = -1;
+    int64_t dsId = -1;
+    std::vector<int64_t> dsIds;  // prefetch_params_fused
+    int64_t nUsers = 0;
+    int64_t bytes = 0;
+    c10::ScalarType dtype = c10::ScalarType::Undefined;
+    TimePoint begin = 0;
+    TimePoint end = 0;
+    uint64_t memory = 0;
+    int64_t collective = -1;  // index into collectives_
+  };
+  struct Collective {
+    CollectiveKind kind;
+    TimePoint launch = 0;
+    TimePoint done = 0;
+    bool completed = false;
+    std::vector<size_t> events;  // indices into the micro-step's events, in issue order
+  };
+  struct MicroStep {
+    TimePoint start = 0;
+    bool sync = false;
+    bool sawEndBackward = false;
+    TimePoint endBackward = 0;
+    double optimizerUs = 0;
+    std::vector<RawEvent> events;
+    std::vector<size_t> pendingReduce;  // reduce_grad events not yet carried by a collective
+  };
+
+  void writeProgress();
+  schemas::OpEvent finishEvent(const MicroStep& step, const RawEvent& raw, TimePoint origin, TimePoint prevEnd,
+                               const std::string& reduceDtype);
+
+  RecorderConfig config_;
+  std::unique_ptr<DeviceTimer> timer_;
+  std::unique_ptr<MemoryProbe> memory_;
+  std::shared_ptr<replayer::Transport> transport_;
+  std::vector<ModelInfo> models_;
+
+  mutable std::recursive_mutex mutex_;
+  bool recording_ = false;  // the current micro-step is recorded
+  bool done_ = false;
+  bool finished_ = false;
+  int64_t optimizerStepsSeen_ = 0;  // completed optimizer steps, warm-up included
+  int64_t recordedSteps_ = 0;
+  int64_t microInStep_ = 0;         // micro-steps of the optimizer step in progress
+  int64_t gradAccumSteps_ = 1;
+  bool haveMicro_ = false;
+  MicroStep current_;  // the micro-step in progress (events only when recording_)
+  std::deque<MicroStep> recorded_;
+  std::vector<Collective> collectives_;
+  std::vector<std::pair<int64_t, std::weak_ptr<replayer::CommHandle>>> inFlight_;
+  int64_t currentEvent_ = -1;  // the op between onOpBegin and onOpEnd, index into current_.events
+  uint64_t baselineBytes_ = 0;
+};
+
+/// The torch name of a dtype ("float32", "bfloat16"), as traces name dtypes.
+std::string dtypeName(c10::ScalarType dtype);
+
+}  // namespace dcplan::recorder

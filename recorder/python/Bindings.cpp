@@ -1,0 +1,142 @@
+// dcplan._C record_* functions: one recorder per process, armed before the runtime starts.
+#include "dcplan/recorder/PythonBindings.h"
+
+#include "dcplan/recorder/Recorder.h"
+#include "dcplan/replayer/Runtime.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <mutex>
+
+namespace py = pybind11;
+
+namespace dcplan::recorder {
+namespace {
+
+std::mutex gMutex;
+std::shared_ptr<Recorder> gRecorder;  // armed by record_begin, dropped by record_stop
+bool gAttached = false;               // wrapped the runtime's transport
+
+std::shared_ptr<Recorder> current(const char* fn) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  TORCH_CHECK(gRecorder != nullptr, fn, ": recording is not on; call record_begin() first");
+  return gRecorder;
+}
+
+}  // namespace
+
+std::shared_ptr<replayer::Transport> transportForRuntime(std::shared_ptr<replayer::Transport> transport) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  if (!gRecorder || gAttached) return transport;
+  gRecorder->attachTransport(transport);
+  gAttached = true;
+  return makeTimedTransport(std::move(transport), gRecorder);
+}
+
+void bindRecorder(py::module_& m) {
+  using Release = py::call_guard<py::gil_scoped_release>;
+  m.def(
+      "record_begin",
+      [](const std::string& directory, int64_t steps, int64_t warmup, const std::string& device,
+         const std::string& deviceName, const std::map<std::string, std::string>& versions,
+         double calibrationSeconds) {
+        std::lock_guard<std::mutex> lock(gMutex);
+        TORCH_CHECK(gRecorder == nullptr, "record_begin: recording is already on in this process");
+        TORCH_CHECK(!replayer::isInitialized(),
+                    "record_begin: the dc runtime is already running; recording must be switched on before "
+                    "the first dcplan.shard() of the process starts it");
+        RecorderConfig config;
+        config.directory = directory;
+        config.steps = steps;
+        config.warmup = warmup;
+        config.deviceName = deviceName;
+        config.versions = versions;
+        config.calibration.budgetSeconds = calibrationSeconds;
+        config.calibration.device = c10::Device(device);
+        TORCH_CHECK(config.calibration.device.is_cpu(),
+                    "record_begin: device ", device,
+                    ": recording on a device needs its timer and memory probe (not in this build)");
+        gRecorder = std::make_shared<Recorder>(std::move(config), makeHostTimer(), makeCpuMemoryProbe());
+        gAttached = false;
+      },
+      py::arg("directory"), py::arg("steps"), py::arg("warmup"), py::arg("device"), py::arg("device_name"),
+      py::arg("versions"), py::arg("calibration_seconds"),
+      "Arms the recorder; the next init() runs the runtime on a timed transport.");
+  m.def(
+      "record_attach",
+      [] {
+        auto rec = current("record_attach");
+        {
+          std::lock_guard<std::mutex> lock(gMutex);
+          TORCH_CHECK(gAttached, "record_attach: the runtime was not started after record_begin()");
+        }
+        replayer::setObserver(rec);
+      },
+      Release(), "Makes the recorder the runtime's op observer (after init()).");
+  m.def(
+      "record_add_model",
+      [](int64_t stage, int64_t forwardGraph, int64_t backwardGraph, const std::string& paramDtype,
+         const std::string& reduceDtype, const std::vector<py::tuple>& params) {
+        ModelInfo info;
+        info.stage = stage;
+        info.forwardGraph = forwardGraph;
+        info.backwardGraph = backwardGraph;
+        info.paramDtype = paramDtype;
+        info.reduceDtype = reduceDtype;
+        for (const py::tuple& p : params) {
+          TORCH_CHECK(p.size() == 7, "record_add_model: params entries should be (id, name, shape, dtype, numel, "
+                                     "shard_numel, requires_grad), got ", p.size(), " fields");
+          schemas::TraceParam tp;
+          tp.id = p[0].cast<int64_t>();
+          tp.name = p[1].cast<std::string>();
+          tp.shape = p[2].cast<std::vector<int64_t>>();
+          tp.dtype = p[3].cast<std::string>();
+          tp.numel = p[4].cast<int64_t>();
+          tp.shardNumel = p[5].cast<int64_t>();
+          tp.requiresGrad = p[6].cast<bool>();
+          info.params.push_back(std::move(tp));
+        }
+        current("record_add_model")->addModel(info);
+      },
+      py::arg("stage"), py::arg("forward_graph"), py::arg("backward_graph"), py::arg("param_dtype"),
+      py::arg("reduce_dtype"), py::arg("params"));
+  m.def(
+      "record_done", [] { return current("record_done")->done(); },
+      "Whether every step is recorded (known at the start_forward after the last one).");
+  m.def(
+      "record_steps", [] { return current("record_steps")->recordedSteps(); }, "Optimizer steps recorded so far.");
+  m.def(
+      "record_finish",
+      [] {
+        auto rec = current("record_finish");
+        const std::string path = rec->finish().string();
+        if (replayer::isInitialized()) replayer::setObserver(nullptr);
+        return path;
+      },
+      Release(),
+      "Calibrates (collective), writes rank<R>.trace.json, stops observing; returns the file written.");
+  m.def(
+      "record_memory_in_use", [] { return current("record_memory_in_use")->memoryInUse(); },
+      "Bytes in use as the recorder's memory probe counts them (memory_bytes of an op issued now).");
+  m.def(
+      "record_active",
+      [] {
+        std::lock_guard<std::mutex> lock(gMutex);
+        return gRecorder != nullptr;
+      },
+      "Whether a recorder is armed in this process.");
+  m.def(
+      "record_stop",
+      [] {
+        std::shared_ptr<Recorder> rec;
+        {
+          std::lock_guard<std::mutex> lock(gMutex);
+          rec = std::move(gRecorder);
+          gAttached = false;
+        }
+        if (rec && replayer::isInitialized()) replayer::setObserver(nullptr);
+      },
+      Release(), "Drops the recorder (what it recorded and did not write is lost).");
+}
+
+}  // namespace dcplan::recorder

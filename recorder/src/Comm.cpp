@@ -1,0 +1,182 @@
+// The timing Transport decorator and the communication calibration.
+#include "dcplan/recorder/Comm.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+namespace dcplan::recorder {
+
+using replayer::CommHandle;
+using replayer::CommHandlePtr;
+using replayer::Transport;
+
+namespace {
+
+/// Reports the first time its collective is seen complete.
+class TimedHandle final : public CommHandle {
+ public:
+  TimedHandle(CommHandlePtr inner, std::weak_ptr<CollectiveListener> listener, int64_t token)
+      : inner_(std::move(inner)), listener_(std::move(listener)), token_(token) {}
+
+  void wait() override {
+    inner_->wait();
+    report();
+  }
+  bool isCompleted() override {
+    const bool completed = inner_->isCompleted();
+    if (completed) report();
+    return completed;
+  }
+
+ private:
+  void report() {
+    if (reported_) return;
+    reported_ = true;
+    if (auto l = listener_.lock()) l->onCollectiveDone(token_);
+  }
+
+  CommHandlePtr inner_;
+  std::weak_ptr<CollectiveListener> listener_;
+  int64_t token_;
+  bool reported_ = false;
+};
+
+class TimedTransport final : public Transport {
+ public:
+  TimedTransport(std::shared_ptr<Transport> inner, std::weak_ptr<CollectiveListener> listener)
+      : inner_(std::move(inner)), listener_(std::move(listener)) {}
+
+  int rank() const override { return inner_->rank(); }
+  int worldSize() const override { return inner_->worldSize(); }
+  std::string backendName() const override { return inner_->backendName(); }
+
+  CommHandlePtr allGather(const at::Tensor& output, const at::Tensor& input) override {
+    return timed(CollectiveKind::Gather, [&] { return inner_->allGather(output, input); });
+  }
+  CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
+                                   const std::vector<at::Tensor>& inputs) override {
+    return timed(CollectiveKind::Gather, [&] { return inner_->allGatherCoalesced(outputs, inputs); });
+  }
+  CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) override {
+    return timed(CollectiveKind::Reduce, [&] { return inner_->reduceScatter(output, input); });
+  }
+  CommHandlePtr allReduce(const at::Tensor& tensor) override {
+    return timed(CollectiveKind::Reduce, [&] { return inner_->allReduce(tensor); });
+  }
+
+ private:
+  template <typename Launch>
+  CommHandlePtr timed(CollectiveKind kind, Launch&& launch) {
+    auto listener = listener_.lock();
+    const int64_t token = listener ? listener->onCollectiveLaunch(kind) : -1;
+    CommHandlePtr handle = launch();
+    if (token < 0) return handle;
+    auto wrapped = std::make_shared<TimedHandle>(std::move(handle), listener_, token);
+    listener->onCollectiveHandle(token, wrapped);
+    return wrapped;
+  }
+
+  std::shared_ptr<Transport> inner_;
+  std::weak_ptr<CollectiveListener> listener_;
+};
+
+double secondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+std::shared_ptr<Transport> makeTimedTransport(std::shared_ptr<Transport> inner,
+                                              std::weak_ptr<CollectiveListener> listener) {
+  TORCH_CHECK(inner != nullptr, "record: the transport to time should not be null");
+  return std::make_shared<TimedTransport>(std::move(inner), std::move(listener));
+}
+
+schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o) {
+  TORCH_CHECK(o.repetitions >= 1, "calibrate: repetitions should be >= 1, got ", o.repetitions);
+  TORCH_CHECK(o.minBytes > 0 && o.minBytes <= o.maxBytes, "calibrate: minBytes should be in (0, maxBytes], got ",
+              o.minBytes);
+  const int64_t ws = transport.worldSize();
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(o.device);
+  auto sync = [&] {
+    if (o.synchronize) o.synchronize();
+  };
+  // The median of the timed repetitions, after one untimed run that warms the
+  // path (connections, allocator) up.
+  auto measure = [&](auto&& launch) {
+    launch()->wait();
+    sync();
+    std::vector<double> us;
+    for (int r = 0; r < o.repetitions; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      launch()->wait();
+      sync();
+      us.push_back(secondsSince(t0) * 1e6);
+    }
+    return median(std::move(us));
+  };
+
+  schemas::Calibration cal;
+  const auto started = std::chrono::steady_clock::now();
+  at::Tensor agreed = at::zeros({1}, opts);
+  for (uint64_t bytes = o.minBytes; bytes <= o.maxBytes; bytes *= 4) {
+    // float32 elements per rank; the recorded size is the full message actually sent.
+    const int64_t perRank = std::max<int64_t>(1, static_cast<int64_t>(bytes / 4) / ws);
+    const uint64_t full = static_cast<uint64_t>(perRank * ws * 4);
+    at::Tensor shard = at::zeros({perRank}, opts);
+    at::Tensor gathered = at::zeros({perRank * ws}, opts);  // also the all-reduce buffer: no NaNs
+    cal.allGather.push_back({full, measure([&] { return transport.allGather(gathered, shard); })});
+    at::Tensor scatterIn = at::zeros({ws, perRank}, opts);
+    at::Tensor scatterOut = at::empty({perRank}, opts);
+    cal.reduceScatter.push_back({full, measure([&] { return transport.reduceScatter(scatterOut, scatterIn); })});
+    cal.allReduce.push_back({full, measure([&] { return transport.allReduce(gathered); })});
+
+    // Whether to go on must be the same decision on every rank, or the ranks
+    // would part ways in the middle of a collective: decide on the mean
+    // elapsed time, which the all-reduce makes bit-identical everywhere. The
+    // next size takes about 4x as long as this one did.
+    const double elapsed = secondsSince(started);
+    agreed.fill_(elapsed);
+    transport.allReduce(agreed)->wait();
+    sync();
+    const double mean = agreed.item<double>() / static_cast<double>(ws);
+    const double sizeCost = cal.allGather.back().us + cal.reduceScatter.back().us + cal.allReduce.back().us;
+    const double next = 4.0 * sizeCost * 1e-6 * (o.repetitions + 1);
+    if (static_cast<int>(cal.allGather.size()) >= o.minPoints && mean + next > o.budgetSeconds) break;
+  }
+
+  if (!o.device.is_cpu()) {
+    // Host<->device copy rate with pinned host memory, as offloading copies.
+    const int64_t n = 16 * 1024 * 1024;  // 64 MiB of float32
+    at::Tensor host = at::empty({n}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+    at::Tensor dev = at::empty({n}, opts);
+    auto rate = [&](at::Tensor& dst, const at::Tensor& src) {
+      std::vector<double> gbps;
+      dst.copy_(src);
+      sync();
+      for (int r = 0; r < 3; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        dst.copy_(src);
+        sync();
+        gbps.push_back(static_cast<double>(n * 4) / 1e9 / std::max(secondsSince(t0), 1e-9));
+      }
+      return median(std::move(gbps));
+    };
+    cal.h2dGBps = rate(dev, host);
+    cal.d2hGBps = rate(host, dev);
+  }
+  return cal;
+}
+
+}  // namespace dcplan::recorder

@@ -1,0 +1,131 @@
+// Host timer and CPU memory probe: the recorder's time and memory on CPU runs.
+#include "dcplan/recorder/Probes.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <mutex>
+
+namespace dcplan::recorder {
+
+const char* streamName(Stream stream) {
+  switch (stream) {
+    case Stream::Compute: return "compute";
+    case Stream::AllGather: return "allgather";
+    case Stream::Reduce: return "reduce";
+    case Stream::Copy: return "copy";
+    case Stream::Offload: return "offload";
+    case Stream::Reload: return "reload";
+  }
+  return "compute";
+}
+
+namespace {
+
+class HostTimer final : public DeviceTimer {
+ public:
+  TimePoint mark(Stream) override {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  double elapsedUs(TimePoint from, TimePoint to) override { return static_cast<double>(to - from) / 1000.0; }
+};
+
+/// Wraps torch's CPU allocator and counts the bytes of the blocks it handed out
+/// that are still alive. Every block carries its size in its DataPtr context, so
+/// the count is exact whichever thread frees it.
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr block = inner_->allocate(n);
+    void* data = block.get();
+    auto* ctx = new Block{std::move(block), n, this};
+    live_.fetch_add(n, std::memory_order_relaxed);
+    return {data, ctx, &CountingCpuAllocator::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  uint64_t live() const { return live_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Block {
+    c10::DataPtr inner;
+    size_t bytes;
+    CountingCpuAllocator* owner;
+  };
+
+  static void release(void* ctx) {
+    auto* b = static_cast<Block*>(ctx);
+    b->owner->live_.fetch_sub(b->bytes, std::memory_order_relaxed);
+    delete b;  // frees the inner block through its own deleter
+  }
+
+  c10::Allocator* inner_;
+  std::atomic<uint64_t> live_{0};
+};
+
+/// Installed at most once per process and never destroyed: tensors it
+/// allocated may outlive the recorder (and static destruction).
+CountingCpuAllocator* countingAllocator() {
+  static CountingCpuAllocator* installed = [] {
+    c10::Allocator* current = c10::GetCPUAllocator();
+    auto* counting = new CountingCpuAllocator(current);
+    // Priority 1 wins over torch's default (0); an allocator someone installed
+    // with a higher priority stays, and we fall back to the RSS.
+    c10::SetCPUAllocator(counting, /*priority=*/1);
+    return c10::GetCPUAllocator() == counting ? counting : nullptr;
+  }();
+  return installed;
+}
+
+uint64_t residentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+}
+
+uint64_t hostCapacityBytes() {
+  uint64_t bytes = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  // A container's limit is the capacity that matters (cgroup v2, then v1).
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(path);
+    uint64_t limit = 0;
+    if (in >> limit && limit > 0 && limit < bytes) bytes = limit;
+  }
+  return bytes;
+}
+
+class CpuMemoryProbe final : public MemoryProbe {
+ public:
+  CpuMemoryProbe() : counter_(countingAllocator()), capacity_(hostCapacityBytes()) {}
+  uint64_t bytesInUse() override { return counter_ ? counter_->live() : residentBytes(); }
+  uint64_t capacityBytes() override { return capacity_; }
+  std::string describe() override {
+    return counter_ ? "bytes of live CPU tensors (counting wrapper around torch's CPU allocator)"
+                    : "resident set size of the process (another CPU allocator is installed)";
+  }
+
+ private:
+  CountingCpuAllocator* counter_;
+  uint64_t capacity_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceTimer> makeHostTimer() { return std::make_unique<HostTimer>(); }
+
+std::unique_ptr<MemoryProbe> makeCpuMemoryProbe() { return std::make_unique<CpuMemoryProbe>(); }
+
+}  // namespace dcplan::recorder

@@ -1,0 +1,394 @@
+// Record mode: raw op events and collective spans in memory, assembled into a trace after the last step.
+#include "dcplan/recorder/Recorder.h"
+
+#include "dcplan/schemas/io.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#ifndef DCPLAN_VERSION
+#define DCPLAN_VERSION "0.0.0"
+#endif
+
+namespace dcplan::recorder {
+
+namespace fs = std::filesystem;
+
+std::string dtypeName(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return "float32";
+    case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::BFloat16: return "bfloat16";
+    case c10::ScalarType::Double: return "float64";
+    case c10::ScalarType::Float8_e4m3fn: return "float8_e4m3fn";
+    case c10::ScalarType::Float8_e5m2: return "float8_e5m2";
+    case c10::ScalarType::Long: return "int64";
+    case c10::ScalarType::Int: return "int32";
+    case c10::ScalarType::Char: return "int8";
+    case c10::ScalarType::Byte: return "uint8";
+    case c10::ScalarType::Bool: return "bool";
+    case c10::ScalarType::Undefined: return "";
+    default: TORCH_CHECK(false, "record: dtype ", c10::toString(dtype), " has no name in the trace format");
+  }
+}
+
+namespace {
+
+Stream streamOf(const std::string& op) {
+  if (op == "allgather_param" || op == "prefetch_params_fused") return Stream::AllGather;
+  if (op == "reduce_grad") return Stream::Reduce;
+  if (op == "offload_tensor" || op == "offload_parameter") return Stream::Offload;
+  if (op == "reload_tensor" || op == "reload_parameter") return Stream::Reload;
+  return Stream::Compute;  // waits, releases, end_backward, free_tensors
+}
+
+int64_t elementSize(const std::string& dtype) {
+  if (dtype == "float64" || dtype == "int64") return 8;
+  if (dtype == "float32" || dtype == "int32") return 4;
+  if (dtype == "float16" || dtype == "bfloat16") return 2;
+  return 1;
+}
+
+}  // namespace
+
+Recorder::Recorder(RecorderConfig config, std::unique_ptr<DeviceTimer> timer, std::unique_ptr<MemoryProbe> memory)
+    : config_(std::move(config)), timer_(std::move(timer)), memory_(std::move(memory)) {
+  TORCH_CHECK(config_.steps >= 1, "record: steps should be >= 1, got ", config_.steps);
+  TORCH_CHECK(config_.warmup >= 0, "record: warmup should be >= 0, got ", config_.warmup);
+  TORCH_CHECK(timer_ && memory_, "record: a timer and a memory probe are needed");
+}
+
+void Recorder::attachTransport(std::shared_ptr<replayer::Transport> transport) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  TORCH_CHECK(transport != nullptr, "record: transport should not be null");
+  transport_ = std::move(transport);
+}
+
+void Recorder::addModel(const ModelInfo& model) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  models_.push_back(model);
+}
+
+fs::path Recorder::tracePath() const {
+  return config_.directory / ("rank" + std::to_string(transport_ ? transport_->rank() : 0) + ".trace.json");
+}
+
+fs::path Recorder::progressPath() const {
+  return config_.directory / ("rank" + std::to_string(transport_ ? transport_->rank() : 0) + ".progress");
+}
+
+void Recorder::writeProgress() {
+  // Once per recorded step, never per op; a failure only costs the progress display.
+  try {
+    schemas::writeFileAtomically(progressPath(), std::to_string(recordedSteps_) + " " +
+                                                     std::to_string(config_.steps) + " " +
+                                                     std::to_string(transport_ ? transport_->worldSize() : 1) +
+                                                     "\n");
+  } catch (const std::exception& e) {
+    TORCH_WARN_ONCE("record: cannot write the progress file: ", e.what());
+  }
+}
+
+void Recorder::onStartForward() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (finished_ || done_) return;
+  const TimePoint now = timer_->mark(Stream::Compute);
+  if (haveMicro_) {
+    ++microInStep_;
+    const bool endsStep = current_.sync && current_.sawEndBackward;
+    if (recording_) {
+      if (endsStep) current_.optimizerUs = std::max(timer_->elapsedUs(current_.endBackward, now), 1e-3);
+      recorded_.push_back(std::move(current_));
+    }
+    if (endsStep) {
+      ++optimizerStepsSeen_;
+      if (recording_) {
+        ++recordedSteps_;
+        gradAccumSteps_ = std::max(gradAccumSteps_, microInStep_);
+        writeProgress();
+      }
+      microInStep_ = 0;
+    }
+  }
+  current_ = MicroStep{};
+  current_.start = now;
+  haveMicro_ = true;
+  const int64_t recordUntil = config_.warmup + config_.steps;
+  if (optimizerStepsSeen_ >= recordUntil) {
+    recording_ = false;
+    done_ = true;
+    return;
+  }
+  const bool wasRecording = recording_;
+  recording_ = optimizerStepsSeen_ >= config_.warmup;
+  if (recording_ && !wasRecording && recorded_.empty()) {
+    baselineBytes_ = memory_->bytesInUse();
+    writeProgress();  // "0 N ws": recording has started on this rank
+  }
+}
+
+void Recorder::onStartBackward(bool update, bool sync) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (haveMicro_) current_.sync = sync;
+}
+
+void Recorder::onOpBegin(const replayer::OpEvent& event) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!recording_ || finished_ || event.graphId < 0) return;
+  // Collectives that finished since the last op: their end is now at the latest.
+  if (!inFlight_.empty()) {
+    auto polled = inFlight_;
+    for (auto& [token, weak] : polled) {
+      if (auto handle = weak.lock()) handle->isCompleted();  // reports through onCollectiveDone
+    }
+    inFlight_.erase(std::remove_if(inFlight_.begin(), inFlight_.end(),
+                                   [&](const auto& f) {
+                                     return f.second.expired() || collectives_[f.first].completed;
+                                   }),
+                    inFlight_.end());
+  }
+  RawEvent raw;
+  raw.op = event.op;
+  raw.graphId = event.graphId;
+  raw.dsId = event.dsId;
+  raw.dsIds.assign(event.dsIds.begin(), event.dsIds.end());
+  raw.nUsers = event.nUsers;
+  raw.bytes = event.bytes;
+  raw.dtype = event.dtype;
+  raw.memory = memory_->bytesInUse();
+  raw.begin = timer_->mark(Stream::Compute);
+  current_.events.push_back(std::move(raw));
+  currentEvent_ = static_cast<int64_t>(current_.events.size()) - 1;
+}
+
+void Recorder::onOpEnd(const replayer::OpEvent& event) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (finished_ || done_ || event.graphId < 0) return;
+  const TimePoint now = timer_->mark(Stream::Compute);
+  const std::string_view op(event.op);
+  if (op == "end_backward") {
+    // Step boundaries count in the warm-up too.
+    current_.sawEndBackward = true;
+    current_.endBackward = now;
+  }
+  if (!recording_ || currentEvent_ < 0) return;
+  RawEvent& raw = current_.events[static_cast<size_t>(currentEvent_)];
+  raw.end = now;
+  if (op == "reduce_grad") {
+    // Added after its own op ran: a bucket flushed by this op carried the earlier gradients only.
+    current_.pendingReduce.push_back(static_cast<size_t>(currentEvent_));
+  }
+  currentEvent_ = -1;
+}
+
+int64_t Recorder::onCollectiveLaunch(CollectiveKind kind) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!recording_ || finished_ || currentEvent_ < 0) return -1;
+  Collective c;
+  c.kind = kind;
+  c.launch = timer_->mark(kind == CollectiveKind::Gather   ? Stream::AllGather
+                          : kind == CollectiveKind::Reduce ? Stream::Reduce
+                                                           : Stream::Copy);
+  const int64_t token = static_cast<int64_t>(collectives_.size());
+  RawEvent& raw = current_.events[static_cast<size_t>(currentEvent_)];
+  if (kind == CollectiveKind::Reduce) {
+    // A bucket's reduction carries every gradient handed over since the last one.
+    c.events = std::move(current_.pendingReduce);
+    current_.pendingReduce.clear();
+    for (size_t e : c.events) current_.events[e].collective = token;
+  } else if (raw.collective < 0) {
+    raw.collective = token;
+    c.events.push_back(static_cast<size_t>(currentEvent_));
+  }
+  collectives_.push_back(std::move(c));
+  return token;
+}
+
+void Recorder::onCollectiveHandle(int64_t token, const std::shared_ptr<replayer::CommHandle>& handle) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (token >= 0 && !collectives_[static_cast<size_t>(token)].completed) inFlight_.emplace_back(token, handle);
+}
+
+void Recorder::onCollectiveDone(int64_t token) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (token < 0 || static_cast<size_t>(token) >= collectives_.size()) return;
+  Collective& c = collectives_[static_cast<size_t>(token)];
+  if (c.completed) return;
+  c.done = timer_->mark(c.kind == CollectiveKind::Gather   ? Stream::AllGather
+                        : c.kind == CollectiveKind::Reduce ? Stream::Reduce
+                                                           : Stream::Copy);
+  c.completed = true;
+}
+
+bool Recorder::done() const {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  return done_;
+}
+
+int64_t Recorder::recordedSteps() const {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  return recordedSteps_;
+}
+
+schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  TORCH_CHECK(!models_.empty(), "record: no model was registered (dcplan.shard() registers one)");
+  TORCH_CHECK(transport_ != nullptr, "record: no transport attached");
+  schemas::Trace t;
+  const ModelInfo& first = models_.front();
+  t.meta.createdBy = std::string("dcplan-recorder ") + DCPLAN_VERSION;
+  t.meta.worldSize = transport_->worldSize();
+  t.meta.backend = transport_->backendName();
+  t.meta.device = config_.deviceName;
+  t.meta.stage = first.stage;
+  t.meta.gradAccumSteps = gradAccumSteps_;
+  t.meta.paramDtype = first.paramDtype;
+  t.meta.reduceDtype = first.reduceDtype;
+  t.meta.versions = config_.versions;
+  t.meta.versions["dcplan"] = DCPLAN_VERSION;
+  t.memory.capacityBytes = memory_->capacityBytes();
+  t.memory.baselineBytes = baselineBytes_;
+  std::map<int64_t, std::pair<schemas::GraphKind, const ModelInfo*>> graphs;
+  std::map<int64_t, int64_t> shardNumel;
+  for (const ModelInfo& m : models_) {
+    graphs[m.forwardGraph] = {schemas::GraphKind::Forward, &m};
+    graphs[m.backwardGraph] = {schemas::GraphKind::Backward, &m};
+    for (const auto& p : m.params) {
+      t.params.push_back(p);
+      shardNumel[p.id] = p.shardNumel;
+    }
+  }
+  t.calibration = calibration;
+
+  const int64_t ws = transport_->worldSize();
+  int64_t index = 0;
+  for (const MicroStep& step : recorded_) {
+    schemas::TraceStep out;
+    out.index = index;
+    out.optimizerUs = step.optimizerUs;
+    // Graphs in the order their first op came; each graph's events in issue order.
+    std::vector<int64_t> order;
+    std::map<int64_t, std::vector<size_t>> byGraph;
+    for (size_t i = 0; i < step.events.size(); ++i) {
+      const int64_t g = step.events[i].graphId;
+      if (!graphs.count(g)) continue;  // a graph no dcplan.shard() registered with the recorder
+      if (!byGraph.count(g)) order.push_back(g);
+      byGraph[g].push_back(i);
+    }
+    // The first graph starts at start_forward; a later one (the backward) where
+    // the one before it ended, so its first compute_us holds the loss and the
+    // backward compute before its first op.
+    TimePoint origin = step.start;
+    for (int64_t g : order) {
+      const auto& [kind, model] = graphs[g];
+      schemas::TraceGraph graph;
+      graph.id = g;
+      graph.kind = kind;
+      TimePoint prevEnd = origin;
+      // Every collective of a graph is complete by its last op (end_backward
+      // drains the buckets); one never seen complete ends there at the latest.
+      TimePoint graphEnd = origin;
+      for (size_t i : byGraph[g]) graphEnd = std::max(graphEnd, step.events[i].end);
+      std::map<std::string, std::pair<double, double>> streamLast;  // start, end of the last event per stream
+      for (size_t i : byGraph[g]) {
+        const RawEvent& raw = step.events[i];
+        schemas::OpEvent e;
+        e.seq = static_cast<int64_t>(graph.events.size());
+        e.op = raw.op;
+        if (raw.dsId >= 0) e.dsIds = {raw.dsId};
+        if (e.op == "prefetch_params_fused") e.dsIds = raw.dsIds;
+        if (e.op == "release_param") e.nUsers = std::max<int64_t>(1, raw.nUsers);
+        e.bytes = static_cast<uint64_t>(std::max<int64_t>(0, raw.bytes));
+        e.dtype = dtypeName(raw.dtype);
+        const Stream stream = streamOf(e.op);
+        e.stream = streamName(stream);
+        e.memoryBytes = raw.memory;
+        e.computeUs = std::max(0.0, timer_->elapsedUs(prevEnd, raw.begin));
+        double start = timer_->elapsedUs(origin, raw.begin);
+        double end = timer_->elapsedUs(origin, raw.end);
+        if (stream != Stream::Compute) {
+          // Off the compute stream an op's time is its collective's span; an
+          // op that launched none (served from a held copy, or a ZeRO-1
+          // micro-step that only accumulates) takes no time at its issue.
+          end = start;
+          if (raw.collective >= 0) {
+            const Collective& c = collectives_[static_cast<size_t>(raw.collective)];
+            double cStart = timer_->elapsedUs(origin, c.launch);
+            double cEnd = timer_->elapsedUs(origin, c.completed ? c.done : graphEnd);
+            if (c.kind == CollectiveKind::Reduce) {
+              // One bucket's span, divided among its gradients by their bytes.
+              auto gradBytes = [&](const RawEvent& r) {
+                return ws * shardNumel[r.dsId] * elementSize(model->reduceDtype);
+              };
+              int64_t total = 0, before = 0;
+              for (size_t k : c.events) {
+                total += gradBytes(step.events[k]);
+                if (k < i) before += gradBytes(step.events[k]);
+              }
+              const int64_t mine = gradBytes(raw);
+              e.bytes = static_cast<uint64_t>(mine);
+              e.dtype = model->reduceDtype;
+              const double span = cEnd - cStart;
+              const double share = total > 0 ? span / static_cast<double>(total) : 0.0;
+              start = cStart + share * static_cast<double>(before);
+              end = start + share * static_cast<double>(mine);
+            } else {
+              start = cStart;
+              end = cEnd;
+            }
+          } else if (stream == Stream::Reduce) {
+            e.bytes = 0;  // nothing reduced: ZeRO-1 accumulating before the boundary
+            e.dtype = model->reduceDtype;
+          }
+          // A stream runs one collective at a time: nothing starts before the previous one ended.
+          auto last = streamLast.find(e.stream);
+          if (last != streamLast.end()) start = std::max(start, last->second.second);
+        }
+        start = std::max(0.0, start);
+        end = std::max(start, end);
+        auto& last = streamLast[e.stream];
+        last = {start, std::max(last.second, end)};
+        e.startUs = start;
+        e.endUs = end;
+        prevEnd = raw.end;
+        graph.events.push_back(std::move(e));
+      }
+      origin = prevEnd;
+      out.graphs.push_back(std::move(graph));
+    }
+    if (out.graphs.empty()) continue;
+    t.steps.push_back(std::move(out));
+    ++index;
+  }
+  return t;
+}
+
+fs::path Recorder::finish() {
+  {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    TORCH_CHECK(done_, "record: finish() before all ", config_.steps, " steps were recorded (", recordedSteps_,
+                " so far)");
+    TORCH_CHECK(!finished_, "record: the trace was already written to ", tracePath().string());
+    finished_ = true;
+    recording_ = false;
+  }
+  // Collective: every rank reaches this at the same step.
+  schemas::Calibration calibration = calibrate(*transport_, config_.calibration);
+  schemas::Trace trace = buildTrace(calibration);
+  const std::string text = schemas::writeTrace(trace);
+  // A recorder bug must show here, naming the field, not later in dcplan record.
+  schemas::Trace check;
+  auto problems = schemas::validateTrace(schemas::parseJson(text, tracePath().string()), check);
+  TORCH_CHECK(problems.empty(), "record: the trace of this rank is not valid: ", tracePath().string(), ": ",
+              problems.empty() ? "" : problems.front().str());
+  schemas::writeFileAtomically(tracePath(), text);
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  recorded_.clear();
+  collectives_.clear();
+  inFlight_.clear();
+  return tracePath();
+}
+
+}  // namespace dcplan::recorder

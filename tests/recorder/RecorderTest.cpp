@@ -1,0 +1,372 @@
+// Unit tests of the recorder on a scripted clock and a one-rank in-memory transport.
+#include "dcplan/recorder/Comm.h"
+#include "dcplan/recorder/Probes.h"
+#include "dcplan/recorder/Recorder.h"
+#include "dcplan/schemas/io.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <functional>
+#include <fstream>
+
+namespace dcplan::recorder {
+namespace {
+
+using replayer::CommHandle;
+using replayer::CommHandlePtr;
+using replayer::OpEvent;
+using replayer::Transport;
+
+/// Time stands still until the test moves it; points are microseconds.
+class ScriptedTimer final : public DeviceTimer {
+ public:
+  explicit ScriptedTimer(double* now) : now_(now) {}
+  TimePoint mark(Stream) override { return static_cast<TimePoint>(*now_ * 1000.0); }
+  double elapsedUs(TimePoint from, TimePoint to) override { return static_cast<double>(to - from) / 1000.0; }
+
+ private:
+  double* now_;
+};
+
+class ScriptedMemory final : public MemoryProbe {
+ public:
+  explicit ScriptedMemory(uint64_t* bytes) : bytes_(bytes) {}
+  uint64_t bytesInUse() override { return *bytes_; }
+  uint64_t capacityBytes() override { return 1 << 30; }
+  std::string describe() override { return "scripted"; }
+
+ private:
+  uint64_t* bytes_;
+};
+
+/// Completes when the test says so (or on wait).
+class ManualHandle final : public CommHandle {
+ public:
+  void wait() override { done = true; }
+  bool isCompleted() override { return done; }
+  bool done = false;
+};
+
+/// One rank: every collective is a copy (or nothing), handles complete at wait().
+class LocalTransport final : public Transport {
+ public:
+  int rank() const override { return 0; }
+  int worldSize() const override { return ws; }
+  std::string backendName() const override { return "gloo"; }
+  CommHandlePtr allGather(const at::Tensor& out, const at::Tensor& in) override {
+    for (int r = 0; r < ws; ++r) out.narrow(0, r * in.numel(), in.numel()).copy_(in);
+    return launched("allGather");
+  }
+  CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& ins) override {
+    for (size_t i = 0; i < outs.size(); ++i) allGather(outs[i], ins[i]);
+    calls.pop_back();
+    return launched("allGatherCoalesced");
+  }
+  CommHandlePtr reduceScatter(const at::Tensor& out, const at::Tensor& in) override {
+    out.copy_(in.select(0, 0));
+    return launched("reduceScatter");
+  }
+  CommHandlePtr allReduce(const at::Tensor&) override { return launched("allReduce"); }
+
+  CommHandlePtr launched(const char* name) {
+    calls.push_back(name);
+    last = std::make_shared<ManualHandle>();
+    return last;
+  }
+  int ws = 1;
+  std::vector<std::string> calls;
+  std::shared_ptr<ManualHandle> last;
+};
+
+class RecorderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir = std::filesystem::temp_directory_path() / ("dcplan_recorder_test_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir); }
+
+  std::shared_ptr<Recorder> make(int64_t steps, int64_t warmup, int ws = 2) {
+    RecorderConfig c;
+    c.directory = dir;
+    c.steps = steps;
+    c.warmup = warmup;
+    c.calibration.budgetSeconds = 0.01;
+    auto rec = std::make_shared<Recorder>(c, std::make_unique<ScriptedTimer>(&now),
+                                          std::make_unique<ScriptedMemory>(&memory));
+    local = std::make_shared<LocalTransport>();
+    local->ws = ws;
+    rec->attachTransport(local);
+    timed = makeTimedTransport(local, rec);
+    ModelInfo m;
+    m.stage = 3;
+    m.forwardGraph = 0;
+    m.backwardGraph = 1;
+    // Two parameters: 10 and 3 elements; shard 5 and 2 at world size 2.
+    m.params = {{0, "w", {2, 5}, "float32", 10, (10 + ws - 1) / ws, true},
+                {1, "b", {3}, "float32", 3, (3 + ws - 1) / ws, true}};
+    rec->addModel(m);
+    return rec;
+  }
+
+  /// One op from `at` to `at + dur`; `body` runs inside it (at the time it sets).
+  void op(Recorder& rec, const char* name, int64_t graph, int64_t id, double at, double dur,
+          const std::function<void()>& body = {}, int64_t bytes = 0) {
+    now = at;
+    OpEvent e{name, graph, id, bytes, at::kFloat};
+    rec.onOpBegin(e);
+    if (body) body();
+    now = at + dur;
+    rec.onOpEnd(e);
+  }
+
+  /// A ZeRO-3 micro-step starting at t0: forward gathers w (launched at +2, the
+  /// host waits from +3 to +8), backward reduces w and b in one bucket that
+  /// end_backward launches at +35 and waits for until +40.
+  void microStep(Recorder& rec, double t0, bool sync) {
+    now = t0;
+    rec.onStartForward();
+    CommHandlePtr gather;
+    op(rec, "allgather_param", 0, 0, t0 + 1, 2, [&] {
+      now = t0 + 2;
+      gather = timed->allGather(at::empty({10}), at::empty({10 / local->ws}));
+    }, 40);
+    op(rec, "wait_allgather", 0, 0, t0 + 3, 5, [&] {
+      now = t0 + 8;
+      gather->wait();
+    });
+    op(rec, "release_param", 0, 0, t0 + 10, 1);
+    now = t0 + 20;
+    rec.onStartBackward(true, sync);
+    op(rec, "reduce_grad", 1, 0, t0 + 20, 1);
+    op(rec, "reduce_grad", 1, 1, t0 + 22, 1);
+    op(rec, "end_backward", 1, -1, t0 + 30, 10, [&] {
+      now = t0 + 35;
+      CommHandlePtr reduce = timed->reduceScatter(at::empty({7}), at::empty({local->ws, 7}));
+      now = t0 + 40;
+      reduce->wait();
+    });
+  }
+
+  std::filesystem::path dir;
+  double now = 0;
+  uint64_t memory = 1000;
+  std::shared_ptr<LocalTransport> local;
+  std::shared_ptr<Transport> timed;
+};
+
+TEST_F(RecorderTest, CountsWarmupAndRecordedStepsAndFinishesAtTheNextForward) {
+  auto rec = make(/*steps=*/2, /*warmup=*/1);
+  microStep(*rec, 0, true);  // warm-up
+  EXPECT_FALSE(std::filesystem::exists(rec->progressPath()));
+  microStep(*rec, 100, true);
+  std::ifstream p0(rec->progressPath());
+  std::string line;
+  std::getline(p0, line);
+  EXPECT_EQ(line, "0 2 2");
+  microStep(*rec, 200, true);
+  EXPECT_EQ(rec->recordedSteps(), 1);
+  EXPECT_FALSE(rec->done());
+  now = 340;
+  rec->onStartForward();
+  EXPECT_TRUE(rec->done());
+  EXPECT_EQ(rec->recordedSteps(), 2);
+  std::ifstream p1(rec->progressPath());
+  std::getline(p1, line);
+  EXPECT_EQ(line, "2 2 2");
+}
+
+TEST_F(RecorderTest, BuildsEventsWithSeqStreamsSpansAndBytes) {
+  auto rec = make(/*steps=*/1, /*warmup=*/0);
+  memory = 5000;
+  microStep(*rec, 0, true);
+  now = 57;
+  rec->onStartForward();
+  ASSERT_TRUE(rec->done());
+  schemas::Calibration cal;
+  cal.allGather = cal.reduceScatter = cal.allReduce = {{65536, 10.0}};
+  schemas::Trace t = rec->buildTrace(cal);
+  EXPECT_EQ(t.memory.baselineBytes, 5000u);
+  EXPECT_EQ(t.meta.backend, "gloo");
+  EXPECT_EQ(t.meta.worldSize, 2);
+  ASSERT_EQ(t.steps.size(), 1u);
+  EXPECT_DOUBLE_EQ(t.steps[0].optimizerUs, 57.0 - 40.0);  // end_backward ended at 40
+  ASSERT_EQ(t.steps[0].graphs.size(), 2u);
+  const auto& fwd = t.steps[0].graphs[0];
+  const auto& bwd = t.steps[0].graphs[1];
+  EXPECT_EQ(fwd.kind, schemas::GraphKind::Forward);
+  EXPECT_EQ(bwd.kind, schemas::GraphKind::Backward);
+  ASSERT_EQ(fwd.events.size(), 3u);
+  ASSERT_EQ(bwd.events.size(), 3u);
+  for (size_t i = 0; i < bwd.events.size(); ++i) EXPECT_EQ(bwd.events[i].seq, static_cast<int64_t>(i));
+  // The gather's span is its collective: launched at 2, seen complete by the poll at 8.
+  EXPECT_EQ(fwd.events[0].stream, "allgather");
+  EXPECT_DOUBLE_EQ(fwd.events[0].startUs, 2.0);
+  EXPECT_DOUBLE_EQ(fwd.events[0].endUs, 8.0);
+  EXPECT_DOUBLE_EQ(fwd.events[0].computeUs, 1.0);  // start_forward at 0, issued at 1
+  EXPECT_EQ(fwd.events[0].bytes, 40u);
+  EXPECT_EQ(fwd.events[0].memoryBytes, 5000u);
+  // The wait spans the time the host waited; compute since the gather's op ended.
+  EXPECT_EQ(fwd.events[1].stream, "compute");
+  EXPECT_DOUBLE_EQ(fwd.events[1].startUs, 3.0);
+  EXPECT_DOUBLE_EQ(fwd.events[1].endUs, 8.0);
+  EXPECT_EQ(fwd.events[2].nUsers.value_or(0), 1);  // release without n_users reported: at least 1
+  // The backward starts where the forward ended (11): its first compute_us holds the loss.
+  EXPECT_DOUBLE_EQ(bwd.events[0].computeUs, 20.0 - 11.0);
+  // One bucket reduced at end_backward (launched at 35, waited for until 40), its
+  // span split 5:2 by gradient bytes.
+  const double span = 40.0 - 35.0;
+  EXPECT_EQ(bwd.events[0].stream, "reduce");
+  EXPECT_EQ(bwd.events[0].bytes, 2u * 5u * 4u);
+  EXPECT_EQ(bwd.events[1].bytes, 2u * 2u * 4u);
+  EXPECT_EQ(bwd.events[0].dtype, "float32");
+  EXPECT_NEAR(bwd.events[0].startUs, 35.0 - 11.0, 1e-9);
+  EXPECT_NEAR(bwd.events[0].endUs - bwd.events[0].startUs, span * 5.0 / 7.0, 1e-9);
+  EXPECT_NEAR(bwd.events[1].startUs, bwd.events[0].endUs, 1e-9);
+  EXPECT_NEAR(bwd.events[1].endUs, 40.0 - 11.0, 1e-9);
+  EXPECT_TRUE(bwd.events[2].dsIds.empty());
+  // The whole trace is a valid document.
+  schemas::Trace check;
+  auto problems = schemas::validateTrace(schemas::parseJson(schemas::writeTrace(t), "t"), check);
+  EXPECT_TRUE(problems.empty()) << (problems.empty() ? "" : problems.front().str());
+}
+
+TEST_F(RecorderTest, GradientAccumulationGivesMicroStepsAndOneOptimizerTime) {
+  auto rec = make(/*steps=*/1, /*warmup=*/0);
+  microStep(*rec, 0, false);
+  microStep(*rec, 100, true);
+  now = 170;
+  rec->onStartForward();
+  ASSERT_TRUE(rec->done());
+  schemas::Trace t = rec->buildTrace({{{65536, 1.0}}, {{65536, 1.0}}, {{65536, 1.0}}, {}, {}});
+  ASSERT_EQ(t.steps.size(), 2u);
+  EXPECT_EQ(t.meta.gradAccumSteps, 2);
+  EXPECT_EQ(t.steps[0].optimizerUs, 0.0);
+  EXPECT_DOUBLE_EQ(t.steps[1].optimizerUs, 170.0 - 140.0);
+  EXPECT_EQ(t.steps[1].index, 1);
+}
+
+TEST_F(RecorderTest, FusedPrefetchKeepsItsIdsAndOpsOfNoGraphAreSkipped) {
+  auto rec = make(1, 0);
+  now = 0;
+  rec->onStartForward();
+  std::vector<int64_t> ids{0, 1};
+  OpEvent fused{"prefetch_params_fused", 0, -1, 56, at::kFloat, ids};
+  rec->onOpBegin(fused);
+  rec->onOpEnd(fused);
+  OpEvent loose{"free_tensors", -1, -1, 0, at::ScalarType::Undefined};
+  rec->onOpBegin(loose);
+  rec->onOpEnd(loose);
+  OpEvent release{"release_param", 0, 1, 0, at::kFloat, {}, 3};
+  rec->onOpBegin(release);
+  rec->onOpEnd(release);
+  OpEvent end{"end_backward", 1, -1, 0, at::ScalarType::Undefined};
+  rec->onStartBackward(true, true);
+  rec->onOpBegin(end);
+  rec->onOpEnd(end);
+  now = 5;
+  rec->onStartForward();
+  schemas::Trace t = rec->buildTrace({{{65536, 1.0}}, {{65536, 1.0}}, {{65536, 1.0}}, {}, {}});
+  ASSERT_EQ(t.steps.size(), 1u);
+  const auto& fwd = t.steps[0].graphs[0].events;
+  ASSERT_EQ(fwd.size(), 2u);
+  EXPECT_EQ(fwd[0].dsIds, ids);
+  EXPECT_EQ(fwd[0].bytes, 56u);
+  EXPECT_EQ(fwd[0].endUs, fwd[0].startUs);  // no collective seen: no time on the stream
+  EXPECT_EQ(fwd[1].nUsers.value_or(0), 3);
+}
+
+TEST_F(RecorderTest, FinishCalibratesValidatesAndWritesTheRankTrace) {
+  auto rec = make(1, 0, /*ws=*/1);
+  microStep(*rec, 0, true);
+  EXPECT_THROW(rec->finish(), c10::Error);  // not done yet
+  now = 60;
+  rec->onStartForward();
+  const auto path = rec->finish();
+  EXPECT_EQ(path.filename(), "rank0.trace.json");
+  schemas::Trace t = schemas::readTrace(path);
+  EXPECT_EQ(t.steps.size(), 1u);
+  EXPECT_GE(t.calibration.allGather.size(), 3u);
+  EXPECT_THROW(rec->finish(), c10::Error);  // once only
+}
+
+TEST(Calibration, ThreeSizesAtLeastGrowingByFourWithinTheBudget) {
+  LocalTransport t;
+  t.ws = 2;
+  CalibrationOptions o;
+  o.budgetSeconds = 1e-6;  // only the minimum number of points
+  o.repetitions = 3;
+  schemas::Calibration c = calibrate(t, o);
+  ASSERT_EQ(c.allGather.size(), 3u);
+  EXPECT_EQ(c.allGather[0].bytes, 65536u);
+  EXPECT_EQ(c.allGather[1].bytes, 4u * 65536u);
+  EXPECT_EQ(c.reduceScatter[2].bytes, 16u * 65536u);
+  EXPECT_EQ(c.allReduce.size(), 3u);
+  EXPECT_FALSE(c.h2dGBps.has_value());
+  // Each point: one warm-up and 3 timed runs per collective, then one agreement all-reduce.
+  EXPECT_EQ(t.calls.size(), 3u * (3u * 4u + 1u));
+  o.budgetSeconds = 30;
+  o.maxBytes = 1u << 20;
+  EXPECT_EQ(calibrate(t, o).allGather.size(), 3u);  // stops at maxBytes
+}
+
+TEST(Calibration, OddWorldSizeRecordsTheSizeActuallySent) {
+  LocalTransport t;
+  t.ws = 3;
+  CalibrationOptions o;
+  o.budgetSeconds = 1e-6;
+  schemas::Calibration c = calibrate(t, o);
+  EXPECT_EQ(c.allGather[0].bytes, (65536u / 4u / 3u) * 3u * 4u);
+}
+
+TEST(TimedTransport, ReportsLaunchAndFirstCompletionOnly) {
+  struct Listener : CollectiveListener {
+    int64_t onCollectiveLaunch(CollectiveKind kind) override {
+      kinds.push_back(kind);
+      return static_cast<int64_t>(kinds.size()) - 1;
+    }
+    void onCollectiveDone(int64_t token) override { done.push_back(token); }
+    std::vector<CollectiveKind> kinds;
+    std::vector<int64_t> done;
+  };
+  auto inner = std::make_shared<LocalTransport>();
+  auto listener = std::make_shared<Listener>();
+  auto t = makeTimedTransport(inner, listener);
+  at::Tensor out = at::zeros({4}), in = at::ones({4});
+  auto h = t->allReduce(out);
+  EXPECT_FALSE(h->isCompleted());
+  EXPECT_TRUE(listener->done.empty());
+  h->wait();
+  h->wait();
+  EXPECT_TRUE(h->isCompleted());
+  EXPECT_EQ(listener->done, std::vector<int64_t>{0});
+  t->allGather(at::zeros({4}), in)->wait();
+  EXPECT_EQ(listener->kinds, (std::vector<CollectiveKind>{CollectiveKind::Reduce, CollectiveKind::Gather}));
+  EXPECT_EQ(inner->calls, (std::vector<std::string>{"allReduce", "allGather"}));
+  listener.reset();  // a gone listener hears nothing and breaks nothing
+  t->allReduce(out)->wait();
+}
+
+TEST(CpuMemoryProbe, CountsLiveCpuTensors) {
+  auto probe = makeCpuMemoryProbe();
+  const uint64_t before = probe->bytesInUse();
+  {
+    at::Tensor t = at::empty({1 << 20}, at::kFloat);  // 4 MiB
+    EXPECT_GE(probe->bytesInUse(), before + (4u << 20));
+  }
+  EXPECT_LT(probe->bytesInUse(), before + (4u << 20));
+  EXPECT_GT(probe->capacityBytes(), 0u);
+}
+
+TEST(DtypeName, TorchNames) {
+  EXPECT_EQ(dtypeName(at::kBFloat16), "bfloat16");
+  EXPECT_EQ(dtypeName(at::kFloat), "float32");
+  EXPECT_EQ(dtypeName(c10::ScalarType::Undefined), "");
+  EXPECT_THROW(dtypeName(c10::ScalarType::ComplexFloat), c10::Error);
+}
+
+}  // namespace
+}  // namespace dcplan::recorder
