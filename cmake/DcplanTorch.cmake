@@ -21,6 +21,24 @@ if(NOT TARGET torch)
   message(STATUS "dcplan: find_package(Torch) failed; building without the runtime")
   return()
 endif()
+if(DCPLAN_WITH_CUDA)
+  # NCCL: the headers and library of torch's nvidia-nccl wheel first (the library torch itself
+  # loads), then NCCL_HOME / NCCL_ROOT and the system.
+  execute_process(
+    COMMAND ${Python3_EXECUTABLE} -c "import nvidia.nccl as n; print(list(n.__path__)[0])"
+    OUTPUT_VARIABLE DCPLAN_NCCL_WHEEL_DIR OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  find_path(DCPLAN_NCCL_INCLUDE_DIR nccl.h
+    HINTS ${DCPLAN_NCCL_WHEEL_DIR}/include $ENV{NCCL_HOME}/include $ENV{NCCL_ROOT}/include)
+  find_library(DCPLAN_NCCL_LIBRARY NAMES nccl libnccl.so.2
+    HINTS ${DCPLAN_NCCL_WHEEL_DIR}/lib $ENV{NCCL_HOME}/lib $ENV{NCCL_ROOT}/lib)
+  if(NOT DCPLAN_NCCL_INCLUDE_DIR OR NOT DCPLAN_NCCL_LIBRARY)
+    message(FATAL_ERROR "dcplan: DCPLAN_WITH_CUDA=ON needs NCCL (nccl.h and libnccl); set NCCL_HOME")
+  endif()
+  add_library(dcplan_nccl INTERFACE)
+  target_include_directories(dcplan_nccl INTERFACE ${DCPLAN_NCCL_INCLUDE_DIR})
+  target_link_libraries(dcplan_nccl INTERFACE ${DCPLAN_NCCL_LIBRARY})
+  message(STATUS "dcplan: NCCL from ${DCPLAN_NCCL_INCLUDE_DIR}, ${DCPLAN_NCCL_LIBRARY}")
+endif()
 # torch_python is linked only into the pybind11 module.
 find_library(DCPLAN_TORCH_PYTHON_LIBRARY torch_python PATHS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED)
 # The Python module uses the pybind11 headers bundled with torch (on the torch

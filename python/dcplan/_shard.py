@@ -231,7 +231,7 @@ def shard(
     if _runtime_group is None or not _C.is_initialized():
         if recording is not None and not _record.active():
             _record.begin(recording, _model_device(model))  # before init: the recorder times its transport
-        _C.init(group_name, reduce_bucket_bytes=reduce_bucket_bytes)
+        _init_runtime(pg, _param_device(model), reduce_bucket_bytes)
         _runtime_group = group_name
         if _record.active():
             _record.attach()
@@ -248,6 +248,7 @@ def shard(
     fwd_graph, bwd_graph = _next_graph_id, _next_graph_id + 1
     _next_graph_id += 2
     state = _ShardState(stage, pg, param_dtype, fwd_graph, bwd_graph)
+    state.token = torch.empty(0, device=_param_device(model))  # the ops dispatch on the model's device
 
     by_param: Dict[int, _ParamInfo] = {}
     for mod_name, module in model.named_modules():
@@ -301,6 +302,31 @@ def shard(
 def _model_device(model: nn.Module) -> torch.device:
     p = next(iter(model.parameters()), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def _param_device(model: nn.Module) -> torch.device:
+    """The one device of model's parameters (CPU for a model without any)."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"dcplan.shard: the parameters should be on one device, got {sorted(map(str, devices))}")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _init_runtime(pg: dist.ProcessGroup, device: torch.device, reduce_bucket_bytes: int) -> None:
+    """Starts the runtime: on its own NCCL communicator and streams for parameters on a GPU
+    (the unique id goes to the other ranks through pg), else on pg itself (c10d, Gloo on CPU)."""
+    if device.type != "cuda":
+        _C.init(pg.group_name, reduce_bucket_bytes=reduce_bucket_bytes)
+        return
+    if not _C.has_nccl():
+        raise RuntimeError(
+            f"dcplan.shard: the model is on {device}, but dcplan._C was built without CUDA; "
+            "build the cuda preset (cmake --preset cuda) and point DCPLAN_BUILD_DIR at it"
+        )
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    unique_id = [_C.nccl_unique_id() if pg.rank() == 0 else None]
+    dist.broadcast_object_list(unique_id, group=pg, group_src=0)
+    _C.init_nccl(unique_id[0], pg.rank(), pg.size(), index, reduce_bucket_bytes=reduce_bucket_bytes)
 
 
 def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: int) -> _ParamInfo:

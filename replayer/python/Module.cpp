@@ -69,6 +69,27 @@ PYBIND11_MODULE(_C, m) {
       py::arg("free_activation_threshold_bytes") = RuntimeConfig{}.freeActivationThresholdBytes, Release(),
       "Starts the runtime on the torch.distributed group registered as group_name (group.group_name). "
       "Sizes in bytes.");
+  m.def(
+      "init_nccl",
+      [](const py::bytes& uniqueId, int rank, int worldSize, int deviceIndex, int64_t reduceBucketBytes,
+         bool doubleBuffer, int64_t freeActivationThresholdBytes) {
+        RuntimeConfig config;
+        config.reduceBucketBytes = reduceBucketBytes;
+        config.doubleBuffer = doubleBuffer;
+        config.freeActivationThresholdBytes = freeActivationThresholdBytes;
+        std::string id = uniqueId;
+        py::gil_scoped_release noGil;
+        init(dcplan::recorder::transportForRuntime(makeNcclTransport(id, rank, worldSize, deviceIndex)), config);
+      },
+      py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device_index"),
+      py::arg("reduce_bucket_bytes") = RuntimeConfig{}.reduceBucketBytes, py::arg("double_buffer") = true,
+      py::arg("free_activation_threshold_bytes") = RuntimeConfig{}.freeActivationThresholdBytes,
+      "Starts the runtime on its own NCCL communicator on cuda:device_index (collective over the "
+      "world_size ranks; unique_id from nccl_unique_id() on one rank). Sizes in bytes.");
+  m.def(
+      "nccl_unique_id", [] { return py::bytes(makeNcclUniqueId()); },
+      "A fresh NCCL unique id (bytes) for init_nccl.");
+  m.def("has_nccl", &hasNcclTransport, "Whether this build has the CUDA kernels and the NCCL transport.");
   m.def("cleanup", &cleanup, Release(), "Waits for pending collectives and drops all runtime state.");
   m.def("is_initialized", &isInitialized);
   m.def("world_size", &worldSize);

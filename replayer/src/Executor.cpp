@@ -732,8 +732,14 @@ at::Tensor offloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id) 
   // to the device it came from, remembered here.
   const bool onHost = tensor.device().is_cpu();
   at::Tensor host = at::empty_like(tensor, tensor.options().device(at::kCPU).pinned_memory(!onHost));
-  host.copy_(tensor);
-  rt.offloadedFrom_.insert_or_assign(std::make_pair(graphId, id), tensor.device());
+  const auto key = std::make_pair(graphId, id);
+  if (onHost) {
+    host.copy_(tensor);
+  } else {
+    // The transport copies on its offload stream; wait_offload waits for it.
+    rt.offloadCopies_.insert_or_assign(key, rt.transport_->copyAsync(host, tensor, Transport::CopyKind::Offload));
+  }
+  rt.offloadedFrom_.insert_or_assign(key, tensor.device());
   return host;
 }
 
@@ -741,16 +747,31 @@ at::Tensor reloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("reload_tensor");
   ObserverScope scope(rt, OpEvent{"reload_tensor", graphId, id, tensorBytes(tensor), tensor.scalar_type()});
-  auto it = rt.offloadedFrom_.find({graphId, id});
+  const auto key = std::make_pair(graphId, id);
+  auto it = rt.offloadedFrom_.find(key);
   const c10::Device device = it != rt.offloadedFrom_.end() ? it->second : tensor.device();
-  return tensor.to(device, /*non_blocking=*/false, /*copy=*/true);
+  if (auto pending = rt.offloadCopies_.find(key); pending != rt.offloadCopies_.end()) {
+    pending->second->wait();  // the host copy must be complete before it is read back
+    rt.offloadCopies_.erase(pending);
+  }
+  if (device.is_cpu() || !tensor.device().is_cpu() || !tensor.is_pinned()) {
+    return tensor.to(device, /*non_blocking=*/false, /*copy=*/true);
+  }
+  // From pinned memory the transport copies on its reload stream; wait_reload waits for it.
+  at::Tensor out = at::empty_like(tensor, tensor.options().device(device).pinned_memory(false));
+  rt.reloadCopies_.insert_or_assign(key, rt.transport_->copyAsync(out, tensor, Transport::CopyKind::Reload));
+  return out;
 }
 
 at::Tensor waitOffload(const at::Tensor& tensor, int64_t graphId, int64_t id) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("wait_offload");
   ObserverScope scope(rt, OpEvent{"wait_offload", graphId, id, tensorBytes(tensor), tensor.scalar_type()});
-  // The copies above are synchronous on CPU; the schema promises a fresh tensor.
+  if (auto pending = rt.offloadCopies_.find({graphId, id}); pending != rt.offloadCopies_.end()) {
+    pending->second->wait();
+    rt.offloadCopies_.erase(pending);
+  }
+  // The schema promises a fresh tensor.
   return tensor.clone();
 }
 
@@ -758,6 +779,10 @@ at::Tensor waitReload(const at::Tensor& tensor, int64_t graphId, int64_t id) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("wait_reload");
   ObserverScope scope(rt, OpEvent{"wait_reload", graphId, id, tensorBytes(tensor), tensor.scalar_type()});
+  if (auto pending = rt.reloadCopies_.find({graphId, id}); pending != rt.reloadCopies_.end()) {
+    pending->second->wait();  // the caller's stream waits for the reload stream
+    rt.reloadCopies_.erase(pending);
+  }
   return tensor.clone();
 }
 

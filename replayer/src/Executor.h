@@ -244,6 +244,9 @@ struct RuntimeState {
   std::unique_ptr<SchedulePolicy> schedule_;
   bool profiling_ = false;
   std::map<std::pair<int64_t, int64_t>, c10::Device> offloadedFrom_;  // offload_tensor -> reload_tensor
+  // offload_tensor / reload_tensor copies in flight, until their wait_offload / wait_reload.
+  std::map<std::pair<int64_t, int64_t>, CommHandlePtr> offloadCopies_;
+  std::map<std::pair<int64_t, int64_t>, CommHandlePtr> reloadCopies_;
 };
 
 }  // namespace dcplan::replayer

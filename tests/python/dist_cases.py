@@ -25,6 +25,8 @@ BATCH = 6  # global batch per micro-step; divisible by 2 and 3 ranks
 LR = 1e-3
 LOG_STEP = 2  # the optimizer step whose dc ops are recorded
 BUCKET_BYTES = 1024  # small, so that backward flushes several buckets (double buffering)
+# Where models and data live: the CPU here; tests/gpu sets each rank's GPU (NCCL path).
+DEVICE = torch.device("cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(-1)
         return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
 
@@ -107,7 +109,7 @@ def make_model(case: Case) -> nn.Module:
     if case.variant == "frozen":
         model.pos.requires_grad_(False)
         model.block.ln1.weight.requires_grad_(False)
-    return model
+    return model.to(DEVICE)
 
 
 def micro_steps(case: Case) -> int:
@@ -129,8 +131,8 @@ def batches(case: Case, vocab: int):
 
 
 def loss_fn(model, idx, tgt):
-    logits = model(idx)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tgt.reshape(-1))
+    logits = model(idx.to(DEVICE))
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tgt.reshape(-1).to(DEVICE))
 
 
 def train_reference(case: Case) -> Dict:
@@ -170,7 +172,7 @@ def train_sharded(case: Case, rank: int, ws: int) -> Dict:
     for s, step in enumerate(batches(case, model.embed.num_embeddings)):
         if s == LOG_STEP:
             dcplan._C.start_op_log()
-        total = torch.zeros(())
+        total = torch.zeros((), device=DEVICE)
         for k, (idx, tgt) in enumerate(step):
             model.set_requires_gradient_sync(k == n - 1)
             mine = slice(rank * per, (rank + 1) * per)

@@ -24,7 +24,8 @@ using CommHandlePtr = std::shared_ptr<CommHandle>;
 
 /// The four collectives the executors need. Every tensor is dense and
 /// contiguous unless a parameter says otherwise; sizes are in elements.
-/// Implementations: ProcessGroupTransport (c10d, any backend; Gloo on CPU).
+/// Implementations: ProcessGroupTransport (c10d, any backend; Gloo on CPU) and
+/// NcclTransport (replayer/src/cuda/, CUDA builds).
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -45,10 +46,28 @@ class Transport {
   virtual CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) = 0;
   /// In-place sum all-reduce of a contiguous tensor.
   virtual CommHandlePtr allReduce(const at::Tensor& tensor) = 0;
+
+  /// Direction of a copy between device and host memory.
+  enum class CopyKind { Offload, Reload };
+  /// Starts dst.copy_(src) (same shape and dtype; Offload: into host memory, Reload: into
+  /// device memory). wait() of the result makes dst readable by the caller: a host
+  /// destination by the host, a device one by the caller's stream. The default copies
+  /// synchronously; a device transport copies on its offload / reload stream.
+  virtual CommHandlePtr copyAsync(const at::Tensor& dst, const at::Tensor& src, CopyKind kind);
 };
 
 /// A Transport over a c10d ProcessGroup, looked up by its registered group
 /// name (Python: `group.group_name`). Defined in ProcessGroupTransport.cpp.
 std::shared_ptr<Transport> makeProcessGroupTransport(const std::string& groupName);
+
+/// Whether this build has the CUDA/NCCL transport (built with DCPLAN_WITH_CUDA).
+bool hasNcclTransport();
+/// A fresh NCCL unique id (128 raw bytes), made by one rank and sent to the others.
+std::string makeNcclUniqueId();
+/// A Transport on its own NCCL communicator and dedicated CUDA streams of device
+/// deviceIndex; uniqueId comes from makeNcclUniqueId() on one rank. Collective: every rank of
+/// the communicator calls it. Fails in a build without CUDA.
+std::shared_ptr<Transport> makeNcclTransport(const std::string& uniqueId, int rank, int worldSize,
+                                             int deviceIndex);
 
 }  // namespace dcplan::replayer

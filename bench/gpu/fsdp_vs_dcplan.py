@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Step time of PyTorch FSDP2 and dcplan on the Llama-style model of examples/train_llama.py.
+
+    torchrun --nproc-per-node 2 bench/gpu/fsdp_vs_dcplan.py --hidden 2048 --layers 16 --batch 1 --seq 1024
+    torchrun --nproc-per-node 2 bench/gpu/fsdp_vs_dcplan.py ... --modes dcplan --plan plan.json
+
+One process per GPU; every mode runs in the same processes, one after the other, on a fresh
+model with the same initial weights, the same synthetic data (train_llama's), AdamW and the
+same mixed precision: bf16 compute (param_dtype), fp32 master weights and fp32 gradient
+reduction. Modes:
+
+* fsdp2  -- torch.distributed.fsdp.fully_shard on every block and on the root,
+            MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32);
+* dcplan -- dcplan.shard(stage=3, param_dtype=bf16, reduce_dtype=fp32), default schedule, or
+            the plan given by --plan (its predicted step time is printed beside the measured);
+* bound  -- the compute-only bound, on rank 0: forward+backward of the whole model in bf16 on
+            one GPU without any communication, plus the AdamW step over this rank's 1/world
+            share of the fp32 parameters.
+
+Prints, per mode: step time (mean over --steps after --warmup, one synchronisation at each
+end), tokens/s over all GPUs, peak memory (max over ranks, torch.cuda.max_memory_allocated),
+the ratio of the step time to the compute-only bound, and the first/last loss. --json FILE
+writes the same as JSON.
+"""
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import pathlib
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load_train_llama():
+    spec = importlib.util.spec_from_file_location("train_llama", ROOT / "examples" / "train_llama.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=0, help="0: as many as --heads")
+    p.add_argument("--ffn", type=int, default=0, help="0: 8/3 x hidden, rounded up to 64 (as train_llama)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--modes", default="fsdp2,dcplan,bound", help="comma-separated: fsdp2, dcplan, bound")
+    p.add_argument("--plan", help="dcplan: replay this plan (default schedule without)")
+    p.add_argument("--bucket-mb", type=float, default=0, help="dcplan reduce bucket in MB (0: dcplan's default)")
+    p.add_argument("--label", default="", help="a name for this shape in the output")
+    p.add_argument("--json", metavar="FILE", help="rank 0 writes the results here")
+    return p.parse_args()
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.tl = load_train_llama()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        a = args
+        self.ffn = a.ffn or (8 * a.hidden // 3 + 63) // 64 * 64
+        total = a.warmup + a.steps
+        # train_llama's data: one global batch per step, this rank's slice; made up front.
+        self.batches = []
+        for step in range(total):
+            x, y = self.tl.synthetic_batch(step, 0, a.batch * self.world, a.seq, a.vocab, 0)
+            sl = slice(self.rank * a.batch, (self.rank + 1) * a.batch)
+            self.batches.append((x[sl].to(self.device), y[sl].to(self.device)))
+
+    def model(self):
+        a = self.args
+        torch.manual_seed(0)
+        return self.tl.Llama(a.vocab, a.hidden, a.layers, a.heads, a.kv_heads or a.heads, self.ffn, a.seq,
+                             False).to(self.device)
+
+    def run(self, model, opt, step_fn=None):
+        a = self.args
+        losses = []
+
+        def step(i):
+            x, y = self.batches[i]
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+
+        for i in range(a.warmup):
+            step(i)
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(a.warmup, a.warmup + a.steps):
+            step(i)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        return elapsed / a.steps, [float(v) for v in torch.stack(losses).cpu()]
+
+    def peak(self):
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], device=self.device, dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return int(peak.item())
+
+    def slowest(self, seconds):
+        t = torch.tensor([seconds], device=self.device, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def fresh(self):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def fsdp2(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.fresh()
+        model = self.model()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
+        step, losses = self.run(model, opt)
+        out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses}
+        del model, opt
+        return out
+
+    def dcplan(self):
+        import dcplan
+
+        self.fresh()
+        model = self.model()
+        kw = {}
+        if self.args.bucket_mb:
+            kw["reduce_bucket_bytes"] = int(self.args.bucket_mb * 1e6)
+        if self.args.plan:
+            kw["plan"] = self.args.plan
+        model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
+        step, losses = self.run(model, opt)
+        out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses}
+        if self.args.plan:
+            with open(self.args.plan) as f:
+                plan = json.load(f)
+            out["predicted_step_s"] = plan["predicted"]["step_us"] * 1e-6
+            out["predicted_peak_bytes"] = plan["predicted"]["peak_memory_bytes"]
+        del model, opt
+        dcplan.shutdown()
+        return out
+
+    def bound(self):
+        """Compute-only bound on rank 0 (the other ranks wait)."""
+        a = self.args
+        out = {}
+        if self.rank == 0:
+            self.fresh()
+            model = self.model().to(torch.bfloat16)
+            numels = [p.numel() for p in model.parameters()]
+            shards = [torch.zeros(-(-n // self.world), device=self.device, requires_grad=True) for n in numels]
+            for s in shards:
+                s.grad = torch.randn_like(s) * 1e-3
+            opt = torch.optim.AdamW(shards, lr=a.lr, weight_decay=0.01)
+
+            def fwd_bwd(i):
+                x, y = self.batches[i]
+                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+                loss.backward()
+                for p in model.parameters():
+                    p.grad = None
+
+            def timed(fn):
+                for i in range(a.warmup):
+                    fn(i)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i in range(a.warmup, a.warmup + a.steps):
+                    fn(i)
+                torch.cuda.synchronize()
+                return (time.perf_counter() - t0) / a.steps
+
+            fb = timed(fwd_bwd)
+            st = timed(lambda i: opt.step())
+            out = {"step_s": fb + st, "fwd_bwd_s": fb, "optimizer_s": st,
+                   "peak_bytes": torch.cuda.max_memory_allocated(self.device)}
+            del model, opt, shards
+        dist.barrier()
+        return out
+
+
+def main():
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    args = parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    bench = Bench(args)
+    tokens = args.batch * args.seq * bench.world
+    results = {}
+    for mode in args.modes.split(","):
+        results[mode] = getattr(bench, mode)()
+    if bench.rank == 0:
+        n_params = sum(p.numel() for p in bench.model().parameters())
+        head = (f"{args.label or 'shape'}: {n_params / 1e6:.0f}M parameters, hidden {args.hidden}, {args.layers} layers, "
+                f"{args.batch}x{args.seq} tokens per GPU, {bench.world} GPUs ({torch.cuda.get_device_name()}), "
+                f"torch {torch.__version__}")
+        print(head)
+        bound = results.get("bound", {}).get("step_s")
+        print(f"{'mode':<8} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9} {'x bound':>8} {'pred ms':>8} "
+              f"{'loss first/last':>16}")
+        for mode, r in results.items():
+            ratio = f"{r['step_s'] / bound:8.2f}" if bound else f"{'-':>8}"
+            pred = f"{1e3 * r['predicted_step_s']:8.1f}" if "predicted_step_s" in r else f"{'-':>8}"
+            losses = r.get("losses")
+            loss = f"{losses[0]:7.3f}/{losses[-1]:7.3f}" if losses else f"{'-':>16}"
+            tps = tokens / r["step_s"] if mode != "bound" else bench.world * args.batch * args.seq / r["step_s"]
+            print(f"{mode:<8} {1e3 * r['step_s']:9.1f} {tps:10.0f} {r['peak_bytes'] / 2**30:9.2f} {ratio} {pred} {loss}")
+        if "bound" in results:
+            b = results["bound"]
+            print(f"bound = fwd+bwd {1e3 * b['fwd_bwd_s']:.1f} ms + optimizer {1e3 * b['optimizer_s']:.1f} ms")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "params": n_params, "device": torch.cuda.get_device_name(),
+                           "torch": torch.__version__, "results": results}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

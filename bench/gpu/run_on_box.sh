@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds the CUDA path, runs the GPU tests and the FSDP2 comparison on a 2-GPU machine.
+#   bash bench/gpu/run_on_box.sh [tests|bench|all] [extra args for the benchmark]
+# Logs and JSON results go to $OUT (default: build/cuda/bench-out).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+what=${1:-all}
+shift || true
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+PY=${PY:-$(command -v python3)}
+[ -x /opt/torch/.venv/bin/python3 ] && PY=${PY_OVERRIDE:-/opt/torch/.venv/bin/python3}
+OUT=${OUT:-build/cuda/bench-out}
+mkdir -p "$OUT"
+nvidia-smi -L || true
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
+start=$(date +%s)
+cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DDCPLAN_WITH_CUDA=ON -DPython3_EXECUTABLE="$PY" \
+  -DDCPLAN_BUILD_TESTS=OFF > "$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
+cmake --build build/cuda --target dcplan_python -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; exit 1; }
+echo "built in $(( $(date +%s) - start )) s"
+export DCPLAN_BUILD_DIR=$PWD/build/cuda PYTHONPATH=$PWD/python
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -30 || true
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  run() { "$PY" -m torch.distributed.run --nproc-per-node 2 bench/gpu/fsdp_vs_dcplan.py "$@"; }
+  run --label comm-heavy --batch 1 --seq 1024 --json "$OUT/comm.json" "$@" 2>&1 | tee "$OUT/comm.log" | grep -v "^\[" || true
+  run --label compute-heavy --batch 4 --seq 2048 --json "$OUT/compute.json" "$@" 2>&1 | tee "$OUT/compute.log" | grep -v "^\[" || true
+fi
+echo "total $(( $(date +%s) - start )) s"

@@ -1,0 +1,305 @@
+// Transport on a dedicated NCCL communicator and CUDA streams: the GPU path of the runtime.
+//
+// Every collective runs on its own stream (all-gathers on one, reductions on another) after
+// that stream waited for the caller's stream, so it sees what the caller wrote. Its handle
+// holds an event recorded after the collective; wait() makes the caller's current stream
+// wait on that event. Nothing here blocks the host, except the wait of a copy into host
+// memory (the host is then the reader). Tensors used on a side stream are recorded on it
+// (recordStream), so the caching allocator does not hand their memory out again before the
+// side stream is done with them.
+#include "cuda/NcclComm.h"
+#include "dcplan/replayer/Transport.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstring>
+
+namespace dcplan::replayer {
+namespace cuda {
+
+// ---------------------------------------------------------------- NcclComm, StreamSet
+
+std::unique_ptr<NcclComm> NcclComm::create(const ncclUniqueId& uniqueId, int rank, int worldSize,
+                                           c10::DeviceIndex device) {
+  TORCH_CHECK(worldSize >= 1 && rank >= 0 && rank < worldSize, "init_nccl: rank ", rank,
+              " should be in [0, world_size = ", worldSize, ")");
+  c10::cuda::CUDAGuard guard(device);
+  ncclComm_t comm = nullptr;
+  DCPLAN_NCCL_CHECK(ncclCommInitRank(&comm, worldSize, uniqueId, rank));
+  return std::unique_ptr<NcclComm>(new NcclComm(comm, rank, worldSize, device));
+}
+
+NcclComm::~NcclComm() {
+  if (comm_ == nullptr) return;
+  // Destructors never throw: a failure here can only be ignored.
+  try {
+    c10::cuda::CUDAGuard guard(device_);
+    (void)ncclCommDestroy(comm_);
+  } catch (...) {
+  }
+}
+
+StreamSet::StreamSet(c10::DeviceIndex device)
+    : allGather(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)),
+      reduceScatter(c10::cuda::getStreamFromPool(true, device)),
+      offload(c10::cuda::getStreamFromPool(false, device)),
+      reload(c10::cuda::getStreamFromPool(false, device)) {}
+
+std::unique_ptr<StreamSet> StreamSet::create(c10::DeviceIndex device) {
+  return std::unique_ptr<StreamSet>(new StreamSet(device));
+}
+
+std::unique_ptr<CudaEvent> CudaEvent::create(c10::DeviceIndex device) {
+  c10::cuda::CUDAGuard guard(device);
+  cudaEvent_t event = nullptr;
+  DCPLAN_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return std::unique_ptr<CudaEvent>(new CudaEvent(event, device));
+}
+
+CudaEvent::~CudaEvent() {
+  // CUDA releases an event with pending work once that work is done; never throws.
+  (void)cudaEventDestroy(event_);
+}
+
+void CudaEvent::record(cudaStream_t stream) { DCPLAN_CUDA_CHECK(cudaEventRecord(event_, stream)); }
+
+void CudaEvent::block(cudaStream_t stream) { DCPLAN_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0)); }
+
+bool CudaEvent::query() {
+  const cudaError_t err = cudaEventQuery(event_);
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // not an error: clear it
+    return false;
+  }
+  DCPLAN_CUDA_CHECK(err);
+  return true;
+}
+
+void CudaEvent::synchronize() { DCPLAN_CUDA_CHECK(cudaEventSynchronize(event_)); }
+
+std::string newUniqueId() {
+  ncclUniqueId id;
+  DCPLAN_NCCL_CHECK(ncclGetUniqueId(&id));
+  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+namespace {
+
+ncclDataType_t ncclTypeOf(const char* op, at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ncclFloat32;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kHalf: return ncclFloat16;
+    case at::kDouble: return ncclFloat64;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    case at::kByte: return ncclUint8;
+    case at::kChar: return ncclInt8;
+    case at::kBool: return ncclUint8;
+    default: TORCH_CHECK(false, op, ": NCCL has no data type for ", t);
+  }
+}
+
+/// The end of work on a side stream. wait(): the caller's current stream waits for it
+/// (or, with hostWait, the host does: the destination is host memory).
+class EventHandle final : public CommHandle {
+ public:
+  EventHandle(std::unique_ptr<CudaEvent> done, c10::DeviceIndex device, bool hostWait)
+      : done_(std::move(done)), device_(device), hostWait_(hostWait) {}
+
+  void wait() override {
+    c10::cuda::CUDAGuard guard(device_);
+    if (hostWait_) {
+      done_->synchronize();
+    } else {
+      done_->block(c10::cuda::getCurrentCUDAStream(device_).stream());
+    }
+  }
+  bool isCompleted() override {
+    c10::cuda::CUDAGuard guard(device_);
+    return done_->query();
+  }
+
+ private:
+  std::unique_ptr<CudaEvent> done_;
+  c10::DeviceIndex device_;
+  bool hostWait_;
+};
+
+class NcclTransport final : public Transport {
+ public:
+  NcclTransport(std::unique_ptr<NcclComm> comm, std::unique_ptr<StreamSet> streams)
+      : comm_(std::move(comm)), streams_(std::move(streams)), device_(comm_->device()) {}
+
+  ~NcclTransport() override {
+    // Work queued on the side streams may still use the communicator.
+    try {
+      c10::cuda::CUDAGuard guard(device_);
+      (void)cudaStreamSynchronize(streams_->allGather.stream());
+      (void)cudaStreamSynchronize(streams_->reduceScatter.stream());
+      (void)cudaStreamSynchronize(streams_->offload.stream());
+      (void)cudaStreamSynchronize(streams_->reload.stream());
+    } catch (...) {
+    }
+  }
+
+  int rank() const override { return comm_->rank(); }
+  int worldSize() const override { return comm_->worldSize(); }
+  std::string backendName() const override { return "nccl"; }
+
+  CommHandlePtr allGather(const at::Tensor& output, const at::Tensor& input) override {
+    TORCH_CHECK(output.is_contiguous() && input.is_contiguous(), "allGather: tensors should be contiguous");
+    TORCH_CHECK(output.numel() == worldSize() * input.numel(), "allGather: output should have world_size * ",
+                input.numel(), " elements, got ", output.numel());
+    TORCH_CHECK(output.scalar_type() == input.scalar_type(), "allGather: output dtype ", output.scalar_type(),
+                " differs from input dtype ", input.scalar_type());
+    return launch("allGather", streams_->allGather, {output, input}, [&](cudaStream_t s) {
+      if (input.numel() == 0) return;
+      DCPLAN_NCCL_CHECK_COMM(ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(),
+                                           ncclTypeOf("allGather", input.scalar_type()), comm_->get(), s),
+                             comm_->get());
+    });
+  }
+
+  CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
+                                   const std::vector<at::Tensor>& inputs) override {
+    TORCH_CHECK(outputs.size() == inputs.size(), "allGatherCoalesced: ", outputs.size(), " outputs for ",
+                inputs.size(), " inputs");
+    std::vector<at::Tensor> all;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      TORCH_CHECK(outputs[i].is_contiguous() && inputs[i].is_contiguous() &&
+                      outputs[i].numel() == worldSize() * inputs[i].numel() &&
+                      outputs[i].scalar_type() == inputs[i].scalar_type(),
+                  "allGatherCoalesced: output ", i, " should be contiguous with world_size * ", inputs[i].numel(),
+                  " elements of ", inputs[i].scalar_type(), ", got ", outputs[i].numel(), " of ",
+                  outputs[i].scalar_type());
+      all.push_back(outputs[i]);
+      all.push_back(inputs[i]);
+    }
+    // One NCCL group: the gathers go out as one launch, straight into the padded buffers.
+    return launch("allGatherCoalesced", streams_->allGather, all, [&](cudaStream_t s) {
+      DCPLAN_NCCL_CHECK_COMM(ncclGroupStart(), comm_->get());
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        if (inputs[i].numel() == 0) continue;
+        DCPLAN_NCCL_CHECK_COMM(
+            ncclAllGather(inputs[i].data_ptr(), outputs[i].data_ptr(), inputs[i].numel(),
+                          ncclTypeOf("allGatherCoalesced", inputs[i].scalar_type()), comm_->get(), s),
+            comm_->get());
+      }
+      DCPLAN_NCCL_CHECK_COMM(ncclGroupEnd(), comm_->get());
+    });
+  }
+
+  CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) override {
+    const int ws = worldSize();
+    TORCH_CHECK(input.dim() == 2 && input.size(0) == ws && input.size(1) == output.numel(),
+                "reduceScatter: input should be [world_size, ", output.numel(), "], got ", input.sizes());
+    TORCH_CHECK(output.is_contiguous() && output.scalar_type() == input.scalar_type(),
+                "reduceScatter: output should be contiguous and of the input's dtype");
+    // A bucket that is not full has strided rows: NCCL needs them back to back.
+    const at::Tensor send = input.is_contiguous() ? input : input.contiguous();
+    return launch("reduceScatter", streams_->reduceScatter, {output, send}, [&](cudaStream_t s) {
+      if (output.numel() == 0) return;
+      DCPLAN_NCCL_CHECK_COMM(ncclReduceScatter(send.data_ptr(), output.data_ptr(), output.numel(),
+                                               ncclTypeOf("reduceScatter", output.scalar_type()), ncclSum,
+                                               comm_->get(), s),
+                             comm_->get());
+    });
+  }
+
+  CommHandlePtr allReduce(const at::Tensor& tensor) override {
+    TORCH_CHECK(tensor.is_contiguous(), "allReduce: tensor should be contiguous");
+    return launch("allReduce", streams_->reduceScatter, {tensor}, [&](cudaStream_t s) {
+      if (tensor.numel() == 0) return;
+      DCPLAN_NCCL_CHECK_COMM(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                                           ncclTypeOf("allReduce", tensor.scalar_type()), ncclSum, comm_->get(),
+                                           s),
+                             comm_->get());
+    });
+  }
+
+  CommHandlePtr copyAsync(const at::Tensor& dst, const at::Tensor& src, CopyKind kind) override {
+    const char* op = kind == CopyKind::Offload ? "offload" : "reload";
+    TORCH_CHECK(dst.sizes() == src.sizes() && dst.scalar_type() == src.scalar_type(), op, ": copy of ",
+                src.sizes(), " ", src.scalar_type(), " into ", dst.sizes(), " ", dst.scalar_type());
+    const at::Tensor& devSide = kind == CopyKind::Offload ? src : dst;
+    const at::Tensor& hostSide = kind == CopyKind::Offload ? dst : src;
+    TORCH_CHECK(devSide.is_cuda() && hostSide.is_cpu(), op, ": expected a copy between ", device_,
+                " and host memory, got ", src.device(), " -> ", dst.device());
+    TORCH_CHECK(hostSide.is_pinned(), op, ": the host tensor should be in pinned memory");
+    c10::cuda::CUDAStream stream = kind == CopyKind::Offload ? streams_->offload : streams_->reload;
+    c10::cuda::CUDAGuard guard(device_);
+    waitForCaller(stream);
+    recordOn(stream, {devSide});
+    {
+      c10::cuda::CUDAStreamGuard onStream(stream);
+      dst.copy_(src, /*non_blocking=*/true);
+    }
+    auto done = CudaEvent::create(device_);
+    done->record(stream.stream());
+    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/kind == CopyKind::Offload);
+  }
+
+ private:
+  void checkDevice(const char* op, const at::Tensor& t) const {
+    TORCH_CHECK(t.is_cuda() && t.device().index() == device_, op, ": tensor should be on cuda:", int(device_),
+                " (the device of the NCCL communicator), got ", t.device());
+  }
+
+  /// The side stream waits for everything the caller's stream queued so far.
+  void waitForCaller(c10::cuda::CUDAStream side) {
+    auto ready = CudaEvent::create(device_);
+    ready->record(c10::cuda::getCurrentCUDAStream(device_).stream());
+    ready->block(side.stream());
+  }
+
+  static void recordOn(c10::cuda::CUDAStream side, const std::vector<at::Tensor>& tensors) {
+    for (const at::Tensor& t : tensors) {
+      if (t.numel() > 0 && t.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), side);
+    }
+  }
+
+  template <class Body>
+  CommHandlePtr launch(const char* op, c10::cuda::CUDAStream side, const std::vector<at::Tensor>& tensors,
+                       Body&& body) {
+    for (const at::Tensor& t : tensors) checkDevice(op, t);
+    c10::cuda::CUDAGuard guard(device_);
+    waitForCaller(side);
+    recordOn(side, tensors);
+    body(side.stream());
+    auto done = CudaEvent::create(device_);
+    done->record(side.stream());
+    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/false);
+  }
+
+  std::unique_ptr<NcclComm> comm_;
+  std::unique_ptr<StreamSet> streams_;
+  c10::DeviceIndex device_;
+};
+
+}  // namespace
+}  // namespace cuda
+
+bool hasNcclTransport() { return true; }
+
+std::string makeNcclUniqueId() { return cuda::newUniqueId(); }
+
+std::shared_ptr<Transport> makeNcclTransport(const std::string& uniqueId, int rank, int worldSize,
+                                             int deviceIndex) {
+  TORCH_CHECK(uniqueId.size() == sizeof(ncclUniqueId), "init_nccl: unique_id should have ", sizeof(ncclUniqueId),
+              " bytes (from nccl_unique_id()), got ", uniqueId.size());
+  TORCH_CHECK(deviceIndex >= 0 && deviceIndex < c10::cuda::device_count(), "init_nccl: device ", deviceIndex,
+              " should be in [0, ", int(c10::cuda::device_count()), ")");
+  ncclUniqueId id;
+  std::memcpy(&id, uniqueId.data(), sizeof(id));
+  const auto device = static_cast<c10::DeviceIndex>(deviceIndex);
+  auto streams = cuda::StreamSet::create(device);
+  auto comm = cuda::NcclComm::create(id, rank, worldSize, device);
+  return std::make_shared<cuda::NcclTransport>(std::move(comm), std::move(streams));
+}
+
+}  // namespace dcplan::replayer

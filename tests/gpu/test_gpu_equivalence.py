@@ -1,0 +1,119 @@
+"""dcplan on 2 GPUs (NCCL transport) against single-GPU training, and the CUDA kernels' semantics.
+
+Skipped, with the reason, where there are fewer than 2 GPUs or dcplan is a CPU build.
+"""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import dist_cases
+import gpu_worker
+
+pytestmark = pytest.mark.gpu
+
+WS = 2
+CASES = dist_cases.all_cases()
+
+
+@pytest.fixture(scope="module")
+def gpu_results(gpu_dcplan):
+    with tempfile.TemporaryDirectory() as tmp:
+        names = os.environ.get("DCPLAN_TEST_CASES")
+        selected = names.split(",") if names else None
+        try:
+            mp.start_processes(gpu_worker.worker, args=(WS, os.path.join(tmp, "store"), tmp, selected), nprocs=WS,
+                               join=True, start_method="spawn")
+        except mp.ProcessRaisedException as e:  # the workers record their errors; report them per test
+            print(e)
+        per_rank = []
+        for r in range(WS):
+            path = os.path.join(tmp, f"rank{r}.pt")
+            assert os.path.exists(path), f"rank {r} of {WS} wrote no results"
+            per_rank.append(torch.load(path, weights_only=False))
+    return per_rank
+
+
+def _result(per_rank, name):
+    for r, res in enumerate(per_rank):
+        entry = res.get(name)
+        if entry is None:
+            pytest.fail(f"{name}: rank {r} did not run it (an earlier case failed)")
+        if "error" in entry:
+            pytest.fail(f"{name} failed on rank {r}:\n{entry['error']}")
+    return per_rank[0][name]
+
+
+def test_ops_on_gpu(gpu_results):
+    for rank, res in enumerate(gpu_results):
+        assert "error" not in res["ops"], res["ops"].get("error")
+        v = res["ops"]["value"]
+        torch.testing.assert_close(v["allgather"], (torch.arange(9.0) + 100).view(3, 3))
+        torch.testing.assert_close(v["allgather_bf16"], (torch.arange(14.0) + 300).view(2, 7).bfloat16())
+        assert v["held_after_release"] == []
+        assert v["held_after_prefetch"] == [0, 2, 3]
+        torch.testing.assert_close(v["fused"][0], torch.arange(5.0))
+        torch.testing.assert_close(v["fused"][1], torch.tensor([200.0]))
+        torch.testing.assert_close(v["fused"][2], (torch.arange(14.0) + 300).view(2, 7))
+        # The gather saw the write queued behind the sleep.
+        torch.testing.assert_close(v["allgather_after_write"], (torch.arange(9.0) + 1100).view(3, 3))
+        mean = sum(r + 1 for r in range(WS)) / WS
+        for i, numel in {0: 5, 1: 9, 2: 1, 3: 14}.items():
+            s = -(-numel // WS)
+            valid = max(0, min(s, numel - rank * s))
+            want = torch.zeros(s)
+            want[:valid] = mean * (i + 1)
+            torch.testing.assert_close(v["z3_grads"][i], want, msg=lambda m: f"rank {rank} z3 grad {i}: {m}")
+            torch.testing.assert_close(v["z1_before_boundary"][i], want)
+            want1 = torch.zeros(s)
+            want1[:valid] = 2 * mean
+            torch.testing.assert_close(v["z1_grads"][i], want1, msg=lambda m: f"rank {rank} z1 grad {i}: {m}")
+        total = float(sum(r + 1 for r in range(WS)))
+        torch.testing.assert_close(v["inference_all_reduce"], torch.full((4,), total))
+        torch.testing.assert_close(v["inference_all_reduce_"], torch.full((2, 3), total))
+        assert v["offload_pinned"]
+        torch.testing.assert_close(v["offload_host"], v["offload_expected"])
+        torch.testing.assert_close(v["reload"], v["offload_expected"])
+        assert v["reload_device"] == f"cuda:{rank}"
+
+
+def test_no_host_blocking(gpu_results):
+    """Gather, wait, reduce and end_backward queue work and return: the GPU is still busy with
+    the ~0.1 s sleep queued before them when they return."""
+    for rank, res in enumerate(gpu_results):
+        v = res["ops"]["value"]
+        assert v["stream_busy_after_ops"], f"rank {rank}: the stream was idle when the ops returned"
+        assert v["host_seconds_while_busy"] < 0.05, v["host_seconds_by_op"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_matches_single_gpu(gpu_results, case):
+    if os.environ.get("DCPLAN_TEST_CASES") and case.name not in os.environ["DCPLAN_TEST_CASES"].split(","):
+        pytest.skip("not selected by DCPLAN_TEST_CASES")
+    res = _result(gpu_results, case.name)
+    got, ref = res["value"], res["reference"]
+    bf16 = case.variant == "bf16"
+    # fp32 on the GPU: cuBLAS may pick other kernels for the half batch than for the whole one.
+    loss_tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-5, atol=1e-6)
+    param_tol = dict(rtol=2e-2, atol=5e-3) if bf16 else dict(rtol=1e-4, atol=1e-5)
+    assert len(got["losses"]) == dist_cases.STEPS
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **loss_tol,
+                               msg=lambda m: f"{case.name} losses differ: {m}")
+    assert sorted(got["params"]) == sorted(ref["params"])
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], want, **param_tol,
+                                   msg=lambda m, n=name: f"{case.name} parameter {n}: {m}")
+    expected = sorted(-(-v.numel() // WS) for v in ref["params"].values())
+    assert sorted(s[0] for s in got["shard_shapes"]) == expected
+    held = got["gathered_after_forward"]
+    if case.stage == 3:
+        assert set(held) == {0}, held
+    else:
+        assert set(held) == {got["num_params"]}, held
+    log = got["op_log"]
+    n = dist_cases.micro_steps(case)
+    reduced = [i for op, g, i, b, dt in log if op == "reduce_grad"]
+    assert sorted(set(reduced)) == got["trainable_ids"]
+    assert [op for op, *_ in log].count("end_backward") == n
