@@ -63,6 +63,9 @@ def parse_args():
     p.add_argument("--bucket-mb", type=float, default=0, help="dcplan reduce bucket in MB (0: dcplan's default)")
     p.add_argument("--label", default="", help="a name for this shape in the output")
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the results here")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after timing, profile this many steps (torch.profiler) and print where the GPU time goes")
+    p.add_argument("--trace-dir", help="with --profile-steps: rank 0 keeps its Chrome traces here")
     return p.parse_args()
 
 
@@ -88,7 +91,7 @@ class Bench:
         return self.tl.Llama(a.vocab, a.hidden, a.layers, a.heads, a.kv_heads or a.heads, self.ffn, a.seq,
                              False).to(self.device)
 
-    def run(self, model, opt, step_fn=None):
+    def run(self, model, opt, mode):
         a = self.args
         losses = []
 
@@ -110,7 +113,65 @@ class Bench:
             step(i)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        self.breakdown = self.profile(step, mode) if a.profile_steps else None
         return elapsed / a.steps, [float(v) for v in torch.stack(losses).cpu()]
+
+    def profile(self, step, mode):
+        """Kernel time per step from a torch.profiler trace: compute, communication (NCCL
+        kernels), their overlap, communication not hidden behind compute, and GPU idle time."""
+        from torch.profiler import ProfilerActivity, profile
+
+        a = self.args
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(a.profile_steps):
+                step(i % len(self.batches))
+            torch.cuda.synchronize()
+        path = os.path.join(a.trace_dir or "/tmp", f"{a.label or 'shape'}-{mode}-rank{self.rank}.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        if not (a.trace_dir and self.rank == 0):
+            os.remove(path)
+        kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower()) for e in events
+                   if e.get("cat") == "kernel" and e.get("dur", 0) > 0]
+        if not kernels:
+            return None
+
+        def union(iv):
+            iv = sorted(iv)
+            out = []
+            for lo, hi in iv:
+                if out and lo <= out[-1][1]:
+                    out[-1][1] = max(out[-1][1], hi)
+                else:
+                    out.append([lo, hi])
+            return out
+
+        def length(iv):
+            return sum(hi - lo for lo, hi in iv)
+
+        def intersect(x, y):
+            i = j = 0
+            out = 0.0
+            while i < len(x) and j < len(y):
+                lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+                out += max(0.0, hi - lo)
+                if x[i][1] < y[j][1]:
+                    i += 1
+                else:
+                    j += 1
+            return out
+
+        comp = union([(lo, hi) for lo, hi, nccl in kernels if not nccl])
+        comm = union([(lo, hi) for lo, hi, nccl in kernels if nccl])
+        window = max(hi for _, hi, _ in kernels) - min(lo for lo, _, _ in kernels)
+        busy = length(union([(lo, hi) for lo, hi, _ in kernels]))
+        overlap = intersect(comp, comm)
+        n = a.profile_steps * 1e3  # us -> ms per step
+        return {"compute_ms": length(comp) / n, "comm_ms": length(comm) / n, "overlap_ms": overlap / n,
+                "exposed_comm_ms": (length(comm) - overlap) / n, "idle_ms": (window - busy) / n,
+                "window_ms": window / n}
 
     def peak(self):
         peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], device=self.device, dtype=torch.float64)
@@ -137,8 +198,9 @@ class Bench:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
-        step, losses = self.run(model, opt)
-        out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses}
+        step, losses = self.run(model, opt, "fsdp2")
+        out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
+               "breakdown": self.breakdown}
         del model, opt
         return out
 
@@ -154,8 +216,9 @@ class Bench:
             kw["plan"] = self.args.plan
         model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
-        step, losses = self.run(model, opt)
-        out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses}
+        step, losses = self.run(model, opt, "dcplan")
+        out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
+               "breakdown": self.breakdown}
         if self.args.plan:
             with open(self.args.plan) as f:
                 plan = json.load(f)
@@ -232,6 +295,12 @@ def main():
             loss = f"{losses[0]:7.3f}/{losses[-1]:7.3f}" if losses else f"{'-':>16}"
             tps = tokens / r["step_s"] if mode != "bound" else bench.world * args.batch * args.seq / r["step_s"]
             print(f"{mode:<8} {1e3 * r['step_s']:9.1f} {tps:10.0f} {r['peak_bytes'] / 2**30:9.2f} {ratio} {pred} {loss}")
+        for mode, r in results.items():
+            b = r.get("breakdown")
+            if b:
+                print(f"{mode:<8} rank-0 GPU time per step (ms): compute {b['compute_ms']:.1f}, NCCL {b['comm_ms']:.1f} "
+                      f"(overlapped {b['overlap_ms']:.1f}, exposed {b['exposed_comm_ms']:.1f}), idle {b['idle_ms']:.1f}, "
+                      f"window {b['window_ms']:.1f}")
         if "bound" in results:
             b = results["bound"]
             print(f"bound = fwd+bwd {1e3 * b['fwd_bwd_s']:.1f} ms + optimizer {1e3 * b['optimizer_s']:.1f} ms")

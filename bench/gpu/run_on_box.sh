@@ -16,16 +16,44 @@ nvidia-smi -L || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
 start=$(date +%s)
 cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DDCPLAN_WITH_CUDA=ON -DPython3_EXECUTABLE="$PY" \
-  -DDCPLAN_BUILD_TESTS=OFF > "$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
-cmake --build build/cuda --target dcplan_python -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; exit 1; }
+  -DDCPLAN_BUILD_TESTS=OFF > /tmp/dcplan-configure.log 2>&1 || { tail -40 /tmp/dcplan-configure.log; exit 1; }
+cmake --build build/cuda --target dcplan_python -j "$(nproc)" > build/cuda/build.log 2>&1 || { grep -E "error|FAILED" build/cuda/build.log | head -40; exit 1; }
 echo "built in $(( $(date +%s) - start )) s"
 export DCPLAN_BUILD_DIR=$PWD/build/cuda PYTHONPATH=$PWD/python
 if [ "$what" = tests ] || [ "$what" = all ]; then
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -30 || true
 fi
+run() { "$PY" -m torch.distributed.run --nproc-per-node 2 bench/gpu/fsdp_vs_dcplan.py "$@"; }
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  run() { "$PY" -m torch.distributed.run --nproc-per-node 2 bench/gpu/fsdp_vs_dcplan.py "$@"; }
   run --label comm-heavy --batch 1 --seq 1024 --json "$OUT/comm.json" "$@" 2>&1 | tee "$OUT/comm.log" | grep -v "^\[" || true
   run --label compute-heavy --batch 4 --seq 2048 --json "$OUT/compute.json" "$@" 2>&1 | tee "$OUT/compute.log" | grep -v "^\[" || true
 fi
+if [ "$what" = plan ] || [ "$what" = all ]; then
+  # Record a trace of the default schedule, plan it three ways (unconstrained and at FSDP2's
+  # peak memory), and replay the plans.
+  cmake --build build/cuda --target dcplan_cli -j "$(nproc)" >> build/cuda/build.log 2>&1 || { grep -E "error|FAILED" build/cuda/build.log | head; exit 1; }
+  D=build/cuda/bin/dcplan
+  P=build/cuda/plans
+  mkdir -p "$P"
+  shape() { case $1 in comm) echo "--batch 1 --seq 1024";; compute) echo "--batch 4 --seq 2048";; esac; }
+  for sh in ${PLAN_SHAPES:-comm compute}; do
+    rec="$P/trace-$sh.json"
+    $D record -o "$rec" --steps 3 --warmup 2 --timeout 240 -- "$PY" -m torch.distributed.run --nproc-per-node 2 \
+      bench/gpu/fsdp_vs_dcplan.py --modes dcplan $(shape $sh) --warmup 2 --steps 10 2>&1 | tail -12 || continue
+    budget=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['results']['fsdp2']['peak_bytes'])" "$OUT/$sh.json" 2>/dev/null || true)
+    plans=""
+    for st in heuristic optimized; do
+      $D plan "$rec" -o "$P/plan-$sh-$st.json" --strategy $st | tail -4 && plans="$plans $P/plan-$sh-$st.json"
+      if [ -n "$budget" ]; then
+        $D plan "$rec" -o "$P/plan-$sh-$st-fsdpmem.json" --strategy $st --memory-budget "$budget" | tail -4 \
+          && plans="$plans $P/plan-$sh-$st-fsdpmem.json"
+      fi
+    done
+    for p in $plans; do
+      echo "== replay $p"
+      run --label "$sh $(basename "$p" .json)" --modes dcplan --plan "$p" $(shape $sh) "$@" 2>&1 | grep -v "^\[" | tail -6 || true
+    done
+  done
+fi
+[ -d build/cuda/plans ] && tar czf "$OUT/plans.tgz" -C build/cuda plans
 echo "total $(( $(date +%s) - start )) s"
