@@ -222,6 +222,9 @@ def main(argv=None) -> int:
         with open(args.losses, "w") as f:
             json.dump({"losses": losses}, f)
     if distributed:
+        # Every rank done with every collective before any tears down its process group:
+        # a rank that exits while a peer's Gloo threads still talk to it can abort the peer.
+        dist.barrier()
         if not args.no_shard:
             import dcplan
 
