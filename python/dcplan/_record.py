@@ -99,8 +99,10 @@ def begin(s: Settings, device: torch.device) -> None:
     versions = {"torch": torch.__version__, "python": platform.python_version()}
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        if torch.cuda.nccl.is_available([]):
+        try:
             versions["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except (RuntimeError, AttributeError, TypeError):
+            pass  # a build without NCCL: the trace just does not name its version
     else:
         name = device.type
     _C.record_begin(str(s.directory), s.steps, s.warmup, str(device), name, versions, s.calibration_seconds)

@@ -53,8 +53,7 @@ void bindRecorder(py::module_& m) {
         config.versions = versions;
         config.calibration.budgetSeconds = calibrationSeconds;
         config.calibration.device = c10::Device(device);
-        TORCH_CHECK(config.calibration.device.is_cpu(),
-                    "record_begin: device ", device,
+        TORCH_CHECK(config.calibration.device.is_cpu(), "record_begin: device ", device,
                     ": recording on a device needs its timer and memory probe (not in this build)");
         gRecorder = std::make_shared<Recorder>(std::move(config), makeHostTimer(), makeCpuMemoryProbe());
         gAttached = false;
@@ -84,8 +83,10 @@ void bindRecorder(py::module_& m) {
         info.paramDtype = paramDtype;
         info.reduceDtype = reduceDtype;
         for (const py::tuple& p : params) {
-          TORCH_CHECK(p.size() == 7, "record_add_model: params entries should be (id, name, shape, dtype, numel, "
-                                     "shard_numel, requires_grad), got ", p.size(), " fields");
+          TORCH_CHECK(p.size() == 7,
+                      "record_add_model: params entries should be (id, name, shape, dtype, numel, "
+                      "shard_numel, requires_grad), got ",
+                      p.size(), " fields");
           schemas::TraceParam tp;
           tp.id = p[0].cast<int64_t>();
           tp.name = p[1].cast<std::string>();
@@ -104,7 +105,8 @@ void bindRecorder(py::module_& m) {
       "record_done", [] { return current("record_done")->done(); },
       "Whether every step is recorded (known at the start_forward after the last one).");
   m.def(
-      "record_steps", [] { return current("record_steps")->recordedSteps(); }, "Optimizer steps recorded so far.");
+      "record_steps", [] { return current("record_steps")->recordedSteps(); },
+      "Optimizer steps recorded so far.");
   m.def(
       "record_finish",
       [] {

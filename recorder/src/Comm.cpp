@@ -105,8 +105,8 @@ std::shared_ptr<Transport> makeTimedTransport(std::shared_ptr<Transport> inner,
 
 schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o) {
   TORCH_CHECK(o.repetitions >= 1, "calibrate: repetitions should be >= 1, got ", o.repetitions);
-  TORCH_CHECK(o.minBytes > 0 && o.minBytes <= o.maxBytes, "calibrate: minBytes should be in (0, maxBytes], got ",
-              o.minBytes);
+  TORCH_CHECK(o.minBytes > 0 && o.minBytes <= o.maxBytes,
+              "calibrate: minBytes should be in (0, maxBytes], got ", o.minBytes);
   const int64_t ws = transport.worldSize();
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(o.device);
   auto sync = [&] {
@@ -139,7 +139,8 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
     cal.allGather.push_back({full, measure([&] { return transport.allGather(gathered, shard); })});
     at::Tensor scatterIn = at::zeros({ws, perRank}, opts);
     at::Tensor scatterOut = at::empty({perRank}, opts);
-    cal.reduceScatter.push_back({full, measure([&] { return transport.reduceScatter(scatterOut, scatterIn); })});
+    cal.reduceScatter.push_back(
+        {full, measure([&] { return transport.reduceScatter(scatterOut, scatterIn); })});
     cal.allReduce.push_back({full, measure([&] { return transport.allReduce(gathered); })});
 
     // Whether to go on must be the same decision on every rank, or the ranks

@@ -15,12 +15,18 @@ namespace dcplan::recorder {
 
 const char* streamName(Stream stream) {
   switch (stream) {
-    case Stream::Compute: return "compute";
-    case Stream::AllGather: return "allgather";
-    case Stream::Reduce: return "reduce";
-    case Stream::Copy: return "copy";
-    case Stream::Offload: return "offload";
-    case Stream::Reload: return "reload";
+    case Stream::Compute:
+      return "compute";
+    case Stream::AllGather:
+      return "allgather";
+    case Stream::Reduce:
+      return "reduce";
+    case Stream::Copy:
+      return "copy";
+    case Stream::Offload:
+      return "offload";
+    case Stream::Reload:
+      return "reload";
   }
   return "compute";
 }
@@ -97,7 +103,8 @@ uint64_t residentBytes() {
 }
 
 uint64_t hostCapacityBytes() {
-  uint64_t bytes = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  uint64_t bytes =
+      static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   // A container's limit is the capacity that matters (cgroup v2, then v1).
   for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
     std::ifstream in(path);

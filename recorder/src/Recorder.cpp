@@ -18,19 +18,32 @@ namespace fs = std::filesystem;
 
 std::string dtypeName(c10::ScalarType dtype) {
   switch (dtype) {
-    case c10::ScalarType::Float: return "float32";
-    case c10::ScalarType::Half: return "float16";
-    case c10::ScalarType::BFloat16: return "bfloat16";
-    case c10::ScalarType::Double: return "float64";
-    case c10::ScalarType::Float8_e4m3fn: return "float8_e4m3fn";
-    case c10::ScalarType::Float8_e5m2: return "float8_e5m2";
-    case c10::ScalarType::Long: return "int64";
-    case c10::ScalarType::Int: return "int32";
-    case c10::ScalarType::Char: return "int8";
-    case c10::ScalarType::Byte: return "uint8";
-    case c10::ScalarType::Bool: return "bool";
-    case c10::ScalarType::Undefined: return "";
-    default: TORCH_CHECK(false, "record: dtype ", c10::toString(dtype), " has no name in the trace format");
+    case c10::ScalarType::Float:
+      return "float32";
+    case c10::ScalarType::Half:
+      return "float16";
+    case c10::ScalarType::BFloat16:
+      return "bfloat16";
+    case c10::ScalarType::Double:
+      return "float64";
+    case c10::ScalarType::Float8_e4m3fn:
+      return "float8_e4m3fn";
+    case c10::ScalarType::Float8_e5m2:
+      return "float8_e5m2";
+    case c10::ScalarType::Long:
+      return "int64";
+    case c10::ScalarType::Int:
+      return "int32";
+    case c10::ScalarType::Char:
+      return "int8";
+    case c10::ScalarType::Byte:
+      return "uint8";
+    case c10::ScalarType::Bool:
+      return "bool";
+    case c10::ScalarType::Undefined:
+      return "";
+    default:
+      TORCH_CHECK(false, "record: dtype ", c10::toString(dtype), " has no name in the trace format");
   }
 }
 
@@ -53,7 +66,8 @@ int64_t elementSize(const std::string& dtype) {
 
 }  // namespace
 
-Recorder::Recorder(RecorderConfig config, std::unique_ptr<DeviceTimer> timer, std::unique_ptr<MemoryProbe> memory)
+Recorder::Recorder(RecorderConfig config, std::unique_ptr<DeviceTimer> timer,
+                   std::unique_ptr<MemoryProbe> memory)
     : config_(std::move(config)), timer_(std::move(timer)), memory_(std::move(memory)) {
   TORCH_CHECK(config_.steps >= 1, "record: steps should be >= 1, got ", config_.steps);
   TORCH_CHECK(config_.warmup >= 0, "record: warmup should be >= 0, got ", config_.warmup);
@@ -82,10 +96,9 @@ fs::path Recorder::progressPath() const {
 void Recorder::writeProgress() {
   // Once per recorded step, never per op; a failure only costs the progress display.
   try {
-    schemas::writeFileAtomically(progressPath(), std::to_string(recordedSteps_) + " " +
-                                                     std::to_string(config_.steps) + " " +
-                                                     std::to_string(transport_ ? transport_->worldSize() : 1) +
-                                                     "\n");
+    schemas::writeFileAtomically(progressPath(),
+                                 std::to_string(recordedSteps_) + " " + std::to_string(config_.steps) + " " +
+                                     std::to_string(transport_ ? transport_->worldSize() : 1) + "\n");
   } catch (const std::exception& e) {
     TORCH_WARN_ONCE("record: cannot write the progress file: ", e.what());
   }
@@ -143,11 +156,10 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
     for (auto& [token, weak] : polled) {
       if (auto handle = weak.lock()) handle->isCompleted();  // reports through onCollectiveDone
     }
-    inFlight_.erase(std::remove_if(inFlight_.begin(), inFlight_.end(),
-                                   [&](const auto& f) {
-                                     return f.second.expired() || collectives_[f.first].completed;
-                                   }),
-                    inFlight_.end());
+    inFlight_.erase(
+        std::remove_if(inFlight_.begin(), inFlight_.end(),
+                       [&](const auto& f) { return f.second.expired() || collectives_[f.first].completed; }),
+        inFlight_.end());
   }
   RawEvent raw;
   raw.op = event.op;
@@ -208,7 +220,8 @@ int64_t Recorder::onCollectiveLaunch(CollectiveKind kind) {
 
 void Recorder::onCollectiveHandle(int64_t token, const std::shared_ptr<replayer::CommHandle>& handle) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (token >= 0 && !collectives_[static_cast<size_t>(token)].completed) inFlight_.emplace_back(token, handle);
+  if (token >= 0 && !collectives_[static_cast<size_t>(token)].completed)
+    inFlight_.emplace_back(token, handle);
 }
 
 void Recorder::onCollectiveDone(int64_t token) {
@@ -368,8 +381,8 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
 fs::path Recorder::finish() {
   {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
-    TORCH_CHECK(done_, "record: finish() before all ", config_.steps, " steps were recorded (", recordedSteps_,
-                " so far)");
+    TORCH_CHECK(done_, "record: finish() before all ", config_.steps, " steps were recorded (",
+                recordedSteps_, " so far)");
     TORCH_CHECK(!finished_, "record: the trace was already written to ", tracePath().string());
     finished_ = true;
     recording_ = false;

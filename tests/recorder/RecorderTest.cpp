@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 
 namespace dcplan::recorder {
 namespace {
@@ -60,7 +60,8 @@ class LocalTransport final : public Transport {
     for (int r = 0; r < ws; ++r) out.narrow(0, r * in.numel(), in.numel()).copy_(in);
     return launched("allGather");
   }
-  CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& ins) override {
+  CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outs,
+                                   const std::vector<at::Tensor>& ins) override {
     for (size_t i = 0; i < outs.size(); ++i) allGather(outs[i], ins[i]);
     calls.pop_back();
     return launched("allGatherCoalesced");
@@ -130,10 +131,13 @@ class RecorderTest : public ::testing::Test {
     now = t0;
     rec.onStartForward();
     CommHandlePtr gather;
-    op(rec, "allgather_param", 0, 0, t0 + 1, 2, [&] {
-      now = t0 + 2;
-      gather = timed->allGather(at::empty({10}), at::empty({10 / local->ws}));
-    }, 40);
+    op(
+        rec, "allgather_param", 0, 0, t0 + 1, 2,
+        [&] {
+          now = t0 + 2;
+          gather = timed->allGather(at::empty({10}), at::empty({10 / local->ws}));
+        },
+        40);
     op(rec, "wait_allgather", 0, 0, t0 + 3, 5, [&] {
       now = t0 + 8;
       gather->wait();

@@ -113,8 +113,8 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   };
 
   void writeProgress();
-  schemas::OpEvent finishEvent(const MicroStep& step, const RawEvent& raw, TimePoint origin, TimePoint prevEnd,
-                               const std::string& reduceDtype);
+  schemas::OpEvent finishEvent(const MicroStep& step, const RawEvent& raw, TimePoint origin,
+                               TimePoint prevEnd, const std::string& reduceDtype);
 
   RecorderConfig config_;
   std::unique_ptr<DeviceTimer> timer_;
@@ -128,7 +128,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   bool finished_ = false;
   int64_t optimizerStepsSeen_ = 0;  // completed optimizer steps, warm-up included
   int64_t recordedSteps_ = 0;
-  int64_t microInStep_ = 0;         // micro-steps of the optimizer step in progress
+  int64_t microInStep_ = 0;  // micro-steps of the optimizer step in progress
   int64_t gradAccumSteps_ = 1;
   bool haveMicro_ = false;
   MicroStep current_;  // the micro-step in progress (events only when recording_)
