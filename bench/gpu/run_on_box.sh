@@ -39,7 +39,7 @@ if [ "$what" = plan ] || [ "$what" = all ]; then
   for sh in ${PLAN_SHAPES:-comm compute}; do
     rec="$P/trace-$sh.json"
     $D record -o "$rec" --steps 3 --warmup 2 --timeout 240 -- "$PY" -m torch.distributed.run --nproc-per-node 2 \
-      bench/gpu/fsdp_vs_dcplan.py --modes dcplan $(shape $sh) --warmup 2 --steps 10 2>&1 | tail -12 || continue
+      bench/gpu/fsdp_vs_dcplan.py --modes dcplan $(shape $sh) --warmup 2 --steps 10 2>&1 | grep -v "^\[\|UserWarning\|_warn_once" | tail -60 || continue
     budget=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['results']['fsdp2']['peak_bytes'])" "$OUT/$sh.json" 2>/dev/null || true)
     plans=""
     for st in heuristic optimized; do

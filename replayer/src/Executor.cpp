@@ -136,12 +136,14 @@ Param& ParamRegistry::get(const char* op, int64_t dsId) {
 void ParamRegistry::startGather(Param& p, at::ScalarType dtype, Transport& transport) {
   if (p.hasGathered() && p.gathered_.scalar_type() == dtype) return;
   dropGathered(p);
-  reload(p);
+  if (p.offloaded_) {
+    reload(p);
+    transport.shardsWritten();  // the reload wrote the shard on the caller's stream
+  }
   const int64_t ws = worldSize_;
-  p.gatheredBuffer_ = at::empty({ws * p.shardNumel_}, p.shard_.options().dtype(dtype));
+  p.gatheredBuffer_ = transport.newGatherBuffer(ws * p.shardNumel_, p.shard_.options().dtype(dtype));
   p.gathered_ = p.gatheredBuffer_.narrow(0, 0, p.numel_).view(p.shape_);
-  at::Tensor input = p.shard_.to(dtype).contiguous();
-  p.gatherHandle_ = transport.allGather(p.gatheredBuffer_, input);
+  p.gatherHandle_ = transport.gatherShards({p.gatheredBuffer_}, {p.shard_});
   p.valid_ = false;
 }
 
@@ -155,16 +157,19 @@ void ParamRegistry::startGatherFused(const std::vector<Param*>& ps, const std::v
     if (p.hasGathered() && p.gathered_.scalar_type() == dtypes[i]) continue;
     if (std::find(launched.begin(), launched.end(), &p) != launched.end()) continue;
     dropGathered(p);
-    reload(p);
-    p.gatheredBuffer_ = at::empty({worldSize_ * p.shardNumel_}, p.shard_.options().dtype(dtypes[i]));
+    if (p.offloaded_) {
+      reload(p);
+      transport.shardsWritten();  // the reload wrote the shard on the caller's stream
+    }
+    p.gatheredBuffer_ = transport.newGatherBuffer(worldSize_ * p.shardNumel_, p.shard_.options().dtype(dtypes[i]));
     p.gathered_ = p.gatheredBuffer_.narrow(0, 0, p.numel_).view(p.shape_);
     p.valid_ = false;
     outputs.push_back(p.gatheredBuffer_);
-    inputs.push_back(p.shard_.to(dtypes[i]).contiguous());
+    inputs.push_back(p.shard_);
     launched.push_back(&p);
   }
   if (launched.empty()) return;
-  CommHandlePtr handle = transport.allGatherCoalesced(outputs, inputs);
+  CommHandlePtr handle = transport.gatherShards(outputs, inputs);
   for (Param* p : launched) p->gatherHandle_ = handle;
 }
 
@@ -561,6 +566,8 @@ void startForward() {
   auto& rt = state("start_forward");
   // Use counts of an interrupted step must not leak into this one.
   for (auto& [id, p] : rt.registry_->all()) p.uses_ = 0;
+  // The optimizer wrote the shards before this point; this step's gathers wait for no more.
+  rt.transport_->shardsWritten();
   rt.schedule_->onGraphStart(-1);
   if (rt.observer_) rt.observer_->onStartForward();
 }

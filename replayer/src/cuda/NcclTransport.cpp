@@ -105,18 +105,25 @@ ncclDataType_t ncclTypeOf(const char* op, at::ScalarType t) {
 }
 
 /// The end of work on a side stream. wait(): the caller's current stream waits for it
-/// (or, with hostWait, the host does: the destination is host memory).
+/// (or, with hostWait, the host does: the destination is host memory). Buffers allocated on
+/// the side stream (gather outputs) are recorded on the waiting stream, so that their memory
+/// is not reused before the work that stream queues on them has run.
 class EventHandle final : public CommHandle {
  public:
-  EventHandle(std::unique_ptr<CudaEvent> done, c10::DeviceIndex device, bool hostWait)
-      : done_(std::move(done)), device_(device), hostWait_(hostWait) {}
+  EventHandle(std::unique_ptr<CudaEvent> done, c10::DeviceIndex device, bool hostWait,
+              std::vector<at::Tensor> usedByWaiter = {})
+      : done_(std::move(done)), device_(device), hostWait_(hostWait), usedByWaiter_(std::move(usedByWaiter)) {}
 
   void wait() override {
     c10::cuda::CUDAGuard guard(device_);
     if (hostWait_) {
       done_->synchronize();
-    } else {
-      done_->block(c10::cuda::getCurrentCUDAStream(device_).stream());
+      return;
+    }
+    const c10::cuda::CUDAStream waiter = c10::cuda::getCurrentCUDAStream(device_);
+    done_->block(waiter.stream());
+    for (const at::Tensor& t : usedByWaiter_) {
+      if (t.numel() > 0) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), waiter);
     }
   }
   bool isCompleted() override {
@@ -128,6 +135,7 @@ class EventHandle final : public CommHandle {
   std::unique_ptr<CudaEvent> done_;
   c10::DeviceIndex device_;
   bool hostWait_;
+  std::vector<at::Tensor> usedByWaiter_;
 };
 
 class NcclTransport final : public Transport {
@@ -192,6 +200,63 @@ class NcclTransport final : public Transport {
       }
       DCPLAN_NCCL_CHECK_COMM(ncclGroupEnd(), comm_->get());
     });
+  }
+
+  // Shard gathers do not wait for the caller's whole queue (the previous layer's compute),
+  // only for the last point where shards were written, so with gather-on-use they still
+  // overlap compute (as FSDP2's copy-in stream does). Their outputs are allocated on the
+  // gather stream, so the allocator orders reuse of that memory on it.
+  at::Tensor newGatherBuffer(int64_t numel, const at::TensorOptions& options) override {
+    c10::cuda::CUDAGuard guard(device_);
+    c10::cuda::CUDAStreamGuard onStream(streams_->allGather);
+    return at::empty({numel}, options.device(c10::Device(c10::kCUDA, device_)));
+  }
+
+  void shardsWritten() override {
+    c10::cuda::CUDAGuard guard(device_);
+    if (!shardsWritten_) shardsWritten_ = CudaEvent::create(device_);
+    shardsWritten_->record(c10::cuda::getCurrentCUDAStream(device_).stream());
+  }
+
+  CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& shards) override {
+    TORCH_CHECK(outputs.size() == shards.size(), "gatherShards: ", outputs.size(), " outputs for ", shards.size(),
+                " shards");
+    for (size_t i = 0; i < shards.size(); ++i) {
+      checkDevice("gatherShards", outputs[i]);
+      checkDevice("gatherShards", shards[i]);
+      TORCH_CHECK(outputs[i].is_contiguous() && shards[i].is_contiguous() &&
+                      outputs[i].numel() == worldSize() * shards[i].numel(),
+                  "gatherShards: output ", i, " should be contiguous with world_size * ", shards[i].numel(),
+                  " elements, got ", outputs[i].numel());
+    }
+    c10::cuda::CUDAGuard guard(device_);
+    const c10::cuda::CUDAStream stream = streams_->allGather;
+    if (shardsWritten_) {
+      shardsWritten_->block(stream.stream());
+    } else {
+      waitForCaller(stream);  // no step boundary seen yet: wait for everything
+    }
+    std::vector<at::Tensor> sends;
+    {
+      // The dtype conversion runs on the gather stream too; its temporary lives there.
+      c10::cuda::CUDAStreamGuard onStream(stream);
+      for (size_t i = 0; i < shards.size(); ++i) {
+        sends.push_back(shards[i].scalar_type() == outputs[i].scalar_type() ? shards[i]
+                                                                            : shards[i].to(outputs[i].scalar_type()));
+      }
+      DCPLAN_NCCL_CHECK_COMM(ncclGroupStart(), comm_->get());
+      for (size_t i = 0; i < sends.size(); ++i) {
+        if (sends[i].numel() == 0) continue;
+        DCPLAN_NCCL_CHECK_COMM(ncclAllGather(sends[i].data_ptr(), outputs[i].data_ptr(), sends[i].numel(),
+                                             ncclTypeOf("gatherShards", sends[i].scalar_type()), comm_->get(),
+                                             stream.stream()),
+                               comm_->get());
+      }
+      DCPLAN_NCCL_CHECK_COMM(ncclGroupEnd(), comm_->get());
+    }
+    auto done = CudaEvent::create(device_);
+    done->record(stream.stream());
+    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/false, outputs);
   }
 
   CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) override {
@@ -279,6 +344,7 @@ class NcclTransport final : public Transport {
   std::unique_ptr<NcclComm> comm_;
   std::unique_ptr<StreamSet> streams_;
   c10::DeviceIndex device_;
+  std::unique_ptr<CudaEvent> shardsWritten_;  // recorded by shardsWritten() on the caller's stream
 };
 
 }  // namespace

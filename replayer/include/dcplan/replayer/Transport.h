@@ -47,6 +47,19 @@ class Transport {
   /// In-place sum all-reduce of a contiguous tensor.
   virtual CommHandlePtr allReduce(const at::Tensor& tensor) = 0;
 
+  /// Gathers of registered shards into buffers from newGatherBuffer(), as one group call:
+  /// outputs[i] (worldSize() * shards[i].numel() elements) gets every rank's shards[i],
+  /// converted to outputs[i]'s dtype. A shard is written only between steps (by the
+  /// optimizer), so the gather need not wait for all the caller's queued work: a device
+  /// transport waits for the last shardsWritten() point and converts on its own stream. The
+  /// default converts on the caller's side and calls allGather / allGatherCoalesced.
+  virtual CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& shards);
+  /// An output buffer for gatherShards (a device transport allocates it on its gather stream).
+  virtual at::Tensor newGatherBuffer(int64_t numel, const at::TensorOptions& options);
+  /// The caller's work queued so far may have written shards (an optimizer step, a reload):
+  /// later gathers wait for it. The default does nothing (its gathers wait for everything).
+  virtual void shardsWritten() {}
+
   /// Direction of a copy between device and host memory.
   enum class CopyKind { Offload, Reload };
   /// Starts dst.copy_(src) (same shape and dtype; Offload: into host memory, Reload: into
