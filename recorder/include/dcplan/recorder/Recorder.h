@@ -113,8 +113,6 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   };
 
   void writeProgress();
-  schemas::OpEvent finishEvent(const MicroStep& step, const RawEvent& raw, TimePoint origin,
-                               TimePoint prevEnd, const std::string& reduceDtype);
 
   RecorderConfig config_;
   std::unique_ptr<DeviceTimer> timer_;
