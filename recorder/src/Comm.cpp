@@ -68,6 +68,19 @@ class TimedTransport final : public Transport {
   CommHandlePtr allReduce(const at::Tensor& tensor) override {
     return timed(CollectiveKind::Reduce, [&] { return inner_->allReduce(tensor); });
   }
+  // The device seams of the interface: forwarded, so that a device transport keeps its
+  // streams and events under the recorder; gathers and copies are timed like the rest.
+  CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs,
+                             const std::vector<at::Tensor>& shards) override {
+    return timed(CollectiveKind::Gather, [&] { return inner_->gatherShards(outputs, shards); });
+  }
+  at::Tensor newGatherBuffer(int64_t numel, const at::TensorOptions& options) override {
+    return inner_->newGatherBuffer(numel, options);
+  }
+  void shardsWritten() override { inner_->shardsWritten(); }
+  CommHandlePtr copyAsync(const at::Tensor& dst, const at::Tensor& src, CopyKind kind) override {
+    return timed(CollectiveKind::Copy, [&] { return inner_->copyAsync(dst, src, kind); });
+  }
 
  private:
   template <typename Launch>

@@ -350,6 +350,12 @@ TEST(TimedTransport, ReportsLaunchAndFirstCompletionOnly) {
   t->allGather(at::zeros({4}), in)->wait();
   EXPECT_EQ(listener->kinds, (std::vector<CollectiveKind>{CollectiveKind::Reduce, CollectiveKind::Gather}));
   EXPECT_EQ(inner->calls, (std::vector<std::string>{"allReduce", "allGather"}));
+  // The shard gathers of the executor: timed once, through the inner transport's own path.
+  t->gatherShards({at::zeros({4})}, {in})->wait();
+  EXPECT_EQ(listener->kinds.back(), CollectiveKind::Gather);
+  EXPECT_EQ(listener->kinds.size(), 3u);
+  EXPECT_EQ(inner->calls.back(), "allGather");
+  EXPECT_EQ(t->newGatherBuffer(6, at::kFloat).numel(), 6);
   listener.reset();  // a gone listener hears nothing and breaks nothing
   t->allReduce(out)->wait();
 }
