@@ -53,9 +53,10 @@ void bindRecorder(py::module_& m) {
         config.versions = versions;
         config.calibration.budgetSeconds = calibrationSeconds;
         config.calibration.device = c10::Device(device);
-        TORCH_CHECK(config.calibration.device.is_cpu(), "record_begin: device ", device,
-                    ": recording on a device needs its timer and memory probe (not in this build)");
-        gRecorder = std::make_shared<Recorder>(std::move(config), makeHostTimer(), makeCpuMemoryProbe());
+        DeviceProbes probes = makeProbes(config.calibration.device);
+        config.calibration.synchronize = probes.synchronize;
+        gRecorder =
+            std::make_shared<Recorder>(std::move(config), std::move(probes.timer), std::move(probes.memory));
         gAttached = false;
       },
       py::arg("directory"), py::arg("steps"), py::arg("warmup"), py::arg("device"), py::arg("device_name"),

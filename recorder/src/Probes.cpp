@@ -3,6 +3,8 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
@@ -10,6 +12,7 @@
 #include <chrono>
 #include <fstream>
 #include <mutex>
+#include <vector>
 
 namespace dcplan::recorder {
 
@@ -129,9 +132,88 @@ class CpuMemoryProbe final : public MemoryProbe {
   uint64_t capacity_;
 };
 
+class DeviceEventTimer final : public DeviceTimer {
+ public:
+  explicit DeviceEventTimer(c10::Device device)
+      : device_(device), impl_(c10::impl::getDeviceGuardImpl(device.type())) {
+    TORCH_CHECK(device.has_index(), "record: device ", device, " should name its index (e.g. cuda:0)");
+  }
+  ~DeviceEventTimer() override {
+    for (void* e : events_) impl_->destroyEvent(e, device_.index());
+  }
+  TimePoint mark(Stream) override {
+    void* event = nullptr;
+    // BACKEND_DEFAULT: an event that keeps timing (CUDA: cudaEventDefault).
+    impl_->record(&event, impl_->getStream(device_), device_.index(), c10::EventFlag::BACKEND_DEFAULT);
+    events_.push_back(event);
+    return static_cast<TimePoint>(events_.size() - 1);
+  }
+  double elapsedUs(TimePoint from, TimePoint to) override {
+    if (synchronizedUpTo_ < events_.size()) {
+      impl_->synchronizeDevice(device_.index());
+      synchronizedUpTo_ = events_.size();
+    }
+    return impl_->elapsedTime(events_.at(static_cast<size_t>(from)), events_.at(static_cast<size_t>(to)),
+                              device_.index()) *
+           1000.0;
+  }
+
+ private:
+  c10::Device device_;
+  const c10::impl::DeviceGuardImplInterface* impl_;
+  std::vector<void*> events_;
+  size_t synchronizedUpTo_ = 0;
+};
+
+class DeviceAllocatorProbe final : public MemoryProbe {
+ public:
+  explicit DeviceAllocatorProbe(c10::Device device)
+      : allocator_(c10::getDeviceAllocator(device.type())), index_(device.index()) {
+    try {
+      capacity_ = allocator_->getMemoryInfo(index_).second;
+    } catch (const c10::Error&) {
+      capacity_ = 0;  // an allocator that cannot say: the planner then has no capacity
+    }
+  }
+  uint64_t bytesInUse() override {
+    const auto stats = allocator_->getDeviceStats(index_);
+    return static_cast<uint64_t>(
+        stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current);
+  }
+  uint64_t capacityBytes() override { return capacity_; }
+  std::string describe() override { return "allocated bytes of the device's caching allocator"; }
+
+ private:
+  c10::DeviceAllocator* allocator_;
+  c10::DeviceIndex index_;
+  uint64_t capacity_ = 0;
+};
+
 }  // namespace
 
 std::unique_ptr<DeviceTimer> makeHostTimer() { return std::make_unique<HostTimer>(); }
+
+std::unique_ptr<DeviceTimer> makeDeviceEventTimer(c10::Device device) {
+  return std::make_unique<DeviceEventTimer>(device);
+}
+
+std::unique_ptr<MemoryProbe> makeDeviceAllocatorProbe(c10::Device device) {
+  return std::make_unique<DeviceAllocatorProbe>(device);
+}
+
+DeviceProbes makeProbes(c10::Device device) {
+  DeviceProbes p;
+  if (device.is_cpu()) {
+    p.timer = makeHostTimer();
+    p.memory = makeCpuMemoryProbe();
+    return p;
+  }
+  p.timer = makeDeviceEventTimer(device);
+  p.memory = makeDeviceAllocatorProbe(device);
+  const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
+  p.synchronize = [impl, index = device.index()] { impl->synchronizeDevice(index); };
+  return p;
+}
 
 std::unique_ptr<MemoryProbe> makeCpuMemoryProbe() { return std::make_unique<CpuMemoryProbe>(); }
 

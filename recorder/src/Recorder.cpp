@@ -178,8 +178,10 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
 void Recorder::onOpEnd(const replayer::OpEvent& event) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (finished_ || done_ || event.graphId < 0) return;
-  const TimePoint now = timer_->mark(Stream::Compute);
   const std::string_view op(event.op);
+  // A mark may cost a device event: only for what is recorded, and step boundaries.
+  if (op != "end_backward" && (!recording_ || currentEvent_ < 0)) return;
+  const TimePoint now = timer_->mark(Stream::Compute);
   if (op == "end_backward") {
     // Step boundaries count in the warm-up too.
     current_.sawEndBackward = true;

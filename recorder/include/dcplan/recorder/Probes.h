@@ -1,7 +1,10 @@
 // Where the recorder reads time and memory: host clock and CPU allocator now, device events later.
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -42,6 +45,29 @@ class MemoryProbe {
 
 /// std::chrono::steady_clock in nanoseconds; elapsedUs is exact.
 std::unique_ptr<DeviceTimer> makeHostTimer();
+
+/// Events on the device's current stream, through torch's device-generic
+/// interface (c10::impl::DeviceGuardImplInterface; CUDA when torch_cuda is
+/// loaded), so this builds without the device's headers. elapsedUs()
+/// synchronizes the device once for the marks made so far. The compute stream
+/// is the one timeline: a collective's launch and completion are marked there,
+/// where compute issues and then waits for it.
+std::unique_ptr<DeviceTimer> makeDeviceEventTimer(c10::Device device);
+
+/// The device caching allocator's allocated bytes (c10::getDeviceAllocator;
+/// for CUDA the same number as torch.cuda.memory_allocated()); capacity: the
+/// device's total memory.
+std::unique_ptr<MemoryProbe> makeDeviceAllocatorProbe(c10::Device device);
+
+/// What recording on `device` uses: the host timer and CPU memory probe for the
+/// CPU, device events and the device allocator otherwise, and a host wait for the
+/// device's queued work (empty for the CPU) for the calibration.
+struct DeviceProbes {
+  std::unique_ptr<DeviceTimer> timer;
+  std::unique_ptr<MemoryProbe> memory;
+  std::function<void()> synchronize;
+};
+DeviceProbes makeProbes(c10::Device device);
 
 /// Host memory as the CPU allocator sees it: installs (once per process) a
 /// counting wrapper around torch's CPU allocator, so that bytesInUse() is the
