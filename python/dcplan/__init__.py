@@ -42,5 +42,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
     ) from e
 
 from ._shard import full_parameters, shard, shutdown  # noqa: E402
+from ._plan import PlanDepartureWarning, read_replay_log, replay_differences, replay_log  # noqa: E402
 
 __all__ = ["shard", "full_parameters", "shutdown"]
+__all__ += ["replay_log", "read_replay_log", "replay_differences", "PlanDepartureWarning"]

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _plan
 from . import _C, _record
 
-_DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+_DEFAULT_BUCKET_BYTES = 100_000_000  # the planner's default schedule assumes the same
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # One runtime per process; ids are unique across every sharded model in it.
@@ -96,6 +97,7 @@ class _ShardState:
         self.forward_depth = 0
         self.saved_hooks = None
         self.token = torch.empty(0)
+        self.keep_ids = set()  # persistent by the plan: stays gathered past end_backward
 
     # -- gathering -------------------------------------------------------
     def gather(self, info: _ParamInfo, graph_id: int) -> torch.Tensor:
@@ -132,6 +134,8 @@ class _ShardState:
         if not isinstance(x, _Packed):
             return x
         info = x.info
+        if not self.in_backward:
+            self.begin_backward()  # before the backward's first op: its positions count from here
         full = self.gather(info, self.bwd_graph)
         out = full.as_strided(x.size, x.stride, x.offset)
         info.pending_unpacks -= 1
@@ -163,6 +167,7 @@ class _ShardState:
     def end_backward(self) -> None:
         self.in_backward = False
         torch.ops.dc.end_backward(self.bwd_graph)
+        _plan.warn_departure()
         if self.stage != 1 or self.requires_sync:
             for i in self.infos:
                 if i.trainable and i.shard.grad is None:
@@ -172,7 +177,7 @@ class _ShardState:
             held = set(_C.gathered_param_ids())
             for i in self.infos:
                 i.pending_unpacks = 0
-                if i.ds_id in held:
+                if i.ds_id in held and i.ds_id not in self.keep_ids:
                     _C.invalidate_gathered_param(i.ds_id)
             self.live.clear()
 
@@ -207,6 +212,7 @@ def shard(
     reduce_bucket_bytes: int = _DEFAULT_BUCKET_BYTES,
     plan=None,
     record=None,
+    on_mismatch: str = "error",
 ) -> nn.Module:
     """Shards model's parameters over process_group (default: the world) for ZeRO stage 1, 2 or 3.
 
@@ -220,11 +226,19 @@ def shard(
     gradient-accumulation boundary. ``record``: a directory to record a trace
     into (docs/recording.md); None: ``$DCPLAN_RECORD`` decides; False: off.
     Modifies and returns model.
+
+    ``plan``: a plan file (``dcplan plan``; default ``$DCPLAN_PLAN``) whose prefetches,
+    persistent parameters and buckets the runtime follows. It is checked against this
+    model, world size, stage and dtypes here (ValueError saying what differs).
+    ``on_mismatch``: what a departure from the plan does: ``"error"`` raises at the op
+    where it happens, ``"fallback"`` warns once (PlanDepartureWarning) and continues
+    with the default schedule; the numbers are the same either way.
+    ``$DCPLAN_REPLAY_LOG``: write each rank's replay log (see ``dcplan.replay_log``).
     """
     global _runtime_group, _next_ds_id, _next_graph_id
     _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_bucket_bytes)
-    if plan is not None:
-        raise NotImplementedError("dcplan.shard: plan= is not supported by this runtime yet")
+    plan_path = _plan.resolve_plan(plan)
+    _plan.check_on_mismatch(on_mismatch)
     recording = _record.settings(record)
     pg = process_group if process_group is not None else dist.group.WORLD
     group_name = pg.group_name
@@ -233,6 +247,7 @@ def shard(
             _record.begin(recording, _model_device(model))  # before init: the recorder times its transport
         _init_runtime(pg, _param_device(model), reduce_bucket_bytes)
         _runtime_group = group_name
+        _plan.start_env_replay_log(pg.rank())
         if _record.active():
             _record.attach()
     elif recording is not None and not _record.active():
@@ -269,6 +284,8 @@ def shard(
     register = {1: _C.register_graph_z1, 2: _C.register_graph_z2, 3: _C.register_graph_z3}[stage]
     register(fwd_graph, ids)
     register(bwd_graph, ids, reduce_dtype)
+    if plan_path is not None:
+        state.keep_ids = set(_plan.load(state, plan_path, on_mismatch, reduce_dtype)["persistent"])
     if _record.active():
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, world_size, param_dtype, reduce_dtype)
 
@@ -348,8 +365,9 @@ def _make_pre_hook(state: _ShardState):
         infos = [info for _, info in owned]
         state.refresh(infos)
         if len(infos) > 1:
-            held = set(_C.gathered_param_ids())
-            todo = [i for i in infos if i.ds_id not in held]
+            # Issued whatever is held (the runtime skips held copies): the op sequence, which
+            # plan positions count, must not depend on the schedule.
+            todo = infos
             if len(todo) > 1:
                 dtype = state.param_dtype or torch.float32
                 torch.ops.dc.prefetch_params_fused(
@@ -387,6 +405,7 @@ def _make_root_pre_hook(state: _ShardState):
         state.forward_depth += 1
         if state.forward_depth > 1:
             return
+        state.refresh(state.infos)  # stale copies go before a planned prefetch could find them held
         _C.start_forward()
         if _record.active():
             _record.after_start_forward()  # ends the process once every step is recorded
@@ -406,6 +425,7 @@ def _make_root_post_hook(state: _ShardState):
             hooks, state.saved_hooks = state.saved_hooks, None
             hooks.__exit__(None, None, None)
         _C.end_forward()
+        _plan.warn_departure()
 
     return root_post_hook
 

@@ -1,5 +1,6 @@
 // dcplan._C: the Python binding of the dc runtime (lifecycle and registration; the ops are torch.ops.dc.*).
 #include "dcplan/recorder/PythonBindings.h"
+#include "dcplan/replayer/Plan.h"
 #include "dcplan/replayer/Runtime.h"
 
 #include <torch/csrc/Dtype.h>
@@ -7,6 +8,7 @@
 
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 namespace py = pybind11;
@@ -46,6 +48,70 @@ void registerGraphOfStage(Stage stage, int64_t graphId, const std::vector<int64_
   auto dtype = optionalDtype(reduceDtype, "register_graph: reduce_dtype");
   py::gil_scoped_release noGil;
   registerGraph(graphId, stage, dsIds, dtype);
+}
+
+/// Plan replay: loading a plan against the live model, the replay log.
+void bindPlan(py::module& m) {
+  // params: (ds_id, name, shape, dtype name, trainable) per parameter.
+  using ParamTuple = std::tuple<int64_t, std::string, std::vector<int64_t>, std::string, bool>;
+  auto liveModel = [](const std::vector<ParamTuple>& params, int64_t worldSize) {
+    LiveModel model;
+    for (const auto& [id, name, shape, dtype, trainable] : params) {
+      model.params.push_back(LiveParam{id, name, shape, dtype, trainable});
+    }
+    model.worldSize = worldSize;
+    return model;
+  };
+  m.def(
+      "param_signature",
+      [liveModel](const std::vector<ParamTuple>& params, int64_t worldSize) {
+        return liveSignature(liveModel(params, worldSize));
+      },
+      py::arg("params"), py::arg("world_size"),
+      "The parameter signature (docs/formats.md) of (ds_id, name, shape, dtype, trainable) tuples.");
+  m.def(
+      "load_plan",
+      [liveModel](const std::string& path, const std::vector<ParamTuple>& params, int64_t worldSize,
+                  int64_t stage, int64_t forwardGraph, int64_t backwardGraph, const std::string& reduceDtype,
+                  const py::object& gatherDtype, const std::string& onMismatch) {
+        LiveModel model = liveModel(params, worldSize);
+        model.stage = stage;
+        model.forwardGraph = forwardGraph;
+        model.backwardGraph = backwardGraph;
+        model.reduceDtype = reduceDtype;
+        model.gatherDtype = optionalDtype(gatherDtype, "load_plan: gather_dtype");
+        TORCH_CHECK(onMismatch == "error" || onMismatch == "fallback",
+                    "load_plan: on_mismatch should be \"error\" or \"fallback\", got \"", onMismatch, "\"");
+        PlanSummary summary;
+        try {
+          py::gil_scoped_release noGil;
+          summary = loadPlan(path, model, onMismatch == "error" ? OnMismatch::Error : OnMismatch::Fallback);
+        } catch (const PlanError& e) {
+          throw py::value_error(e.what());
+        }
+        py::dict out;
+        out["signature"] = summary.signature;
+        out["persistent"] = summary.persistent;
+        out["prefetch_groups"] = summary.prefetchGroups;
+        out["buckets"] = summary.buckets;
+        return out;
+      },
+      py::arg("path"), py::arg("params"), py::arg("world_size"), py::arg("stage"), py::arg("forward_graph"),
+      py::arg("backward_graph"), py::arg("reduce_dtype"), py::arg("gather_dtype") = py::none(),
+      py::arg("on_mismatch") = "error",
+      "Reads plan file path, checks it against the live model (ValueError naming the file, the JSON "
+      "pointer and what differs) and makes it the runtime's schedule.");
+  m.def("set_replay_log", &setReplayLog, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+        "Writes this rank's replay log (JSON lines) to path from now on; '' stops.");
+  m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
+  m.def("plan_active", &planActive, "Whether a loaded plan drives the schedule (no departure so far).");
+  m.def(
+      "take_plan_departure",
+      [] {
+        std::string msg = takePlanDeparture();
+        return msg.empty() ? py::object(py::none()) : py::object(py::str(msg));
+      },
+      "The message of a departure from the plan under on_mismatch='fallback', once; None otherwise.");
 }
 
 }  // namespace
@@ -163,5 +229,6 @@ PYBIND11_MODULE(_C, m) {
         gOpLog.reset();
       },
       Release());
+  bindPlan(m);
   dcplan::recorder::bindRecorder(m);  // record_*: python/dcplan/_record.py
 }

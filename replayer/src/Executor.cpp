@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <functional>
 #include <mutex>
 #include <sstream>
 
@@ -86,6 +87,42 @@ int64_t gatherBytes(const Param& p, at::ScalarType dtype, int worldSize) {
 
 int64_t tensorBytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+/// Tells the schedule which of dsIds a gather launched now would really gather
+/// (those holding no copy in their dtype) and how many bytes that receives.
+void reportGathers(RuntimeState& rt, Executor& ex, int64_t graphId, const std::vector<int64_t>& dsIds,
+                   const std::vector<at::ScalarType>& types, bool planned) {
+  std::vector<int64_t> launched;
+  int64_t bytes = 0;
+  for (size_t i = 0; i < dsIds.size(); ++i) {
+    if (std::find(launched.begin(), launched.end(), dsIds[i]) != launched.end()) continue;
+    const int64_t b = gatherBytes(ex.param("prefetch_params_fused", dsIds[i]), types[i], rt.transport_->worldSize());
+    if (b == 0) continue;
+    launched.push_back(dsIds[i]);
+    bytes += b;
+  }
+  if (planned || !launched.empty()) rt.schedule_->onGatherLaunched(graphId, launched, bytes, planned);
+}
+
+/// The schedule's turn before an op a hook issued: it may stop at a departure
+/// from a plan, and the executor launches the gathers it plans there.
+void scheduleBefore(RuntimeState& rt, const OpEvent& event) {
+  std::vector<SchedulePolicy::Prefetch> groups = rt.schedule_->beforeOp(event);
+  if (groups.empty()) return;
+  auto it = rt.executors_.find(event.graphId);
+  TORCH_CHECK(it != rt.executors_.end(), event.op, ": graph_id ", event.graphId,
+              " is not registered; register it with register_graph_z1/z2/z3 first");
+  Executor& ex = *it->second;
+  for (const SchedulePolicy::Prefetch& group : groups) {
+    std::vector<at::ScalarType> types;
+    for (int64_t id : group.dsIds) {
+      Param& p = ex.param(event.op, id);
+      types.push_back(group.dtype == at::ScalarType::Undefined ? p.shard_.scalar_type() : group.dtype);
+    }
+    reportGathers(rt, ex, event.graphId, group.dsIds, types, /*planned=*/true);
+    if (!group.dsIds.empty()) ex.prefetchParamsFused(group.dsIds, types);
+  }
 }
 
 }  // namespace
@@ -397,11 +434,15 @@ void Executor::putInBucket(Param& p, const at::Tensor& gradFlat) {
     row.narrow(0, rem, s - rem).zero_();
     if (fullRows + 1 < ws) region.narrow(0, fullRows + 1, ws - fullRows - 1).zero_();
   }
+  if (rt_.schedule_->flushAfter(graphId_, p.id_)) flush(dtype);
 }
 
 void Executor::flush(at::ScalarType dtype) {
   ReduceBucket& bucket = buckets_->current(dtype);
   if (bucket.empty()) return;
+  std::vector<int64_t> ids;
+  for (const ReduceTask& task : bucket.tasks()) ids.push_back(task.dsId_);
+  rt_.schedule_->onFlush(graphId_, ids, bucket.usedBytes());
   bucket.pending_ = launchReduce(bucket);
   ReduceBucket& next = buckets_->swap(dtype);
   // With double buffering the next bucket's reduction has had a whole bucket's
@@ -569,6 +610,7 @@ void startForward() {
   // The optimizer wrote the shards before this point; this step's gathers wait for no more.
   rt.transport_->shardsWritten();
   rt.schedule_->onGraphStart(-1);
+  rt.schedule_->onStartForward();
   if (rt.observer_) rt.observer_->onStartForward();
 }
 
@@ -581,6 +623,7 @@ void startBackward(bool update, bool sync) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("start_backward");
   for (auto& [id, ex] : rt.executors_) ex->startBackward(update, sync);
+  rt.schedule_->onStartBackward(update, sync);
   if (rt.observer_) rt.observer_->onStartBackward(update, sync);
 }
 
@@ -633,6 +676,11 @@ void setSchedule(std::unique_ptr<SchedulePolicy> schedule) {
   state("set_schedule").schedule_ = std::move(schedule);
 }
 
+void withSchedule(const std::function<void(SchedulePolicy&)>& fn) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  fn(*state("schedule").schedule_);
+}
+
 std::vector<int64_t> paramShape(const char* op, int64_t dsId) {
   std::lock_guard<std::mutex> lock(gMutex);
   return state(op).registry_->get(op, dsId).shape_;
@@ -647,6 +695,8 @@ at::Tensor allgatherParam(const at::Tensor& shard, int64_t graphId, int64_t dsId
   Executor& ex = executor("allgather_param", graphId);
   Param& p = ex.param("allgather_param", dsId);
   const at::ScalarType t = dtype.value_or(p.shard_.scalar_type());
+  scheduleBefore(rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
+  reportGathers(rt, ex, graphId, {dsId}, {t}, /*planned=*/false);
   ObserverScope scope(
       rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
   return ex.allgatherParam(shard, dsId, dtype);
@@ -664,6 +714,7 @@ void prefetchParamsFused(int64_t graphId, const std::vector<at::Tensor>& shards,
   TORCH_CHECK(!dtypes || dtypes->size() == dsIds.size(),
               "prefetch_params_fused: dtypes should have one entry per id (", dsIds.size(), "), got ",
               dtypes ? dtypes->size() : 0);
+  scheduleBefore(rt, OpEvent{"prefetch_params_fused", graphId, -1, 0, at::ScalarType::Undefined});
   std::vector<at::ScalarType> types;
   int64_t bytes = 0;
   for (size_t i = 0; i < dsIds.size(); ++i) {
@@ -674,6 +725,7 @@ void prefetchParamsFused(int64_t graphId, const std::vector<at::Tensor>& shards,
     types.push_back(dtypes ? (*dtypes)[i] : p.shard_.scalar_type());
     bytes += gatherBytes(p, types.back(), rt.transport_->worldSize());
   }
+  reportGathers(rt, ex, graphId, dsIds, types, /*planned=*/false);
   ObserverScope scope(rt, OpEvent{"prefetch_params_fused", graphId, -1, bytes,
                                   types.empty() ? at::ScalarType::Undefined : types.front(), dsIds});
   ex.prefetchParamsFused(dsIds, types);
@@ -683,6 +735,7 @@ at::Tensor waitAllgather(const at::Tensor& gathered, int64_t graphId, int64_t ds
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("wait_allgather");
   Executor& ex = executor("wait_allgather", graphId);
+  scheduleBefore(rt, OpEvent{"wait_allgather", graphId, dsId, 0, gathered.scalar_type()});
   ObserverScope scope(
       rt, OpEvent{"wait_allgather", graphId, dsId, tensorBytes(gathered), gathered.scalar_type()});
   return ex.waitAllgather(gathered, dsId);
@@ -692,6 +745,7 @@ at::Tensor releaseParam(const at::Tensor& token, int64_t graphId, int64_t dsId, 
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("release_param");
   Executor& ex = executor("release_param", graphId);
+  scheduleBefore(rt, OpEvent{"release_param", graphId, dsId, 0, token.scalar_type()});
   ObserverScope scope(rt, OpEvent{"release_param", graphId, dsId, 0, token.scalar_type(), {}, nUsers});
   ex.releaseParam(dsId, nUsers);
   return token;
@@ -701,6 +755,7 @@ at::Tensor reduceGrad(const at::Tensor& grad, int64_t graphId, int64_t dsId) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("reduce_grad");
   Executor& ex = executor("reduce_grad", graphId);
+  scheduleBefore(rt, OpEvent{"reduce_grad", graphId, dsId, tensorBytes(grad), grad.scalar_type()});
   ObserverScope scope(rt, OpEvent{"reduce_grad", graphId, dsId, tensorBytes(grad), grad.scalar_type()});
   ex.reduceGrad(grad, dsId);
   // The reduced gradient lands in the registered grad buffer; the op's result
@@ -712,6 +767,7 @@ void endBackward(int64_t graphId) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("end_backward");
   Executor& ex = executor("end_backward", graphId);
+  scheduleBefore(rt, OpEvent{"end_backward", graphId, -1, 0, at::ScalarType::Undefined});
   ObserverScope scope(rt, OpEvent{"end_backward", graphId, -1, 0, at::ScalarType::Undefined});
   ex.endBackward();
   rt.schedule_->onGraphEnd(graphId);
@@ -734,6 +790,7 @@ void freeTensors(const std::vector<at::Tensor>& tensors) {
 at::Tensor offloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("offload_tensor");
+  scheduleBefore(rt, OpEvent{"offload_tensor", graphId, id, 0, at::ScalarType::Undefined});
   ObserverScope scope(rt, OpEvent{"offload_tensor", graphId, id, tensorBytes(tensor), tensor.scalar_type()});
   // A device tensor goes to pinned host memory; reload_tensor brings it back
   // to the device it came from, remembered here.
@@ -753,6 +810,7 @@ at::Tensor offloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id) 
 at::Tensor reloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("reload_tensor");
+  scheduleBefore(rt, OpEvent{"reload_tensor", graphId, id, 0, at::ScalarType::Undefined});
   ObserverScope scope(rt, OpEvent{"reload_tensor", graphId, id, tensorBytes(tensor), tensor.scalar_type()});
   const auto key = std::make_pair(graphId, id);
   auto it = rt.offloadedFrom_.find(key);
@@ -773,6 +831,7 @@ at::Tensor reloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id) {
 at::Tensor waitOffload(const at::Tensor& tensor, int64_t graphId, int64_t id) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("wait_offload");
+  scheduleBefore(rt, OpEvent{"wait_offload", graphId, id, 0, at::ScalarType::Undefined});
   ObserverScope scope(rt, OpEvent{"wait_offload", graphId, id, tensorBytes(tensor), tensor.scalar_type()});
   if (auto pending = rt.offloadCopies_.find({graphId, id}); pending != rt.offloadCopies_.end()) {
     pending->second->wait();
@@ -785,6 +844,7 @@ at::Tensor waitOffload(const at::Tensor& tensor, int64_t graphId, int64_t id) {
 at::Tensor waitReload(const at::Tensor& tensor, int64_t graphId, int64_t id) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("wait_reload");
+  scheduleBefore(rt, OpEvent{"wait_reload", graphId, id, 0, at::ScalarType::Undefined});
   ObserverScope scope(rt, OpEvent{"wait_reload", graphId, id, tensorBytes(tensor), tensor.scalar_type()});
   if (auto pending = rt.reloadCopies_.find({graphId, id}); pending != rt.reloadCopies_.end()) {
     pending->second->wait();  // the caller's stream waits for the reload stream
@@ -797,6 +857,7 @@ void offloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("offload_parameter");
   Executor& ex = executor("offload_parameter", graphId);
+  scheduleBefore(rt, OpEvent{"offload_parameter", graphId, dsId, 0, at::ScalarType::Undefined});
   Param& p = ex.param("offload_parameter", dsId);
   ObserverScope scope(
       rt, OpEvent{"offload_parameter", graphId, dsId, tensorBytes(p.shard_), p.shard_.scalar_type()});
@@ -807,6 +868,7 @@ void reloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("reload_parameter");
   Executor& ex = executor("reload_parameter", graphId);
+  scheduleBefore(rt, OpEvent{"reload_parameter", graphId, dsId, 0, at::ScalarType::Undefined});
   Param& p = ex.param("reload_parameter", dsId);
   ObserverScope scope(
       rt, OpEvent{"reload_parameter", graphId, dsId, tensorBytes(p.shard_), p.shard_.scalar_type()});

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -16,8 +17,9 @@ namespace dcplan::replayer {
 
 /// Runtime options. Every size is in bytes.
 struct RuntimeConfig {
-  /// A reduce bucket is flushed when adding a gradient would take it past this size.
-  int64_t reduceBucketBytes = 25 * 1024 * 1024;
+  /// A reduce bucket is flushed when adding a gradient would take it past this
+  /// size (the planner's default schedule assumes the same 100,000,000 bytes).
+  int64_t reduceBucketBytes = 100'000'000;
   /// Two buckets per dtype, so one fills while the other is being reduced.
   bool doubleBuffer = true;
   /// free_tensors frees only tensors at least this large.
@@ -62,6 +64,8 @@ std::vector<int64_t> gatheredParamIds();
 
 void setObserver(std::shared_ptr<OpObserver> observer);
 void setSchedule(std::unique_ptr<SchedulePolicy> schedule);
+/// Calls fn with the schedule in use, under the runtime's lock (fn must not call the runtime).
+void withSchedule(const std::function<void(SchedulePolicy&)>& fn);
 
 /// Shape of parameter dsId, for the Meta kernels.
 std::vector<int64_t> paramShape(const char* op, int64_t dsId);

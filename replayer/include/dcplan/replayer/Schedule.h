@@ -34,6 +34,30 @@ class SchedulePolicy {
   /// A graph starts / ends (start_forward, start_backward, end_*).
   virtual void onGraphStart(int64_t graphId) {}
   virtual void onGraphEnd(int64_t graphId) {}
+
+  // ---- replay of a plan (PlanCursor); every default keeps the behaviour above.
+
+  /// Gathers the executor launches before an op, one fused gather each;
+  /// Undefined dtype: the shard's dtype.
+  struct Prefetch {
+    std::vector<int64_t> dsIds;
+    c10::ScalarType dtype = c10::ScalarType::Undefined;
+  };
+  /// Called before every op a hook issues for a registered graph, in issue
+  /// order (the executor's own prefetches are not ops). May throw c10::Error
+  /// to stop at a departure from a plan.
+  virtual std::vector<Prefetch> beforeOp(const OpEvent& event) { return {}; }
+  /// A gather collective was launched for dsIds (bytes received); planned:
+  /// by beforeOp rather than by the op itself.
+  virtual void onGatherLaunched(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes,
+                                bool planned) {}
+  /// Whether the bucket must be flushed right after the gradient of dsId went in.
+  virtual bool flushAfter(int64_t graphId, int64_t dsId) { return false; }
+  /// A bucket's reduction is launched: its gradients in bucket order and its bytes.
+  virtual void onFlush(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes) {}
+  /// start_forward() / start_backward() was called.
+  virtual void onStartForward() {}
+  virtual void onStartBackward(bool update, bool sync) {}
 };
 
 }  // namespace dcplan::replayer

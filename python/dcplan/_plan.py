@@ -1,0 +1,215 @@
+"""Replay of plans: loading a plan for a sharded model, the replay log, and comparing the two.
+
+The C++ plan cursor (replayer/src/PlanCursor.cpp) does the work: it counts the
+position of every op the hooks issue, launches the planned prefetch groups,
+keeps the persistent parameters gathered, flushes the planned buckets and
+detects departures. This module only finds the plan (argument or
+``DCPLAN_PLAN``), describes the live model to the C++ check, opens the replay
+log (``DCPLAN_REPLAY_LOG``) and reads it back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Dict, Iterable, List, Optional, Union
+
+import torch
+
+from . import _C
+
+ENV_PLAN = "DCPLAN_PLAN"
+ENV_REPLAY_LOG = "DCPLAN_REPLAY_LOG"
+ON_MISMATCH = ("error", "fallback")
+
+
+class PlanDepartureWarning(UserWarning):
+    """The run departed from its plan; it continues with the default schedule (on_mismatch="fallback")."""
+
+
+def resolve_plan(plan) -> Optional[str]:
+    """The plan file to load: the argument, else $DCPLAN_PLAN, else None."""
+    if plan is None:
+        plan = os.environ.get(ENV_PLAN) or None
+    if plan is None:
+        return None
+    if not isinstance(plan, (str, os.PathLike)):
+        raise ValueError(f"dcplan.shard: plan should be a path (str or os.PathLike) or None, got {type(plan).__name__}")
+    return os.fspath(plan)
+
+
+def check_on_mismatch(on_mismatch) -> str:
+    if on_mismatch not in ON_MISMATCH:
+        raise ValueError(f'dcplan.shard: on_mismatch should be "error" or "fallback", got {on_mismatch!r}')
+    return on_mismatch
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def live_params(infos) -> List[tuple]:
+    """(ds_id, name, shape, dtype, trainable) of each parameter, as the parameter signature sees them."""
+    return [(i.ds_id, i.name, list(i.shape), dtype_name(i.shard.dtype), i.trainable) for i in infos]
+
+
+def signature(infos, world_size: int) -> str:
+    """The parameter signature (docs/formats.md) of a sharded model's parameters."""
+    return _C.param_signature(live_params(infos), world_size)
+
+
+def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]) -> Dict:
+    """Checks plan file path against the sharded model behind state and makes it the schedule.
+
+    Raises ValueError "<file>: <JSON pointer>: <what differs>" for a plan of another model,
+    world size, stage or dtype, and for a file that is not a valid plan.
+    """
+    reduce_name = dtype_name(reduce_dtype or state.param_dtype or torch.float32)
+    return _C.load_plan(
+        path,
+        live_params(state.infos),
+        state.world_size,
+        state.stage,
+        state.fwd_graph,
+        state.bwd_graph,
+        reduce_name,
+        state.param_dtype,
+        on_mismatch,
+    )
+
+
+def rank_path(path: str, rank: int) -> str:
+    """The replay log path of one rank: "{rank}" in path is replaced, else ".rank<R>" is appended."""
+    path = os.fspath(path)
+    return path.replace("{rank}", str(rank)) if "{rank}" in path else f"{path}.rank{rank}"
+
+
+def start_env_replay_log(rank: int) -> Optional[str]:
+    """Opens the replay log named by $DCPLAN_REPLAY_LOG, if set; returns this rank's path."""
+    path = os.environ.get(ENV_REPLAY_LOG)
+    if not path:
+        return None
+    mine = rank_path(path, rank)
+    _C.set_replay_log(mine)
+    return mine
+
+
+def replay_log(path: Optional[str]) -> Optional[str]:
+    """Writes this rank's replay log from now on (None stops it); returns the rank's file name.
+
+    path may hold "{rank}"; without it ".rank<R>" is appended. The runtime must be started
+    (after dcplan.shard()). The file is JSON lines, one event each (docs/replay.md).
+    """
+    if not _C.is_initialized():
+        raise RuntimeError("dcplan.replay_log: the runtime is not started; call dcplan.shard() first")
+    if path is None:
+        _C.set_replay_log("")
+        return None
+    mine = rank_path(path, _C.rank())
+    _C.set_replay_log(mine)
+    return mine
+
+
+def warn_departure() -> None:
+    """Warns (once per process) when the run left its plan under on_mismatch="fallback"."""
+    msg = _C.take_plan_departure()
+    if msg:
+        warnings.warn(msg, PlanDepartureWarning, stacklevel=3)
+
+
+def read_replay_log(path: str) -> List[Dict]:
+    """The events of one rank's replay log."""
+    _C.flush_replay_log() if _C.is_initialized() else None
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def executions(events: Iterable[Dict]) -> List[Dict]:
+    """Splits a replay log into graph executions: {"graph", "kind", "step", "sync", "events"}.
+
+    An optimizer step ends with the backward whose start_backward has sync=true.
+    """
+    out: List[Dict] = []
+    current: Dict[int, Dict] = {}
+    phase, step, sync = None, 0, True
+    for ev in events:
+        kind = ev["ev"]
+        if kind in ("start_forward", "start_backward"):
+            if phase == "backward" and sync:
+                step += 1
+            phase = "forward" if kind == "start_forward" else "backward"
+            sync = ev.get("sync", True)
+            current = {}
+            continue
+        g = ev.get("graph")
+        if g is None or g < 0:
+            continue
+        ex = current.get(g)
+        if ex is None:
+            ex = {"graph": g, "kind": phase, "step": step, "sync": sync, "events": []}
+            current[g] = ex
+            out.append(ex)
+        ex["events"].append(ev)
+    return out
+
+
+def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Iterable[int] = (),
+                       stage: Optional[int] = None) -> List[str]:
+    """How a replay log differs from its plan; [] when the run followed it exactly.
+
+    Compared: every execution of a planned graph launched exactly the plan's prefetch groups at
+    their positions; every backward that reduced flushed exactly the plan's buckets in order
+    (frozen parameters left out); the parameters kept gathered at their release are the plan's
+    persistent set (ZeRO-3) or every parameter (ZeRO-1/2); a persistent parameter is gathered at
+    most once per optimizer step. A departure in the log is a difference.
+    """
+    if not isinstance(plan, dict):
+        with open(plan) as f:
+            plan = json.load(f)
+    stage = stage or plan["source"]["stage"]
+    frozen = set(frozen)
+    persistent = set(plan["persistent"])
+    graphs = {g["id"]: g for g in plan["graphs"]}
+    diffs: List[str] = []
+    for ev in events:
+        if ev["ev"] == "departure":
+            diffs.append(f"departure in graph {ev['graph']} at position {ev['pos']}: expected {ev['expected']}, "
+                         f"got {ev['actual']}")
+    execs = executions(events)
+    if not any(ex["graph"] in graphs for ex in execs):
+        diffs.append("no execution of a planned graph in the log")
+    gathers_per_step: Dict[tuple, int] = {}
+    for n, ex in enumerate(execs):
+        g = graphs.get(ex["graph"])
+        if g is None:
+            continue
+        where = f"execution {n} (graph {ex['graph']}, step {ex['step']})"
+        evs = ex["events"]
+        got = [(e["pos"], e["ds_ids"]) for e in evs if e["ev"] == "prefetch"]
+        want = [(p["position"], p["ds_ids"]) for p in g["prefetch"]]
+        if got != want:
+            diffs.append(f"{where}: prefetch groups {got}, the plan has {want}")
+        flushes = [e["ds_ids"] for e in evs if e["ev"] == "flush"]
+        reduces = stage >= 2 or ex["sync"]
+        if g["kind"] == "backward" and reduces:
+            buckets = [[i for i in b["ds_ids"] if i not in frozen] for b in g["buckets"]]
+            buckets = [b for b in buckets if b]
+            if flushes != buckets:
+                diffs.append(f"{where}: flushed buckets {flushes}, the plan has {buckets}")
+        elif flushes:
+            diffs.append(f"{where}: flushed {flushes} where the plan reduces nothing")
+        for e in evs:
+            if e["ev"] == "release":
+                want_kept = stage < 3 or e["ds_id"] in persistent
+                if e["kept"] != want_kept:
+                    diffs.append(f"{where}: ds_id {e['ds_id']} {'kept' if e['kept'] else 'dropped'} at its release "
+                                 f"(position {e['pos']}), the plan {'keeps' if want_kept else 'drops'} it")
+            elif e["ev"] in ("gather", "prefetch"):
+                for i in e["ds_ids"] if e["ev"] == "gather" else e["launched"]:
+                    if i in persistent:
+                        key = (ex["step"], i)
+                        gathers_per_step[key] = gathers_per_step.get(key, 0) + 1
+    for (step, i), count in sorted(gathers_per_step.items()):
+        if count > 1:
+            diffs.append(f"step {step}: persistent ds_id {i} gathered {count} times")
+    return diffs

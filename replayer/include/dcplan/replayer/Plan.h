@@ -1,0 +1,72 @@
+// Replay of a plan (dcplan.plan/v1): loading and checking it against the live model, and the replay log.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace dcplan::replayer {
+
+/// A plan that cannot drive this run: what() is one line,
+/// "<file>: <JSON pointer>: <what differs>".
+class PlanError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// One parameter of the live model, as the parameter signature sees it.
+struct LiveParam {
+  int64_t dsId = 0;
+  std::string name;  ///< qualified name (model.named_parameters())
+  std::vector<int64_t> shape;
+  std::string dtype;  ///< dtype of the master shard, torch's name without "torch."
+  bool trainable = true;
+};
+
+/// What a plan is checked against.
+struct LiveModel {
+  std::vector<LiveParam> params;
+  int64_t worldSize = 1;
+  int64_t stage = 3;
+  int64_t forwardGraph = 0;
+  int64_t backwardGraph = 1;
+  std::string reduceDtype;  ///< dtype gradients are reduced in
+  /// dtype of the planned prefetches (the gathers' dtype); nullopt: the shard's.
+  std::optional<c10::ScalarType> gatherDtype;
+};
+
+enum class OnMismatch { Error, Fallback };
+
+/// What a loaded plan asks of the hooks.
+struct PlanSummary {
+  std::string signature;            ///< the live model's parameter signature
+  std::vector<int64_t> persistent;  ///< ds_ids kept gathered between uses
+  int64_t prefetchGroups = 0;
+  int64_t buckets = 0;
+};
+
+/// The parameter signature of docs/formats.md for the live model.
+std::string liveSignature(const LiveModel& model);
+
+/// Reads and validates plan file `path`, checks it against `model` and makes
+/// it the runtime's schedule (keeping an open replay log). Throws PlanError.
+PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch onMismatch);
+
+/// Writes the replay log of this rank to `path` from now on (JSON lines, see
+/// docs/replay.md); replaces the default schedule by an equivalent one that logs
+/// when no plan is loaded. An empty path stops logging.
+void setReplayLog(const std::string& path);
+/// Writes what the replay log has buffered.
+void flushReplayLog();
+/// After a departure with OnMismatch::Fallback: its message, returned once
+/// (the caller warns); "" otherwise.
+std::string takePlanDeparture();
+/// Whether the loaded plan still drives the schedule (false: none, or a
+/// departure switched to gather on use).
+bool planActive();
+
+}  // namespace dcplan::replayer

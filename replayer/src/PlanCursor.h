@@ -1,0 +1,127 @@
+// The plan cursor: a SchedulePolicy that follows a plan's prefetches, persistence and buckets op by op.
+#pragma once
+
+#include "dcplan/replayer/Plan.h"
+#include "dcplan/replayer/Schedule.h"
+
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace dcplan::replayer {
+
+/// One graph of a plan, as the cursor follows it.
+struct CursorGraph {
+  int64_t id = 0;
+  bool backward = false;
+  /// position -> prefetch groups launched just before the op at that position, in plan order.
+  std::map<int64_t, std::vector<std::vector<int64_t>>> groups;
+  /// Buckets in gradient-ready order (frozen parameters left out, empty buckets dropped).
+  std::vector<std::vector<int64_t>> buckets;
+};
+
+/// Follows a plan: at each op a hook issues it counts the op's position in its
+/// graph (reset at start_forward / start_backward), launches the prefetch
+/// groups planned there, keeps the persistent parameters gathered, and flushes
+/// a bucket when the last gradient it lists arrives. It checks every op against
+/// what the plan implies and against the first execution of the same graph;
+/// at a departure it raises (OnMismatch::Error) or warns once and continues
+/// with the default schedule (OnMismatch::Fallback). Without a plan it is the
+/// default schedule. Either way it can write the replay log.
+class PlanCursor final : public SchedulePolicy {
+ public:
+  /// No plan: the default schedule, with positions counted for the replay log.
+  PlanCursor() = default;
+  PlanCursor(std::string file, std::vector<CursorGraph> graphs, std::vector<int64_t> persistent,
+             OnMismatch onMismatch, c10::ScalarType gatherDtype);
+  ~PlanCursor() override;
+  PlanCursor(const PlanCursor&) = delete;
+  PlanCursor& operator=(const PlanCursor&) = delete;
+
+  std::vector<Prefetch> beforeOp(const OpEvent& event) override;
+  void onGatherLaunched(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes,
+                        bool planned) override;
+  bool keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll) override;
+  bool flushBefore(int64_t graphId, int64_t pendingBytes, int64_t nextBytes, int64_t bucketBytes) override;
+  bool flushAfter(int64_t graphId, int64_t dsId) override;
+  void onFlush(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes) override;
+  void onGraphEnd(int64_t graphId) override;
+  void onStartForward() override;
+  void onStartBackward(bool update, bool sync) override;
+
+  bool hasPlan() const { return !file_.empty(); }
+  /// The plan drives the schedule (loaded, and no departure so far).
+  bool active() const { return hasPlan() && !departed_; }
+  const std::string& file() const { return file_; }
+  /// The fallback departure's message, once; "" when none or already taken.
+  std::string takeDeparture();
+
+  /// Replay log: JSON lines written to path (truncated); "" stops logging.
+  void openLog(const std::string& path);
+  void flushLog();
+  /// Moves the log (open file and path) from another cursor.
+  void takeLogFrom(PlanCursor& other);
+  /// Writes the log's plan line (file and persistent set).
+  void logPlan();
+  /// Writes one raw JSON object line (already formatted) to the log.
+  void logLine(const std::string& json);
+
+ private:
+  using Op = std::pair<std::string, int64_t>;  // op name, ds_id (-1: none)
+
+  /// Per-execution state of a planned graph.
+  struct Run {
+    bool running = false;
+    std::vector<Op> ops;  // this execution so far
+    std::optional<std::vector<Op>> learned;  // the first complete execution
+    std::unordered_map<int64_t, std::vector<int64_t>> prefetched;  // id -> positions launched, not gathered yet
+    size_t ready = 0;  // next index into readyOrder
+    std::unordered_set<int64_t> reduced;
+    std::unordered_set<int64_t> bucketed;  // gradients put in a bucket so far
+    std::vector<int64_t> arrived;          // per bucket: gradients in it so far
+  };
+  struct Planned {
+    CursorGraph plan;
+    std::vector<int64_t> readyOrder;  // bucket ids concatenated
+    std::unordered_map<int64_t, size_t> bucketOf;
+    int64_t lastPosition = -1;
+    Run run;
+  };
+
+  Planned* planned(int64_t graphId);
+  void resetPositions();
+  void startRun(Planned& g);
+  /// Checks op at position pos of g; returns the departure (expected, actual) if any.
+  std::optional<std::pair<std::string, std::string>> check(Planned& g, int64_t pos, const Op& op);
+  void endRun(Planned& g, int64_t pos);
+  /// Reports a departure: raises or switches to the default schedule.
+  void depart(int64_t graphId, int64_t pos, const std::string& expected, const std::string& actual);
+
+  std::string file_;
+  std::map<int64_t, Planned> graphs_;
+  std::unordered_set<int64_t> persistent_;
+  std::vector<int64_t> persistentSorted_;
+  OnMismatch onMismatch_ = OnMismatch::Error;
+  c10::ScalarType gatherDtype_ = c10::ScalarType::Undefined;
+  bool departed_ = false;
+  std::string departure_;
+  bool departureTaken_ = false;
+
+  std::unordered_map<int64_t, int64_t> positions_;  // graph -> next position
+  int64_t curGraph_ = -1;                          // the op being run
+  int64_t curPos_ = -1;
+  std::vector<std::vector<int64_t>> launching_;    // groups beforeOp returned, until reported
+
+  std::string logPath_;
+  std::unique_ptr<std::ofstream> log_;
+};
+
+}  // namespace dcplan::replayer

@@ -1,0 +1,210 @@
+"""Plans drive the runtime: same numbers with a plan, the replay log follows it, bad plans and departures."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import replay_cases
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["ws2", "ws3"])
+def runs(request, dcplan_module):
+    """Spawns one process per rank once per world size; every case runs inside them."""
+    ws = request.param
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.start_processes(replay_cases.worker, args=(ws, os.path.join(tmp, "store"), tmp), nprocs=ws,
+                               join=True, start_method="spawn")
+        except mp.ProcessRaisedException as e:
+            print(e)
+        per_rank = []
+        for r in range(ws):
+            path = os.path.join(tmp, f"rank{r}.pt")
+            assert os.path.exists(path), f"rank {r} of {ws} wrote no results"
+            per_rank.append(torch.load(path, weights_only=False))
+    return ws, per_rank
+
+
+def value(per_rank, name, rank=None):
+    for r, res in enumerate(per_rank):
+        entry = res.get(name)
+        if entry is None:
+            pytest.fail(f"{name}: rank {r} did not run it (an earlier case failed)")
+        if "error" in entry:
+            pytest.fail(f"{name} failed on rank {r}:\n{entry['error']}")
+    return [res[name]["value"] for res in per_rank] if rank is None else per_rank[rank][name]["value"]
+
+
+def assert_same_numbers(got, want, what):
+    # Other bucket boundaries sum the same numbers per element; on 3 ranks the order of a
+    # ring's additions may differ in the last bit.
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-6, atol=0,
+                               msg=lambda m: f"{what}: losses differ: {m}")
+    assert sorted(got["params"]) == sorted(want["params"])
+    for name, w in want["params"].items():
+        torch.testing.assert_close(got["params"][name], w, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{what}: parameter {n}: {m}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("kind", replay_cases.PLAN_KINDS)
+def test_plan_keeps_numbers_and_is_followed(runs, stage, kind):
+    ws, per_rank = runs
+    import dcplan
+
+    base = value(per_rank, f"zero{stage}-baseline", 0)
+    for rank, got in enumerate(value(per_rank, f"zero{stage}-{kind}")):
+        assert_same_numbers(got, base, f"zero{stage}-{kind} rank {rank}")
+        plan, log = got["plan"], got["log"]
+        assert dcplan.replay_differences(plan, log) == []
+        # Beyond the comparison helper: the log's own numbers.
+        execs = dcplan._plan.executions(log)
+        assert len(execs) == 2 * replay_cases.STEPS * replay_cases.MICRO
+        fwd_groups = plan["graphs"][0]["prefetch"]
+        for ex in execs:
+            pre = [e for e in ex["events"] if e["ev"] == "prefetch"]
+            want = plan["graphs"][0 if ex["kind"] == "forward" else 1]["prefetch"]
+            assert [(e["pos"], e["ds_ids"]) for e in pre] == [(g["position"], g["ds_ids"]) for g in want]
+            # A prefetch is launched before the op at its position.
+            ops = {e["pos"]: i for i, e in enumerate(ex["events"]) if e["ev"] == "op"}
+            for e in pre:
+                assert ex["events"].index(e) > ops[e["pos"]] - 0  # logged right after that op's line
+        assert fwd_groups, "the plan prefetches in forward"
+        launched = [i for e in log if e["ev"] == "prefetch" for i in e["launched"]]
+        assert launched, "planned prefetches gathered something"
+        # Every gather is planned ahead, so no allgather_param gathers on use: a module's own fused
+        # prefetch or a planned group got there first.
+        for ex in execs:
+            op_at = {e["pos"]: e["op"] for e in ex["events"] if e["ev"] == "op"}
+            ons = [e for e in ex["events"] if e["ev"] == "gather" and op_at[e["pos"]] == "allgather_param"]
+            assert ons == [], ons[:3]
+        bwd = [ex for ex in execs if ex["kind"] == "backward" and (stage > 1 or ex["sync"])]
+        nbuckets = len(plan["graphs"][1]["buckets"])
+        for ex in bwd:
+            assert sum(e["ev"] == "flush" for e in ex["events"]) == nbuckets
+        if kind == "single_bucket":
+            assert nbuckets == 1
+        kept = {e["ds_id"] for e in log if e["ev"] == "release" and e["kept"]}
+        dropped = {e["ds_id"] for e in log if e["ev"] == "release" and not e["kept"]}
+        if stage == 3:
+            assert kept == set(plan["persistent"]) and not kept & dropped
+            # Each persistent parameter is gathered exactly once per optimizer step.
+            for step in range(replay_cases.STEPS):
+                for i in plan["persistent"]:
+                    n = sum(1 for ex in execs if ex["step"] == step for e in ex["events"]
+                            if (e["ev"] == "gather" and i in e["ds_ids"])
+                            or (e["ev"] == "prefetch" and i in e["launched"]))
+                    assert n == 1, (step, i, n)
+        else:
+            assert not dropped
+
+
+def test_comparison_catches_a_changed_plan(runs):
+    """replay_differences is not blind: the same log against other groups, buckets or persistence."""
+    ws, per_rank = runs
+    import dcplan
+
+    got = value(per_rank, "zero3-prefetch", 0)
+    plan, log = got["plan"], got["log"]
+    moved = {**plan, "graphs": [dict(g) for g in plan["graphs"]]}
+    moved["graphs"][0]["prefetch"] = [{**g, "position": g["position"] + 1} for g in plan["graphs"][0]["prefetch"]]
+    assert any("prefetch groups" in d for d in dcplan.replay_differences(moved, log))
+    merged = {**plan, "graphs": [dict(g) for g in plan["graphs"]]}
+    b = plan["graphs"][1]["buckets"]
+    merged["graphs"][1]["buckets"] = [{**b[0], "ds_ids": b[0]["ds_ids"] + b[1]["ds_ids"]}] + b[2:]
+    assert any("flushed buckets" in d for d in dcplan.replay_differences(merged, log))
+    assert any("kept" in d or "dropped" in d for d in dcplan.replay_differences({**plan, "persistent": []}, log))
+
+
+def test_signature_matches_the_documented_bytes(runs, dcplan_module):
+    """The C++ signature against docs/formats.md, recomputed here byte by byte."""
+    ws, per_rank = runs
+    base = value(per_rank, "zero3-baseline", 0)
+    text = "".join(f"{i}\t{name}\t{'x'.join(map(str, shape))}\tfloat32\n" for i, name, shape, _, _ in base["infos"])
+    text += f"world_size\t{ws}\n"
+    h = 0xCBF29CE484222325
+    for byte in text.encode():
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    assert base["signature"] == f"fnv1a64:{h:016x}"
+    names = [n for _, n, _, _, _ in base["infos"]]
+    assert names == [n for n, _ in replay_cases.make_model().named_parameters()]
+    assert dcplan_module._C.param_signature([(0, "w", [2, 3], "float32", True)], 2) == "fnv1a64:f7984124c8ca94da"
+
+
+def test_bad_plans_are_refused_at_start(runs):
+    ws, per_rank = runs
+    for got in value(per_rank, "refusals"):
+        path, msg = got["world_size"]
+        assert msg == f"{path}: /source/world_size: the plan is for {ws + 1} ranks, this run has {ws}"
+        path, msg = got["model"]
+        assert msg.startswith(f"{path}: /source/param_signature: the plan is for another model"), msg
+        path, msg = got["other_model"]
+        assert msg.startswith(f"{path}: /source/param_signature: the plan is for another model"), msg
+        path, msg = got["stage"]
+        assert msg == f"{path}: /source/stage: the plan is for ZeRO stage 2, this run uses stage 3"
+        path, msg = got["dtype"]
+        assert msg == f"{path}: /graphs/1/buckets/0/dtype: the plan reduces in bfloat16, this run reduces in float32"
+        path, msg = got["graph_kind"]
+        assert msg == f"{path}: /graphs/0/kind: graph 0 is this model's forward, the plan says backward"
+        path, msg = got["corrupt"]
+        assert msg.startswith(f"{path}: ") and "\n" not in msg, msg
+        assert got["env"].endswith(f"/source/world_size: the plan is for {ws + 1} ranks, this run has {ws}")
+        assert got["arg_wins"] is True
+
+
+def first_difference(a, b):
+    for q, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return q
+    return min(len(a), len(b))
+
+
+def describe(op):
+    return f"{op[0]} of ds_id {op[1]}" if op[1] >= 0 else op[0]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_departure_error_names_the_position(runs, stage):
+    ws, per_rank = runs
+    base = value(per_rank, f"zero{stage}-baseline", 0)
+    ref = value(per_rank, f"depart{stage}-reference", 0)
+    normal = next(ops for g, ops in replay_cases.executions(base["op_log"]) if g == base["fwd"])
+    twice = next(ops for g, ops in replay_cases.executions(ref["op_log"]) if g == ref["fwd"])
+    q = first_difference(normal, twice)
+    want = (f"the run departs from the plan in graph {base['fwd']} (forward) at position {q}: "
+            f"expected {describe(normal[q])}, got {describe(twice[q])}")
+    for got in value(per_rank, f"depart{stage}-error"):
+        assert want in got["message"], got["message"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_departure_fallback_keeps_numbers(runs, stage):
+    ws, per_rank = runs
+    ref = value(per_rank, f"depart{stage}-reference", 0)
+    for rank, got in enumerate(value(per_rank, f"depart{stage}-fallback")):
+        assert_same_numbers(got, ref, f"depart{stage}-fallback rank {rank}")
+        deps = [w for w in got["warnings"] if w[0] == "PlanDepartureWarning"]
+        assert len(deps) == 1, got["warnings"]
+        assert "departs from the plan" in deps[0][1] and "continuing without the plan" in deps[0][1]
+        log = got["log"]
+        departures = [e for e in log if e["ev"] == "departure"]
+        assert len(departures) == 1 and departures[0]["action"] == "fallback"
+        # The plan drove the steps before the departure, the default schedule the ones after.
+        execs = __import__("dcplan")._plan.executions(log)
+        before = [ex for ex in execs if ex["step"] < replay_cases.DEPART_STEP]
+        after = [ex for ex in execs if ex["step"] > replay_cases.DEPART_STEP]
+        assert any(e["ev"] == "prefetch" for ex in before for e in ex["events"])
+        assert not any(e["ev"] == "prefetch" for ex in after for e in ex["events"])
+
+
+def test_departure_in_the_first_step(runs):
+    """Leaving out the block from the start: the prefetched block parameters are never gathered."""
+    ws, per_rank = runs
+    for got in value(per_rank, "skip-error"):
+        msg = got["message"]
+        assert "the run departs from the plan in graph 0 (forward) at position" in msg, msg
+        assert "expected" in msg and "got the end of the graph" in msg, msg
