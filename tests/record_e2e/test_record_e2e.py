@@ -3,6 +3,7 @@ the trace it writes, training numbers unchanged by recording, and real jobs that
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -139,6 +140,20 @@ def test_recording_changes_no_number(dcplan_ok, tmp_path, args):
             assert first["optimizer_us"] == 0 and second["optimizer_us"] > 0
             assert all(e["bytes"] == 0 for e in first["graphs"][1]["events"] if e["op"] == "reduce_grad")
             assert all(e["bytes"] > 0 for e in second["graphs"][1]["events"] if e["op"] == "reduce_grad")
+
+
+def test_ranks_that_issue_different_ops_are_named(dcplan_ok, tmp_path):
+    out = tmp_path / "diverge.json"
+    script = pathlib.Path(__file__).resolve().parent / "Inputs" / "diverge.py"
+    cmd = [dcplan_ok, "record", "-o", str(out), "--steps", "1", "--warmup", "1", "--",
+           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600)
+    assert r.returncode == 2, r.stdout + r.stderr
+    # The first extra op: the layer's fused gather, or its first gather if the hooks see it held.
+    assert re.search(r"/rank1\.trace\.json: /steps/0/graphs/0/events/14: rank 1 issued "
+                     r"(prefetch_params_fused\(ds_ids 0,1\)|allgather_param\(ds_id 0\)) where rank 0 ended the "
+                     r"graph \(step 0, forward graph 0, position 14\)", r.stderr), r.stderr
+    assert "no trace written" in r.stderr and not out.exists()
 
 
 def test_job_without_dcplan_records_nothing(dcplan_ok, tmp_path):
