@@ -223,9 +223,7 @@ def shard(
     param_dtype). ``reduce_bucket_bytes``: reduce bucket size in bytes (used by
     the first shard() of the process, which starts the runtime). Use
     ``model.set_requires_gradient_sync(False)`` on the micro-steps before a
-    gradient-accumulation boundary. ``record``: a directory to record a trace
-    into (docs/recording.md); None: ``$DCPLAN_RECORD`` decides; False: off.
-    Modifies and returns model.
+    gradient-accumulation boundary. Modifies and returns model.
 
     ``plan``: a plan file (``dcplan plan``; default ``$DCPLAN_PLAN``) whose prefetches,
     persistent parameters and buckets the runtime follows. It is checked against this
@@ -234,12 +232,19 @@ def shard(
     where it happens, ``"fallback"`` warns once (PlanDepartureWarning) and continues
     with the default schedule; the numbers are the same either way.
     ``$DCPLAN_REPLAY_LOG``: write each rank's replay log (see ``dcplan.replay_log``).
+    ``record``: a directory to record a trace into (docs/recording.md); None:
+    ``$DCPLAN_RECORD`` decides; False: off.
     """
     global _runtime_group, _next_ds_id, _next_graph_id
     _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_bucket_bytes)
     plan_path = _plan.resolve_plan(plan)
     _plan.check_on_mismatch(on_mismatch)
     recording = _record.settings(record)
+    if recording is not None and plan_path is not None:
+        raise ValueError(
+            "dcplan.shard: a trace is recorded gather-on-use, without a plan; drop plan= / DCPLAN_PLAN, "
+            "or recording (record= / DCPLAN_RECORD)"
+        )
     pg = process_group if process_group is not None else dist.group.WORLD
     group_name = pg.group_name
     if _runtime_group is None or not _C.is_initialized():
