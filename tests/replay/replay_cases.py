@@ -59,12 +59,15 @@ def batches():
 
 
 def train(stage: int, rank: int, ws: int, plan: Optional[str] = None, on_mismatch: str = "error",
-          log: Optional[str] = None, depart: Optional[Tuple[int, str]] = None, op_log_step: Optional[int] = None):
+          log: Optional[str] = None, depart: Optional[Tuple[int, str]] = None, op_log_step: Optional[int] = None,
+          bf16: bool = False):
     """Trains STEPS optimizer steps; depart=(step, mode) switches the forward from that step on."""
     import dcplan
 
     model = make_model()
-    dcplan.shard(model, stage=stage, plan=plan, on_mismatch=on_mismatch)
+    # bf16: gathers (and planned prefetches) in bf16, gradients reduced in fp32.
+    dtypes = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else {}
+    dcplan.shard(model, stage=stage, plan=plan, on_mismatch=on_mismatch, **dtypes)
     if log is not None:
         dcplan.replay_log(log)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
@@ -203,6 +206,21 @@ def run_all(rank: int, ws: int, tmp: str, results: Dict) -> None:
                 return out
 
             case(f"zero{stage}-{kind}", run)
+
+    # Mixed precision: the planned prefetches gather in the gathers' dtype.
+    base16 = {}
+    case("zero3-bf16-baseline", lambda: base16.update(train(3, rank, ws, op_log_step=1, bf16=True)) or base16)
+    plan16 = build_plan("prefetch", 3, ws, base16)
+    path16 = write_plan(plan16, os.path.join(tmp, "zero3-bf16.plan.json"))
+    log16 = os.path.join(tmp, "zero3-bf16.log.{rank}")
+
+    def run16():
+        out = train(3, rank, ws, plan=path16, log=log16, bf16=True)
+        out["plan"] = plan16
+        out["log"] = dcplan.read_replay_log(log16.replace("{rank}", str(rank)))
+        return out
+
+    case("zero3-bf16-prefetch", run16)
 
     # Refusals, all at shard() time (stage 3 baseline plan as the template).
     base3 = results["zero3-baseline"]["value"]

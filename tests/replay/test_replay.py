@@ -103,6 +103,22 @@ def test_plan_keeps_numbers_and_is_followed(runs, stage, kind):
             assert not dropped
 
 
+def test_bf16_plan(runs):
+    """Gathers in bf16: planned prefetches gather in bf16 too, so every op finds its copy."""
+    ws, per_rank = runs
+    import dcplan
+
+    base = value(per_rank, "zero3-bf16-baseline", 0)
+    for rank, got in enumerate(value(per_rank, "zero3-bf16-prefetch")):
+        assert_same_numbers(got, base, f"zero3-bf16-prefetch rank {rank}")
+        assert dcplan.replay_differences(got["plan"], got["log"]) == []
+        for ex in dcplan._plan.executions(got["log"]):
+            op_at = {e["pos"]: e["op"] for e in ex["events"] if e["ev"] == "op"}
+            assert not [e for e in ex["events"] if e["ev"] == "gather" and op_at[e["pos"]] == "allgather_param"]
+    fp32 = value(per_rank, "zero3-baseline", 0)
+    assert base["losses"] != fp32["losses"]  # the bf16 run really computes in bf16
+
+
 def test_comparison_catches_a_changed_plan(runs):
     """replay_differences is not blind: the same log against other groups, buckets or persistence."""
     ws, per_rank = runs
