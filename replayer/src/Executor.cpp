@@ -97,7 +97,8 @@ void reportGathers(RuntimeState& rt, Executor& ex, int64_t graphId, const std::v
   int64_t bytes = 0;
   for (size_t i = 0; i < dsIds.size(); ++i) {
     if (std::find(launched.begin(), launched.end(), dsIds[i]) != launched.end()) continue;
-    const int64_t b = gatherBytes(ex.param("prefetch_params_fused", dsIds[i]), types[i], rt.transport_->worldSize());
+    const int64_t b =
+        gatherBytes(ex.param("prefetch_params_fused", dsIds[i]), types[i], rt.transport_->worldSize());
     if (b == 0) continue;
     launched.push_back(dsIds[i]);
     bytes += b;
@@ -695,7 +696,8 @@ at::Tensor allgatherParam(const at::Tensor& shard, int64_t graphId, int64_t dsId
   Executor& ex = executor("allgather_param", graphId);
   Param& p = ex.param("allgather_param", dsId);
   const at::ScalarType t = dtype.value_or(p.shard_.scalar_type());
-  scheduleBefore(rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
+  scheduleBefore(rt,
+                 OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
   reportGathers(rt, ex, graphId, {dsId}, {t}, /*planned=*/false);
   ObserverScope scope(
       rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});

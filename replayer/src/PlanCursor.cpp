@@ -138,19 +138,19 @@ std::optional<std::pair<std::string, std::string>> PlanCursor::check(Planned& g,
       return std::make_pair("the end of the graph (" + std::to_string(want.size()) + " ops)", actual);
     }
     if (want[static_cast<size_t>(pos)] != op) {
-      return std::make_pair(describe(want[static_cast<size_t>(pos)].first, want[static_cast<size_t>(pos)].second),
-                            actual);
+      return std::make_pair(
+          describe(want[static_cast<size_t>(pos)].first, want[static_cast<size_t>(pos)].second), actual);
     }
   }
   // What the plan itself implies: gradients arrive in the order of its buckets.
   if (op.first == "reduce_grad" && g.plan.backward && !g.readyOrder.empty()) {
     if (!r.reduced.count(op.second)) {
       if (r.ready >= g.readyOrder.size() || g.readyOrder[r.ready] != op.second) {
-        std::string expected =
-            r.ready < g.readyOrder.size()
-                ? "reduce_grad of ds_id " + std::to_string(g.readyOrder[r.ready]) + " (bucket " +
-                      std::to_string(g.bucketOf[g.readyOrder[r.ready]]) + " of the plan)"
-                : "no further gradient (every bucket of the plan is complete)";
+        std::string expected = r.ready < g.readyOrder.size()
+                                   ? "reduce_grad of ds_id " + std::to_string(g.readyOrder[r.ready]) +
+                                         " (bucket " + std::to_string(g.bucketOf[g.readyOrder[r.ready]]) +
+                                         " of the plan)"
+                                   : "no further gradient (every bucket of the plan is complete)";
         return std::make_pair(expected, actual);
       }
       r.reduced.insert(op.second);
@@ -208,8 +208,8 @@ void PlanCursor::onGatherLaunched(int64_t graphId, const std::vector<int64_t>& d
     group = jsonIds(launching_.front());
     launching_.erase(launching_.begin());
   }
-  logLine(std::string("{\"ev\":\"") + (planned ? "prefetch" : "gather") + "\",\"graph\":" +
-          std::to_string(graphId) + ",\"pos\":" + std::to_string(curPos_) +
+  logLine(std::string("{\"ev\":\"") + (planned ? "prefetch" : "gather") +
+          "\",\"graph\":" + std::to_string(graphId) + ",\"pos\":" + std::to_string(curPos_) +
           (planned ? ",\"ds_ids\":" + group + ",\"launched\":" + ids : ",\"ds_ids\":" + ids) +
           ",\"bytes\":" + std::to_string(bytes) + "}");
 }
@@ -218,8 +218,9 @@ bool PlanCursor::keepGathered(int64_t dsId, bool registeredPersistent, bool stag
   bool keep = SchedulePolicy::keepGathered(dsId, registeredPersistent, stageKeepsAll);
   if (active() && persistent_.count(dsId)) keep = true;
   if (log_) {
-    logLine("{\"ev\":\"release\",\"graph\":" + std::to_string(curGraph_) + ",\"pos\":" + std::to_string(curPos_) +
-            ",\"ds_id\":" + std::to_string(dsId) + ",\"kept\":" + (keep ? "true" : "false") + "}");
+    logLine("{\"ev\":\"release\",\"graph\":" + std::to_string(curGraph_) +
+            ",\"pos\":" + std::to_string(curPos_) + ",\"ds_id\":" + std::to_string(dsId) +
+            ",\"kept\":" + (keep ? "true" : "false") + "}");
   }
   return keep;
 }
@@ -258,15 +259,15 @@ void PlanCursor::endRun(Planned& g, int64_t pos) {
     const Op& next = (*r.learned)[static_cast<size_t>(pos)];
     departure = std::make_pair(describe(next.first, next.second), actual);
   } else if (g.lastPosition >= pos) {
-    departure = std::make_pair(
-        "an op at position " + std::to_string(g.lastPosition) + " (the plan prefetches ds_ids " +
-            idList(g.plan.groups.rbegin()->second.front()) + " there)",
-        actual);
+    departure = std::make_pair("an op at position " + std::to_string(g.lastPosition) +
+                                   " (the plan prefetches ds_ids " +
+                                   idList(g.plan.groups.rbegin()->second.front()) + " there)",
+                               actual);
   } else {
     for (const auto& [id, positions] : r.prefetched) {
       if (positions.empty()) continue;
-      departure = std::make_pair("allgather_param of ds_id " + std::to_string(id) + " (prefetched at position " +
-                                     std::to_string(positions.front()) + ")",
+      departure = std::make_pair("allgather_param of ds_id " + std::to_string(id) +
+                                     " (prefetched at position " + std::to_string(positions.front()) + ")",
                                  actual);
       break;
     }
@@ -292,7 +293,8 @@ void PlanCursor::onGraphEnd(int64_t graphId) {
   }
 }
 
-void PlanCursor::depart(int64_t graphId, int64_t pos, const std::string& expected, const std::string& actual) {
+void PlanCursor::depart(int64_t graphId, int64_t pos, const std::string& expected,
+                        const std::string& actual) {
   departed_ = true;
   const auto it = graphs_.find(graphId);
   const std::string kind = it != graphs_.end() && it->second.plan.backward ? "backward" : "forward";
@@ -301,8 +303,8 @@ void PlanCursor::depart(int64_t graphId, int64_t pos, const std::string& expecte
       << pos << ": expected " << expected << ", got " << actual;
   if (log_) {
     logLine("{\"ev\":\"departure\",\"graph\":" + std::to_string(graphId) + ",\"pos\":" + std::to_string(pos) +
-            ",\"expected\":" + jsonString(expected) + ",\"actual\":" + jsonString(actual) + ",\"action\":" +
-            (onMismatch_ == OnMismatch::Error ? "\"error\"" : "\"fallback\"") + "}");
+            ",\"expected\":" + jsonString(expected) + ",\"actual\":" + jsonString(actual) +
+            ",\"action\":" + (onMismatch_ == OnMismatch::Error ? "\"error\"" : "\"fallback\"") + "}");
     log_->flush();
   }
   if (onMismatch_ == OnMismatch::Error) {
@@ -332,8 +334,8 @@ void PlanCursor::openLog(const std::string& path) {
 
 void PlanCursor::logPlan() {
   if (hasPlan()) {
-    logLine("{\"ev\":\"plan\",\"file\":" + jsonString(file_) + ",\"persistent\":" +
-            jsonIds(persistentSorted_) + "}");
+    logLine("{\"ev\":\"plan\",\"file\":" + jsonString(file_) +
+            ",\"persistent\":" + jsonIds(persistentSorted_) + "}");
   } else {
     logLine("{\"ev\":\"plan\",\"file\":null,\"persistent\":[]}");
   }
@@ -393,10 +395,12 @@ std::optional<std::string> unknownId(const schemas::Plan& plan, const std::set<i
   for (size_t g = 0; g < plan.graphs.size(); ++g) {
     const std::string gp = "/graphs/" + std::to_string(g);
     for (size_t k = 0; k < plan.graphs[g].prefetch.size(); ++k) {
-      if (auto u = at(plan.graphs[g].prefetch[k].dsIds, gp + "/prefetch/" + std::to_string(k) + "/ds_ids")) return u;
+      if (auto u = at(plan.graphs[g].prefetch[k].dsIds, gp + "/prefetch/" + std::to_string(k) + "/ds_ids"))
+        return u;
     }
     for (size_t b = 0; b < plan.graphs[g].buckets.size(); ++b) {
-      if (auto u = at(plan.graphs[g].buckets[b].dsIds, gp + "/buckets/" + std::to_string(b) + "/ds_ids")) return u;
+      if (auto u = at(plan.graphs[g].buckets[b].dsIds, gp + "/buckets/" + std::to_string(b) + "/ds_ids"))
+        return u;
     }
   }
   return std::nullopt;
@@ -441,8 +445,9 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
     if (auto u = unknownId(plan, live)) what += "; " + *u + " is not a parameter of this model";
     refuse(path, "/source/param_signature", what);
   }
-  if (auto u = unknownId(plan, live)) refuse(path, u->substr(0, u->find(':')), u->substr(u->find(':') + 2) +
-                                                                            " is not a parameter of this model");
+  if (auto u = unknownId(plan, live))
+    refuse(path, u->substr(0, u->find(':')),
+           u->substr(u->find(':') + 2) + " is not a parameter of this model");
   std::vector<CursorGraph> graphs;
   PlanSummary summary;
   summary.signature = signature;
@@ -460,8 +465,9 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
     const bool liveBackward = pg.id == model.backwardGraph;
     if (backward != liveBackward) {
       refuse(path, gp + "/kind",
-             "graph " + std::to_string(pg.id) + " is this model's " + (liveBackward ? "backward" : "forward") +
-                 ", the plan says " + schemas::graphKindName(pg.kind));
+             "graph " + std::to_string(pg.id) + " is this model's " +
+                 (liveBackward ? "backward" : "forward") + ", the plan says " +
+                 schemas::graphKindName(pg.kind));
     }
     CursorGraph cg;
     cg.id = pg.id;

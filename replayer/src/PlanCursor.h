@@ -80,9 +80,10 @@ class PlanCursor final : public SchedulePolicy {
   /// Per-execution state of a planned graph.
   struct Run {
     bool running = false;
-    std::vector<Op> ops;  // this execution so far
+    std::vector<Op> ops;                     // this execution so far
     std::optional<std::vector<Op>> learned;  // the first complete execution
-    std::unordered_map<int64_t, std::vector<int64_t>> prefetched;  // id -> positions launched, not gathered yet
+    std::unordered_map<int64_t, std::vector<int64_t>>
+        prefetched;    // id -> positions launched, not gathered yet
     size_t ready = 0;  // next index into readyOrder
     std::unordered_set<int64_t> reduced;
     std::unordered_set<int64_t> bucketed;  // gradients put in a bucket so far
@@ -116,9 +117,9 @@ class PlanCursor final : public SchedulePolicy {
   bool departureTaken_ = false;
 
   std::unordered_map<int64_t, int64_t> positions_;  // graph -> next position
-  int64_t curGraph_ = -1;                          // the op being run
+  int64_t curGraph_ = -1;                           // the op being run
   int64_t curPos_ = -1;
-  std::vector<std::vector<int64_t>> launching_;    // groups beforeOp returned, until reported
+  std::vector<std::vector<int64_t>> launching_;  // groups beforeOp returned, until reported
 
   std::string logPath_;
   std::unique_ptr<std::ofstream> log_;

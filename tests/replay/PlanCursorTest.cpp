@@ -152,7 +152,9 @@ TEST(PlanCursor, WritesTheReplayLog) {
   std::stringstream text;
   text << in.rdbuf();
   const std::string log = text.str();
-  EXPECT_EQ(log.rfind("{\"ev\":\"plan\",\"file\":\"p.json\",\"persistent\":[2]}\n{\"ev\":\"start_forward\"}\n", 0), 0u)
+  EXPECT_EQ(
+      log.rfind("{\"ev\":\"plan\",\"file\":\"p.json\",\"persistent\":[2]}\n{\"ev\":\"start_forward\"}\n", 0),
+      0u)
       << log;
   EXPECT_NE(log.find("{\"ev\":\"op\",\"graph\":0,\"pos\":4,\"op\":\"allgather_param\",\"ds_id\":3}"),
             std::string::npos);
