@@ -213,3 +213,29 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
         if count > 1:
             diffs.append(f"step {step}: persistent ds_id {i} gathered {count} times")
     return diffs
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """python -m dcplan.check_replay PLAN LOG...: whether each rank's replay log followed PLAN (exit 1 if not)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2:
+        print("usage: python -m dcplan.check_replay PLAN REPLAY_LOG...", file=sys.stderr)
+        return 2
+    failed = False
+    for path in args[1:]:
+        with open(path) as f:
+            events = [json.loads(line) for line in f if line.strip()]
+        diffs = replay_differences(args[0], events)
+        ops = sum(e["ev"] == "op" for e in events)
+        groups = sum(e["ev"] == "prefetch" for e in events)
+        flushes = sum(e["ev"] == "flush" for e in events)
+        if diffs:
+            failed = True
+            print(f"{path}: departs from {args[0]} ({len(diffs)} differences)")
+            for d in diffs[:20]:
+                print(f"  {d}")
+        else:
+            print(f"{path}: follows {args[0]} ({ops} ops, {groups} planned prefetches, {flushes} bucket flushes)")
+    return 1 if failed else 0

@@ -55,3 +55,6 @@ def test_record_plan_replay(tmp_path, stage, dcplan_module):
         events = dcplan.read_replay_log(str(log).replace("{rank}", str(rank)))
         assert dcplan.replay_differences(str(plan), events) == []
         assert sum(e["ev"] == "flush" for e in events) >= STEPS  # every backward reduced through the plan
+    logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
+    res = run([sys.executable, "-m", "dcplan.check_replay", str(plan), *logs])
+    assert res.stdout.count(f"follows {plan}") == 2, res.stdout
