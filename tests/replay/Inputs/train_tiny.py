@@ -47,6 +47,9 @@ def main():
         dist.all_reduce(total)
         losses.append(total.item() / ws)
     full = dcplan.full_parameters(model)
+    # Gloo's worker thread may still hold the last all-gather's Python tensors; a barrier lets it
+    # drop them before the interpreter exits (else it needs the GIL during finalization and aborts).
+    dist.barrier()
     if rank == 0:
         name = "losses-plan.json" if plan else "losses.json"
         with open(os.path.join(out, name), "w") as f:
