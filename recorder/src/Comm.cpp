@@ -142,7 +142,7 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
 
   schemas::Calibration cal;
   const auto started = std::chrono::steady_clock::now();
-  at::Tensor agreed = at::zeros({1}, opts);
+  at::Tensor agreed = at::zeros({2}, opts);  // elapsed seconds, cost of the last size (us)
   for (uint64_t bytes = o.minBytes; bytes <= o.maxBytes; bytes *= 4) {
     // float32 elements per rank; the recorded size is the full message actually sent.
     const int64_t perRank = std::max<int64_t>(1, static_cast<int64_t>(bytes / 4) / ws);
@@ -157,16 +157,18 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
     cal.allReduce.push_back({full, measure([&] { return transport.allReduce(gathered); })});
 
     // Whether to go on must be the same decision on every rank, or the ranks
-    // would part ways in the middle of a collective: decide on the mean
-    // elapsed time, which the all-reduce makes bit-identical everywhere. The
-    // next size takes about 4x as long as this one did.
-    const double elapsed = secondsSince(started);
-    agreed.fill_(elapsed);
+    // would part ways in the middle of a collective: decide on the mean elapsed
+    // time and the mean cost of this size, which the all-reduce makes
+    // bit-identical everywhere (each rank's own timings differ). The next size
+    // takes about 4x as long as this one did.
+    const double sizeCost = cal.allGather.back().us + cal.reduceScatter.back().us + cal.allReduce.back().us;
+    agreed[0].fill_(secondsSince(started));
+    agreed[1].fill_(sizeCost);
     transport.allReduce(agreed)->wait();
     sync();
-    const double mean = agreed.item<double>() / static_cast<double>(ws);
-    const double sizeCost = cal.allGather.back().us + cal.reduceScatter.back().us + cal.allReduce.back().us;
-    const double next = 4.0 * sizeCost * 1e-6 * (o.repetitions + 1);
+    const double mean = agreed[0].item<double>() / static_cast<double>(ws);
+    const double meanCost = agreed[1].item<double>() / static_cast<double>(ws);
+    const double next = 4.0 * meanCost * 1e-6 * (o.repetitions + 1);
     if (static_cast<int>(cal.allGather.size()) >= o.minPoints && mean + next > o.budgetSeconds) break;
   }
 
