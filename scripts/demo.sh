@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# The README's demo: installs what is missing, builds dcplan, and runs it on the
-# example trace of a small Llama-style model on 2 ranks (validate, then inspect).
+# The README's demo: installs what is missing, builds dcplan, then runs the whole
+# pipeline on the example Llama-style model on 2 CPU ranks (Gloo):
+# record a trace -> plan it -> inspect the plan -> train with the plan, and prints the
+# losses next to those of the same training without a plan.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
 cmake --preset cpu >/dev/null
-cmake --build --preset cpu -j "$(nproc)" --target dcplan_cli
-dcplan=build/cpu/bin/dcplan
-trace=examples/llama-tiny.trace.json
+cmake --build --preset cpu -j "$(nproc)"
+export PATH="$PWD/build/cpu/bin:$PATH" PYTHONPATH="$PWD/python" DCPLAN_BUILD_DIR="$PWD/build/cpu" OMP_NUM_THREADS=1
+work=$(mktemp -d)
+train=(python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_llama.py --steps 6)
 
+run() { echo; echo "\$ $*"; "$@"; }
+run dcplan record -o "$work/trace.json" --steps 2 --warmup 1 -- "${train[@]}"
+run dcplan plan "$work/trace.json" -o "$work/plan.json"
+run dcplan inspect "$work/plan.json"
+echo; echo "\$ ${train[*]}   # without a plan"
+"${train[@]}" --losses "$work/no-plan.json" >/dev/null
+echo "\$ DCPLAN_PLAN=plan.json DCPLAN_REPLAY_LOG=replay.{rank}.jsonl ${train[*]}"
+DCPLAN_PLAN="$work/plan.json" DCPLAN_REPLAY_LOG="$work/replay.{rank}.jsonl" "${train[@]}" --losses "$work/plan.json.losses" >/dev/null
+run python3 -m dcplan.check_replay "$work/plan.json" "$work/replay.0.jsonl" "$work/replay.1.jsonl"
 echo
-echo "\$ dcplan validate $trace"
-"$dcplan" validate "$trace"
-echo
-echo "\$ dcplan inspect $trace"
-"$dcplan" inspect "$trace"
+python3 - "$work/no-plan.json" "$work/plan.json.losses" <<'PY'
+import json, sys
+a, b = (json.load(open(p))["losses"] for p in sys.argv[1:])
+print("step   loss without plan   loss with plan")
+for i, (x, y) in enumerate(zip(a, b)):
+    print(f"{i:4d}   {x:17.6f}   {y:14.6f}")
+print("identical" if a == b else "DIFFERENT")
+sys.exit(0 if a == b else 1)
+PY
+rm -rf "$work"
