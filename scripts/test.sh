@@ -19,3 +19,21 @@ cmake --preset asan
 cmake --build --preset asan -j "$jobs"
 echo "== tests (preset asan)"
 ctest --preset asan -j "$jobs"
+
+# The CUDA path compiles (no GPU here to run it): against the CUDA torch wheel that this
+# machine keeps offline, in a venv of its own so the CPU torch above stays as it is.
+wheels=/opt/pypi-more/files
+cuda_torch=$wheels/torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl
+if [ -f "$cuda_torch" ] && [ -x /usr/local/cuda-13.0/bin/nvcc ]; then
+  echo "== CUDA compile check (torch 2.14.1+cu130, no GPU: compile only)"
+  if ! .venv-cuda/bin/python -c "import torch" >/dev/null 2>&1; then
+    python3 -m venv --system-site-packages .venv-cuda
+    .venv-cuda/bin/pip install -q --no-index --no-deps --find-links "$wheels" "$cuda_torch" "$wheels"/nvidia_*.whl
+  fi
+  TORCH_CUDA_ARCH_LIST=9.0 cmake -S . -B build/cuda-compile -G Ninja -DDCPLAN_WITH_CUDA=ON -DDCPLAN_BUILD_TESTS=OFF \
+    -DPython3_EXECUTABLE="$PWD/.venv-cuda/bin/python" -DCUDAToolkit_ROOT=/usr/local/cuda-13.0 \
+    -DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda-13.0 -DCMAKE_CUDA_COMPILER=/usr/local/cuda-13.0/bin/nvcc
+  cmake --build build/cuda-compile --target dcplan_python -j "$jobs"
+else
+  echo "== SKIPPED: CUDA compile check (no CUDA torch wheel at $cuda_torch or no nvcc 13.0)"
+fi
