@@ -41,6 +41,17 @@ class WorkHandle final : public CommHandle {
   bool done_ = false;
 };
 
+// A C++-owned tensor over the same memory. Gloo's worker threads may drop the last
+// reference to a work's tensors; if that tensor were the TensorImpl of a Python tensor
+// (a registered shard), dropping it would need the GIL, which aborts the process while
+// the interpreter finalizes. A tensor made here has no Python object.
+at::Tensor cppOwned(const at::Tensor& t) {
+  at::NoGradGuard noGrad;
+  at::Tensor out = at::empty({0}, t.options());
+  out.set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+  return out;
+}
+
 class ProcessGroupTransport final : public Transport {
  public:
   explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {}
@@ -57,8 +68,8 @@ class ProcessGroupTransport final : public Transport {
     std::vector<std::vector<at::Tensor>> outs(1);
     if (input.numel() == 0)
       return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
-    for (int r = 0; r < ws; ++r) outs[0].push_back(output.narrow(0, r * input.numel(), input.numel()));
-    std::vector<at::Tensor> ins{input};
+    for (int r = 0; r < ws; ++r) outs[0].push_back(cppOwned(output.narrow(0, r * input.numel(), input.numel())));
+    std::vector<at::Tensor> ins{cppOwned(input)};
     return std::make_shared<WorkHandle>(
         std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->allgather(outs, ins)});
   }
@@ -120,7 +131,7 @@ class ProcessGroupTransport final : public Transport {
       TORCH_INTERNAL_ASSERT(row.is_contiguous(), "reduceScatter: rows should be contiguous");
       ins[0].push_back(row);
     }
-    std::vector<at::Tensor> outs{output};
+    std::vector<at::Tensor> outs{cppOwned(output)};
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     return std::make_shared<WorkHandle>(
@@ -131,7 +142,7 @@ class ProcessGroupTransport final : public Transport {
     TORCH_CHECK(tensor.is_contiguous(), "allReduce: tensor should be contiguous");
     if (tensor.numel() == 0)
       return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
-    std::vector<at::Tensor> ts{tensor};
+    std::vector<at::Tensor> ts{cppOwned(tensor)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     return std::make_shared<WorkHandle>(
