@@ -16,6 +16,7 @@ Rank 0 prints one line per step; --losses FILE writes them as JSON.
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -234,4 +235,15 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        code = main()
+    except SystemExit as e:  # argparse errors, and the end of a recording (DCPLAN_RECORD_EXIT=1)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalization: Gloo's worker threads can still release tensors then,
+    # which needs the GIL and aborts the process (the pytorch#179291 family of exit crashes).
+    # Everything this script writes is written and flushed by now.
+    os._exit(code)
