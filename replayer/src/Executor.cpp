@@ -855,26 +855,28 @@ at::Tensor waitReload(const at::Tensor& tensor, int64_t graphId, int64_t id) {
   return tensor.clone();
 }
 
-void offloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId) {
+namespace {
+
+// offload_parameter and reload_parameter differ only in the registry call they make.
+template <typename Move>
+void moveParameter(const char* op, int64_t graphId, int64_t dsId, Move&& move) {
   std::lock_guard<std::mutex> lock(gMutex);
-  auto& rt = state("offload_parameter");
-  Executor& ex = executor("offload_parameter", graphId);
-  scheduleBefore(rt, OpEvent{"offload_parameter", graphId, dsId, 0, at::ScalarType::Undefined});
-  Param& p = ex.param("offload_parameter", dsId);
-  ObserverScope scope(
-      rt, OpEvent{"offload_parameter", graphId, dsId, tensorBytes(p.shard_), p.shard_.scalar_type()});
-  rt.registry_->offload(p);
+  auto& rt = state(op);
+  Executor& ex = executor(op, graphId);
+  scheduleBefore(rt, OpEvent{op, graphId, dsId, 0, at::ScalarType::Undefined});
+  Param& p = ex.param(op, dsId);
+  ObserverScope scope(rt, OpEvent{op, graphId, dsId, tensorBytes(p.shard_), p.shard_.scalar_type()});
+  move(*rt.registry_, p);
+}
+
+}  // namespace
+
+void offloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId) {
+  moveParameter("offload_parameter", graphId, dsId, [](auto& registry, Param& p) { registry.offload(p); });
 }
 
 void reloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId) {
-  std::lock_guard<std::mutex> lock(gMutex);
-  auto& rt = state("reload_parameter");
-  Executor& ex = executor("reload_parameter", graphId);
-  scheduleBefore(rt, OpEvent{"reload_parameter", graphId, dsId, 0, at::ScalarType::Undefined});
-  Param& p = ex.param("reload_parameter", dsId);
-  ObserverScope scope(
-      rt, OpEvent{"reload_parameter", graphId, dsId, tensorBytes(p.shard_), p.shard_.scalar_type()});
-  rt.registry_->reload(p);
+  moveParameter("reload_parameter", graphId, dsId, [](auto& registry, Param& p) { registry.reload(p); });
 }
 
 void allReduceInPlace(const char* op, const at::Tensor& tensor) {
