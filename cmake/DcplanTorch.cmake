@@ -21,6 +21,14 @@ if(NOT TARGET torch)
   message(STATUS "dcplan: find_package(Torch) failed; building without the runtime")
   return()
 endif()
+# Every target of this build, torch-free ones included (schemas, planner), must use torch's
+# libstdc++ ABI: the runtime passes std::string and containers to them. A torch built with the
+# old ABI otherwise crashes the first call that does (plan loading).
+string(REGEX MATCH "_GLIBCXX_USE_CXX11_ABI=([01])" DCPLAN_TORCH_ABI_FLAG "${TORCH_CXX_FLAGS}")
+if(DCPLAN_TORCH_ABI_FLAG)
+  add_compile_definitions(_GLIBCXX_USE_CXX11_ABI=${CMAKE_MATCH_1})
+  message(STATUS "dcplan: libstdc++ ABI of torch: _GLIBCXX_USE_CXX11_ABI=${CMAKE_MATCH_1}")
+endif()
 if(DCPLAN_WITH_CUDA)
   # NCCL: the headers and library of torch's nvidia-nccl wheel first (the library torch itself
   # loads), then NCCL_HOME / NCCL_ROOT and the system.

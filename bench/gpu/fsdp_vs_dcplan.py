@@ -271,6 +271,8 @@ def main():
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
     args = parse_args()
+    if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal"):
+        torch._C._set_print_stack_traces_on_fatal_signal(True)  # a crash names its C++ frames
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))

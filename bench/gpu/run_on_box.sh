@@ -13,7 +13,7 @@ PY=${PY:-$(command -v python3)}
 OUT=${OUT:-build/cuda/bench-out}
 mkdir -p "$OUT"
 nvidia-smi -L || true
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version(), 'cxx11 abi', torch._C._GLIBCXX_USE_CXX11_ABI)"
 start=$(date +%s)
 cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DDCPLAN_WITH_CUDA=ON -DPython3_EXECUTABLE="$PY" \
   -DDCPLAN_BUILD_TESTS=OFF > /tmp/dcplan-configure.log 2>&1 || { tail -40 /tmp/dcplan-configure.log; exit 1; }
@@ -22,6 +22,8 @@ echo "built in $(( $(date +%s) - start )) s"
 export DCPLAN_BUILD_DIR=$PWD/build/cuda PYTHONPATH=$PWD/python
 if [ "$what" = tests ] || [ "$what" = all ]; then
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -30 || true
+  # The plan replay cases of tests/replay on 2 GPUs (NCCL transport).
+  (cd tests/replay && "$PY" -m pytest -q -rs -p no:cacheprovider -k nccl . 2>&1) | tee "$OUT/replay-tests.log" | tail -30 || true
 fi
 run() { "$PY" -m torch.distributed.run --nproc-per-node 2 bench/gpu/fsdp_vs_dcplan.py "$@"; }
 if [ "$what" = bench ] || [ "$what" = all ]; then
@@ -42,7 +44,7 @@ if [ "$what" = plan ] || [ "$what" = all ]; then
       bench/gpu/fsdp_vs_dcplan.py --modes dcplan $(shape $sh) --warmup 2 --steps 10 2>&1 | grep -v "^\[\|UserWarning\|_warn_once" | tail -60 || continue
     budget=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['results']['fsdp2']['peak_bytes'])" "$OUT/$sh.json" 2>/dev/null || true)
     plans=""
-    for st in heuristic optimized; do
+    for st in ${PLAN_STRATEGIES:-heuristic optimized}; do
       $D plan "$rec" -o "$P/plan-$sh-$st.json" --strategy $st | tail -4 && plans="$plans $P/plan-$sh-$st.json"
       if [ -n "$budget" ]; then
         $D plan "$rec" -o "$P/plan-$sh-$st-fsdpmem.json" --strategy $st --memory-budget "$budget" | tail -4 \

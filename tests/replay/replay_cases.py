@@ -27,6 +27,7 @@ STEPS = 4
 MICRO = 2  # micro-steps per optimizer step: ZeRO-1 defers, persistence counts per step
 PLAN_KINDS = ["prefetch", "distance0", "all_persistent", "single_bucket"]
 DEPART_STEP = 2  # the optimizer step whose forward calls the block twice
+DEVICE = torch.device("cpu")  # the worker sets the rank's GPU for the NCCL runs
 
 
 class Switchable(dist_cases.TinyTransformer):
@@ -47,7 +48,7 @@ class Switchable(dist_cases.TinyTransformer):
 
 def make_model() -> Switchable:
     torch.manual_seed(1234)
-    return Switchable()
+    return Switchable().to(DEVICE)
 
 
 def batches():
@@ -78,8 +79,9 @@ def train(stage: int, rank: int, ws: int, plan: Optional[str] = None, on_mismatc
             model.mode = depart[1]
         if s == op_log_step:
             dcplan._C.start_op_log()
-        total = torch.zeros(())
+        total = torch.zeros((), device=DEVICE)
         for k, (idx, tgt) in enumerate(step):
+            idx, tgt = idx.to(DEVICE), tgt.to(DEVICE)
             model.set_requires_gradient_sync(k == MICRO - 1)
             mine = slice(rank * per, (rank + 1) * per)
             loss = dist_cases.loss_fn(model, idx[mine], tgt[mine]) / MICRO
@@ -95,7 +97,7 @@ def train(stage: int, rank: int, ws: int, plan: Optional[str] = None, on_mismatc
     state = model._dcplan
     out = {
         "losses": losses,
-        "params": dcplan.full_parameters(model),
+        "params": {k: v.cpu() for k, v in dcplan.full_parameters(model).items()},
         "fwd": state.fwd_graph,
         "bwd": state.bwd_graph,
         "infos": [(i.ds_id, i.name, list(i.shape), i.shard.numel(), i.trainable) for i in state.infos],
@@ -256,8 +258,8 @@ def run_all(rank: int, ws: int, tmp: str, results: Dict) -> None:
         dcplan.shutdown()
         # Another model: a second layer norm renamed and resized changes names and shapes.
         other = make_model()
-        other.ln_f = torch.nn.LayerNorm(11)
-        other.head = torch.nn.Linear(11, 37, bias=False)
+        other.ln_f = torch.nn.LayerNorm(11, device=DEVICE)
+        other.head = torch.nn.Linear(11, 37, bias=False, device=DEVICE)
         path = write_plan(good, os.path.join(tmp, "refuse-other.plan.json"))
         out["other_model"] = (path, expect_error(lambda: dcplan.shard(other, stage=3, plan=path)))
         dcplan.shutdown()
@@ -311,15 +313,22 @@ def run_all(rank: int, ws: int, tmp: str, results: Dict) -> None:
         lambda: train(3, rank, ws, plan=path, depart=(0, "skip")), (RuntimeError,))})
 
 
-def worker(rank: int, ws: int, init_file: str, out_dir: str) -> None:
+def worker(rank: int, ws: int, init_file: str, out_dir: str, backend: str = "gloo") -> None:
+    """One rank: backend "gloo" on CPU, or "nccl" with the model on GPU rank (dcplan's NCCL transport)."""
+    global DEVICE
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if os.environ.get("DCPLAN_TEST_HANG_SECONDS"):  # debugging a hang: every rank's stack, then exit
         import faulthandler
 
         faulthandler.dump_traceback_later(int(os.environ["DCPLAN_TEST_HANG_SECONDS"]), exit=True)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ws,
-                            timeout=datetime.timedelta(seconds=60))
+    kw = {}
+    if backend == "nccl":
+        DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE)
+        kw["device_id"] = DEVICE
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=ws,
+                            timeout=datetime.timedelta(seconds=60), **kw)
     import dcplan  # noqa: F401
 
     results: Dict[str, Dict] = {}

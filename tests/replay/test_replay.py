@@ -11,21 +11,30 @@ import replay_cases
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["ws2", "ws3"])
+@pytest.fixture(scope="module", params=[(2, "gloo"), (3, "gloo"), (2, "nccl")], ids=["ws2", "ws3", "nccl-ws2"])
 def runs(request, dcplan_module):
-    """Spawns one process per rank once per world size; every case runs inside them."""
-    ws = request.param
+    """Spawns one process per rank once per world size and backend; every case runs inside them.
+
+    nccl: the same cases on 2 GPUs through dcplan's NCCL transport; skipped visibly without them.
+    """
+    ws, backend = request.param
+    if backend == "nccl":
+        if not torch.cuda.is_available() or torch.cuda.device_count() < ws:
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            pytest.skip(f"needs {ws} CUDA GPUs, this machine has {n} (torch {torch.__version__})")
+        if not dcplan_module._C.has_nccl():
+            pytest.skip("dcplan._C was built without CUDA (build the cuda preset and set DCPLAN_BUILD_DIR)")
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.start_processes(replay_cases.worker, args=(ws, os.path.join(tmp, "store"), tmp), nprocs=ws,
+            mp.start_processes(replay_cases.worker, args=(ws, os.path.join(tmp, "store"), tmp, backend), nprocs=ws,
                                join=True, start_method="spawn")
         except mp.ProcessRaisedException as e:
             print(e)
         per_rank = []
         for r in range(ws):
             path = os.path.join(tmp, f"rank{r}.pt")
-            assert os.path.exists(path), f"rank {r} of {ws} wrote no results"
-            per_rank.append(torch.load(path, weights_only=False))
+            assert os.path.exists(path), f"rank {r} of {ws} ({backend}) wrote no results"
+            per_rank.append(torch.load(path, weights_only=False, map_location="cpu"))
     return ws, per_rank
 
 

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Host time per training step of FSDP2 and dcplan on CPU ranks: the per-op cost of the runtime.
+
+    torchrun --nproc-per-node 2 bench/host_overhead.py            # 2 Gloo ranks
+    torchrun --nproc-per-node 1 bench/host_overhead.py --layers 16 # one rank: no peer to wait for
+
+The model has the module structure of the benchmark's Llama (examples/train_llama.py: 16
+blocks of 9 parameters each by default) but a tiny width, so that a step's time is almost
+all host work: Python hooks, dispatch, the runtime's bookkeeping and the collectives' fixed
+costs. On the GPU machine's communication-heavy shape the host is the bottleneck for
+both systems (docs/benchmarks.md), so this table predicts who wins there. Modes:
+
+* plain  -- the unsharded model, no process group work (the model's own host cost);
+* fsdp2  -- fully_shard per block and on the root (param_dtype bf16, reduce fp32);
+* dcplan -- dcplan.shard(stage=3, param_dtype=bf16, reduce_dtype=fp32), default schedule
+            (or --plan PLAN).
+
+Prints the mean step time over --steps after --warmup (max over ranks) and the time above plain.
+"""
+import argparse
+import gc
+import importlib.util
+import os
+import pathlib
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_train_llama():
+    spec = importlib.util.spec_from_file_location("train_llama", ROOT / "examples" / "train_llama.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--modes", default="plain,fsdp2,dcplan")
+    p.add_argument("--plan", help="dcplan: replay this plan")
+    p.add_argument("--profile", metavar="FILE", help="rank 0: cProfile the dcplan steps into FILE")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tl = load_train_llama()
+    ffn = (8 * args.hidden // 3 + 63) // 64 * 64
+
+    def make():
+        torch.manual_seed(0)
+        return tl.Llama(args.vocab, args.hidden, args.layers, args.heads, args.heads, ffn, args.seq, False)
+
+    x, y = tl.synthetic_batch(0, 0, world, args.seq, args.vocab, 0)
+    x, y = x[rank : rank + 1], y[rank : rank + 1]
+
+    def timed(model, opt, autocast, profile=None):
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(x)
+            F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(args.warmup):
+            step()
+        dist.barrier()
+        prof = None
+        if profile and rank == 0:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        dt = (time.perf_counter() - t0) / args.steps
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(profile)
+        t = torch.tensor([dt], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    results = {}
+    for mode in args.modes.split(","):
+        gc.collect()
+        model = make()
+        if mode == "plain":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            results[mode] = timed(model, opt, autocast=True)
+        elif mode == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in model.layers:
+                fully_shard(block, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            results[mode] = timed(model, opt, autocast=False)
+        elif mode == "dcplan":
+            import dcplan
+
+            kw = {"plan": args.plan} if args.plan else {}
+            model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kw)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            results[mode] = timed(model, opt, autocast=False, profile=args.profile)
+            dcplan.shutdown()
+        else:
+            raise SystemExit(f"host_overhead.py: unknown mode {mode!r} (plain, fsdp2, dcplan)")
+        del model, opt
+    if rank == 0:
+        n = sum(1 for _ in make().parameters())
+        print(f"host time per step: {args.layers} layers, {n} parameters, hidden {args.hidden}, {world} Gloo ranks, "
+              f"torch {torch.__version__}")
+        print(f"{'mode':<8} {'step ms':>9} {'above plain':>12}")
+        base = results.get("plain")
+        for mode, t in results.items():
+            extra = f"{1e3 * (t - base):12.2f}" if base is not None else f"{'-':>12}"
+            print(f"{mode:<8} {1e3 * t:9.2f} {extra}")
+    dist.destroy_process_group()
+    os._exit(0)  # Gloo worker threads can abort interpreter finalization (docs/replay.md)
+
+
+if __name__ == "__main__":
+    main()
