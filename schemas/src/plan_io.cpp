@@ -1,6 +1,6 @@
 // Validation and serialisation of dcplan.plan/v1 documents.
+#include <algorithm>
 #include <map>
-#include <regex>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -48,11 +48,19 @@ class PlanValidator {
   }
 
  private:
+  // Checked by hand, not with std::regex: in a process that loaded libtorch_python first, our
+  // std::regex template instances bind to its copies, built by another compiler (a crash).
+  static bool isFnvDigest(const std::string& s) {
+    const std::string prefix = "fnv1a64:";
+    if (s.size() != prefix.size() + 16 || s.compare(0, prefix.size(), prefix) != 0) return false;
+    return std::all_of(s.begin() + prefix.size(), s.end(),
+                       [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+  }
+
   void readHash(FieldReader& r, const std::string& key, std::string& out) {
-    static const std::regex pattern("fnv1a64:[0-9a-f]{16}");
     auto s = r.string(key);
     if (!s) return;
-    if (!std::regex_match(*s, pattern)) {
+    if (!isFnvDigest(*s)) {
       diags_.add(r.pointerOf(key), "expected \"fnv1a64:\" and 16 hex digits, got \"" + *s + "\"");
     }
     out = *s;

@@ -324,7 +324,7 @@ def worker(rank: int, ws: int, init_file: str, out_dir: str, backend: str = "glo
         faulthandler.dump_traceback_later(int(os.environ["DCPLAN_TEST_HANG_SECONDS"]), exit=True)
     kw = {}
     if backend == "nccl":
-        DEVICE = torch.device("cuda", rank)
+        DEVICE = dist_cases.DEVICE = torch.device("cuda", rank)
         torch.cuda.set_device(DEVICE)
         kw["device_id"] = DEVICE
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=ws,
