@@ -81,6 +81,10 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
         "calibration; record on 2 or more ranks to plan for " +
         std::to_string(worldSize_));
   }
+  if (options.launchUs) {
+    if (!(*options.launchUs >= 0)) throw std::invalid_argument("launch overhead should be >= 0 us");
+    launchUs_ = *options.launchUs;
+  }
   double traceRing = ringFactor(traceWorldSize_);
   allGather_ = buildCurve(calibration.allGather, traceRing);
   if (allGather_.bytes.empty()) {
@@ -167,6 +171,8 @@ std::vector<std::string> CostModel::describe() const {
                   formatFixed(busGBps(c), 1) + " GB/s, 64 MiB in " + formatFixed(us(c, 64ull << 20), 1) +
                   " us");
   }
+  out.push_back("issuing a collective: " + formatFixed(launchUs_, 1) +
+                " us of host time per call beyond those of the recorded run");
   return out;
 }
 

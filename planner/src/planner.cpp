@@ -86,10 +86,17 @@ const Mode kModes[] = {{FuseMode::Split, 0, "one call per gather"},
                        {FuseMode::Fuse, 64ull << 20, "fused up to 64.0 MiB"},
                        {FuseMode::Fuse, std::numeric_limits<uint64_t>::max(), "fused, no size cap"}};
 
+/// Predicted step times this close to the fastest count as a tie (see Search::choose).
+constexpr double kCallTieShare = 0.01;
+
 class Search {
  public:
   Search(const Workload& w, const CostModel& cost, uint64_t limit, const ProgressFn& progress)
-      : w_(w), cost_(cost), c_(makeContext(w, cost, limit)), progress_(progress) {}
+      : w_(w),
+        cost_(cost),
+        c_(makeContext(w, cost, limit)),
+        progress_(progress),
+        referenceCalls_(recordedCalls(w, cost)) {}
 
   const Context& context() const { return c_; }
 
@@ -109,7 +116,9 @@ class Search {
     k.prefetchLabel = std::move(prefetchLabel);
     if (k.prefetch.groups.empty()) k.prefetch.groups.resize(w_.graphs.size());
     k.schedule = assemble(c_, k.persist.persistent, k.buckets, k.prefetch.groups);
-    k.sim = simulate(w_, cost_, compileSchedule(w_, k.schedule));
+    SimOptions sim;
+    sim.referenceCalls = referenceCalls_;
+    k.sim = simulate(w_, cost_, compileSchedule(w_, k.schedule), sim);
     k.feasible = k.sim.prediction.peakMemoryBytes <= c_.limit;
     return k;
   }
@@ -246,12 +255,32 @@ class Search {
     }
     if (def.feasible) all.push_back(def);
     if (heur.feasible) all.push_back(heur);
-    int best = -1;
+    return choose(all);
+  }
+
+  /// The fastest feasible candidate; among those predicted within kCallTieShare of it, the
+  /// one issuing the fewest collectives (then the least memory). The simulator sees the
+  /// device, not the host: where a step is host-bound, each collective costs host time that
+  /// only the extra-call penalty (kDefaultLaunchUs) partly models.
+  static size_t choose(const std::vector<Candidate>& all) {
+    int fastest = -1;
     for (size_t k = 0; k < all.size(); ++k) {
-      if (all[k].feasible && (best < 0 || better(all[k], all[static_cast<size_t>(best)])))
-        best = static_cast<int>(k);
+      if (all[k].feasible && (fastest < 0 || better(all[k], all[static_cast<size_t>(fastest)])))
+        fastest = static_cast<int>(k);
     }
-    return static_cast<size_t>(best);
+    const double limit = all[static_cast<size_t>(fastest)].sim.prediction.stepUs * (1 + kCallTieShare) + 1e-3;
+    auto calls = [](const Candidate& k) { return k.sim.gatherCalls + k.sim.reduceCalls; };
+    size_t best = static_cast<size_t>(fastest);
+    for (size_t k = 0; k < all.size(); ++k) {
+      const Candidate& c = all[k];
+      if (!c.feasible || c.sim.prediction.stepUs > limit) continue;
+      const Candidate& b = all[best];
+      if (calls(c) < calls(b) ||
+          (calls(c) == calls(b) && c.sim.prediction.peakMemoryBytes < b.sim.prediction.peakMemoryBytes)) {
+        best = k;
+      }
+    }
+    return best;
   }
 
   void addPrefetchCandidates(std::vector<Candidate>& all, const PersistChoice& persist,
@@ -303,6 +332,7 @@ class Search {
   const CostModel& cost_;
   Context c_;
   const ProgressFn& progress_;
+  int64_t referenceCalls_;
 };
 
 schemas::Prediction rounded(const schemas::Prediction& p) {
@@ -490,7 +520,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
         ex.line(std::string(i == best ? "  * " : "    ") + k.label + ": " + predictionLine(k.sim.prediction) +
                 (k.feasible ? "" : " (over the limit)"));
       }
-      ex.line("chosen: " + chosen.label + " (fastest within the limit; ties go to less memory)");
+      ex.line("chosen: " + chosen.label + " (fastest within the limit; within 1% of it, fewest collectives, then least memory)");
     } else {
       ex.line("strategy " + std::string(strategyName(req.strategy)) + ": " +
               predictionLine(chosen.sim.prediction));
@@ -507,6 +537,11 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
                          static_cast<double>(plan.predicted.peakMemoryBytes)));
   }
   return result;
+}
+
+int64_t recordedCalls(const Workload& w, const CostModel& cost) {
+  SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)));
+  return d.gatherCalls + d.reduceCalls;
 }
 
 }  // namespace dcplan::planner

@@ -59,8 +59,10 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   Workload w = makeWorkload(trace, plan.source.worldSize);
   CostModel cost(trace.calibration, w.traceWorldSize,
                  CostModelOptions{plan.source.worldSize, plan.options.bandwidthGBps});
-  SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), SimOptions{true});
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
+  SimOptions withLaunches{true};
+  withLaunches.referenceCalls = d.gatherCalls + d.reduceCalls;  // = recordedCalls(w, cost)
+  SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), withLaunches);
   return Simulated{std::move(w), std::move(p), std::move(d)};
 }
 

@@ -102,7 +102,9 @@ TEST(PlannerProperties, BudgetOrderingDeterminismAndRoundTrip) {
       Workload w = makeWorkload(trace, back.source.worldSize);
       CostModel cost(trace.calibration, trace.meta.worldSize,
                      {back.source.worldSize, back.options.bandwidthGBps});
-      SimResult again = simulate(w, cost, compileSchedule(w, scheduleOf(back)));
+      SimOptions withLaunches;
+      withLaunches.referenceCalls = recordedCalls(w, cost);
+      SimResult again = simulate(w, cost, compileSchedule(w, scheduleOf(back)), withLaunches);
       EXPECT_NEAR(again.prediction.stepUs, p.stepUs, 1e-3);
       EXPECT_EQ(again.prediction.peakMemoryBytes, p.peakMemoryBytes);
       ++checked;

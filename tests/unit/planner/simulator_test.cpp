@@ -45,6 +45,28 @@ TEST(Simulator, GatherOnUseExposesEveryGatherAndTheReduceTail) {
   EXPECT_EQ(r.prediction.peakMemoryBytes, 1'000'000u + 100'000 + 200'000);
 }
 
+TEST(Simulator, CollectivesBeyondTheRecordedRunCostHostTime) {
+  Fixture f;
+  SimResult one = f.run(f.onUse());                // 4 gathers + 1 bucket: the recorded run's calls
+  SimResult two = f.run(f.onUse({{1}, {0}}));      // a bucket per gradient: one call more
+  SimOptions counted;
+  counted.referenceCalls = one.gatherCalls + one.reduceCalls;
+  SimResult twoCounted = simulate(f.w, f.cost, compileSchedule(f.w, f.onUse({{1}, {0}})), counted);
+  EXPECT_EQ(two.reduceCalls, 2);
+  EXPECT_DOUBLE_EQ(twoCounted.launchDeltaUs, kDefaultLaunchUs);
+  EXPECT_NEAR(twoCounted.prediction.stepUs, two.prediction.stepUs + kDefaultLaunchUs, 1e-9);
+  EXPECT_NEAR(twoCounted.prediction.exposedCommUs, two.prediction.exposedCommUs, 1e-9);
+  // Fewer calls than recorded earn nothing: the trace cannot say the host was the bottleneck.
+  counted.referenceCalls = 10;
+  EXPECT_NEAR(simulate(f.w, f.cost, compileSchedule(f.w, f.onUse()), counted).prediction.stepUs,
+              one.prediction.stepUs, 1e-9);
+  // The cost is a setting of the cost model.
+  CostModel free(f.trace.calibration, 2, CostModelOptions{0, std::nullopt, 0.0});
+  counted.referenceCalls = 5;
+  EXPECT_NEAR(simulate(f.w, free, compileSchedule(f.w, f.onUse({{1}, {0}})), counted).prediction.stepUs,
+              two.prediction.stepUs, 1e-9);
+}
+
 TEST(Simulator, PrefetchHidesTheSecondGather) {
   Fixture f;
   Schedule s = f.onUse();

@@ -14,10 +14,19 @@ enum class Collective { AllGather, ReduceScatter, AllReduce };
 
 const char* collectiveName(Collective c);
 
+/// Host time the runtime spends issuing one collective (a gather group or a bucket
+/// flush): dispatch, buffer allocation, dtype conversion, events and the NCCL launch. The
+/// recorded compute already holds this cost for the collectives the recorded run issued; a
+/// schedule that issues more is charged this much per extra call. On 2xH200 a plan issuing
+/// 169 more collectives than another ran 26 ms longer (docs/benchmarks.md); this is the
+/// host's part of that, as a conservative default.
+inline constexpr double kDefaultLaunchUs = 40.0;
+
 /// What-if settings: the cluster to plan for when it is not the one traced.
 struct CostModelOptions {
   int64_t worldSize = 0;                   ///< 0: the trace's world size
   std::optional<double> busBandwidthGBps;  ///< large-message bus bandwidth; absent: as calibrated
+  std::optional<double> launchUs;          ///< host time per collective; absent: kDefaultLaunchUs
 };
 
 /// Time of a collective as a function of its full (unsharded) message size.
@@ -42,6 +51,8 @@ class CostModel {
   double latencyUs(Collective c) const;
   /// Bus bandwidth of large messages after re-scaling, GB/s (0 when unknown).
   double busGBps(Collective c) const;
+  /// Host time to issue one collective (see kDefaultLaunchUs); 0 with one rank.
+  double launchUs() const { return worldSize_ <= 1 ? 0 : launchUs_; }
   /// Host<->device copy time; 0 when the trace has no copy rate.
   double copyUs(uint64_t bytes, bool hostToDevice) const;
 
@@ -73,6 +84,7 @@ class CostModel {
   Curve allGather_;
   Curve reduceScatter_;
   Curve allReduce_;
+  double launchUs_ = kDefaultLaunchUs;
   std::optional<double> h2dGBps_;
   std::optional<double> d2hGBps_;
 };

@@ -60,4 +60,8 @@ Schedule defaultSchedule(const Workload& workload);
 /// The decisions of a plan, for simulation.
 Schedule scheduleOf(const schemas::Plan& plan);
 
+/// Collectives the recorded run issued: those of the default schedule, which it ran. The
+/// SimOptions::referenceCalls of every prediction the planner makes.
+int64_t recordedCalls(const Workload& workload, const CostModel& cost);
+
 }  // namespace dcplan::planner

@@ -73,6 +73,9 @@ struct SimResult {
   double reduceBusyUs = 0;
   int64_t gatherCalls = 0;
   int64_t reduceCalls = 0;
+  /// Host time of the collectives issued beyond the recorded run's, included in
+  /// prediction.stepUs (SimOptions::referenceCalls).
+  double launchDeltaUs = 0;
   /// Compute stalled at waits for each parameter's gathers after its first one
   /// in the step, by param index: what keeping it gathered could save.
   std::vector<double> repeatStallUs;
@@ -83,6 +86,9 @@ struct SimResult {
 
 struct SimOptions {
   bool record = false;  ///< fill gathers, timeline and memory (slower)
+  /// Collectives the recorded run issued (that of the default schedule, whose host cost the
+  /// recorded compute holds); -1: no launch cost. Each call more adds cost.launchUs().
+  int64_t referenceCalls = -1;
 };
 
 /// Runs one optimizer step. Rules: the compute stream runs the recorded compute
