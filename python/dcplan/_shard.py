@@ -173,11 +173,15 @@ class _ShardState:
                 if i.trainable and i.shard.grad is None:
                     i.shard.grad = i.grad_buffer
         if self.stage == 3:
-            # Copies gathered for saved tensors that backward never unpacked.
+            # Copies gathered for saved tensors that backward never unpacked; and, before an
+            # optimizer step, the persistent copies of trainable parameters too: the step
+            # makes them stale (the next forward gathers again), and without them its peak
+            # memory is that of the shards alone.
             held = set(_C.gathered_param_ids())
             for i in self.infos:
                 i.pending_unpacks = 0
-                if i.ds_id in held and i.ds_id not in self.keep_ids:
+                stale = self.requires_sync and i.trainable
+                if i.ds_id in held and (stale or i.ds_id not in self.keep_ids):
                     _C.invalidate_gathered_param(i.ds_id)
             self.live.clear()
 

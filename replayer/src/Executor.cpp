@@ -256,6 +256,7 @@ ReduceBucket::ReduceBucket(at::ScalarType dtype, c10::Device device, int worldSi
     : dtype_(dtype), device_(device), worldSize_(worldSize), rankMajor_(rankMajor) {
   const int64_t elemBytes = static_cast<int64_t>(c10::elementSize(dtype));
   capacityCols_ = std::max<int64_t>(1, capacityBytes / (elemBytes * worldSize));
+  configuredCols_ = capacityCols_;
 }
 
 void ReduceBucket::reserveCols(int64_t cols) {
@@ -298,6 +299,12 @@ at::Tensor ReduceBucket::commInput() const {
 
 int64_t ReduceBucket::usedBytes() const {
   return worldSize_ * usedCols_ * static_cast<int64_t>(c10::elementSize(dtype_));
+}
+
+void ReduceBucket::releaseMemory() {
+  TORCH_INTERNAL_ASSERT(empty() && !pending_, "releasing a bucket that holds gradients");
+  buffer_ = at::Tensor();
+  capacityCols_ = configuredCols_;
 }
 
 void ReduceBucket::reset() {
@@ -456,21 +463,27 @@ void Executor::complete(ReduceBucket& bucket) {
     TORCH_INTERNAL_ASSERT(bucket.empty(), "a filled bucket was not flushed");
     return;
   }
-  bucket.pending_->wait();
   const double scale = 1.0 / rt_.transport_->worldSize();  // gradients are averaged over ranks
-  for (const ReduceTask& task : bucket.tasks()) {
-    Param& p = rt_.registry_->get("end_backward", task.dsId_);
-    at::Tensor reduced = reducedSlice(bucket, task);
-    bool& has = hasGrad_[task.dsId_];
-    if (has) {
-      p.gradBuffer_.add_(reduced.to(p.gradBuffer_.scalar_type()), scale);
-    } else {
-      p.gradBuffer_.copy_(reduced);
-      p.gradBuffer_.mul_(scale);
-      has = true;
+  const bool stillReading = !bucket.pending_->isCompleted();
+  // Queued after the reduction (on its stream on a GPU); end_backward waits for all of them.
+  accumulations_.push_back(rt_.transport_->runAfter(bucket.pending_, [&] {
+    for (const ReduceTask& task : bucket.tasks()) {
+      Param& p = rt_.registry_->get("end_backward", task.dsId_);
+      at::Tensor reduced = reducedSlice(bucket, task);
+      bool& has = hasGrad_[task.dsId_];
+      if (has) {
+        p.gradBuffer_.add_(reduced.to(p.gradBuffer_.scalar_type()), scale);
+      } else {
+        p.gradBuffer_.copy_(reduced);
+        p.gradBuffer_.mul_(scale);
+        has = true;
+      }
     }
-  }
+  }));
   bucket.reset();
+  // A reduction still in flight (on a GPU) may still read the buffer: the next fill gets a
+  // fresh one, and the allocator keeps this memory until the reduction's stream is done.
+  if (stillReading) bucket.releaseMemory();
 }
 
 void Executor::startBackward(bool update, bool sync) {
@@ -487,10 +500,14 @@ void Executor::endBackward() {
     if (!b->empty() && !b->pending_) flush(b->dtype());
   }
   drain();
+  // Bucket memory is for backward only: the optimizer step and the next forward peak without it.
+  for (ReduceBucket* b : buckets_->all()) b->releaseMemory();
 }
 
 void Executor::drain() {
   for (ReduceBucket* b : buckets_->all()) complete(*b);
+  for (const CommHandlePtr& h : accumulations_) h->wait();
+  accumulations_.clear();
 }
 
 void Zero1Executor::addGrad(Param& p, const at::Tensor& gradFlat) {

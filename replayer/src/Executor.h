@@ -106,6 +106,9 @@ class ReduceBucket {
   at::ScalarType dtype() const { return dtype_; }
   const std::vector<ReduceTask>& tasks() const { return tasks_; }
   void reset();
+  /// Frees the buffer of an empty, completed bucket (between backwards: the optimizer step
+  /// and the next forward get the memory); the next allocate() makes a new one.
+  void releaseMemory();
 
   // The collective in flight on this bucket and where its result lands.
   CommHandlePtr pending_;
@@ -119,6 +122,7 @@ class ReduceBucket {
   int worldSize_;
   bool rankMajor_;
   int64_t capacityCols_;
+  int64_t configuredCols_;  ///< capacityCols_ before a large gradient grew it
   int64_t usedCols_ = 0;
   at::Tensor buffer_;
   std::vector<ReduceTask> tasks_;
@@ -135,7 +139,7 @@ class DoubleBufferedReduceBucket {
   /// The bucket being filled; device is used when the dtype's buckets are created.
   ReduceBucket& current(at::ScalarType dtype, c10::Device device = c10::Device(c10::kCPU));
   /// Makes the other bucket current and returns it; the caller completes
-  /// that bucket's pending reduction before filling it.
+  /// that bucket's pending reduction (queues its accumulation) before filling it.
   ReduceBucket& swap(at::ScalarType dtype);
   std::vector<ReduceBucket*> all();
 
@@ -177,7 +181,7 @@ class Executor {
   void reduceGrad(const at::Tensor& grad, int64_t dsId);
   void startBackward(bool update, bool sync);
   void endBackward();
-  /// Completes every reduction in flight.
+  /// Completes every reduction in flight; afterwards the caller sees every gradient buffer.
   void drain();
 
  protected:
@@ -193,6 +197,8 @@ class Executor {
   /// the schedule says so.
   void putInBucket(Param& p, const at::Tensor& gradFlat);
   void flush(at::ScalarType dtype);
+  /// Queues the accumulation of a flushed bucket's reduced gradients after its reduction
+  /// (and frees the buffer while the reduction may still read it).
   void complete(ReduceBucket& bucket);
 
   int64_t graphId_;
@@ -203,6 +209,7 @@ class Executor {
   RuntimeState& rt_;
   std::unique_ptr<DoubleBufferedReduceBucket> buckets_;
   std::unordered_map<int64_t, bool> hasGrad_;  // grad buffer already holds this backward's data
+  std::vector<CommHandlePtr> accumulations_;   // queued by complete(), waited for by drain()
   bool sync_ = true;
 };
 

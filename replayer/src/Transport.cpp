@@ -25,6 +25,12 @@ CommHandlePtr Transport::gatherShards(const std::vector<at::Tensor>& outputs, co
   return allGatherCoalesced(outputs, inputs);
 }
 
+CommHandlePtr Transport::runAfter(const CommHandlePtr& done, const std::function<void()>& work) {
+  done->wait();
+  work();
+  return std::make_shared<DoneHandle>();
+}
+
 at::Tensor Transport::newGatherBuffer(int64_t numel, const at::TensorOptions& options) {
   return at::empty({numel}, options);
 }

@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstring>
+#include <optional>
 
 namespace dcplan::replayer {
 namespace cuda {
@@ -111,8 +112,15 @@ ncclDataType_t ncclTypeOf(const char* op, at::ScalarType t) {
 class EventHandle final : public CommHandle {
  public:
   EventHandle(std::unique_ptr<CudaEvent> done, c10::DeviceIndex device, bool hostWait,
-              std::vector<at::Tensor> usedByWaiter = {})
-      : done_(std::move(done)), device_(device), hostWait_(hostWait), usedByWaiter_(std::move(usedByWaiter)) {}
+              std::vector<at::Tensor> usedByWaiter = {}, std::optional<c10::cuda::CUDAStream> stream = {})
+      : done_(std::move(done)),
+        device_(device),
+        hostWait_(hostWait),
+        usedByWaiter_(std::move(usedByWaiter)),
+        stream_(stream) {}
+
+  /// The side stream the work ran on (absent for a host-side wait).
+  const std::optional<c10::cuda::CUDAStream>& stream() const { return stream_; }
 
   void wait() override {
     c10::cuda::CUDAGuard guard(device_);
@@ -136,6 +144,7 @@ class EventHandle final : public CommHandle {
   c10::DeviceIndex device_;
   bool hostWait_;
   std::vector<at::Tensor> usedByWaiter_;
+  std::optional<c10::cuda::CUDAStream> stream_;
 };
 
 class NcclTransport final : public Transport {
@@ -287,6 +296,23 @@ class NcclTransport final : public Transport {
     });
   }
 
+  // Gradient accumulation after a reduction runs on the reduction's stream, so backward's
+  // compute never waits for a reduction (only end_backward does).
+  CommHandlePtr runAfter(const CommHandlePtr& done, const std::function<void()>& work) override {
+    auto* event = dynamic_cast<EventHandle*>(done.get());
+    if (event == nullptr || !event->stream()) return Transport::runAfter(done, work);
+    const c10::cuda::CUDAStream side = *event->stream();
+    c10::cuda::CUDAGuard guard(device_);
+    {
+      c10::cuda::CUDAStreamGuard onStream(side);
+      work();
+    }
+    auto end = CudaEvent::create(device_);
+    end->record(side.stream());
+    return std::make_shared<EventHandle>(std::move(end), device_, /*hostWait=*/false, std::vector<at::Tensor>{},
+                                         side);
+  }
+
   CommHandlePtr copyAsync(const at::Tensor& dst, const at::Tensor& src, CopyKind kind) override {
     const char* op = kind == CopyKind::Offload ? "offload" : "reload";
     TORCH_CHECK(dst.sizes() == src.sizes() && dst.scalar_type() == src.scalar_type(), op, ": copy of ",
@@ -338,7 +364,8 @@ class NcclTransport final : public Transport {
     body(side.stream());
     auto done = CudaEvent::create(device_);
     done->record(side.stream());
-    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/false);
+    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/false,
+                                         std::vector<at::Tensor>{}, side);
   }
 
   std::unique_ptr<NcclComm> comm_;

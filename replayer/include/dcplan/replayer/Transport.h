@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,12 @@ class Transport {
   /// The caller's work queued so far may have written shards (an optimizer step, a reload):
   /// later gathers wait for it. The default does nothing (its gathers wait for everything).
   virtual void shardsWritten() {}
+
+  /// Runs `work` (which queues tensor ops) ordered after the collective of `done`, without
+  /// making the caller's stream wait for it: a device transport runs it on that
+  /// collective's stream. The default waits for done and runs work. The result's wait()
+  /// makes work's writes visible to the caller.
+  virtual CommHandlePtr runAfter(const CommHandlePtr& done, const std::function<void()>& work);
 
   /// Direction of a copy between device and host memory.
   enum class CopyKind { Offload, Reload };
