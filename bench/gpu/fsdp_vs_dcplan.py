@@ -59,7 +59,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="fsdp2,dcplan,bound", help="comma-separated: fsdp2, dcplan, bound")
-    p.add_argument("--plan", help="dcplan: replay this plan (default schedule without)")
+    p.add_argument("--plan", help="dcplan: replay this plan (default schedule without); several: comma-separated, "
+                   "one dcplan run each (dcplan:<file name> in the table)")
     p.add_argument("--bucket-mb", type=float, default=0, help="dcplan reduce bucket in MB (0: dcplan's default)")
     p.add_argument("--label", default="", help="a name for this shape in the output")
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the results here")
@@ -204,7 +205,7 @@ class Bench:
         del model, opt
         return out
 
-    def dcplan(self):
+    def dcplan(self, plan=None):
         import dcplan
 
         self.fresh()
@@ -212,18 +213,19 @@ class Bench:
         kw = {}
         if self.args.bucket_mb:
             kw["reduce_bucket_bytes"] = int(self.args.bucket_mb * 1e6)
-        if self.args.plan:
-            kw["plan"] = self.args.plan
+        if plan:
+            kw["plan"] = plan
         model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
         step, losses = self.run(model, opt, "dcplan")
         out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
                "breakdown": self.breakdown}
-        if self.args.plan:
-            with open(self.args.plan) as f:
-                plan = json.load(f)
-            out["predicted_step_s"] = plan["predicted"]["step_us"] * 1e-6
-            out["predicted_peak_bytes"] = plan["predicted"]["peak_memory_bytes"]
+        if plan:
+            with open(plan) as f:
+                doc = json.load(f)
+            out["predicted_step_s"] = doc["predicted"]["step_us"] * 1e-6
+            out["predicted_peak_bytes"] = doc["predicted"]["peak_memory_bytes"]
+            out["plan"] = plan
         del model, opt
         dcplan.shutdown()
         return out
@@ -280,7 +282,12 @@ def main():
     tokens = args.batch * args.seq * bench.world
     results = {}
     for mode in args.modes.split(","):
-        results[mode] = getattr(bench, mode)()
+        if mode == "dcplan" and args.plan:
+            for plan in args.plan.split(","):
+                name = "dcplan:" + os.path.basename(plan).removesuffix(".json")
+                results[name] = bench.dcplan(plan)
+        else:
+            results[mode] = getattr(bench, mode)()
     if bench.rank == 0:
         n_params = sum(p.numel() for p in bench.model().parameters())
         head = (f"{args.label or 'shape'}: {n_params / 1e6:.0f}M parameters, hidden {args.hidden}, {args.layers} layers, "
@@ -288,19 +295,21 @@ def main():
                 f"torch {torch.__version__}")
         print(head)
         bound = results.get("bound", {}).get("step_s")
-        print(f"{'mode':<8} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9} {'x bound':>8} {'pred ms':>8} "
+        width = max(8, *(len(m) for m in results))
+        print(f"{'mode':<{width}} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9} {'x bound':>8} {'pred ms':>8} {'pred GiB':>8} "
               f"{'loss first/last':>16}")
         for mode, r in results.items():
             ratio = f"{r['step_s'] / bound:8.2f}" if bound else f"{'-':>8}"
             pred = f"{1e3 * r['predicted_step_s']:8.1f}" if "predicted_step_s" in r else f"{'-':>8}"
+            pred += f" {r['predicted_peak_bytes'] / 2**30:8.2f}" if "predicted_peak_bytes" in r else f" {'-':>8}"
             losses = r.get("losses")
             loss = f"{losses[0]:7.3f}/{losses[-1]:7.3f}" if losses else f"{'-':>16}"
             tps = tokens / r["step_s"] if mode != "bound" else bench.world * args.batch * args.seq / r["step_s"]
-            print(f"{mode:<8} {1e3 * r['step_s']:9.1f} {tps:10.0f} {r['peak_bytes'] / 2**30:9.2f} {ratio} {pred} {loss}")
+            print(f"{mode:<{width}} {1e3 * r['step_s']:9.1f} {tps:10.0f} {r['peak_bytes'] / 2**30:9.2f} {ratio} {pred} {loss}")
         for mode, r in results.items():
             b = r.get("breakdown")
             if b:
-                print(f"{mode:<8} rank-0 GPU time per step (ms): compute {b['compute_ms']:.1f}, NCCL {b['comm_ms']:.1f} "
+                print(f"{mode:<{width}} rank-0 GPU time per step (ms): compute {b['compute_ms']:.1f}, NCCL {b['comm_ms']:.1f} "
                       f"(overlapped {b['overlap_ms']:.1f}, exposed {b['exposed_comm_ms']:.1f}), idle {b['idle_ms']:.1f}, "
                       f"window {b['window_ms']:.1f}")
         if "bound" in results:
