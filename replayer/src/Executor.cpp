@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <functional>
 #include <mutex>
-#include <sstream>
 
 namespace dcplan::replayer {
 
@@ -32,11 +31,9 @@ Executor& executor(const char* op, int64_t graphId) {
 }
 
 std::string shapeString(const std::vector<int64_t>& shape) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  os << ']';
-  return os.str();
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
 }
 
 /// Reports an op to the observer on construction and destruction.
@@ -464,9 +461,8 @@ void Executor::complete(ReduceBucket& bucket) {
     return;
   }
   const double scale = 1.0 / rt_.transport_->worldSize();  // gradients are averaged over ranks
-  const bool stillReading = !bucket.pending_->isCompleted();
   // Queued after the reduction (on its stream on a GPU); end_backward waits for all of them.
-  accumulations_.push_back(rt_.transport_->runAfter(bucket.pending_, [&] {
+  CommHandlePtr accumulated = rt_.transport_->runAfter(bucket.pending_, [&] {
     for (const ReduceTask& task : bucket.tasks()) {
       Param& p = rt_.registry_->get("end_backward", task.dsId_);
       at::Tensor reduced = reducedSlice(bucket, task);
@@ -479,11 +475,13 @@ void Executor::complete(ReduceBucket& bucket) {
         has = true;
       }
     }
-  }));
+  });
   bucket.reset();
-  // A reduction still in flight (on a GPU) may still read the buffer: the next fill gets a
-  // fresh one, and the allocator keeps this memory until the reduction's stream is done.
-  if (stillReading) bucket.releaseMemory();
+  // While the reduction or the accumulation (ZeRO-1 reads the all-reduced buffer itself) may
+  // still read the buffer (on a GPU), the next fill gets a fresh one; the allocator keeps this
+  // memory until their stream is done with it.
+  if (!accumulated->isCompleted()) bucket.releaseMemory();
+  accumulations_.push_back(std::move(accumulated));
 }
 
 void Executor::startBackward(bool update, bool sync) {

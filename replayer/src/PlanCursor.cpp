@@ -7,7 +7,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <sstream>
 
 namespace dcplan::replayer {
 
@@ -298,9 +297,11 @@ void PlanCursor::depart(int64_t graphId, int64_t pos, const std::string& expecte
   departed_ = true;
   const auto it = graphs_.find(graphId);
   const std::string kind = it != graphs_.end() && it->second.plan.backward ? "backward" : "forward";
-  std::ostringstream msg;
-  msg << file_ << ": the run departs from the plan in graph " << graphId << " (" << kind << ") at position "
-      << pos << ": expected " << expected << ", got " << actual;
+  // Built without iostreams: number formatting through std::locale crashed in this library
+  // on the GPU machine (docs/gpu.md, "libstdc++ in one process").
+  const std::string msg = file_ + ": the run departs from the plan in graph " + std::to_string(graphId) + " (" +
+                          kind + ") at position " + std::to_string(pos) + ": expected " + expected + ", got " +
+                          actual;
   if (log_) {
     logLine("{\"ev\":\"departure\",\"graph\":" + std::to_string(graphId) + ",\"pos\":" + std::to_string(pos) +
             ",\"expected\":" + jsonString(expected) + ",\"actual\":" + jsonString(actual) +
@@ -308,11 +309,11 @@ void PlanCursor::depart(int64_t graphId, int64_t pos, const std::string& expecte
     log_->flush();
   }
   if (onMismatch_ == OnMismatch::Error) {
-    TORCH_CHECK(false, msg.str(), "; on_mismatch=\"fallback\" continues without the plan (gather on use)");
+    TORCH_CHECK(false, msg, "; on_mismatch=\"fallback\" continues without the plan (gather on use)");
   }
   // Python warns (once) at the next hook boundary: a warning raised here would
   // not reach Python from every caller (end_forward runs outside the dispatcher).
-  departure_ = msg.str() + "; continuing without the plan (gather on use, default buckets)";
+  departure_ = msg + "; continuing without the plan (gather on use, default buckets)";
 }
 
 std::string PlanCursor::takeDeparture() {

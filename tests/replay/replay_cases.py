@@ -322,6 +322,8 @@ def worker(rank: int, ws: int, init_file: str, out_dir: str, backend: str = "glo
         import faulthandler
 
         faulthandler.dump_traceback_later(int(os.environ["DCPLAN_TEST_HANG_SECONDS"]), exit=True)
+    if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal"):
+        torch._C._set_print_stack_traces_on_fatal_signal(True)  # a crash names its C++ frames
     kw = {}
     if backend == "nccl":
         DEVICE = dist_cases.DEVICE = torch.device("cuda", rank)

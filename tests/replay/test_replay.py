@@ -28,8 +28,8 @@ def runs(request, dcplan_module):
         try:
             mp.start_processes(replay_cases.worker, args=(ws, os.path.join(tmp, "store"), tmp, backend), nprocs=ws,
                                join=True, start_method="spawn")
-        except mp.ProcessRaisedException as e:
-            print(e)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            print(e)  # the cases a rank finished are in its results; the tests name the rest
         per_rank = []
         for r in range(ws):
             path = os.path.join(tmp, f"rank{r}.pt")
