@@ -168,9 +168,18 @@ Param& ParamRegistry::get(const char* op, int64_t dsId) {
   return it->second;
 }
 
+void ParamRegistry::boundReleaseLag() {
+  while (!released_.empty() && (releasedBytes_ > maxReleaseLagBytes_ || released_.front().first->isCompleted())) {
+    released_.front().first->synchronize();
+    releasedBytes_ -= released_.front().second;
+    released_.pop_front();
+  }
+}
+
 void ParamRegistry::startGather(Param& p, at::ScalarType dtype, Transport& transport) {
   if (p.hasGathered() && p.gathered_.scalar_type() == dtype) return;
   dropGathered(p);
+  boundReleaseLag();
   if (p.offloaded_) {
     reload(p);
     transport.shardsWritten();  // the reload wrote the shard on the caller's stream
@@ -192,6 +201,7 @@ void ParamRegistry::startGatherFused(const std::vector<Param*>& ps, const std::v
     if (p.hasGathered() && p.gathered_.scalar_type() == dtypes[i]) continue;
     if (std::find(launched.begin(), launched.end(), &p) != launched.end()) continue;
     dropGathered(p);
+    boundReleaseLag();
     if (p.offloaded_) {
       reload(p);
       transport.shardsWritten();  // the reload wrote the shard on the caller's stream
@@ -221,6 +231,14 @@ void ParamRegistry::dropGathered(Param& p) {
   if (p.gatherHandle_) {
     p.gatherHandle_->wait();  // the buffer must outlive the collective writing it
     p.gatherHandle_.reset();
+  }
+  if (p.gatheredBuffer_.defined() && maxReleaseLagBytes_ >= 0) {
+    CommHandlePtr used = transport_.markCaller();
+    if (!used->isCompleted()) {
+      const int64_t bytes = p.gatheredBuffer_.numel() * static_cast<int64_t>(p.gatheredBuffer_.element_size());
+      released_.emplace_back(std::move(used), bytes);
+      releasedBytes_ += bytes;
+    }
   }
   p.gathered_ = at::Tensor();
   p.gatheredBuffer_ = at::Tensor();
@@ -558,7 +576,7 @@ void init(std::shared_ptr<Transport> transport, const RuntimeConfig& config) {
               "init: free_activation_threshold_bytes should be >= 0, got ",
               config.freeActivationThresholdBytes);
   auto st = std::make_unique<RuntimeState>();
-  st->registry_ = std::make_unique<ParamRegistry>(transport->worldSize());
+  st->registry_ = std::make_unique<ParamRegistry>(transport->worldSize(), *transport, config.maxReleaseLagBytes);
   st->transport_ = std::move(transport);
   st->config_ = config;
   st->schedule_ = std::make_unique<SchedulePolicy>();

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -49,7 +50,8 @@ struct Param {
 /// All registered parameters of this rank, keyed by ds_id.
 class ParamRegistry {
  public:
-  explicit ParamRegistry(int worldSize) : worldSize_(worldSize) {}
+  ParamRegistry(int worldSize, Transport& transport, int64_t maxReleaseLagBytes)
+      : worldSize_(worldSize), transport_(transport), maxReleaseLagBytes_(maxReleaseLagBytes) {}
   ParamRegistry(const ParamRegistry&) = delete;
   ParamRegistry& operator=(const ParamRegistry&) = delete;
 
@@ -68,11 +70,18 @@ class ParamRegistry {
   void waitGather(Param& p);
   /// Drops the gathered copy (after its gather completes).
   void dropGathered(Param& p);
+  /// Waits (on the host) until released copies not yet used up by the device hold at most
+  /// maxReleaseLagBytes (before allocating another gathered copy).
+  void boundReleaseLag();
   void offload(Param& p);
   void reload(Param& p);
 
  private:
   int worldSize_;
+  Transport& transport_;
+  int64_t maxReleaseLagBytes_;
+  std::deque<std::pair<CommHandlePtr, int64_t>> released_;  // device use ends, oldest first; bytes
+  int64_t releasedBytes_ = 0;
   std::map<int64_t, Param> params_;
 };
 

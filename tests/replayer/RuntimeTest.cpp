@@ -28,6 +28,22 @@ class DoneHandle final : public CommHandle {
   bool isCompleted() override { return true; }
 };
 
+/// Work a device has not run yet: completed only once the host synchronizes on it.
+class PendingHandle final : public CommHandle {
+ public:
+  explicit PendingHandle(int* syncs) : syncs_(syncs) {}
+  void wait() override {}
+  bool isCompleted() override { return done_; }
+  void synchronize() override {
+    done_ = true;
+    ++*syncs_;
+  }
+
+ private:
+  int* syncs_;
+  bool done_ = false;
+};
+
 class ThreadTransport final : public Transport {
  public:
   ThreadTransport(std::shared_ptr<Rendezvous> rv, int rank) : rv_(std::move(rv)), rank_(rank) {}
@@ -62,8 +78,16 @@ class ThreadTransport final : public Transport {
     return finish();
   }
 
+  /// With lagging_, the caller's work is never done until synchronized (a device far behind).
+  CommHandlePtr markCaller() override {
+    if (!lagging_) return Transport::markCaller();
+    return std::make_shared<PendingHandle>(&hostSyncs_);
+  }
+
   int coalescedCalls_ = 0;
   int reduceCalls_ = 0;
+  bool lagging_ = false;
+  int hostSyncs_ = 0;
 
  private:
   void publish(const at::Tensor& t) {
@@ -85,7 +109,7 @@ struct Rank {
     transport = std::make_shared<ThreadTransport>(rv, rank);
     state.transport_ = transport;
     state.config_.reduceBucketBytes = bucketBytes;
-    state.registry_ = std::make_unique<ParamRegistry>(rv->worldSize);
+    state.registry_ = std::make_unique<ParamRegistry>(rv->worldSize, *transport, state.config_.maxReleaseLagBytes);
     state.schedule_ = std::make_unique<SchedulePolicy>();
   }
   std::shared_ptr<ThreadTransport> transport;
@@ -159,8 +183,37 @@ TEST(ReduceBucket, FlatRegionsAreConsecutive) {
   EXPECT_TRUE(at::equal(b.commInput(), at::tensor({1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 2.f, 2.f, 2.f})));
 }
 
+TEST(ParamRegistry, BoundsReleasedCopiesTheDeviceHasNotUsedYet) {
+  auto rv = std::make_shared<Rendezvous>(1);
+  ThreadTransport transport(rv, 0);
+  transport.lagging_ = true;
+  ParamRegistry reg(1, transport, /*maxReleaseLagBytes=*/100);  // one 64-byte copy fits, two do not
+  for (int64_t id = 0; id < 4; ++id) reg.registerParam(id, {16}, at::zeros({16}), at::Tensor(), false);
+  reg.startGather(reg.get("t", 0), at::kFloat, transport);
+  reg.dropGathered(reg.get("t", 0));  // 64 bytes released, not yet used up
+  reg.startGather(reg.get("t", 1), at::kFloat, transport);
+  EXPECT_EQ(transport.hostSyncs_, 0);
+  reg.dropGathered(reg.get("t", 1));  // 128 bytes: over the bound
+  reg.startGather(reg.get("t", 2), at::kFloat, transport);
+  EXPECT_EQ(transport.hostSyncs_, 1);  // the host waited for the oldest release only
+  reg.dropGathered(reg.get("t", 2));
+  reg.startGather(reg.get("t", 3), at::kFloat, transport);
+  EXPECT_EQ(transport.hostSyncs_, 2);
+  // A host transport's work is done when queued: nothing to wait for.
+  transport.lagging_ = false;
+  ParamRegistry host(1, transport, 0);
+  host.registerParam(0, {16}, at::zeros({16}), at::Tensor(), false);
+  for (int k = 0; k < 3; ++k) {
+    host.startGather(host.get("t", 0), at::kFloat, transport);
+    host.dropGathered(host.get("t", 0));
+  }
+  EXPECT_EQ(transport.hostSyncs_, 2);
+}
+
 TEST(ParamRegistry, RejectsBadRegistrations) {
-  ParamRegistry reg(3);
+  auto rv = std::make_shared<Rendezvous>(3);
+  ThreadTransport transport(rv, 0);
+  ParamRegistry reg(3, transport, RuntimeConfig{}.maxReleaseLagBytes);
   reg.registerParam(0, {2, 3}, at::zeros({2}), at::Tensor(), false);
   EXPECT_THROW(reg.registerParam(0, {2, 3}, at::zeros({2}), at::Tensor(), false), c10::Error);
   try {

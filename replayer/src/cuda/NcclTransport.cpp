@@ -138,6 +138,10 @@ class EventHandle final : public CommHandle {
     c10::cuda::CUDAGuard guard(device_);
     return done_->query();
   }
+  void synchronize() override {
+    c10::cuda::CUDAGuard guard(device_);
+    done_->synchronize();
+  }
 
  private:
   std::unique_ptr<CudaEvent> done_;
@@ -294,6 +298,13 @@ class NcclTransport final : public Transport {
                                            s),
                              comm_->get());
     });
+  }
+
+  CommHandlePtr markCaller() override {
+    c10::cuda::CUDAGuard guard(device_);
+    auto mark = CudaEvent::create(device_);
+    mark->record(c10::cuda::getCurrentCUDAStream(device_).stream());
+    return std::make_shared<EventHandle>(std::move(mark), device_, /*hostWait=*/false);
   }
 
   // Gradient accumulation after a reduction runs on the reduction's stream, so backward's

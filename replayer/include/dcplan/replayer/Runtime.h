@@ -24,6 +24,10 @@ struct RuntimeConfig {
   bool doubleBuffer = true;
   /// free_tensors frees only tensors at least this large.
   int64_t freeActivationThresholdBytes = 1024 * 1024;
+  /// Gathered copies released by the host but not yet used up by the device (a GPU runs
+  /// behind the host) may hold at most this much memory: a gather waits (on the host) for
+  /// the oldest releases beyond it. Keeps the peak memory what the planner predicts.
+  int64_t maxReleaseLagBytes = 512ll << 20;
 };
 
 enum class Stage : int { Zero1 = 1, Zero2 = 2, Zero3 = 3 };

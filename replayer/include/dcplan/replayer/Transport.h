@@ -19,6 +19,8 @@ class CommHandle {
   virtual void wait() = 0;
   /// Whether wait() would return without blocking.
   virtual bool isCompleted() = 0;
+  /// Blocks the host until the work is done (a device transport's wait() does not).
+  virtual void synchronize() { wait(); }
 };
 
 using CommHandlePtr = std::shared_ptr<CommHandle>;
@@ -60,6 +62,10 @@ class Transport {
   /// The caller's work queued so far may have written shards (an optimizer step, a reload):
   /// later gathers wait for it. The default does nothing (its gathers wait for everything).
   virtual void shardsWritten() {}
+
+  /// The caller's work queued so far, as a handle: isCompleted() once it has run. The
+  /// default (a host transport, whose work has run when queued) is completed.
+  virtual CommHandlePtr markCaller();
 
   /// Runs `work` (which queues tensor ops) ordered after the collective of `done`, without
   /// making the caller's stream wait for it: a device transport runs it on that
