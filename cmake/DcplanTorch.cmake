@@ -29,6 +29,25 @@ if(DCPLAN_TORCH_ABI_FLAG)
   add_compile_definitions(_GLIBCXX_USE_CXX11_ABI=${CMAKE_MATCH_1})
   message(STATUS "dcplan: libstdc++ ABI of torch: _GLIBCXX_USE_CXX11_ABI=${CMAKE_MATCH_1}")
 endif()
+# The runtime is loaded into Python next to torch and uses the libstdc++ that Python loaded.
+# A compiler with a newer libstdc++ (on the GPU machine /opt/gcc/bin/g++ came first on PATH)
+# builds code that crashes in it (std::locale: number formatting in error messages, std::regex).
+execute_process(
+  COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so.6
+  OUTPUT_VARIABLE DCPLAN_COMPILER_LIBSTDCXX OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+execute_process(
+  COMMAND ${Python3_EXECUTABLE} -c
+    "import torch; print(next(l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++.so' in l))"
+  OUTPUT_VARIABLE DCPLAN_PYTHON_LIBSTDCXX OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+if(DCPLAN_COMPILER_LIBSTDCXX AND DCPLAN_PYTHON_LIBSTDCXX AND EXISTS "${DCPLAN_COMPILER_LIBSTDCXX}")
+  file(REAL_PATH "${DCPLAN_COMPILER_LIBSTDCXX}" DCPLAN_COMPILER_LIBSTDCXX)
+  file(REAL_PATH "${DCPLAN_PYTHON_LIBSTDCXX}" DCPLAN_PYTHON_LIBSTDCXX)
+  if(NOT DCPLAN_COMPILER_LIBSTDCXX STREQUAL DCPLAN_PYTHON_LIBSTDCXX)
+    message(WARNING "dcplan: ${CMAKE_CXX_COMPILER} links ${DCPLAN_COMPILER_LIBSTDCXX}, but Python with torch "
+      "runs on ${DCPLAN_PYTHON_LIBSTDCXX}; if the compiler's is newer, the runtime can crash in std::locale "
+      "(error messages). Configure with -DCMAKE_CXX_COMPILER=<the system g++> (docs/gpu.md).")
+  endif()
+endif()
 if(DCPLAN_WITH_CUDA)
   # NCCL: the headers and library of torch's nvidia-nccl wheel first (the library torch itself
   # loads), then NCCL_HOME / NCCL_ROOT and the system.

@@ -20,8 +20,11 @@ mkdir -p "$OUT"
 nvidia-smi -L || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
 start=$(date +%s)
+# The system compiler: its libstdc++ is the one Python loads (/opt/gcc/bin/g++, first on PATH
+# there, is newer and its code crashes in that libstdc++; docs/gpu.md).
+CXX=${CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || command -v g++ )}
 cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DDCPLAN_WITH_CUDA=ON -DPython3_EXECUTABLE="$PY" \
-  -DDCPLAN_BUILD_TESTS=OFF > /tmp/dcplan-configure.log 2>&1 || { tail -40 /tmp/dcplan-configure.log; exit 1; }
+  -DCMAKE_CXX_COMPILER="$CXX" -DCMAKE_CUDA_HOST_COMPILER="$CXX" -DDCPLAN_BUILD_TESTS=OFF > /tmp/dcplan-configure.log 2>&1 || { tail -40 /tmp/dcplan-configure.log; exit 1; }
 cmake --build build/cuda --target dcplan_python dcplan_cli -j "$(nproc)" > build/cuda/build.log 2>&1 \
   || { grep -E "error|FAILED" build/cuda/build.log | head -40; exit 1; }
 echo "built in $(( $(date +%s) - start )) s"
