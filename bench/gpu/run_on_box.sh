@@ -20,11 +20,17 @@ mkdir -p "$OUT"
 nvidia-smi -L || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
 start=$(date +%s)
-# The system compiler: its libstdc++ is the one Python loads (/opt/gcc/bin/g++, first on PATH
-# there, is newer and its code crashes in that libstdc++; docs/gpu.md).
-CXX=${CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || command -v g++ )}
+# The system compiler: its libstdc++ is the one Python loads (the machine's CXX,
+# /opt/gcc/bin/g++, is newer and its code crashes in that libstdc++; docs/gpu.md).
+CXX=${DCPLAN_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || command -v g++ )}
+CC=${DCPLAN_CC:-$( [ -x /usr/bin/gcc ] && echo /usr/bin/gcc || command -v gcc )}
+export CXX CC
+# A build dir configured with another compiler keeps objects built by it: start over.
+if [ -f build/cuda/CMakeCache.txt ] && ! grep -q "CMAKE_CXX_COMPILER:.*=$CXX\$" build/cuda/CMakeCache.txt; then
+  rm -rf build/cuda
+fi
 cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DDCPLAN_WITH_CUDA=ON -DPython3_EXECUTABLE="$PY" \
-  -DCMAKE_CXX_COMPILER="$CXX" -DCMAKE_CUDA_HOST_COMPILER="$CXX" -DDCPLAN_BUILD_TESTS=OFF > /tmp/dcplan-configure.log 2>&1 || { tail -40 /tmp/dcplan-configure.log; exit 1; }
+  -DCMAKE_C_COMPILER="$CC" -DCMAKE_CXX_COMPILER="$CXX" -DCMAKE_CUDA_HOST_COMPILER="$CXX" -DDCPLAN_BUILD_TESTS=OFF > /tmp/dcplan-configure.log 2>&1 || { tail -40 /tmp/dcplan-configure.log; exit 1; }
 cmake --build build/cuda --target dcplan_python dcplan_cli -j "$(nproc)" > build/cuda/build.log 2>&1 \
   || { grep -E "error|FAILED" build/cuda/build.log | head -40; exit 1; }
 echo "built in $(( $(date +%s) - start )) s"

@@ -297,8 +297,7 @@ void PlanCursor::depart(int64_t graphId, int64_t pos, const std::string& expecte
   departed_ = true;
   const auto it = graphs_.find(graphId);
   const std::string kind = it != graphs_.end() && it->second.plan.backward ? "backward" : "forward";
-  // Built without iostreams: number formatting through std::locale crashed in this library
-  // on the GPU machine (docs/gpu.md, "libstdc++ in one process").
+  // Plain concatenation: cheaper than a stream, and independent of std::locale.
   const std::string msg = file_ + ": the run departs from the plan in graph " + std::to_string(graphId) + " (" +
                           kind + ") at position " + std::to_string(pos) + ": expected " + expected + ", got " +
                           actual;

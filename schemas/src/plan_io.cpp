@@ -48,8 +48,9 @@ class PlanValidator {
   }
 
  private:
-  // Checked by hand, not with std::regex: in a process that loaded libtorch_python first, our
-  // std::regex template instances bind to its copies, built by another compiler (a crash).
+  // Checked by hand, not with std::regex: std::regex's template instances are shared with
+  // libtorch_python's in one process, and are only as safe as the two compilers agree
+  // (docs/gpu.md: a newer compiler than the loaded libstdc++ crashed there).
   static bool isFnvDigest(const std::string& s) {
     const std::string prefix = "fnv1a64:";
     if (s.size() != prefix.size() + 16 || s.compare(0, prefix.size(), prefix) != 0) return false;
