@@ -19,9 +19,9 @@ Prints the mean step time over --steps after --warmup (max over ranks) and the t
 """
 import argparse
 import gc
-import importlib.util
 import os
 import pathlib
+import sys
 import time
 
 import torch
@@ -29,13 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_train_llama():
-    spec = importlib.util.spec_from_file_location("train_llama", ROOT / "examples" / "train_llama.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(ROOT / "bench"))
+from example_model import load_train_llama  # noqa: E402
 
 
 def main():

@@ -24,10 +24,10 @@ writes the same as JSON.
 """
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import pathlib
+import sys
 import time
 
 import torch
@@ -35,13 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def load_train_llama():
-    spec = importlib.util.spec_from_file_location("train_llama", ROOT / "examples" / "train_llama.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(ROOT / "bench"))
+from example_model import load_train_llama  # noqa: E402
 
 
 def parse_args():

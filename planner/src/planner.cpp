@@ -429,7 +429,7 @@ class Explainer {
 Schedule defaultSchedule(const Workload& w) {
   // Costs do not enter the default schedule; a 1-rank model suffices.
   schemas::Calibration none;
-  CostModel cost(none, 1, {1, std::nullopt});
+  CostModel cost(none, 1, {1, std::nullopt, std::nullopt});
   Context c = makeContext(w, cost, std::numeric_limits<uint64_t>::max());
   return assemble(c, stagePersistent(w), greedyBuckets(c, kDefaultBucketBytes), {});
 }
@@ -438,7 +438,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   if (req.worldSize < 0)
     throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
   Workload w = makeWorkload(trace, req.worldSize);
-  CostModel cost(trace.calibration, w.traceWorldSize, CostModelOptions{w.worldSize, req.bandwidthGBps});
+  CostModel cost(trace.calibration, w.traceWorldSize,
+                 CostModelOptions{w.worldSize, req.bandwidthGBps, std::nullopt});
   uint64_t limit = req.memoryBudgetBytes ? *req.memoryBudgetBytes
                    : w.capacityBytes > 0 ? w.capacityBytes
                                          : std::numeric_limits<uint64_t>::max();
@@ -520,7 +521,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
         ex.line(std::string(i == best ? "  * " : "    ") + k.label + ": " + predictionLine(k.sim.prediction) +
                 (k.feasible ? "" : " (over the limit)"));
       }
-      ex.line("chosen: " + chosen.label + " (fastest within the limit; within 1% of it, fewest collectives, then least memory)");
+      ex.line("chosen: " + chosen.label +
+              " (fastest within the limit; within 1% of it, fewest collectives, then least memory)");
     } else {
       ex.line("strategy " + std::string(strategyName(req.strategy)) + ": " +
               predictionLine(chosen.sim.prediction));

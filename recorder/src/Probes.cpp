@@ -12,6 +12,7 @@
 #include <chrono>
 #include <fstream>
 #include <mutex>
+#include <new>
 #include <vector>
 
 namespace dcplan::recorder {
@@ -53,13 +54,18 @@ class CountingCpuAllocator final : public c10::Allocator {
  public:
   explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner) {}
 
+  // The counting record sits in a header in front of the data, so that the DataPtr's context
+  // is its data pointer: Allocator::raw_allocate (oneDNN's bf16 kernels use it) requires that.
   c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr block = inner_->allocate(n);
-    void* data = block.get();
-    auto* ctx = new Block{std::move(block), n, this};
+    c10::DataPtr block = inner_->allocate(n + kHeader);
+    auto* base = static_cast<char*>(block.get());
+    void* data = base + kHeader;
+    new (base) Header{std::move(block), n, this};
     live_.fetch_add(n, std::memory_order_relaxed);
-    return {data, ctx, &CountingCpuAllocator::release, c10::Device(c10::DeviceType::CPU)};
+    return {data, data, &CountingCpuAllocator::release, c10::Device(c10::DeviceType::CPU)};
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingCpuAllocator::release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -68,16 +74,20 @@ class CountingCpuAllocator final : public c10::Allocator {
   uint64_t live() const { return live_.load(std::memory_order_relaxed); }
 
  private:
-  struct Block {
-    c10::DataPtr inner;
+  struct Header {
+    c10::DataPtr inner;  // owns the whole block, header included
     size_t bytes;
     CountingCpuAllocator* owner;
   };
+  // A multiple of torch's CPU alignment (64), so the data stays as aligned as the block.
+  static constexpr size_t kHeader = (sizeof(Header) + 63) / 64 * 64;
 
-  static void release(void* ctx) {
-    auto* b = static_cast<Block*>(ctx);
-    b->owner->live_.fetch_sub(b->bytes, std::memory_order_relaxed);
-    delete b;  // frees the inner block through its own deleter
+  static void release(void* data) {
+    auto* h = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeader);
+    h->owner->live_.fetch_sub(h->bytes, std::memory_order_relaxed);
+    c10::DataPtr inner = std::move(h->inner);
+    h->~Header();
+    // inner frees the block (header and data) through its own deleter here.
   }
 
   c10::Allocator* inner_;

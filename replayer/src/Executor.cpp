@@ -169,7 +169,8 @@ Param& ParamRegistry::get(const char* op, int64_t dsId) {
 }
 
 void ParamRegistry::boundReleaseLag() {
-  while (!released_.empty() && (releasedBytes_ > maxReleaseLagBytes_ || released_.front().first->isCompleted())) {
+  while (!released_.empty() &&
+         (releasedBytes_ > maxReleaseLagBytes_ || released_.front().first->isCompleted())) {
     released_.front().first->synchronize();
     releasedBytes_ -= released_.front().second;
     released_.pop_front();
@@ -206,7 +207,8 @@ void ParamRegistry::startGatherFused(const std::vector<Param*>& ps, const std::v
       reload(p);
       transport.shardsWritten();  // the reload wrote the shard on the caller's stream
     }
-    p.gatheredBuffer_ = transport.newGatherBuffer(worldSize_ * p.shardNumel_, p.shard_.options().dtype(dtypes[i]));
+    p.gatheredBuffer_ =
+        transport.newGatherBuffer(worldSize_ * p.shardNumel_, p.shard_.options().dtype(dtypes[i]));
     p.gathered_ = p.gatheredBuffer_.narrow(0, 0, p.numel_).view(p.shape_);
     p.valid_ = false;
     outputs.push_back(p.gatheredBuffer_);
@@ -235,7 +237,8 @@ void ParamRegistry::dropGathered(Param& p) {
   if (p.gatheredBuffer_.defined() && maxReleaseLagBytes_ >= 0) {
     CommHandlePtr used = transport_.markCaller();
     if (!used->isCompleted()) {
-      const int64_t bytes = p.gatheredBuffer_.numel() * static_cast<int64_t>(p.gatheredBuffer_.element_size());
+      const int64_t bytes =
+          p.gatheredBuffer_.numel() * static_cast<int64_t>(p.gatheredBuffer_.element_size());
       released_.emplace_back(std::move(used), bytes);
       releasedBytes_ += bytes;
     }
@@ -576,7 +579,8 @@ void init(std::shared_ptr<Transport> transport, const RuntimeConfig& config) {
               "init: free_activation_threshold_bytes should be >= 0, got ",
               config.freeActivationThresholdBytes);
   auto st = std::make_unique<RuntimeState>();
-  st->registry_ = std::make_unique<ParamRegistry>(transport->worldSize(), *transport, config.maxReleaseLagBytes);
+  st->registry_ =
+      std::make_unique<ParamRegistry>(transport->worldSize(), *transport, config.maxReleaseLagBytes);
   st->transport_ = std::move(transport);
   st->config_ = config;
   st->schedule_ = std::make_unique<SchedulePolicy>();
@@ -836,7 +840,8 @@ at::Tensor offloadTensor(const at::Tensor& tensor, int64_t graphId, int64_t id) 
     host.copy_(tensor);
   } else {
     // The transport copies on its offload stream; wait_offload waits for it.
-    rt.offloadCopies_.insert_or_assign(key, rt.transport_->copyAsync(host, tensor, Transport::CopyKind::Offload));
+    rt.offloadCopies_.insert_or_assign(key,
+                                       rt.transport_->copyAsync(host, tensor, Transport::CopyKind::Offload));
   }
   rt.offloadedFrom_.insert_or_assign(key, tensor.device());
   return host;

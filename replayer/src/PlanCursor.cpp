@@ -298,9 +298,9 @@ void PlanCursor::depart(int64_t graphId, int64_t pos, const std::string& expecte
   const auto it = graphs_.find(graphId);
   const std::string kind = it != graphs_.end() && it->second.plan.backward ? "backward" : "forward";
   // Plain concatenation: cheaper than a stream, and independent of std::locale.
-  const std::string msg = file_ + ": the run departs from the plan in graph " + std::to_string(graphId) + " (" +
-                          kind + ") at position " + std::to_string(pos) + ": expected " + expected + ", got " +
-                          actual;
+  const std::string msg = file_ + ": the run departs from the plan in graph " + std::to_string(graphId) +
+                          " (" + kind + ") at position " + std::to_string(pos) + ": expected " + expected +
+                          ", got " + actual;
   if (log_) {
     logLine("{\"ev\":\"departure\",\"graph\":" + std::to_string(graphId) + ",\"pos\":" + std::to_string(pos) +
             ",\"expected\":" + jsonString(expected) + ",\"actual\":" + jsonString(actual) +

@@ -15,12 +15,14 @@ class DoneHandle final : public CommHandle {
 
 }  // namespace
 
-CommHandlePtr Transport::gatherShards(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& shards) {
-  TORCH_CHECK(outputs.size() == shards.size(), "gatherShards: ", outputs.size(), " outputs for ", shards.size(),
-              " shards");
+CommHandlePtr Transport::gatherShards(const std::vector<at::Tensor>& outputs,
+                                      const std::vector<at::Tensor>& shards) {
+  TORCH_CHECK(outputs.size() == shards.size(), "gatherShards: ", outputs.size(), " outputs for ",
+              shards.size(), " shards");
   std::vector<at::Tensor> inputs;
   inputs.reserve(shards.size());
-  for (size_t i = 0; i < shards.size(); ++i) inputs.push_back(shards[i].to(outputs[i].scalar_type()).contiguous());
+  for (size_t i = 0; i < shards.size(); ++i)
+    inputs.push_back(shards[i].to(outputs[i].scalar_type()).contiguous());
   if (inputs.size() == 1) return allGather(outputs[0], inputs[0]);
   return allGatherCoalesced(outputs, inputs);
 }

@@ -5,6 +5,7 @@
 #include "dcplan/schemas/io.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -369,6 +370,23 @@ TEST(CpuMemoryProbe, CountsLiveCpuTensors) {
   }
   EXPECT_LT(probe->bytesInUse(), before + (4u << 20));
   EXPECT_GT(probe->capacityBytes(), 0u);
+}
+
+TEST(CpuMemoryProbe, RawAllocationsWork) {
+  // oneDNN's bf16 kernels allocate through raw_allocate, which needs context == data.
+  auto probe = makeCpuMemoryProbe();
+  c10::Allocator* cpu = c10::GetCPUAllocator();
+  const uint64_t before = probe->bytesInUse();
+  void* p = cpu->raw_allocate(1000);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);  // as aligned as torch's own allocations
+  EXPECT_EQ(probe->bytesInUse(), before + 1000);
+  cpu->raw_deallocate(p);
+  EXPECT_EQ(probe->bytesInUse(), before);
+  // And the kernel that hit it: a bf16 linear on the CPU.
+  at::Tensor x = at::randn({8, 64}).to(at::kBFloat16);
+  at::Tensor w = at::randn({32, 64}).to(at::kBFloat16);
+  EXPECT_EQ(at::linear(x, w).sizes(), (std::vector<int64_t>{8, 32}));
 }
 
 TEST(DtypeName, TorchNames) {

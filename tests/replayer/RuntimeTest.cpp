@@ -109,7 +109,8 @@ struct Rank {
     transport = std::make_shared<ThreadTransport>(rv, rank);
     state.transport_ = transport;
     state.config_.reduceBucketBytes = bucketBytes;
-    state.registry_ = std::make_unique<ParamRegistry>(rv->worldSize, *transport, state.config_.maxReleaseLagBytes);
+    state.registry_ =
+        std::make_unique<ParamRegistry>(rv->worldSize, *transport, state.config_.maxReleaseLagBytes);
     state.schedule_ = std::make_unique<SchedulePolicy>();
   }
   std::shared_ptr<ThreadTransport> transport;

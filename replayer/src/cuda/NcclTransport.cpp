@@ -92,16 +92,26 @@ namespace {
 
 ncclDataType_t ncclTypeOf(const char* op, at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return ncclFloat32;
-    case at::kBFloat16: return ncclBfloat16;
-    case at::kHalf: return ncclFloat16;
-    case at::kDouble: return ncclFloat64;
-    case at::kInt: return ncclInt32;
-    case at::kLong: return ncclInt64;
-    case at::kByte: return ncclUint8;
-    case at::kChar: return ncclInt8;
-    case at::kBool: return ncclUint8;
-    default: TORCH_CHECK(false, op, ": NCCL has no data type for ", t);
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kInt:
+      return ncclInt32;
+    case at::kLong:
+      return ncclInt64;
+    case at::kByte:
+      return ncclUint8;
+    case at::kChar:
+      return ncclInt8;
+    case at::kBool:
+      return ncclUint8;
+    default:
+      TORCH_CHECK(false, op, ": NCCL has no data type for ", t);
   }
 }
 
@@ -195,9 +205,9 @@ class NcclTransport final : public Transport {
       TORCH_CHECK(outputs[i].is_contiguous() && inputs[i].is_contiguous() &&
                       outputs[i].numel() == worldSize() * inputs[i].numel() &&
                       outputs[i].scalar_type() == inputs[i].scalar_type(),
-                  "allGatherCoalesced: output ", i, " should be contiguous with world_size * ", inputs[i].numel(),
-                  " elements of ", inputs[i].scalar_type(), ", got ", outputs[i].numel(), " of ",
-                  outputs[i].scalar_type());
+                  "allGatherCoalesced: output ", i, " should be contiguous with world_size * ",
+                  inputs[i].numel(), " elements of ", inputs[i].scalar_type(), ", got ", outputs[i].numel(),
+                  " of ", outputs[i].scalar_type());
       all.push_back(outputs[i]);
       all.push_back(inputs[i]);
     }
@@ -231,9 +241,10 @@ class NcclTransport final : public Transport {
     shardsWritten_->record(c10::cuda::getCurrentCUDAStream(device_).stream());
   }
 
-  CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& shards) override {
-    TORCH_CHECK(outputs.size() == shards.size(), "gatherShards: ", outputs.size(), " outputs for ", shards.size(),
-                " shards");
+  CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs,
+                             const std::vector<at::Tensor>& shards) override {
+    TORCH_CHECK(outputs.size() == shards.size(), "gatherShards: ", outputs.size(), " outputs for ",
+                shards.size(), " shards");
     for (size_t i = 0; i < shards.size(); ++i) {
       checkDevice("gatherShards", outputs[i]);
       checkDevice("gatherShards", shards[i]);
@@ -254,16 +265,17 @@ class NcclTransport final : public Transport {
       // The dtype conversion runs on the gather stream too; its temporary lives there.
       c10::cuda::CUDAStreamGuard onStream(stream);
       for (size_t i = 0; i < shards.size(); ++i) {
-        sends.push_back(shards[i].scalar_type() == outputs[i].scalar_type() ? shards[i]
-                                                                            : shards[i].to(outputs[i].scalar_type()));
+        sends.push_back(shards[i].scalar_type() == outputs[i].scalar_type()
+                            ? shards[i]
+                            : shards[i].to(outputs[i].scalar_type()));
       }
       DCPLAN_NCCL_CHECK_COMM(ncclGroupStart(), comm_->get());
       for (size_t i = 0; i < sends.size(); ++i) {
         if (sends[i].numel() == 0) continue;
-        DCPLAN_NCCL_CHECK_COMM(ncclAllGather(sends[i].data_ptr(), outputs[i].data_ptr(), sends[i].numel(),
-                                             ncclTypeOf("gatherShards", sends[i].scalar_type()), comm_->get(),
-                                             stream.stream()),
-                               comm_->get());
+        DCPLAN_NCCL_CHECK_COMM(
+            ncclAllGather(sends[i].data_ptr(), outputs[i].data_ptr(), sends[i].numel(),
+                          ncclTypeOf("gatherShards", sends[i].scalar_type()), comm_->get(), stream.stream()),
+            comm_->get());
       }
       DCPLAN_NCCL_CHECK_COMM(ncclGroupEnd(), comm_->get());
     }
@@ -282,10 +294,10 @@ class NcclTransport final : public Transport {
     const at::Tensor send = input.is_contiguous() ? input : input.contiguous();
     return launch("reduceScatter", streams_->reduceScatter, {output, send}, [&](cudaStream_t s) {
       if (output.numel() == 0) return;
-      DCPLAN_NCCL_CHECK_COMM(ncclReduceScatter(send.data_ptr(), output.data_ptr(), output.numel(),
-                                               ncclTypeOf("reduceScatter", output.scalar_type()), ncclSum,
-                                               comm_->get(), s),
-                             comm_->get());
+      DCPLAN_NCCL_CHECK_COMM(
+          ncclReduceScatter(send.data_ptr(), output.data_ptr(), output.numel(),
+                            ncclTypeOf("reduceScatter", output.scalar_type()), ncclSum, comm_->get(), s),
+          comm_->get());
     });
   }
 
@@ -293,10 +305,10 @@ class NcclTransport final : public Transport {
     TORCH_CHECK(tensor.is_contiguous(), "allReduce: tensor should be contiguous");
     return launch("allReduce", streams_->reduceScatter, {tensor}, [&](cudaStream_t s) {
       if (tensor.numel() == 0) return;
-      DCPLAN_NCCL_CHECK_COMM(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                                           ncclTypeOf("allReduce", tensor.scalar_type()), ncclSum, comm_->get(),
-                                           s),
-                             comm_->get());
+      DCPLAN_NCCL_CHECK_COMM(
+          ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                        ncclTypeOf("allReduce", tensor.scalar_type()), ncclSum, comm_->get(), s),
+          comm_->get());
     });
   }
 
@@ -320,8 +332,8 @@ class NcclTransport final : public Transport {
     }
     auto end = CudaEvent::create(device_);
     end->record(side.stream());
-    return std::make_shared<EventHandle>(std::move(end), device_, /*hostWait=*/false, std::vector<at::Tensor>{},
-                                         side);
+    return std::make_shared<EventHandle>(std::move(end), device_, /*hostWait=*/false,
+                                         std::vector<at::Tensor>{}, side);
   }
 
   CommHandlePtr copyAsync(const at::Tensor& dst, const at::Tensor& src, CopyKind kind) override {
@@ -361,7 +373,8 @@ class NcclTransport final : public Transport {
 
   static void recordOn(c10::cuda::CUDAStream side, const std::vector<at::Tensor>& tensors) {
     for (const at::Tensor& t : tensors) {
-      if (t.numel() > 0 && t.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), side);
+      if (t.numel() > 0 && t.is_cuda())
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), side);
     }
   }
 
@@ -394,8 +407,8 @@ std::string makeNcclUniqueId() { return cuda::newUniqueId(); }
 
 std::shared_ptr<Transport> makeNcclTransport(const std::string& uniqueId, int rank, int worldSize,
                                              int deviceIndex) {
-  TORCH_CHECK(uniqueId.size() == sizeof(ncclUniqueId), "init_nccl: unique_id should have ", sizeof(ncclUniqueId),
-              " bytes (from nccl_unique_id()), got ", uniqueId.size());
+  TORCH_CHECK(uniqueId.size() == sizeof(ncclUniqueId), "init_nccl: unique_id should have ",
+              sizeof(ncclUniqueId), " bytes (from nccl_unique_id()), got ", uniqueId.size());
   TORCH_CHECK(deviceIndex >= 0 && deviceIndex < c10::cuda::device_count(), "init_nccl: device ", deviceIndex,
               " should be in [0, ", int(c10::cuda::device_count()), ")");
   ncclUniqueId id;

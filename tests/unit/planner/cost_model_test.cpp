@@ -52,13 +52,13 @@ TEST(CostModel, MissingCurvesFallBackToAllGather) {
 TEST(CostModel, WorldSizeScalesTheBandwidthTermByTheBusFactor) {
   schemas::Calibration c = linearCalibration(20, 100e3);
   CostModel at8(c, 8);
-  CostModel at16(c, 8, {16, std::nullopt});
-  CostModel at2(c, 8, {2, std::nullopt});
+  CostModel at16(c, 8, {16, std::nullopt, std::nullopt});
+  CostModel at2(c, 8, {2, std::nullopt, std::nullopt});
   uint64_t b = 256ull << 20;
   double bw8 = at8.us(Collective::AllGather, b) - 20;
   EXPECT_NEAR(at16.us(Collective::AllGather, b) - 20, bw8 * (15.0 / 16) / (7.0 / 8), 1e-6 * bw8);
   EXPECT_NEAR(at2.us(Collective::AllGather, b) - 20, bw8 * (1.0 / 2) / (7.0 / 8), 1e-6 * bw8);
-  CostModel at1(c, 8, {1, std::nullopt});
+  CostModel at1(c, 8, {1, std::nullopt, std::nullopt});
   EXPECT_EQ(at1.us(Collective::AllGather, b), 0);
 }
 
@@ -67,7 +67,7 @@ TEST(CostModel, BandwidthOverrideRescalesLargeMessages) {
   CostModel base(c, 8);
   double calibrated = base.busGBps(Collective::AllGather);
   EXPECT_NEAR(calibrated, 100.0 * 7 / 8, 0.5);  // 100e3 bytes/us = 100 GB/s algorithmic
-  CostModel half(c, 8, {0, calibrated / 2});
+  CostModel half(c, 8, {0, calibrated / 2, std::nullopt});
   uint64_t b = 1ull << 30;
   EXPECT_NEAR(half.us(Collective::AllGather, b) - 20, 2 * (base.us(Collective::AllGather, b) - 20), 1.0);
   EXPECT_NEAR(half.busGBps(Collective::AllGather), calibrated / 2, 1e-9);
@@ -76,7 +76,8 @@ TEST(CostModel, BandwidthOverrideRescalesLargeMessages) {
 TEST(CostModel, RefusesWhatItCannotKnow) {
   schemas::Calibration empty;
   EXPECT_THROW(CostModel(empty, 8), std::invalid_argument);
-  EXPECT_THROW(CostModel(linearCalibration(20, 1e5), 1, {8, std::nullopt}), std::invalid_argument);
+  EXPECT_THROW(CostModel(linearCalibration(20, 1e5), 1, {8, std::nullopt, std::nullopt}),
+               std::invalid_argument);
   EXPECT_NO_THROW(CostModel(empty, 1));
 }
 

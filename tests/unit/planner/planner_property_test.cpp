@@ -101,7 +101,7 @@ TEST(PlannerProperties, BudgetOrderingDeterminismAndRoundTrip) {
       // The prediction is what the simulator says of the written plan.
       Workload w = makeWorkload(trace, back.source.worldSize);
       CostModel cost(trace.calibration, trace.meta.worldSize,
-                     {back.source.worldSize, back.options.bandwidthGBps});
+                     {back.source.worldSize, back.options.bandwidthGBps, std::nullopt});
       SimOptions withLaunches;
       withLaunches.referenceCalls = recordedCalls(w, cost);
       SimResult again = simulate(w, cost, compileSchedule(w, scheduleOf(back)), withLaunches);

@@ -47,8 +47,8 @@ TEST(Simulator, GatherOnUseExposesEveryGatherAndTheReduceTail) {
 
 TEST(Simulator, CollectivesBeyondTheRecordedRunCostHostTime) {
   Fixture f;
-  SimResult one = f.run(f.onUse());                // 4 gathers + 1 bucket: the recorded run's calls
-  SimResult two = f.run(f.onUse({{1}, {0}}));      // a bucket per gradient: one call more
+  SimResult one = f.run(f.onUse());            // 4 gathers + 1 bucket: the recorded run's calls
+  SimResult two = f.run(f.onUse({{1}, {0}}));  // a bucket per gradient: one call more
   SimOptions counted;
   counted.referenceCalls = one.gatherCalls + one.reduceCalls;
   SimResult twoCounted = simulate(f.w, f.cost, compileSchedule(f.w, f.onUse({{1}, {0}})), counted);

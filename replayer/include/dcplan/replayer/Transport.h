@@ -56,7 +56,8 @@ class Transport {
   /// optimizer), so the gather need not wait for all the caller's queued work: a device
   /// transport waits for the last shardsWritten() point and converts on its own stream. The
   /// default converts on the caller's side and calls allGather / allGatherCoalesced.
-  virtual CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& shards);
+  virtual CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs,
+                                     const std::vector<at::Tensor>& shards);
   /// An output buffer for gatherShards (a device transport allocates it on its gather stream).
   virtual at::Tensor newGatherBuffer(int64_t numel, const at::TensorOptions& options);
   /// The caller's work queued so far may have written shards (an optimizer step, a reload):
