@@ -8,20 +8,6 @@
 
 namespace dcplan::planner {
 
-const char* streamName(Stream s) {
-  switch (s) {
-    case Stream::Compute:
-      return "compute";
-    case Stream::AllGather:
-      return "allgather";
-    case Stream::Reduce:
-      return "reduce";
-    case Stream::Copy:
-      return "copy";
-  }
-  return "?";
-}
-
 CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
   CompiledSchedule c;
   c.persistent.assign(w.params.size(), 0);

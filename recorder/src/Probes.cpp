@@ -17,24 +17,6 @@
 
 namespace dcplan::recorder {
 
-const char* streamName(Stream stream) {
-  switch (stream) {
-    case Stream::Compute:
-      return "compute";
-    case Stream::AllGather:
-      return "allgather";
-    case Stream::Reduce:
-      return "reduce";
-    case Stream::Copy:
-      return "copy";
-    case Stream::Offload:
-      return "offload";
-    case Stream::Reload:
-      return "reload";
-  }
-  return "compute";
-}
-
 namespace {
 
 class HostTimer final : public DeviceTimer {

@@ -36,7 +36,6 @@ const std::map<std::string, IdArity>& opArity() {
   return ops;
 }
 
-const std::vector<std::string> kStreams{"compute", "allgather", "reduce", "copy", "offload", "reload"};
 
 std::string opNames() {
   std::string out;
@@ -294,7 +293,7 @@ class TraceValidator {
     if (ev.op == "release_param") ev.nUsers = r.integer("n_users", 1);
     ev.bytes = r.bytes("bytes").value_or(0);
     ev.dtype = r.dtype("dtype", P::Optional).value_or("");
-    ev.stream = r.oneOf("stream", kStreams).value_or("");
+    ev.stream = r.oneOf("stream", streamNames()).value_or("");
     auto start = r.number("start_us", 0);
     auto end = r.number("end_us", 0);
     ev.computeUs = r.number("compute_us", 0).value_or(0);
@@ -438,5 +437,35 @@ std::string paramSignature(const std::vector<TraceParam>& params, int64_t worldS
 }
 
 std::string traceDigest(const Trace& trace) { return fnv1a64(writeTrace(trace)); }
+
+const char* streamName(Stream stream) {
+  switch (stream) {
+    case Stream::Compute:
+      return "compute";
+    case Stream::AllGather:
+      return "allgather";
+    case Stream::Reduce:
+      return "reduce";
+    case Stream::Copy:
+      return "copy";
+    case Stream::Offload:
+      return "offload";
+    case Stream::Reload:
+      return "reload";
+  }
+  return "compute";
+}
+
+const std::vector<std::string>& streamNames() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out;
+    for (Stream s : {Stream::Compute, Stream::AllGather, Stream::Reduce, Stream::Copy, Stream::Offload,
+                     Stream::Reload}) {
+      out.emplace_back(streamName(s));
+    }
+    return out;
+  }();
+  return names;
+}
 
 }  // namespace dcplan::schemas

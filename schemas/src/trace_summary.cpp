@@ -48,8 +48,8 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
           gs.reducedBytes += e.bytes;
           gs.reduceBusyUs += us;
         }
-        if (e.stream == "compute") gs.exposedCommUs += us;
-        if (e.stream == "allgather" || e.stream == "reduce") {
+        if (e.stream == streamName(Stream::Compute)) gs.exposedCommUs += us;
+        if (e.stream == streamName(Stream::AllGather) || e.stream == streamName(Stream::Reduce)) {
           comm.push_back(
               {step.index, g.id, e.seq, e.op, e.dsIds.empty() ? "" : names[e.dsIds.front()], e.bytes, us});
         }

@@ -37,8 +37,9 @@ struct CompiledSchedule {
 /// graph's end, a gradient in no bucket or in two.
 CompiledSchedule compileSchedule(const Workload& workload, const Schedule& schedule);
 
-enum class Stream { Compute, AllGather, Reduce, Copy };
-const char* streamName(Stream s);
+/// The simulator uses the compute, allgather, reduce and copy streams of the trace.
+using schemas::Stream;
+using schemas::streamName;
 
 struct TimelineEvent {
   Stream stream = Stream::Compute;

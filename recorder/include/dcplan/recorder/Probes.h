@@ -8,13 +8,13 @@
 #include <memory>
 #include <string>
 
+#include "dcplan/schemas/trace.h"
+
 namespace dcplan::recorder {
 
 /// The streams of the trace format; an event's times are taken on its stream.
-enum class Stream { Compute, AllGather, Reduce, Copy, Offload, Reload };
-
-/// The trace's name of a stream ("compute", "allgather", ...).
-const char* streamName(Stream stream);
+using schemas::Stream;
+using schemas::streamName;
 
 /// An opaque point in time made by a DeviceTimer; only that timer can read it.
 using TimePoint = int64_t;

@@ -56,6 +56,13 @@ struct Calibration {
   std::optional<double> d2hGBps;                ///< device-to-host copy rate (absent on CPU)
 };
 
+/// The streams a trace's op events run on; the one definition of their names.
+enum class Stream { Compute, AllGather, Reduce, Copy, Offload, Reload };
+/// The trace's name of a stream: "compute", "allgather", "reduce", "copy", "offload", "reload".
+const char* streamName(Stream stream);
+/// Every stream name, in the enum's order.
+const std::vector<std::string>& streamNames();
+
 /// One dc op as the runtime executed it.
 struct OpEvent {
   int64_t seq = 0;             ///< position in its graph's op sequence
@@ -64,7 +71,7 @@ struct OpEvent {
   std::optional<int64_t> nUsers;  ///< release_param only
   uint64_t bytes = 0;             ///< bytes moved or freed (gathered size, gradient size)
   std::string dtype;              ///< dtype of those bytes ("" when none)
-  std::string stream;             ///< "compute", "allgather", "reduce", "copy", "offload", "reload"
+  std::string stream;             ///< streamName() of the op's stream
   double startUs = 0;             ///< start on its stream, from the graph's start
   double endUs = 0;               ///< end on its stream, from the graph's start
   double computeUs = 0;           ///< compute time since the previous op of the graph
