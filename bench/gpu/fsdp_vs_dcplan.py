@@ -62,6 +62,9 @@ def parse_args():
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after timing, profile this many steps (torch.profiler) and print where the GPU time goes")
     p.add_argument("--trace-dir", help="with --profile-steps: rank 0 keeps its Chrome traces here")
+    p.add_argument("--host-profile-steps", type=int, default=0,
+                   help="after timing, run this many steps under cProfile on rank 0 and print where the host "
+                        "time goes (the communication-heavy shape is bound by the host)")
     return p.parse_args()
 
 
@@ -110,6 +113,8 @@ class Bench:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         self.breakdown = self.profile(step, mode) if a.profile_steps else None
+        if a.host_profile_steps:
+            self.host_profile(step, mode)
         return elapsed / a.steps, [float(v) for v in torch.stack(losses).cpu()]
 
     def profile(self, step, mode):
@@ -168,6 +173,31 @@ class Bench:
         return {"compute_ms": length(comp) / n, "comm_ms": length(comm) / n, "overlap_ms": overlap / n,
                 "exposed_comm_ms": (length(comm) - overlap) / n, "idle_ms": (window - busy) / n,
                 "window_ms": window / n}
+
+    def host_profile(self, step, mode):
+        """Rank 0's host time by function over --host-profile-steps steps (cProfile, own time)."""
+        import cProfile
+        import io
+        import pstats
+
+        a = self.args
+        torch.cuda.synchronize()
+        prof = cProfile.Profile() if self.rank == 0 else None
+        if prof:
+            prof.enable()
+        t0 = time.perf_counter()
+        for i in range(a.host_profile_steps):
+            step(i % len(self.batches))
+        host = (time.perf_counter() - t0) / a.host_profile_steps
+        torch.cuda.synchronize()
+        if prof:
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
+            lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+            lines = lines[next((k for k, ln in enumerate(lines) if ln.split()[:1] == ["ncalls"]), 0):]
+            print(f"{a.label} {mode}: host time by function, rank 0, {a.host_profile_steps} steps "
+                  f"({1e3 * host:.1f} ms a step issued under the profiler)\n" + "\n".join(lines[:24]), flush=True)
 
     def peak(self):
         peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], device=self.device, dtype=torch.float64)

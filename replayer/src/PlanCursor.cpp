@@ -128,17 +128,18 @@ void PlanCursor::startRun(Planned& g) {
 
 std::optional<std::pair<std::string, std::string>> PlanCursor::check(Planned& g, int64_t pos, const Op& op) {
   Run& r = g.run;
-  const std::string actual = describe(op.first, op.second);
+  // Described only on a departure: this runs for every op.
+  auto actual = [&op] { return describe(op.first, op.second); };
   // Every execution of a graph issues the same ops (the planner refuses traces
   // where they differ), so the first one fixes the rest exactly.
   if (r.learned) {
     const auto& want = *r.learned;
     if (pos >= static_cast<int64_t>(want.size())) {
-      return std::make_pair("the end of the graph (" + std::to_string(want.size()) + " ops)", actual);
+      return std::make_pair("the end of the graph (" + std::to_string(want.size()) + " ops)", actual());
     }
     if (want[static_cast<size_t>(pos)] != op) {
       return std::make_pair(
-          describe(want[static_cast<size_t>(pos)].first, want[static_cast<size_t>(pos)].second), actual);
+          describe(want[static_cast<size_t>(pos)].first, want[static_cast<size_t>(pos)].second), actual());
     }
   }
   // What the plan itself implies: gradients arrive in the order of its buckets.
@@ -150,7 +151,7 @@ std::optional<std::pair<std::string, std::string>> PlanCursor::check(Planned& g,
                                          " (bucket " + std::to_string(g.bucketOf[g.readyOrder[r.ready]]) +
                                          " of the plan)"
                                    : "no further gradient (every bucket of the plan is complete)";
-        return std::make_pair(expected, actual);
+        return std::make_pair(expected, actual());
       }
       r.reduced.insert(op.second);
       ++r.ready;
@@ -159,7 +160,7 @@ std::optional<std::pair<std::string, std::string>> PlanCursor::check(Planned& g,
   if (op.first == "end_backward" && r.ready < g.readyOrder.size()) {
     return std::make_pair("reduce_grad of ds_id " + std::to_string(g.readyOrder[r.ready]) + " (bucket " +
                               std::to_string(g.bucketOf[g.readyOrder[r.ready]]) + " of the plan)",
-                          actual);
+                          actual());
   }
   return std::nullopt;
 }
