@@ -145,19 +145,7 @@ def worker(rank: int, ws: int, init_file: str, out_dir: str, case_names: Optiona
             raise
         finally:
             dcplan.shutdown()
-        for case in dist_cases.all_cases():
-            if case_names is not None and case.name not in case_names:
-                continue
-            try:
-                res = {"value": to_cpu(dist_cases.train_sharded(case, rank, ws))}
-                if rank == 0:
-                    res["reference"] = to_cpu(dist_cases.train_reference(case))
-                results[case.name] = res
-            except Exception:
-                results[case.name] = {"error": traceback.format_exc()}
-                raise
-            finally:
-                dcplan.shutdown()
+        dist_cases.run_cases(rank, ws, case_names, results, convert=to_cpu)
     except Exception:
         pass
     finally:

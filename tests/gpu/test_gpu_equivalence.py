@@ -2,15 +2,12 @@
 
 Skipped, with the reason, where there are fewer than 2 GPUs or dcplan is a CPU build.
 """
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import dist_cases
 import gpu_worker
+from mp_harness import assert_matches_reference, entry, run_ranks, selected_cases, skip_unselected
 
 pytestmark = pytest.mark.gpu
 
@@ -20,30 +17,7 @@ CASES = dist_cases.all_cases()
 
 @pytest.fixture(scope="module")
 def gpu_results(gpu_dcplan):
-    with tempfile.TemporaryDirectory() as tmp:
-        names = os.environ.get("DCPLAN_TEST_CASES")
-        selected = names.split(",") if names else None
-        try:
-            mp.start_processes(gpu_worker.worker, args=(WS, os.path.join(tmp, "store"), tmp, selected), nprocs=WS,
-                               join=True, start_method="spawn")
-        except mp.ProcessRaisedException as e:  # the workers record their errors; report them per test
-            print(e)
-        per_rank = []
-        for r in range(WS):
-            path = os.path.join(tmp, f"rank{r}.pt")
-            assert os.path.exists(path), f"rank {r} of {WS} wrote no results"
-            per_rank.append(torch.load(path, weights_only=False))
-    return per_rank
-
-
-def _result(per_rank, name):
-    for r, res in enumerate(per_rank):
-        entry = res.get(name)
-        if entry is None:
-            pytest.fail(f"{name}: rank {r} did not run it (an earlier case failed)")
-        if "error" in entry:
-            pytest.fail(f"{name} failed on rank {r}:\n{entry['error']}")
-    return per_rank[0][name]
+    return run_ranks(gpu_worker.worker, WS, selected_cases())
 
 
 def test_ops_on_gpu(gpu_results):
@@ -90,28 +64,14 @@ def test_no_host_blocking(gpu_results):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_matches_single_gpu(gpu_results, case):
-    if os.environ.get("DCPLAN_TEST_CASES") and case.name not in os.environ["DCPLAN_TEST_CASES"].split(","):
-        pytest.skip("not selected by DCPLAN_TEST_CASES")
-    res = _result(gpu_results, case.name)
+    skip_unselected(case.name)
+    res = entry(gpu_results, case.name)
     got, ref = res["value"], res["reference"]
     bf16 = case.variant == "bf16"
     # fp32 on the GPU: cuBLAS may pick other kernels for the half batch than for the whole one.
     loss_tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-5, atol=1e-6)
     param_tol = dict(rtol=2e-2, atol=5e-3) if bf16 else dict(rtol=1e-4, atol=1e-5)
-    assert len(got["losses"]) == dist_cases.STEPS
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **loss_tol,
-                               msg=lambda m: f"{case.name} losses differ: {m}")
-    assert sorted(got["params"]) == sorted(ref["params"])
-    for name, want in ref["params"].items():
-        torch.testing.assert_close(got["params"][name], want, **param_tol,
-                                   msg=lambda m, n=name: f"{case.name} parameter {n}: {m}")
-    expected = sorted(-(-v.numel() // WS) for v in ref["params"].values())
-    assert sorted(s[0] for s in got["shard_shapes"]) == expected
-    held = got["gathered_after_forward"]
-    if case.stage == 3:
-        assert set(held) == {0}, held
-    else:
-        assert set(held) == {got["num_params"]}, held
+    assert_matches_reference(case, got, ref, WS, dist_cases.STEPS, case.name, loss_tol, param_tol)
     log = got["op_log"]
     n = dist_cases.micro_steps(case)
     reduced = [i for op, g, i, b, dt in log if op == "reduce_grad"]

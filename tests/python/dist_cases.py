@@ -266,6 +266,27 @@ def run_op_checks(rank: int, ws: int) -> Dict:
     return out
 
 
+def run_cases(rank: int, ws: int, case_names: Optional[List[str]], results: Dict, convert=lambda v: v) -> None:
+    """Every selected case: the sharded run on each rank, the reference on rank 0 (convert: e.g.
+    to CPU tensors), into results[case.name]; an error is recorded, then raised (the other
+    ranks would be out of step from there)."""
+    import dcplan
+
+    for case in all_cases():
+        if case_names is not None and case.name not in case_names:
+            continue
+        try:
+            res = {"value": convert(train_sharded(case, rank, ws))}
+            if rank == 0:
+                res["reference"] = convert(train_reference(case))
+            results[case.name] = res
+        except Exception:
+            results[case.name] = {"error": traceback.format_exc()}
+            raise
+        finally:
+            dcplan.shutdown()
+
+
 def worker(rank: int, ws: int, init_file: str, out_dir: str, case_names: Optional[List[str]]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -282,19 +303,7 @@ def worker(rank: int, ws: int, init_file: str, out_dir: str, case_names: Optiona
         except Exception:
             results["ops"] = {"error": traceback.format_exc()}
             raise
-        for case in all_cases():
-            if case_names is not None and case.name not in case_names:
-                continue
-            try:
-                res = {"value": train_sharded(case, rank, ws)}
-                if rank == 0:
-                    res["reference"] = train_reference(case)
-                results[case.name] = res
-            except Exception:
-                results[case.name] = {"error": traceback.format_exc()}
-                raise  # the other ranks would be out of step from here
-            finally:
-                dcplan.shutdown()
+        run_cases(rank, ws, case_names, results)
     except Exception:
         pass
     finally:

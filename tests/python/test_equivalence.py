@@ -1,12 +1,9 @@
 """Equivalence matrix: dcplan.shard() on 2 and 3 Gloo ranks against single-process training."""
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import dist_cases
+from mp_harness import assert_matches_reference, entry, run_ranks, selected_cases, skip_unselected
 
 pytestmark = pytest.mark.multiprocess
 
@@ -17,59 +14,19 @@ CASES = dist_cases.all_cases()
 def dist_results(request, dcplan_module):
     """Spawns one process per rank once per world size; every case runs inside them."""
     ws = request.param
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "store")
-        names = os.environ.get("DCPLAN_TEST_CASES")
-        selected = names.split(",") if names else None
-        try:
-            mp.start_processes(dist_cases.worker, args=(ws, init_file, tmp, selected), nprocs=ws,
-                               join=True, start_method="spawn")
-        except mp.ProcessRaisedException as e:  # the worker records errors itself; keep going to report them
-            print(e)
-        per_rank = []
-        for r in range(ws):
-            path = os.path.join(tmp, f"rank{r}.pt")
-            assert os.path.exists(path), f"rank {r} of {ws} wrote no results"
-            per_rank.append(torch.load(path, weights_only=False))
-    return ws, per_rank
-
-
-def _result(per_rank, name):
-    for r, res in enumerate(per_rank):
-        entry = res.get(name)
-        if entry is None:
-            pytest.fail(f"{name}: rank {r} did not run it (an earlier case failed)")
-        if "error" in entry:
-            pytest.fail(f"{name} failed on rank {r}:\n{entry['error']}")
-    return per_rank[0][name]
+    return ws, run_ranks(dist_cases.worker, ws, selected_cases())
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_matches_single_process(dist_results, case):
     ws, per_rank = dist_results
-    if os.environ.get("DCPLAN_TEST_CASES") and case.name not in os.environ["DCPLAN_TEST_CASES"].split(","):
-        pytest.skip("not selected by DCPLAN_TEST_CASES")
-    res = _result(per_rank, case.name)
+    skip_unselected(case.name)
+    res = entry(per_rank, case.name)
     got, ref = res["value"], res["reference"]
     bf16 = case.variant == "bf16"
     loss_tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-5, atol=0)
     param_tol = dict(rtol=2e-2, atol=5e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
-    assert len(got["losses"]) == dist_cases.STEPS
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **loss_tol,
-                               msg=lambda m: f"{case.name} ws={ws} losses differ: {m}")
-    assert sorted(got["params"]) == sorted(ref["params"])
-    for name, want in ref["params"].items():
-        torch.testing.assert_close(got["params"][name], want, **param_tol,
-                                   msg=lambda m, n=name: f"{case.name} ws={ws} parameter {n}: {m}")
-    # Every rank holds ceil(numel/ws) elements per parameter.
-    expected = sorted(-(-v.numel() // ws) for v in ref["params"].values())
-    assert sorted(s[0] for s in got["shard_shapes"]) == expected
-    # ZeRO-3 frees every gathered parameter after its module ran; ZeRO-1/2 keep them all.
-    held = got["gathered_after_forward"]
-    if case.stage == 3:
-        assert set(held) == {0}, held
-    else:
-        assert set(held) == {got["num_params"]}, held
+    assert_matches_reference(case, got, ref, ws, dist_cases.STEPS, f"{case.name} ws={ws}", loss_tol, param_tol)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -77,9 +34,8 @@ def test_op_sequence(dist_results, case):
     """The dc ops of one optimizer step, as the runtime saw them: natural order, one gather
     per updated parameter and step for ZeRO-1/2, gradients reduced only for trainable parameters."""
     ws, per_rank = dist_results
-    if os.environ.get("DCPLAN_TEST_CASES") and case.name not in os.environ["DCPLAN_TEST_CASES"].split(","):
-        pytest.skip("not selected by DCPLAN_TEST_CASES")
-    got = _result(per_rank, case.name)["value"]
+    skip_unselected(case.name)
+    got = entry(per_rank, case.name)["value"]
     log, (fwd, bwd) = got["op_log"], got["graphs"]
     n = dist_cases.micro_steps(case)
     assert log, "no op recorded"
@@ -115,11 +71,11 @@ def test_op_sequence(dist_results, case):
 def test_bf16_changes_numerics(dist_results):
     """The bf16 run really computes in bf16: its losses are close to, not equal to, fp32."""
     ws, per_rank = dist_results
-    if os.environ.get("DCPLAN_TEST_CASES"):
+    if selected_cases() is not None:
         pytest.skip("needs every case; DCPLAN_TEST_CASES selects some")
     for stage in (1, 2, 3):
-        bf = _result(per_rank, f"zero{stage}-bf16")["value"]["losses"]
-        fp = _result(per_rank, f"zero{stage}-base")["value"]["losses"]
+        bf = entry(per_rank, f"zero{stage}-bf16")["value"]["losses"]
+        fp = entry(per_rank, f"zero{stage}-base")["value"]["losses"]
         assert bf != fp
 
 

@@ -1,12 +1,9 @@
 """Plans drive the runtime: same numbers with a plan, the replay log follows it, bad plans and departures."""
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import replay_cases
+from mp_harness import entry, require_gpus, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,32 +16,13 @@ def runs(request, dcplan_module):
     """
     ws, backend = request.param
     if backend == "nccl":
-        if not torch.cuda.is_available() or torch.cuda.device_count() < ws:
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            pytest.skip(f"needs {ws} CUDA GPUs, this machine has {n} (torch {torch.__version__})")
-        if not dcplan_module._C.has_nccl():
-            pytest.skip("dcplan._C was built without CUDA (build the cuda preset and set DCPLAN_BUILD_DIR)")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.start_processes(replay_cases.worker, args=(ws, os.path.join(tmp, "store"), tmp, backend), nprocs=ws,
-                               join=True, start_method="spawn")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            print(e)  # the cases a rank finished are in its results; the tests name the rest
-        per_rank = []
-        for r in range(ws):
-            path = os.path.join(tmp, f"rank{r}.pt")
-            assert os.path.exists(path), f"rank {r} of {ws} ({backend}) wrote no results"
-            per_rank.append(torch.load(path, weights_only=False, map_location="cpu"))
-    return ws, per_rank
+        require_gpus(dcplan_module, ws)
+    return ws, run_ranks(replay_cases.worker, ws, backend, label=f" ({backend})")
 
 
 def value(per_rank, name, rank=None):
-    for r, res in enumerate(per_rank):
-        entry = res.get(name)
-        if entry is None:
-            pytest.fail(f"{name}: rank {r} did not run it (an earlier case failed)")
-        if "error" in entry:
-            pytest.fail(f"{name} failed on rank {r}:\n{entry['error']}")
+    """The value of case name on every rank (a list), or on one rank."""
+    entry(per_rank, name)
     return [res[name]["value"] for res in per_rank] if rank is None else per_rank[rank][name]["value"]
 
 

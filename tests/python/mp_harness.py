@@ -1,0 +1,92 @@
+"""What the multi-process suites (tests/python, tests/replay, tests/gpu) share: spawning one
+process per rank, reading back what each rank saved, and checking a run against its reference."""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable, Dict, List, Optional
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+@pytest.fixture(scope="session")
+def dcplan_module():
+    """The dcplan package; skips (with the reason) when its extension was not built."""
+    try:
+        import dcplan
+    except ImportError as e:
+        pytest.skip(f"dcplan extension not importable: {e}")
+    return dcplan
+
+
+def require_gpus(dcplan, n: int = 2) -> None:
+    """Skips (with the reason) unless this machine has n GPUs and dcplan was built with CUDA."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        pytest.skip(f"needs {n} CUDA GPUs, this machine has {have} (torch {torch.__version__})")
+    if not dcplan._C.has_nccl():
+        pytest.skip("dcplan._C was built without CUDA (build the cuda preset and set DCPLAN_BUILD_DIR)")
+
+
+def selected_cases() -> Optional[List[str]]:
+    """The case names in $DCPLAN_TEST_CASES (comma-separated), or None for all."""
+    names = os.environ.get("DCPLAN_TEST_CASES")
+    return names.split(",") if names else None
+
+
+def skip_unselected(name: str) -> None:
+    selected = selected_cases()
+    if selected is not None and name not in selected:
+        pytest.skip("not selected by DCPLAN_TEST_CASES")
+
+
+def run_ranks(worker: Callable, ws: int, *args, label: str = "") -> List[Dict]:
+    """Runs worker(rank, ws, init_file, out_dir, *args) in ws spawned processes and returns what
+    each rank saved in out_dir/rank<r>.pt (on the CPU). A rank that raised or died keeps the
+    cases it finished; the tests name the rest."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.start_processes(worker, args=(ws, os.path.join(tmp, "store"), tmp, *args), nprocs=ws, join=True,
+                               start_method="spawn")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            print(e)  # the workers record their errors; they are reported per test
+        per_rank = []
+        for r in range(ws):
+            path = os.path.join(tmp, f"rank{r}.pt")
+            assert os.path.exists(path), f"rank {r} of {ws}{label} wrote no results"
+            per_rank.append(torch.load(path, weights_only=False, map_location="cpu"))
+    return per_rank
+
+
+def entry(per_rank: List[Dict], name: str) -> Dict:
+    """Rank 0's entry for name, once every rank ran it without error (else the test fails, naming the rank)."""
+    for r, res in enumerate(per_rank):
+        got = res.get(name)
+        if got is None:
+            pytest.fail(f"{name}: rank {r} did not run it (an earlier case failed)")
+        if "error" in got:
+            pytest.fail(f"{name} failed on rank {r}:\n{got['error']}")
+    return per_rank[0][name]
+
+
+def assert_matches_reference(case, got: Dict, ref: Dict, ws: int, steps: int, what: str,
+                             loss_tol: Dict, param_tol: Dict) -> None:
+    """A sharded run against its unsharded reference: losses, full parameters, shard sizes, and
+    what stays gathered after forward (nothing in ZeRO-3, everything in ZeRO-1/2)."""
+    assert len(got["losses"]) == steps
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **loss_tol,
+                               msg=lambda m: f"{what} losses differ: {m}")
+    assert sorted(got["params"]) == sorted(ref["params"])
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], want, **param_tol,
+                                   msg=lambda m, n=name: f"{what} parameter {n}: {m}")
+    # Every rank holds ceil(numel/ws) elements per parameter.
+    expected = sorted(-(-v.numel() // ws) for v in ref["params"].values())
+    assert sorted(s[0] for s in got["shard_shapes"]) == expected
+    held = got["gathered_after_forward"]
+    if case.stage == 3:
+        assert set(held) == {0}, held
+    else:
+        assert set(held) == {got["num_params"]}, held
