@@ -2,10 +2,20 @@
 # Leaves DCPLAN_WITH_TORCH effective only when torch is importable.
 find_package(Python3 COMPONENTS Interpreter Development.Module QUIET)
 if(Python3_Interpreter_FOUND)
+  # One interpreter start (importing torch takes seconds): torch's CMake prefix, then the
+  # libstdc++ the process runs on with torch loaded (checked against the compiler's below).
   execute_process(
-    COMMAND ${Python3_EXECUTABLE} -c "import torch.utils; print(torch.utils.cmake_prefix_path)"
-    OUTPUT_VARIABLE DCPLAN_TORCH_PREFIX OUTPUT_STRIP_TRAILING_WHITESPACE
+    COMMAND ${Python3_EXECUTABLE} -c
+      "import torch.utils; print(torch.utils.cmake_prefix_path); print(next((l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++.so' in l), ''))"
+    OUTPUT_VARIABLE DCPLAN_TORCH_QUERY OUTPUT_STRIP_TRAILING_WHITESPACE
     RESULT_VARIABLE DCPLAN_TORCH_RESULT ERROR_QUIET)
+  string(REPLACE "\n" ";" DCPLAN_TORCH_QUERY "${DCPLAN_TORCH_QUERY}")
+  list(GET DCPLAN_TORCH_QUERY 0 DCPLAN_TORCH_PREFIX)
+  list(LENGTH DCPLAN_TORCH_QUERY DCPLAN_TORCH_QUERY_LINES)
+  set(DCPLAN_PYTHON_LIBSTDCXX "")
+  if(DCPLAN_TORCH_QUERY_LINES GREATER 1)
+    list(GET DCPLAN_TORCH_QUERY 1 DCPLAN_PYTHON_LIBSTDCXX)
+  endif()
 endif()
 if(NOT Python3_Interpreter_FOUND OR NOT DCPLAN_TORCH_RESULT EQUAL 0)
   message(STATUS "dcplan: torch not importable by Python; building without the runtime")
@@ -22,23 +32,19 @@ if(NOT TARGET torch)
   return()
 endif()
 # Every target of this build, torch-free ones included (schemas, planner), must use torch's
-# libstdc++ ABI: the runtime passes std::string and containers to them. A torch built with the
-# old ABI otherwise crashes the first call that does (plan loading).
+# libstdc++ ABI: the runtime passes std::string and containers to them, which two ABIs lay out
+# differently.
 string(REGEX MATCH "_GLIBCXX_USE_CXX11_ABI=([01])" DCPLAN_TORCH_ABI_FLAG "${TORCH_CXX_FLAGS}")
 if(DCPLAN_TORCH_ABI_FLAG)
   add_compile_definitions(_GLIBCXX_USE_CXX11_ABI=${CMAKE_MATCH_1})
   message(STATUS "dcplan: libstdc++ ABI of torch: _GLIBCXX_USE_CXX11_ABI=${CMAKE_MATCH_1}")
 endif()
 # The runtime is loaded into Python next to torch and uses the libstdc++ that Python loaded.
-# A compiler with a newer libstdc++ (on the GPU machine /opt/gcc/bin/g++ came first on PATH)
-# builds code that crashes in it (std::locale: number formatting in error messages, std::regex).
+# A compiler with a newer libstdc++ (the GPU machine's CXX, /opt/gcc/bin/g++) builds code that
+# crashes in it (std::locale: number formatting in error messages, std::regex).
 execute_process(
   COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so.6
   OUTPUT_VARIABLE DCPLAN_COMPILER_LIBSTDCXX OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-execute_process(
-  COMMAND ${Python3_EXECUTABLE} -c
-    "import torch; print(next(l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++.so' in l))"
-  OUTPUT_VARIABLE DCPLAN_PYTHON_LIBSTDCXX OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
 if(DCPLAN_COMPILER_LIBSTDCXX AND DCPLAN_PYTHON_LIBSTDCXX AND EXISTS "${DCPLAN_COMPILER_LIBSTDCXX}")
   file(REAL_PATH "${DCPLAN_COMPILER_LIBSTDCXX}" DCPLAN_COMPILER_LIBSTDCXX)
   file(REAL_PATH "${DCPLAN_PYTHON_LIBSTDCXX}" DCPLAN_PYTHON_LIBSTDCXX)
