@@ -27,7 +27,6 @@ STEPS = 4
 MICRO = 2  # micro-steps per optimizer step: ZeRO-1 defers, persistence counts per step
 PLAN_KINDS = ["prefetch", "distance0", "all_persistent", "single_bucket"]
 DEPART_STEP = 2  # the optimizer step whose forward calls the block twice
-DEVICE = torch.device("cpu")  # the worker sets the rank's GPU for the NCCL runs
 
 
 class Switchable(dist_cases.TinyTransformer):
@@ -48,7 +47,7 @@ class Switchable(dist_cases.TinyTransformer):
 
 def make_model() -> Switchable:
     torch.manual_seed(1234)
-    return Switchable().to(DEVICE)
+    return Switchable().to(dist_cases.DEVICE)
 
 
 def batches():
@@ -79,9 +78,8 @@ def train(stage: int, rank: int, ws: int, plan: Optional[str] = None, on_mismatc
             model.mode = depart[1]
         if s == op_log_step:
             dcplan._C.start_op_log()
-        total = torch.zeros((), device=DEVICE)
+        total = torch.zeros((), device=dist_cases.DEVICE)
         for k, (idx, tgt) in enumerate(step):
-            idx, tgt = idx.to(DEVICE), tgt.to(DEVICE)
             model.set_requires_gradient_sync(k == MICRO - 1)
             mine = slice(rank * per, (rank + 1) * per)
             loss = dist_cases.loss_fn(model, idx[mine], tgt[mine]) / MICRO
@@ -258,8 +256,8 @@ def run_all(rank: int, ws: int, tmp: str, results: Dict) -> None:
         dcplan.shutdown()
         # Another model: a second layer norm renamed and resized changes names and shapes.
         other = make_model()
-        other.ln_f = torch.nn.LayerNorm(11, device=DEVICE)
-        other.head = torch.nn.Linear(11, 37, bias=False, device=DEVICE)
+        other.ln_f = torch.nn.LayerNorm(11, device=dist_cases.DEVICE)
+        other.head = torch.nn.Linear(11, 37, bias=False, device=dist_cases.DEVICE)
         path = write_plan(good, os.path.join(tmp, "refuse-other.plan.json"))
         out["other_model"] = (path, expect_error(lambda: dcplan.shard(other, stage=3, plan=path)))
         dcplan.shutdown()
@@ -315,7 +313,6 @@ def run_all(rank: int, ws: int, tmp: str, results: Dict) -> None:
 
 def worker(rank: int, ws: int, init_file: str, out_dir: str, backend: str = "gloo") -> None:
     """One rank: backend "gloo" on CPU, or "nccl" with the model on GPU rank (dcplan's NCCL transport)."""
-    global DEVICE
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if os.environ.get("DCPLAN_TEST_HANG_SECONDS"):  # debugging a hang: every rank's stack, then exit
@@ -326,9 +323,9 @@ def worker(rank: int, ws: int, init_file: str, out_dir: str, backend: str = "glo
         torch._C._set_print_stack_traces_on_fatal_signal(True)  # a crash names its C++ frames
     kw = {}
     if backend == "nccl":
-        DEVICE = dist_cases.DEVICE = torch.device("cuda", rank)
-        torch.cuda.set_device(DEVICE)
-        kw["device_id"] = DEVICE
+        dist_cases.DEVICE = torch.device("cuda", rank)  # the model and data of every case
+        torch.cuda.set_device(dist_cases.DEVICE)
+        kw["device_id"] = dist_cases.DEVICE
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=ws,
                             timeout=datetime.timedelta(seconds=60), **kw)
     import dcplan  # noqa: F401
