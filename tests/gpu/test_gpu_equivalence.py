@@ -7,7 +7,8 @@ import torch
 
 import dist_cases
 import gpu_worker
-from mp_harness import assert_matches_reference, entry, run_ranks, selected_cases, skip_unselected
+from mp_harness import (assert_matches_reference, assert_reduced_grads, entry, run_ranks, selected_cases,
+                        skip_unselected)
 
 pytestmark = pytest.mark.gpu
 
@@ -33,20 +34,7 @@ def test_ops_on_gpu(gpu_results):
         torch.testing.assert_close(v["fused"][2], (torch.arange(14.0) + 300).view(2, 7))
         # The gather saw the write queued behind the sleep.
         torch.testing.assert_close(v["allgather_after_write"], (torch.arange(9.0) + 1100).view(3, 3))
-        mean = sum(r + 1 for r in range(WS)) / WS
-        for i, numel in {0: 5, 1: 9, 2: 1, 3: 14}.items():
-            s = -(-numel // WS)
-            valid = max(0, min(s, numel - rank * s))
-            want = torch.zeros(s)
-            want[:valid] = mean * (i + 1)
-            torch.testing.assert_close(v["z3_grads"][i], want, msg=lambda m: f"rank {rank} z3 grad {i}: {m}")
-            torch.testing.assert_close(v["z1_before_boundary"][i], want)
-            want1 = torch.zeros(s)
-            want1[:valid] = 2 * mean
-            torch.testing.assert_close(v["z1_grads"][i], want1, msg=lambda m: f"rank {rank} z1 grad {i}: {m}")
-        total = float(sum(r + 1 for r in range(WS)))
-        torch.testing.assert_close(v["inference_all_reduce"], torch.full((4,), total))
-        torch.testing.assert_close(v["inference_all_reduce_"], torch.full((2, 3), total))
+        assert_reduced_grads(v, rank, WS)
         assert v["offload_pinned"]
         torch.testing.assert_close(v["offload_host"], v["offload_expected"])
         torch.testing.assert_close(v["reload"], v["offload_expected"])

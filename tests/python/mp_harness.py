@@ -71,6 +71,27 @@ def entry(per_rank: List[Dict], name: str) -> Dict:
     return per_rank[0][name]
 
 
+def assert_reduced_grads(v: Dict, rank: int, ws: int) -> None:
+    """The op checks' reductions (dist_cases.run_op_checks, gpu_worker.run_gpu_op_checks): rank r
+    contributes r+1 per element; ZeRO-3 reduce-scatters the mean, ZeRO-1 before the boundary
+    leaves the buffer alone (it still holds the ZeRO-3 result), at the boundary it all-reduces
+    two micro-steps; inference all-reduces sum."""
+    mean = sum(r + 1 for r in range(ws)) / ws
+    for i, numel in {0: 5, 1: 9, 2: 1, 3: 14}.items():
+        s = -(-numel // ws)
+        valid = max(0, min(s, numel - rank * s))
+        want = torch.zeros(s)
+        want[:valid] = mean * (i + 1)
+        torch.testing.assert_close(v["z3_grads"][i], want, msg=lambda m: f"rank {rank} z3 grad {i}: {m}")
+        torch.testing.assert_close(v["z1_before_boundary"][i], want)
+        want1 = torch.zeros(s)
+        want1[:valid] = 2 * mean
+        torch.testing.assert_close(v["z1_grads"][i], want1, msg=lambda m: f"rank {rank} z1 grad {i}: {m}")
+    total = float(sum(r + 1 for r in range(ws)))
+    torch.testing.assert_close(v["inference_all_reduce"], torch.full((4,), total))
+    torch.testing.assert_close(v["inference_all_reduce_"], torch.full((2, 3), total))
+
+
 def assert_matches_reference(case, got: Dict, ref: Dict, ws: int, steps: int, what: str,
                              loss_tol: Dict, param_tol: Dict) -> None:
     """A sharded run against its unsharded reference: losses, full parameters, shard sizes, and
