@@ -61,7 +61,8 @@ def parse_args():
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the results here")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after timing, profile this many steps (torch.profiler) and print where the GPU time goes")
-    p.add_argument("--trace-dir", help="with --profile-steps: rank 0 keeps its Chrome traces here")
+    p.add_argument("--trace-dir", help="rank 0 keeps its Chrome traces (--profile-steps) and host profiles "
+                   "(--host-profile-steps) here")
     p.add_argument("--host-profile-steps", type=int, default=0,
                    help="after timing, run this many steps under cProfile on rank 0 and print where the host "
                         "time goes (the communication-heavy shape is bound by the host)")
@@ -192,6 +193,8 @@ class Bench:
         torch.cuda.synchronize()
         if prof:
             prof.disable()
+            if a.trace_dir:  # the whole profile, for pstats
+                prof.dump_stats(os.path.join(a.trace_dir, f"{a.label or 'shape'}-{mode}-host.prof"))
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
             lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]

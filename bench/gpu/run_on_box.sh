@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CUDA path, runs the GPU tests and the FSDP2 comparison on a 2-GPU machine.
 #   bash bench/gpu/run_on_box.sh tests               # GPU tests + plan replay tests on NCCL
+#   bash bench/gpu/run_on_box.sh bench [args]         # fsdp_vs_dcplan.py with these arguments only
 #   bash bench/gpu/run_on_box.sh comm|compute [args]  # one shape, everything in order:
 #       1. fsdp2, dcplan (default schedule) and the compute-only bound;
 #       2. dcplan record of the default schedule;
@@ -45,6 +46,9 @@ case "$what" in
     (cd tests/replay && DCPLAN_TEST_VERBOSE=1 "$PY" -m pytest -q -rs -p no:cacheprovider -k nccl . 2>&1) \
       | tee "$OUT/replay-tests.log" | tail -5 || true
     ;;
+  bench)
+    bench "$@" 2>&1 | tee "$OUT/bench.log" | quiet
+    ;;
   comm|compute)
     sh=$what
     case $sh in comm) args="--batch 1 --seq 1024 --label comm-heavy";; compute) args="--batch 4 --seq 2048 --label compute-heavy";; esac
@@ -66,6 +70,6 @@ case "$what" in
     echo "== 4. fsdp2 and the plans"
     bench $args --modes fsdp2,dcplan --plan "${plans#,}" --json "$P/plans.json" "$@" 2>&1 | tee "$P/plans.log" | quiet
     ;;
-  *) echo "run_on_box.sh: expected tests, comm or compute, got '$what'" >&2; exit 2 ;;
+  *) echo "run_on_box.sh: expected tests, bench, comm or compute, got '$what'" >&2; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - start )) s"

@@ -43,13 +43,12 @@ class _ParamInfo:
     shape: torch.Size
     numel: int
     shard: nn.Parameter  # what the optimizer sees: this rank's flat fp32 slice
-    grad_buffer: Optional[torch.Tensor]  # receives the reduced gradient
     version: int = -1  # shard._version at the last gather; a change means the optimizer stepped
     pending_unpacks: int = 0  # saved copies that backward has still to unpack
 
     @property
     def trainable(self) -> bool:
-        return self.grad_buffer is not None
+        return self.shard.requires_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +97,8 @@ class _ShardState:
         self.saved_hooks = None
         self.token = torch.empty(0)
         self.keep_ids = set()  # persistent by the plan: stays gathered past end_backward
+        self.trainable_infos: List[_ParamInfo] = []
+        self.trainable_ids: List[int] = []
 
     # -- gathering -------------------------------------------------------
     def gather(self, info: _ParamInfo, graph_id: int) -> torch.Tensor:
@@ -142,6 +143,10 @@ class _ShardState:
         if info.pending_unpacks <= 0:
             info.pending_unpacks = 0
             self.release(info, self.bwd_graph)
+            if self.requires_sync and info.trainable and info.ds_id in self.keep_ids:
+                # The optimizer step will make a persistent copy stale: it ends with its last use
+                # (its memory then holds this parameter's gradient instead, at the same bytes).
+                _C.invalidate_gathered_param(info.ds_id)
         return out
 
     # -- backward ----------------------------------------------------------
@@ -152,26 +157,19 @@ class _ShardState:
 
     def begin_backward(self) -> None:
         self.in_backward = True
-        trainable = [i for i in self.infos if i.trainable]
-        missing = [i for i in trainable if i.shard.grad is None]
-        update = len(missing) == len(trainable)
-        if not update:
-            # Some shards kept their gradient, others were cleared: start the
-            # cleared ones from zero and accumulate everywhere.
-            for i in missing:
-                i.grad_buffer.zero_()
-                i.shard.grad = i.grad_buffer
-        _C.start_backward(update, self.requires_sync)
+        # Reductions add to the gradients the shards hold; a shard without one gets it from its
+        # first reduction (the runtime keeps no gradient memory between steps, as FSDP2).
+        _C.set_grads(self.trainable_ids, [i.shard.grad for i in self.trainable_infos])
+        _C.start_backward(False, self.requires_sync)
         torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
         self.in_backward = False
         torch.ops.dc.end_backward(self.bwd_graph)
         _plan.warn_departure()
-        if self.stage != 1 or self.requires_sync:
-            for i in self.infos:
-                if i.trainable and i.shard.grad is None:
-                    i.shard.grad = i.grad_buffer
+        for i, grad in zip(self.trainable_infos, _C.take_grads(self.trainable_ids)):
+            if grad is not None and grad is not i.shard.grad:
+                i.shard.grad = grad
         if self.stage == 3:
             # Copies gathered for saved tensors that backward never unpacked; and, before an
             # optimizer step, the persistent copies of trainable parameters too: the step
@@ -283,13 +281,17 @@ def shard(
             if info is None:
                 info = _make_shard(p, f"{mod_name}.{attr}" if mod_name else attr, _next_ds_id, world_size, rank)
                 _next_ds_id += 1
-                _C.register_param(info.ds_id, list(info.shape), info.shard.detach(), info.grad_buffer, stage < 3)
+                _C.register_param(
+                    info.ds_id, list(info.shape), info.shard.detach(), None, stage < 3, trainable=info.trainable
+                )
                 by_param[id(p)] = info
                 state.infos.append(info)
             module._parameters[attr] = info.shard
             state.owned.setdefault(id(module), []).append((attr, info))
 
     ids = [i.ds_id for i in state.infos]
+    state.trainable_infos = [i for i in state.infos if i.trainable]
+    state.trainable_ids = [i.ds_id for i in state.trainable_infos]
     register = {1: _C.register_graph_z1, 2: _C.register_graph_z2, 3: _C.register_graph_z3}[stage]
     register(fwd_graph, ids)
     register(bwd_graph, ids, reduce_dtype)
@@ -364,8 +366,7 @@ def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: i
     hi = min(lo + shard_numel, numel)
     data[: hi - lo].copy_(flat[lo:hi])
     shard_param = nn.Parameter(data, requires_grad=p.requires_grad)
-    grad = torch.zeros_like(data) if p.requires_grad else None
-    return _ParamInfo(ds_id=ds_id, name=name, shape=p.shape, numel=numel, shard=shard_param, grad_buffer=grad)
+    return _ParamInfo(ds_id=ds_id, name=name, shape=p.shape, numel=numel, shard=shard_param)
 
 
 def _make_pre_hook(state: _ShardState):

@@ -162,15 +162,37 @@ PYBIND11_MODULE(_C, m) {
   m.def("rank", &rank);
 
   auto regParam = [](int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& dsTensor,
-                     const std::optional<at::Tensor>& gradBuffer, bool persistent) {
-    registerParam(dsId, shape, dsTensor, gradBuffer.value_or(at::Tensor()), persistent);
+                     const std::optional<at::Tensor>& gradBuffer, bool persistent, bool trainable) {
+    registerParam(dsId, shape, dsTensor, gradBuffer.value_or(at::Tensor()), persistent, trainable);
   };
   m.def("register_param", regParam, py::arg("ds_id"), py::arg("ds_shape"), py::arg("ds_tensor"),
-        py::arg("grad_buffer"), py::arg("persistent") = false, Release(),
+        py::arg("grad_buffer"), py::arg("persistent") = false, py::arg("trainable") = false, Release(),
         "Registers a parameter: its full shape, this rank's flat shard of ceil(numel/world_size) elements "
-        "and the gradient buffer of the same size (None for a frozen parameter).");
+        "and the gradient buffer of the same size (None for a frozen parameter, or with trainable=True for "
+        "gradients given and taken each backward: set_grads, take_grads).");
   m.def("register_z3_param", regParam, py::arg("ds_id"), py::arg("ds_shape"), py::arg("ds_tensor"),
-        py::arg("grad_buffer"), py::arg("persistent") = false, Release(), "Same as register_param.");
+        py::arg("grad_buffer"), py::arg("persistent") = false, py::arg("trainable") = false, Release(),
+        "Same as register_param.");
+  m.def(
+      "set_grads",
+      [](const std::vector<int64_t>& ids, const std::vector<std::optional<at::Tensor>>& grads) {
+        std::vector<at::Tensor> gs;
+        gs.reserve(grads.size());
+        for (const auto& g : grads) gs.push_back(g.value_or(at::Tensor()));
+        setGrads(ids, gs);
+      },
+      py::arg("ds_ids"), py::arg("grads"), Release(),
+      "Before a backward: the gradients (None: none yet) its reductions add to, for parameters "
+      "registered with trainable=True and no grad_buffer.");
+  m.def(
+      "take_grads",
+      [](const std::vector<int64_t>& ids) {
+        std::vector<std::optional<at::Tensor>> out;
+        for (at::Tensor& g : takeGrads(ids)) out.push_back(g.defined() ? std::optional<at::Tensor>(g) : std::nullopt);
+        return out;
+      },
+      py::arg("ds_ids"), Release(),
+      "After end_backward: those parameters' gradients (None: none); the runtime forgets them.");
   m.def(
       "register_graph_z1",
       [](int64_t g, const std::vector<int64_t>& ids, const py::object& rd) {

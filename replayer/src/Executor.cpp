@@ -128,7 +128,7 @@ void scheduleBefore(RuntimeState& rt, const OpEvent& event) {
 // ---------------------------------------------------------------- ParamRegistry
 
 void ParamRegistry::registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
-                                  const at::Tensor& gradBuffer, bool persistent) {
+                                  const at::Tensor& gradBuffer, bool persistent, bool trainable) {
   TORCH_CHECK(dsId >= 0, "register_param: ds_id should be >= 0, got ", dsId);
   TORCH_CHECK(!contains(dsId), "register_param: ds_id ", dsId, " is already registered");
   int64_t numel = 1;
@@ -156,7 +156,9 @@ void ParamRegistry::registerParam(int64_t dsId, const std::vector<int64_t>& shap
   p.numel_ = numel;
   p.shardNumel_ = shardNumel;
   p.shard_ = shard;
-  p.gradBuffer_ = gradBuffer;
+  p.trainable_ = trainable || gradBuffer.defined();
+  p.grad_ = gradBuffer;
+  p.fixedGrad_ = gradBuffer.defined();
   p.persistent_ = persistent;
   params_.emplace(dsId, std::move(p));
 }
@@ -372,7 +374,6 @@ Executor::Executor(int64_t graphId, Stage stage, std::vector<int64_t> dsIds,
     rt_.registry_->get("register_graph", id);  // fails for unknown ids
     TORCH_CHECK(!inGraph_.count(id), "register_graph: graph_id ", graphId, " lists ds_id ", id, " twice");
     inGraph_[id] = true;
-    hasGrad_[id] = false;
   }
   buckets_ = std::make_unique<DoubleBufferedReduceBucket>(
       rt_.transport_->worldSize(), /*rankMajor=*/stage != Stage::Zero1, rt_.config_.reduceBucketBytes,
@@ -482,20 +483,36 @@ void Executor::complete(ReduceBucket& bucket) {
     return;
   }
   const double scale = 1.0 / rt_.transport_->worldSize();  // gradients are averaged over ranks
+  // Where each reduced slice goes is decided here, on the host; the tensor ops go in one
+  // multi-tensor launch per kind (a bucket holds tens of gradients).
+  std::vector<at::Tensor> addTo, addFrom, copyTo, copyFrom, scaleOnly;
+  for (const ReduceTask& task : bucket.tasks()) {
+    Param& p = rt_.registry_->get("end_backward", task.dsId_);
+    at::Tensor reduced = reducedSlice(bucket, task);
+    if (p.grad_.defined() && p.accumulate_) {
+      addTo.push_back(p.grad_);
+      addFrom.push_back(reduced);
+    } else if (p.grad_.defined()) {
+      copyTo.push_back(p.grad_);
+      copyFrom.push_back(reduced);
+    } else if (sliceIsGradient() && reduced.scalar_type() == p.shard_.scalar_type()) {
+      p.grad_ = reduced;  // the reduced memory itself becomes the gradient
+      scaleOnly.push_back(reduced);
+    } else {
+      p.grad_ = at::empty_like(p.shard_);  // on the caller's stream; runAfter orders after it
+      copyTo.push_back(p.grad_);
+      copyFrom.push_back(reduced);
+    }
+    p.accumulate_ = true;
+  }
   // Queued after the reduction (on its stream on a GPU); end_backward waits for all of them.
   CommHandlePtr accumulated = rt_.transport_->runAfter(bucket.pending_, [&] {
-    for (const ReduceTask& task : bucket.tasks()) {
-      Param& p = rt_.registry_->get("end_backward", task.dsId_);
-      at::Tensor reduced = reducedSlice(bucket, task);
-      bool& has = hasGrad_[task.dsId_];
-      if (has) {
-        p.gradBuffer_.add_(reduced.to(p.gradBuffer_.scalar_type()), scale);
-      } else {
-        p.gradBuffer_.copy_(reduced);
-        p.gradBuffer_.mul_(scale);
-        has = true;
-      }
+    if (!copyTo.empty()) {
+      at::_foreach_copy_(copyTo, copyFrom);
+      at::_foreach_mul_(copyTo, scale);
     }
+    if (!scaleOnly.empty()) at::_foreach_mul_(scaleOnly, scale);
+    if (!addTo.empty()) at::_foreach_add_(addTo, addFrom, scale);
   });
   bucket.reset();
   // While the reduction or the accumulation (ZeRO-1 reads the all-reduced buffer itself) may
@@ -507,10 +524,9 @@ void Executor::complete(ReduceBucket& bucket) {
 
 void Executor::startBackward(bool update, bool sync) {
   sync_ = sync;
-  if (update) {
-    for (auto& [id, has] : hasGrad_) has = false;
-  } else {
-    for (auto& [id, has] : hasGrad_) has = true;
+  for (int64_t id : dsIds_) {
+    Param& p = rt_.registry_->get("start_backward", id);
+    p.accumulate_ = !update && p.grad_.defined();
   }
 }
 
@@ -614,9 +630,9 @@ int rank() {
 }
 
 void registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
-                   const at::Tensor& gradBuffer, bool persistent) {
+                   const at::Tensor& gradBuffer, bool persistent, bool trainable) {
   std::lock_guard<std::mutex> lock(gMutex);
-  state("register_param").registry_->registerParam(dsId, shape, shard, gradBuffer, persistent);
+  state("register_param").registry_->registerParam(dsId, shape, shard, gradBuffer, persistent, trainable);
 }
 
 void registerGraph(int64_t graphId, Stage stage, const std::vector<int64_t>& dsIds,
@@ -663,6 +679,42 @@ void startBackward(bool update, bool sync) {
   for (auto& [id, ex] : rt.executors_) ex->startBackward(update, sync);
   rt.schedule_->onStartBackward(update, sync);
   if (rt.observer_) rt.observer_->onStartBackward(update, sync);
+}
+
+void setGrads(const std::vector<int64_t>& dsIds, const std::vector<at::Tensor>& grads) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state("set_grads");
+  TORCH_CHECK(dsIds.size() == grads.size(), "set_grads: ds_ids and grads should have the same length, got ",
+              dsIds.size(), " and ", grads.size());
+  for (size_t i = 0; i < dsIds.size(); ++i) {
+    Param& p = rt.registry_->get("set_grads", dsIds[i]);
+    TORCH_CHECK(p.trainable_ && !p.fixedGrad_, "set_grads: ds_id ", dsIds[i],
+                p.trainable_ ? " has a registered grad_buffer" : " is frozen (registered as not trainable)");
+    const at::Tensor& g = grads[i];
+    if (g.defined()) {
+      TORCH_CHECK(g.dim() == 1 && g.numel() == p.shardNumel_ && g.device() == p.shard_.device() &&
+                      at::isFloatingType(g.scalar_type()),
+                  "set_grads: grads[", i, "] (ds_id ", dsIds[i], ") should be a 1-D floating tensor of ",
+                  p.shardNumel_, " elements on ", p.shard_.device(), ", got ", g.sizes(), " ",
+                  g.scalar_type(), " on ", g.device());
+    }
+    p.grad_ = g;
+  }
+}
+
+std::vector<at::Tensor> takeGrads(const std::vector<int64_t>& dsIds) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state("take_grads");
+  std::vector<at::Tensor> out;
+  out.reserve(dsIds.size());
+  for (int64_t id : dsIds) {
+    Param& p = rt.registry_->get("take_grads", id);
+    TORCH_CHECK(p.trainable_ && !p.fixedGrad_, "take_grads: ds_id ", id,
+                p.trainable_ ? " has a registered grad_buffer" : " is frozen (registered as not trainable)");
+    out.push_back(std::move(p.grad_));
+    p.grad_ = at::Tensor();
+  }
+  return out;
 }
 
 void reset() {

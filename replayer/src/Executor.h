@@ -24,8 +24,14 @@ struct Param {
   std::vector<int64_t> shape_;
   int64_t numel_ = 0;
   int64_t shardNumel_ = 0;
-  at::Tensor shard_;       // [shardNumel_], zero padded past numel_
-  at::Tensor gradBuffer_;  // [shardNumel_] or undefined (frozen)
+  at::Tensor shard_;  // [shardNumel_], zero padded past numel_
+  bool trainable_ = false;
+  // The gradient reductions land in: a registered buffer (fixedGrad_), or, for a parameter
+  // registered without one, what setGrads gave or the first reduction of a backward created
+  // (then handed over by takeGrads: the runtime keeps no gradient memory between steps).
+  at::Tensor grad_;
+  bool fixedGrad_ = false;
+  bool accumulate_ = false;  // grad_ holds data this backward adds to
   bool persistent_ = false;
 
   // Gathered copy: gatheredBuffer_ is [worldSize * shardNumel_] (padded);
@@ -40,7 +46,7 @@ struct Param {
   bool offloaded_ = false;
   at::Tensor host_;
 
-  bool trainable() const { return gradBuffer_.defined(); }
+  bool trainable() const { return trainable_; }
   bool hasGathered() const { return gathered_.defined(); }
   int64_t gatheredBytes() const {
     return gathered_.defined() ? gathered_.numel() * static_cast<int64_t>(gathered_.element_size()) : 0;
@@ -56,7 +62,7 @@ class ParamRegistry {
   ParamRegistry& operator=(const ParamRegistry&) = delete;
 
   void registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
-                     const at::Tensor& gradBuffer, bool persistent);
+                     const at::Tensor& gradBuffer, bool persistent, bool trainable = false);
   bool contains(int64_t dsId) const { return params_.count(dsId) != 0; }
   /// The parameter, or a TORCH_CHECK error naming op and id.
   Param& get(const char* op, int64_t dsId);
@@ -201,6 +207,9 @@ class Executor {
   virtual CommHandlePtr launchReduce(ReduceBucket& bucket) = 0;
   /// This rank's reduced slice of a task, after the reduction completed.
   virtual at::Tensor reducedSlice(ReduceBucket& bucket, const ReduceTask& task) = 0;
+  /// Whether a reduced slice may become a parameter's gradient as it is (a view that keeps
+  /// no more memory alive than the gradients of the bucket).
+  virtual bool sliceIsGradient() const = 0;
 
   /// Copies a flat gradient (numel elements) into a bucket, flushing first if
   /// the schedule says so.
@@ -217,7 +226,6 @@ class Executor {
   std::optional<at::ScalarType> reduceDtype_;
   RuntimeState& rt_;
   std::unique_ptr<DoubleBufferedReduceBucket> buckets_;
-  std::unordered_map<int64_t, bool> hasGrad_;  // grad buffer already holds this backward's data
   std::vector<CommHandlePtr> accumulations_;   // queued by complete(), waited for by drain()
   bool sync_ = true;
 };
@@ -233,6 +241,8 @@ class Zero1Executor final : public Executor {
   void addGrad(Param& p, const at::Tensor& gradFlat) override;
   CommHandlePtr launchReduce(ReduceBucket& bucket) override;
   at::Tensor reducedSlice(ReduceBucket& bucket, const ReduceTask& task) override;
+  // A slice is a row of the whole all-reduced bucket: as a gradient it would keep all of it.
+  bool sliceIsGradient() const override { return false; }
 
  private:
   std::unordered_map<int64_t, at::Tensor> localGrad_;  // fp32 [numel], between boundaries
@@ -248,6 +258,8 @@ class ShardedGradExecutor final : public Executor {
   bool keepsAllGathered() const override { return stage_ == Stage::Zero2; }
   CommHandlePtr launchReduce(ReduceBucket& bucket) override;
   at::Tensor reducedSlice(ReduceBucket& bucket, const ReduceTask& task) override;
+  // The reduce-scatter output holds this rank's slices of the bucket's gradients, nothing else.
+  bool sliceIsGradient() const override { return true; }
 };
 
 /// Everything init() creates; one per process.

@@ -376,3 +376,35 @@ def test_two_forwards_one_backward_and_kept_grads(dcplan_module, group, stage):
         info = shards["m." + name]
         torch.testing.assert_close(info.shard.grad, p.grad.reshape(-1), rtol=1e-6, atol=1e-7)
     dcplan_module.shutdown()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradients_are_the_callers_alone(dcplan_module, group, stage):
+    """Gradients exist from the first reduction of a backward to zero_grad(set_to_none=True):
+    the runtime keeps no reference (their memory is freed then, as FSDP2's), and a kept
+    gradient is accumulated into in place."""
+    import weakref
+
+    dcplan_module.shutdown()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    dcplan_module.shard(m, stage=stage)
+    shards = list(m.parameters())
+    assert all(p.grad is None for p in shards)  # nothing allocated before a backward
+    m(torch.randn(2, 8)).square().mean().backward()
+    grads = [p.grad for p in shards]
+    assert all(g is not None for g in grads)
+    ids = [i.ds_id for i in m._dcplan.infos]
+    assert dcplan_module._C.take_grads(ids) == [None] * len(ids)  # handed over at end_backward
+    first = [g.clone() for g in grads]
+    m(torch.randn(2, 8)).square().mean().backward()  # kept: accumulated into the same tensors
+    assert all(p.grad is g for p, g in zip(shards, grads))
+    assert any(not torch.equal(g, f) for g, f in zip(grads, first))
+    refs = [weakref.ref(g) for g in grads]
+    del grads, first
+    for p in shards:
+        p.grad = None
+    assert [r() for r in refs] == [None] * len(refs)
+    with pytest.raises(RuntimeError, match=r"set_grads: grads\[0\] \(ds_id 0\) should be a 1-D floating tensor of"):
+        dcplan_module._C.set_grads([0], [torch.zeros(3, 3)])
+    dcplan_module.shutdown()

@@ -35,14 +35,22 @@ class Switchable(dist_cases.TinyTransformer):
     def __init__(self):
         super().__init__()
         self.mode = "normal"
+        self.held_in_backward = []  # per backward: the ds_ids held when its gradient reaches the input
 
     def forward(self, idx):
         x = self.embed(idx) + self.pos
+        if x.requires_grad:
+            x.register_hook(self._note_held)  # runs after every other module's backward
         if self.mode != "skip":
             x = self.block(x)
         if self.mode == "twice":
             x = self.block(x)
         return self.head(self.ln_f(x))
+
+    def _note_held(self, grad):
+        import dcplan
+
+        self.held_in_backward.append(sorted(dcplan._C.gathered_param_ids()))
 
 
 def make_model() -> Switchable:
@@ -101,6 +109,7 @@ def train(stage: int, rank: int, ws: int, plan: Optional[str] = None, on_mismatc
         "infos": [(i.ds_id, i.name, list(i.shape), i.shard.numel(), i.trainable) for i in state.infos],
         "signature": dcplan._plan.signature(state.infos, ws),
         "op_log": op_log,
+        "held_in_backward": model.held_in_backward,
     }
     if log is not None:
         dcplan._C.flush_replay_log()

@@ -90,6 +90,24 @@ def test_plan_keeps_numbers_and_is_followed(runs, stage, kind):
             assert not dropped
 
 
+def test_persistent_copies_end_with_their_last_use_before_a_step(runs):
+    """ZeRO-3, every parameter persistent: a backward that ends in an optimizer step keeps no
+    persistent copy past its last use (only copies backward never reads stay to its end); one
+    within gradient accumulation keeps them all for the next forward."""
+    ws, per_rank = runs
+    for rank, got in enumerate(value(per_rank, "zero3-all_persistent")):
+        ids = sorted(i[0] for i in got["infos"])
+        # Autograd saves neither the embedding's weight, the added position table nor a linear
+        # layer's bias: backward never reads their copies.
+        never_read = {"pos", "embed.weight", "block.attn.proj.bias", "block.mlp.0.bias", "block.mlp.2.bias"}
+        unread = sorted(i[0] for i in got["infos"] if i[1] in never_read)
+        held = got["held_in_backward"]
+        assert len(held) == replay_cases.STEPS * replay_cases.MICRO, held
+        for k, h in enumerate(held):
+            syncs = k % replay_cases.MICRO == replay_cases.MICRO - 1
+            assert h == (unread if syncs else ids), f"rank {rank}, backward {k}: held {h}"
+
+
 def test_bf16_plan(runs):
     """Gathers in bf16: planned prefetches gather in bf16 too, so every op finds its copy."""
     ws, per_rank = runs

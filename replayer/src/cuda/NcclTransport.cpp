@@ -326,6 +326,8 @@ class NcclTransport final : public Transport {
     if (event == nullptr || !event->stream()) return Transport::runAfter(done, work);
     const c10::cuda::CUDAStream side = *event->stream();
     c10::cuda::CUDAGuard guard(device_);
+    // Memory the caller allocated for work may have been used by its queue until now.
+    waitForCaller(side);
     {
       c10::cuda::CUDAStreamGuard onStream(side);
       work();

@@ -43,9 +43,17 @@ int rank();
 /// Registers parameter dsId. shard is this rank's flat slice of
 /// ceil(numel/worldSize) elements (zero padded past numel); gradBuffer has the
 /// same size and receives the reduced gradient (undefined for a frozen
-/// parameter). The caller keeps both alive.
+/// parameter). The caller keeps both alive. trainable without a gradBuffer: the
+/// gradient is the caller's to give (setGrads) and take (takeGrads) each backward,
+/// and the first reduction of a backward into none creates it.
 void registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
-                   const at::Tensor& gradBuffer, bool persistent);
+                   const at::Tensor& gradBuffer, bool persistent, bool trainable = false);
+/// Before a backward: the gradients its reductions add to (undefined: none yet), for
+/// parameters registered trainable without a gradient buffer.
+void setGrads(const std::vector<int64_t>& dsIds, const std::vector<at::Tensor>& grads);
+/// After end_backward: those parameters' gradients (undefined: none), which the runtime
+/// then forgets, so that their memory is the caller's alone.
+std::vector<at::Tensor> takeGrads(const std::vector<int64_t>& dsIds);
 /// Registers graph graphId run by a stage executor over the given parameters.
 /// reduceDtype: dtype of the reduce buckets (default: the gradient's dtype).
 void registerGraph(int64_t graphId, Stage stage, const std::vector<int64_t>& dsIds,

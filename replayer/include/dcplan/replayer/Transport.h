@@ -68,8 +68,9 @@ class Transport {
   /// default (a host transport, whose work has run when queued) is completed.
   virtual CommHandlePtr markCaller();
 
-  /// Runs `work` (which queues tensor ops) ordered after the collective of `done`, without
-  /// making the caller's stream wait for it: a device transport runs it on that
+  /// Runs `work` (which queues tensor ops) ordered after the collective of `done` and after
+  /// the caller's work queued so far (so it may write tensors the caller just allocated),
+  /// without making the caller's stream wait for it: a device transport runs it on that
   /// collective's stream. The default waits for done and runs work. The result's wait()
   /// makes work's writes visible to the caller.
   virtual CommHandlePtr runAfter(const CommHandlePtr& done, const std::function<void()>& work);
