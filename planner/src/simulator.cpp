@@ -181,6 +181,10 @@ class Simulation {
     const WorkGraph& g = w_.graphs[static_cast<size_t>(run.graph)];
     const CompiledSchedule::Graph& cg = s_.graphs[static_cast<size_t>(run.graph)];
     bool reduces = w_.stage >= 2 || run.microStep == lastMicroStep_[static_cast<size_t>(run.graph)];
+    // ZeRO-3's backward before the optimizer step ends persistent copies of trainable
+    // parameters at their last use (the step makes them stale), the rest at its end.
+    const bool dropsPersistent = w_.stage == 3 && g.kind == schemas::GraphKind::Backward &&
+                                 run.microStep == lastMicroStep_[static_cast<size_t>(run.graph)];
     Collective reduceOp = w_.stage >= 2 ? Collective::ReduceScatter : Collective::AllReduce;
     arrived_.assign(cg.bucketSize.size(), 0);
     launched_.assign(cg.bucketSize.size(), 0);
@@ -210,6 +214,8 @@ class Simulation {
           if (allocated_[p] && !s_.persistent[p]) {
             allocated_[p] = 0;
             liveGathered_ -= w_.params[p].gatherBytes;
+          } else if (allocated_[p] && dropsPersistent && op.lastRelease && w_.params[p].requiresGrad) {
+            dropPersistent(p);
           }
           break;
         }
@@ -242,6 +248,17 @@ class Simulation {
       sample(t_, run.activationBytes[i]);
     }
     if (reduces) flush(cg, reduceOp, r, g.ops.empty() ? 0 : g.ops.back().seq);
+    if (dropsPersistent) {
+      for (size_t p = 0; p < w_.params.size(); ++p) {
+        if (allocated_[p] && s_.persistent[p] && w_.params[p].requiresGrad) dropPersistent(p);
+      }
+      sample(t_, 0);
+    }
+  }
+
+  void dropPersistent(size_t p) {
+    allocated_[p] = 0;
+    livePersistent_ -= w_.params[p].gatherBytes;
   }
 
   void gatherOne(int32_t p, int32_t r, int64_t seq) {
@@ -258,7 +275,7 @@ class Simulation {
       allocated_[pi] = 1;
       gatherCount_[pi]++;
       bytes += w_.params[pi].gatherBytes;
-      if (!s_.persistent[pi]) liveGathered_ += w_.params[pi].gatherBytes;
+      (s_.persistent[pi] ? livePersistent_ : liveGathered_) += w_.params[pi].gatherBytes;
       members_.push_back(p);
     }
     if (members_.empty()) return;
@@ -309,7 +326,7 @@ class Simulation {
 
   void sample(double now, uint64_t activation) {
     uint64_t m =
-        w_.baselineBytes + s_.persistentBytes + activation + liveGathered_ + filling_ + pendingBytes_;
+        w_.baselineBytes + livePersistent_ + activation + liveGathered_ + filling_ + pendingBytes_;
     peak_ = std::max(peak_, m);
     if (record_) res_.memory.push_back(MemorySample{now, m});
   }
@@ -337,6 +354,7 @@ class Simulation {
   uint64_t pendingBytes_ = 0;
   uint64_t filling_ = 0;
   uint64_t liveGathered_ = 0;
+  uint64_t livePersistent_ = 0;  ///< persistent copies gathered and not yet dropped
   uint64_t peak_ = 0;
   double t_ = 0;
   double gatherFree_ = 0;

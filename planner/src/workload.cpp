@@ -215,6 +215,15 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
       w.runs.push_back(std::move(run));
     }
   }
+  for (WorkGraph& g : w.graphs) {
+    std::vector<char> seen(w.params.size(), 0);
+    for (size_t i = g.ops.size(); i-- > 0;) {
+      WorkOp& op = g.ops[i];
+      if (op.kind != OpKind::Release || seen[static_cast<size_t>(op.param)]) continue;
+      seen[static_cast<size_t>(op.param)] = 1;
+      op.lastRelease = true;
+    }
+  }
   return w;
 }
 

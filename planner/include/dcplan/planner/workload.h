@@ -27,6 +27,7 @@ struct WorkOp {
   int64_t seq = 0;         ///< position in the graph's op sequence, as recorded
   uint64_t copyBytes = 0;  ///< CopyStart only
   bool hostToDevice = false;
+  bool lastRelease = false;  ///< Release only: the graph's last release of this parameter
 };
 
 struct WorkParam {
