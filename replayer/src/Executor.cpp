@@ -304,6 +304,25 @@ at::Tensor ReduceBucket::allocate(int64_t dsId, int64_t cols) {
   return region(tasks_.back());
 }
 
+void ReduceBucket::defer(int64_t dsId, int64_t cols, const at::Tensor& gradFlat) {
+  TORCH_INTERNAL_ASSERT(pending_ == nullptr, "filling a bucket whose reduction is in flight");
+  TORCH_INTERNAL_ASSERT(rankMajor_ && !buffer_.defined(), "defer() fills a packed or flat bucket");
+  tasks_.push_back(ReduceTask{dsId, usedCols_, cols});
+  usedCols_ += cols;
+  if (cols > 0) deferred_.push_back(gradFlat);
+}
+
+void ReduceBucket::pack() {
+  if (buffer_.defined()) return;
+  buffer_ = at::empty({worldSize_ * usedCols_}, at::TensorOptions().dtype(dtype_).device(device_));
+  capacityCols_ = usedCols_;
+  if (!deferred_.empty()) {
+    at::Tensor out = buffer_.view({worldSize_, usedCols_});
+    at::_chunk_cat_out(out, deferred_, 0, worldSize_);
+  }
+  deferred_.clear();
+}
+
 at::Tensor ReduceBucket::region(const ReduceTask& task) const {
   if (rankMajor_) {
     return buffer_.view({worldSize_, capacityCols_}).narrow(1, task.colOffset_, task.cols_);
@@ -329,6 +348,7 @@ void ReduceBucket::releaseMemory() {
 
 void ReduceBucket::reset() {
   tasks_.clear();
+  deferred_.clear();
   usedCols_ = 0;
   pending_.reset();
   output_ = at::Tensor();
@@ -447,6 +467,11 @@ void Executor::putInBucket(Param& p, const at::Tensor& gradFlat) {
     flush(dtype);
     bucket = &buckets_->current(dtype);
   }
+  if (bucket->rankMajor()) {
+    bucket->defer(p.id_, p.shardNumel_, gradFlat);
+    if (rt_.schedule_->flushAfter(graphId_, p.id_)) flush(dtype);
+    return;
+  }
   at::Tensor region = bucket->allocate(p.id_, p.shardNumel_);  // [ws, shardNumel]
   // Row r gets elements [r*s, (r+1)*s) of the gradient; the tail past numel is
   // zero, so no collective reads past the gradient.
@@ -518,7 +543,8 @@ void Executor::complete(ReduceBucket& bucket) {
   // While the reduction or the accumulation (ZeRO-1 reads the all-reduced buffer itself) may
   // still read the buffer (on a GPU), the next fill gets a fresh one; the allocator keeps this
   // memory until their stream is done with it.
-  if (!accumulated->isCompleted()) bucket.releaseMemory();
+  // A rank-major bucket packs a buffer of just its size at every flush.
+  if (bucket.rankMajor() || !accumulated->isCompleted()) bucket.releaseMemory();
   accumulations_.push_back(std::move(accumulated));
 }
 
@@ -574,6 +600,7 @@ at::Tensor Zero1Executor::reducedSlice(ReduceBucket& bucket, const ReduceTask& t
 }
 
 CommHandlePtr ShardedGradExecutor::launchReduce(ReduceBucket& bucket) {
+  bucket.pack();
   at::Tensor input = bucket.commInput();
   bucket.output_ = at::empty({input.size(1)}, input.options());
   return rt_.transport_->reduceScatter(bucket.output_, input);

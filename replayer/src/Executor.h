@@ -112,6 +112,14 @@ class ReduceBucket {
 
   /// Reserves cols columns for gradient dsId; returns its [worldSize, cols] region.
   at::Tensor allocate(int64_t dsId, int64_t cols);
+  /// Rank-major: keeps gradient dsId (flat, cols per rank once padded) as it is until
+  /// pack(), instead of copying it into the buffer now (one launch per bucket, not per
+  /// gradient; no buffer while the bucket fills).
+  void defer(int64_t dsId, int64_t cols, const at::Tensor& gradFlat);
+  /// Lays the deferred gradients out as the [worldSize, usedCols] buffer: row r holds
+  /// each gradient's r-th slice, zero padded.
+  void pack();
+  bool rankMajor() const { return rankMajor_; }
   at::Tensor region(const ReduceTask& task) const;
   /// What the collective works on: [worldSize, usedCols] (rank-major) or the
   /// used prefix of the flat buffer.
@@ -141,6 +149,7 @@ class ReduceBucket {
   int64_t usedCols_ = 0;
   at::Tensor buffer_;
   std::vector<ReduceTask> tasks_;
+  std::vector<at::Tensor> deferred_;  ///< gradients defer() keeps until pack()
 };
 
 /// Two buckets per dtype: one fills while the other's reduction is in flight.

@@ -177,6 +177,25 @@ TEST(ReduceBucket, RankMajorRegionsAreColumnsAndSurviveGrowth) {
   EXPECT_EQ(b.usedBytes(), 0);
 }
 
+TEST(ReduceBucket, DeferredGradientsPackIntoRankMajorRowsWithPadding) {
+  ReduceBucket b(at::kFloat, at::kCPU, 2, /*rankMajor=*/true, /*capacityBytes=*/1 << 20);
+  b.defer(3, 3, at::arange(5, at::kBFloat16));       // 5 elements: 3 + 2 and a zero
+  b.defer(4, 2, at::arange(10, 14, at::kBFloat16));  // 4 elements: 2 + 2
+  EXPECT_EQ(b.usedBytes(), 2 * 5 * 4);  // counted while the gradients wait
+  b.pack();
+  at::Tensor in = b.commInput();
+  ASSERT_EQ(in.sizes(), (std::vector<int64_t>{2, 5}));
+  EXPECT_TRUE(in.is_contiguous());  // the collective reads it as it is
+  EXPECT_TRUE(at::equal(in.select(0, 0), at::tensor({0.f, 1.f, 2.f, 10.f, 11.f})));
+  EXPECT_TRUE(at::equal(in.select(0, 1), at::tensor({3.f, 4.f, 0.f, 12.f, 13.f})));
+  EXPECT_EQ(b.tasks()[1].colOffset_, 3);
+  b.reset();
+  b.releaseMemory();
+  b.defer(5, 1, at::ones({2}, at::kFloat));  // fills again after a flush
+  b.pack();
+  EXPECT_TRUE(at::equal(b.commInput(), at::ones({2, 1}, at::kFloat)));
+}
+
 TEST(ReduceBucket, FlatRegionsAreConsecutive) {
   ReduceBucket b(at::kFloat, at::kCPU, 3, /*rankMajor=*/false, 1024);
   b.allocate(0, 2).fill_(1);
