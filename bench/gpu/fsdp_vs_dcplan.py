@@ -113,10 +113,32 @@ class Bench:
             step(i)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        self.run_peak = torch.cuda.max_memory_allocated(self.device)  # before the phases reset it
+        self.phase_peaks = self.peaks_by_phase(model, opt)
         self.breakdown = self.profile(step, mode) if a.profile_steps else None
         if a.host_profile_steps:
             self.host_profile(step, mode)
         return elapsed / a.steps, [float(v) for v in torch.stack(losses).cpu()]
+
+    def peaks_by_phase(self, model, opt):
+        """Peak memory (GiB, this rank) within forward, backward and the optimizer step of one more
+        step: which phase sets a mode's peak (the optimizer's is the same for every mode)."""
+        x, y = self.batches[0]
+        peaks = {}
+
+        def phase(name, fn):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            out = fn()
+            torch.cuda.synchronize()
+            peaks[name] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            return out
+
+        loss = phase("forward", lambda: F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()))
+        phase("backward", loss.backward)
+        phase("optimizer", opt.step)
+        opt.zero_grad(set_to_none=True)
+        return peaks
 
     def profile(self, step, mode):
         """Kernel time per step from a torch.profiler trace: compute, communication (NCCL
@@ -203,7 +225,7 @@ class Bench:
                   f"({1e3 * host:.1f} ms a step issued under the profiler)\n" + "\n".join(lines[:24]), flush=True)
 
     def peak(self):
-        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], device=self.device, dtype=torch.float64)
+        peak = torch.tensor([self.run_peak], device=self.device, dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return int(peak.item())
 
@@ -229,7 +251,7 @@ class Bench:
         opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
         step, losses = self.run(model, opt, "fsdp2")
         out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
-               "breakdown": self.breakdown}
+               "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks}
         del model, opt
         return out
 
@@ -247,7 +269,7 @@ class Bench:
         opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
         step, losses = self.run(model, opt, "dcplan")
         out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
-               "breakdown": self.breakdown}
+               "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks}
         if plan:
             with open(plan) as f:
                 doc = json.load(f)
@@ -334,6 +356,10 @@ def main():
             loss = f"{losses[0]:7.3f}/{losses[-1]:7.3f}" if losses else f"{'-':>16}"
             tps = tokens / r["step_s"] if mode != "bound" else bench.world * args.batch * args.seq / r["step_s"]
             print(f"{mode:<{width}} {1e3 * r['step_s']:9.1f} {tps:10.0f} {r['peak_bytes'] / 2**30:9.2f} {ratio} {pred} {loss}")
+        for mode, r in results.items():
+            ph = r.get("phase_peaks_gib")
+            if ph:
+                print(f"{mode:<{width}} rank-0 peak GiB by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
         for mode, r in results.items():
             b = r.get("breakdown")
             if b:

@@ -276,7 +276,8 @@ std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector
                 wg.ops.begin();
     auto until = std::lower_bound(v.issueUs.begin(), v.issueUs.end(), timings[b].endUs) - v.issueUs.begin();
     until = std::max<ptrdiff_t>(until, last + 1);
-    delta[static_cast<size_t>(first)] += static_cast<int64_t>(buckets[b].bytes);
+    // ZeRO-2/3 lay a bucket out at its launch (after its last gradient); ZeRO-1 fills it.
+    delta[static_cast<size_t>(c.w.stage < 2 ? first : last)] += static_cast<int64_t>(buckets[b].bytes);
     delta[static_cast<size_t>(std::min<ptrdiff_t>(until, static_cast<ptrdiff_t>(n)))] -=
         static_cast<int64_t>(buckets[b].bytes);
   }

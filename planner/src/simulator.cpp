@@ -224,7 +224,9 @@ class Simulation {
           int32_t b = cg.bucketOfOp[i];
           if (b < 0) break;
           size_t bi = static_cast<size_t>(b);
-          if (arrived_[bi]++ == 0) filling_ += cg.bucketBytes[bi];
+          // ZeRO-1's flat bucket is filled as gradients arrive; ZeRO-2/3 keep the gradients
+          // (in the recorded memory) and lay the bucket out at its launch.
+          if (arrived_[bi]++ == 0 && w_.stage < 2) filling_ += cg.bucketBytes[bi];
           if (arrived_[bi] == cg.bucketSize[bi]) reduce(cg, bi, reduceOp, r, op.seq);
           break;
         }
@@ -300,7 +302,7 @@ class Simulation {
     double start = std::max(t_, reduceFree_);
     double dur = cost_.us(op, bytes);
     reduceFree_ = start + dur;
-    filling_ -= bytes;
+    if (w_.stage < 2) filling_ -= bytes;
     pending_.emplace_back(reduceFree_, bytes);
     pendingBytes_ += bytes;
     res_.reduceBusyUs += dur;
