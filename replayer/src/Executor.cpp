@@ -510,13 +510,31 @@ void Executor::complete(ReduceBucket& bucket) {
   const double scale = 1.0 / rt_.transport_->worldSize();  // gradients are averaged over ranks
   // Where each reduced slice goes is decided here, on the host; the tensor ops go in one
   // multi-tensor launch per kind (a bucket holds tens of gradients).
-  std::vector<at::Tensor> addTo, addFrom, copyTo, copyFrom, scaleOnly;
+  std::vector<at::Tensor> copyTo, copyFrom, scaleOnly;
+  // A gradient reduced twice into one bucket (a module called twice) is added to twice: one
+  // multi-tensor launch must not write a tensor twice (its chunks run in parallel), so the
+  // second addition goes into the next round.
+  std::vector<std::vector<at::Tensor>> addTo, addFrom;
+  auto addRound = [&](const at::Tensor& target) {
+    size_t r = 0;
+    while (r < addTo.size() && std::any_of(addTo[r].begin(), addTo[r].end(), [&](const at::Tensor& t) {
+             return t.is_same(target);
+           })) {
+      ++r;
+    }
+    if (r == addTo.size()) {
+      addTo.emplace_back();
+      addFrom.emplace_back();
+    }
+    return r;
+  };
   for (const ReduceTask& task : bucket.tasks()) {
     Param& p = rt_.registry_->get("end_backward", task.dsId_);
     at::Tensor reduced = reducedSlice(bucket, task);
     if (p.grad_.defined() && p.accumulate_) {
-      addTo.push_back(p.grad_);
-      addFrom.push_back(reduced);
+      const size_t r = addRound(p.grad_);
+      addTo[r].push_back(p.grad_);
+      addFrom[r].push_back(reduced);
     } else if (p.grad_.defined()) {
       copyTo.push_back(p.grad_);
       copyFrom.push_back(reduced);
@@ -537,7 +555,7 @@ void Executor::complete(ReduceBucket& bucket) {
       at::_foreach_mul_(copyTo, scale);
     }
     if (!scaleOnly.empty()) at::_foreach_mul_(scaleOnly, scale);
-    if (!addTo.empty()) at::_foreach_add_(addTo, addFrom, scale);
+    for (size_t r = 0; r < addTo.size(); ++r) at::_foreach_add_(addTo[r], addFrom[r], scale);
   });
   bucket.reset();
   // While the reduction or the accumulation (ZeRO-1 reads the all-reduced buffer itself) may
