@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <functional>
 #include <mutex>
+#include <utility>
 
 namespace dcplan::replayer {
 
@@ -28,6 +29,15 @@ Executor& executor(const char* op, int64_t graphId) {
   TORCH_CHECK(it != rt.executors_.end(), op, ": graph_id ", graphId,
               " is not registered; register it with register_graph_z1/z2/z3 first");
   return *it->second;
+}
+
+/// Parameter dsId, which must be trainable without a registered gradient buffer (its
+/// gradient is the caller's to give and take).
+Param& callerGradParam(RuntimeState& rt, const char* op, int64_t dsId) {
+  Param& p = rt.registry_->get(op, dsId);
+  TORCH_CHECK(p.trainable_ && !p.fixedGrad_, op, ": ds_id ", dsId,
+              p.trainable_ ? " has a registered grad_buffer" : " is frozen (registered as not trainable)");
+  return p;
 }
 
 std::string shapeString(const std::vector<int64_t>& shape) {
@@ -469,22 +479,21 @@ void Executor::putInBucket(Param& p, const at::Tensor& gradFlat) {
   }
   if (bucket->rankMajor()) {
     bucket->defer(p.id_, p.shardNumel_, gradFlat);
-    if (rt_.schedule_->flushAfter(graphId_, p.id_)) flush(dtype);
-    return;
-  }
-  at::Tensor region = bucket->allocate(p.id_, p.shardNumel_);  // [ws, shardNumel]
-  // Row r gets elements [r*s, (r+1)*s) of the gradient; the tail past numel is
-  // zero, so no collective reads past the gradient.
-  const int64_t s = p.shardNumel_;
-  const int64_t fullRows = s == 0 ? 0 : p.numel_ / s;
-  const int64_t rem = p.numel_ - fullRows * s;
-  if (fullRows > 0)
-    region.narrow(0, 0, fullRows).copy_(gradFlat.narrow(0, 0, fullRows * s).view({fullRows, s}));
-  if (fullRows < ws) {
-    at::Tensor row = region.select(0, fullRows);
-    if (rem > 0) row.narrow(0, 0, rem).copy_(gradFlat.narrow(0, fullRows * s, rem));
-    row.narrow(0, rem, s - rem).zero_();
-    if (fullRows + 1 < ws) region.narrow(0, fullRows + 1, ws - fullRows - 1).zero_();
+  } else {
+    at::Tensor region = bucket->allocate(p.id_, p.shardNumel_);  // [ws, shardNumel]
+    // Row r gets elements [r*s, (r+1)*s) of the gradient; the tail past numel is
+    // zero, so no collective reads past the gradient.
+    const int64_t s = p.shardNumel_;
+    const int64_t fullRows = s == 0 ? 0 : p.numel_ / s;
+    const int64_t rem = p.numel_ - fullRows * s;
+    if (fullRows > 0)
+      region.narrow(0, 0, fullRows).copy_(gradFlat.narrow(0, 0, fullRows * s).view({fullRows, s}));
+    if (fullRows < ws) {
+      at::Tensor row = region.select(0, fullRows);
+      if (rem > 0) row.narrow(0, 0, rem).copy_(gradFlat.narrow(0, fullRows * s, rem));
+      row.narrow(0, rem, s - rem).zero_();
+      if (fullRows + 1 < ws) region.narrow(0, fullRows + 1, ws - fullRows - 1).zero_();
+    }
   }
   if (rt_.schedule_->flushAfter(graphId_, p.id_)) flush(dtype);
 }
@@ -517,9 +526,9 @@ void Executor::complete(ReduceBucket& bucket) {
   std::vector<std::vector<at::Tensor>> addTo, addFrom;
   auto addRound = [&](const at::Tensor& target) {
     size_t r = 0;
-    while (r < addTo.size() && std::any_of(addTo[r].begin(), addTo[r].end(), [&](const at::Tensor& t) {
-             return t.is_same(target);
-           })) {
+    while (r < addTo.size() &&
+           std::any_of(
+               addTo[r].begin(), addTo[r].end(), [&](const at::Tensor& t) { return t.is_same(target); })) {
       ++r;
     }
     if (r == addTo.size()) {
@@ -566,13 +575,7 @@ void Executor::complete(ReduceBucket& bucket) {
   accumulations_.push_back(std::move(accumulated));
 }
 
-void Executor::startBackward(bool update, bool sync) {
-  sync_ = sync;
-  for (int64_t id : dsIds_) {
-    Param& p = rt_.registry_->get("start_backward", id);
-    p.accumulate_ = !update && p.grad_.defined();
-  }
-}
+void Executor::startBackward(bool sync) { sync_ = sync; }
 
 void Executor::endBackward() {
   for (ReduceBucket* b : buckets_->all()) {
@@ -721,7 +724,9 @@ void endForward() {
 void startBackward(bool update, bool sync) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("start_backward");
-  for (auto& [id, ex] : rt.executors_) ex->startBackward(update, sync);
+  // Per parameter, once (the forward and backward executors hold the same parameters).
+  for (auto& [id, p] : rt.registry_->all()) p.accumulate_ = !update && p.grad_.defined();
+  for (auto& [id, ex] : rt.executors_) ex->startBackward(sync);
   rt.schedule_->onStartBackward(update, sync);
   if (rt.observer_) rt.observer_->onStartBackward(update, sync);
 }
@@ -732,9 +737,7 @@ void setGrads(const std::vector<int64_t>& dsIds, const std::vector<at::Tensor>& 
   TORCH_CHECK(dsIds.size() == grads.size(), "set_grads: ds_ids and grads should have the same length, got ",
               dsIds.size(), " and ", grads.size());
   for (size_t i = 0; i < dsIds.size(); ++i) {
-    Param& p = rt.registry_->get("set_grads", dsIds[i]);
-    TORCH_CHECK(p.trainable_ && !p.fixedGrad_, "set_grads: ds_id ", dsIds[i],
-                p.trainable_ ? " has a registered grad_buffer" : " is frozen (registered as not trainable)");
+    Param& p = callerGradParam(rt, "set_grads", dsIds[i]);
     const at::Tensor& g = grads[i];
     if (g.defined()) {
       TORCH_CHECK(g.dim() == 1 && g.numel() == p.shardNumel_ && g.device() == p.shard_.device() &&
@@ -752,13 +755,8 @@ std::vector<at::Tensor> takeGrads(const std::vector<int64_t>& dsIds) {
   auto& rt = state("take_grads");
   std::vector<at::Tensor> out;
   out.reserve(dsIds.size());
-  for (int64_t id : dsIds) {
-    Param& p = rt.registry_->get("take_grads", id);
-    TORCH_CHECK(p.trainable_ && !p.fixedGrad_, "take_grads: ds_id ", id,
-                p.trainable_ ? " has a registered grad_buffer" : " is frozen (registered as not trainable)");
-    out.push_back(std::move(p.grad_));
-    p.grad_ = at::Tensor();
-  }
+  for (int64_t id : dsIds)
+    out.push_back(std::exchange(callerGradParam(rt, "take_grads", id).grad_, at::Tensor()));
   return out;
 }
 

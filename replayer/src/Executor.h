@@ -203,7 +203,7 @@ class Executor {
   at::Tensor waitAllgather(const at::Tensor& gathered, int64_t dsId);
   void releaseParam(int64_t dsId, int64_t nUsers);
   void reduceGrad(const at::Tensor& grad, int64_t dsId);
-  void startBackward(bool update, bool sync);
+  void startBackward(bool sync);
   void endBackward();
   /// Completes every reduction in flight; afterwards the caller sees every gradient buffer.
   void drain();

@@ -181,7 +181,7 @@ TEST(ReduceBucket, DeferredGradientsPackIntoRankMajorRowsWithPadding) {
   ReduceBucket b(at::kFloat, at::kCPU, 2, /*rankMajor=*/true, /*capacityBytes=*/1 << 20);
   b.defer(3, 3, at::arange(5, at::kBFloat16));       // 5 elements: 3 + 2 and a zero
   b.defer(4, 2, at::arange(10, 14, at::kBFloat16));  // 4 elements: 2 + 2
-  EXPECT_EQ(b.usedBytes(), 2 * 5 * 4);  // counted while the gradients wait
+  EXPECT_EQ(b.usedBytes(), 2 * 5 * 4);               // counted while the gradients wait
   b.pack();
   at::Tensor in = b.commInput();
   ASSERT_EQ(in.sizes(), (std::vector<int64_t>{2, 5}));
@@ -261,7 +261,7 @@ TEST_P(ExecutorOnRanks, Zero3GathersPaddedAndReduceScattersMeans) {
       ex.releaseParam(i, 1);
       ASSERT_FALSE(rk.state.registry_->get("t", i).hasGathered());
     }
-    ex.startBackward(/*update=*/true, /*sync=*/true);
+    ex.startBackward(/*sync=*/true);           // fresh parameters: the first reduction overwrites
     for (int round = 0; round < 2; ++round) {  // a parameter used twice: gradients add
       for (size_t i = 0; i < kShapes.size(); ++i) ex.reduceGrad(at::full(kShapes[i], rank + 1.0), i);
     }
@@ -287,7 +287,7 @@ TEST_P(ExecutorOnRanks, Zero1ReducesOnlyAtTheBoundary) {
     Zero1Executor ex(1, Stage::Zero1, {0, 1, 2, 3}, std::nullopt, rk.state);
     for (int micro = 0; micro < 3; ++micro) {
       const bool boundary = micro == 2;
-      ex.startBackward(true, boundary);
+      ex.startBackward(boundary);
       for (size_t i = 0; i < kShapes.size(); ++i) ex.reduceGrad(at::full(kShapes[i], rank + 1.0), i);
       ex.endBackward();
       if (!boundary) {
