@@ -12,13 +12,17 @@ executor's. Per model:
   only; ZeRO-1/2 keep parameters gathered); each gradient goes to
   ``reduce_grad``; an autograd end-of-backward callback runs ``end_backward``
   and attaches the reduced shard gradients as ``.grad`` of the shards.
+
+The per-parameter work (the ops, the gathered parameters' autograd nodes, the
+saved-tensor bookkeeping) is ``_C.ShardHooks``': one C++ call per module hook, so
+that the host issues a step about as fast as the GPU runs it.
 """
 from __future__ import annotations
 
 import atexit
 import dataclasses
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,8 +47,6 @@ class _ParamInfo:
     shape: torch.Size
     numel: int
     shard: nn.Parameter  # what the optimizer sees: this rank's flat fp32 slice
-    version: int = -1  # shard._version at the last gather; a change means the optimizer stepped
-    pending_unpacks: int = 0  # saved copies that backward has still to unpack
 
     @property
     def trainable(self) -> bool:
@@ -55,29 +57,14 @@ class _ParamInfo:
 class _Packed:
     """A saved gathered parameter, kept as its id and view geometry."""
 
-    info: _ParamInfo
+    ds_id: int
     size: torch.Size
     stride: tuple
     offset: int
 
 
-class _GatherParam(torch.autograd.Function):
-    """The gathered parameter as a function of the shard: backward reduces the gradient."""
-
-    @staticmethod
-    def forward(ctx, shard, state, info):
-        ctx.state, ctx.info = state, info
-        # An alias: the runtime owns the buffer and frees it at release_param.
-        return state.gather(info, state.fwd_graph).detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.state.reduce(ctx.info, grad)
-        return None, None, None
-
-
 class _ShardState:
-    """Per-model runtime state behind the hooks."""
+    """Per-model runtime state behind the hooks; the per-parameter work is _C.ShardHooks'."""
 
     def __init__(self, stage, pg, param_dtype, fwd_graph, bwd_graph):
         self.stage = stage
@@ -89,74 +76,35 @@ class _ShardState:
         self.fwd_graph = fwd_graph
         self.bwd_graph = bwd_graph
         self.infos: List[_ParamInfo] = []
-        self.owned: Dict[int, List[tuple]] = {}  # id(module) -> [(attr name, info)]
-        self.live: Dict[int, _ParamInfo] = {}  # storage data_ptr -> gathered parameter (ZeRO-3)
-        self.requires_sync = True
-        self.in_backward = False
+        self.owned: Dict[int, Tuple[List[str], List[int]]] = {}  # id(module) -> (attr names, ds_ids)
         self.forward_depth = 0
         self.saved_hooks = None
-        self.token = torch.empty(0)
-        self.keep_ids = set()  # persistent by the plan: stays gathered past end_backward
         self.trainable_infos: List[_ParamInfo] = []
         self.trainable_ids: List[int] = []
+        begin = weakref.WeakMethod(self.begin_backward)  # the C++ hooks must not keep this state alive
+        self.hooks = _C.ShardHooks(stage, fwd_graph, bwd_graph, param_dtype, lambda: begin()())
 
-    # -- gathering -------------------------------------------------------
-    def gather(self, info: _ParamInfo, graph_id: int) -> torch.Tensor:
-        shard = info.shard.detach()
-        full = torch.ops.dc.allgather_param(shard, graph_id, info.ds_id, self.param_dtype)
-        return torch.ops.dc.wait_allgather(full, graph_id, info.ds_id)
+    @property
+    def requires_sync(self) -> bool:
+        return self.hooks.requires_sync
 
-    def refresh(self, infos: List[_ParamInfo]) -> None:
-        """Drops gathered copies whose shard changed (an optimizer step) since they were gathered."""
-        for info in infos:
-            v = info.shard._version
-            if v != info.version:
-                _C.invalidate_gathered_param(info.ds_id)
-                info.version = v
-
-    def release(self, info: _ParamInfo, graph_id: int) -> None:
-        torch.ops.dc.release_param(self.token, graph_id, info.ds_id, 1)
+    @requires_sync.setter
+    def requires_sync(self, value: bool) -> None:
+        self.hooks.requires_sync = value
 
     # -- saved tensors (ZeRO-3) -------------------------------------------
     def pack(self, t: torch.Tensor):
-        if not self.live or t.layout != torch.strided:
-            return t
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return t
-        info = self.live.get(ptr)
-        if info is None:
-            return t
-        info.pending_unpacks += 1
-        return _Packed(info, t.size(), t.stride(), t.storage_offset())
+        ds_id = self.hooks.pack(t)
+        return t if ds_id < 0 else _Packed(ds_id, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, x):
         if not isinstance(x, _Packed):
             return x
-        info = x.info
-        if not self.in_backward:
-            self.begin_backward()  # before the backward's first op: its positions count from here
-        full = self.gather(info, self.bwd_graph)
-        out = full.as_strided(x.size, x.stride, x.offset)
-        info.pending_unpacks -= 1
-        if info.pending_unpacks <= 0:
-            info.pending_unpacks = 0
-            self.release(info, self.bwd_graph)
-            if self.requires_sync and info.trainable and info.ds_id in self.keep_ids:
-                # The optimizer step will make a persistent copy stale: it ends with its last use
-                # (its memory then holds this parameter's gradient instead, at the same bytes).
-                _C.invalidate_gathered_param(info.ds_id)
-        return out
+        return self.hooks.unpack(x.ds_id, x.size, x.stride, x.offset)
 
     # -- backward ----------------------------------------------------------
-    def reduce(self, info: _ParamInfo, grad: torch.Tensor) -> None:
-        if not self.in_backward:
-            self.begin_backward()
-        torch.ops.dc.reduce_grad(grad.contiguous(), self.bwd_graph, info.ds_id)
-
     def begin_backward(self) -> None:
-        self.in_backward = True
+        """Before a backward's first op (called by the hooks): its positions count from here."""
         # Reductions add to the gradients the shards hold; a shard without one gets it from its
         # first reduction (the runtime keeps no gradient memory between steps, as FSDP2).
         _C.set_grads(self.trainable_ids, [i.shard.grad for i in self.trainable_infos])
@@ -164,24 +112,14 @@ class _ShardState:
         torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
-        self.in_backward = False
+        self.hooks.in_backward = False
         torch.ops.dc.end_backward(self.bwd_graph)
         _plan.warn_departure()
         for i, grad in zip(self.trainable_infos, _C.take_grads(self.trainable_ids)):
             if grad is not None and grad is not i.shard.grad:
                 i.shard.grad = grad
         if self.stage == 3:
-            # Copies gathered for saved tensors that backward never unpacked; and, before an
-            # optimizer step, the persistent copies of trainable parameters too: the step
-            # makes them stale (the next forward gathers again), and without them its peak
-            # memory is that of the shards alone.
-            held = set(_C.gathered_param_ids())
-            for i in self.infos:
-                i.pending_unpacks = 0
-                stale = self.requires_sync and i.trainable
-                if i.ds_id in held and (stale or i.ds_id not in self.keep_ids):
-                    _C.invalidate_gathered_param(i.ds_id)
-            self.live.clear()
+            self.hooks.after_backward()
 
 
 def _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_bucket_bytes):
@@ -270,7 +208,6 @@ def shard(
     fwd_graph, bwd_graph = _next_graph_id, _next_graph_id + 1
     _next_graph_id += 2
     state = _ShardState(stage, pg, param_dtype, fwd_graph, bwd_graph)
-    state.token = torch.empty(0, device=_param_device(model))  # the ops dispatch on the model's device
 
     by_param: Dict[int, _ParamInfo] = {}
     for mod_name, module in model.named_modules():
@@ -286,8 +223,11 @@ def shard(
                 )
                 by_param[id(p)] = info
                 state.infos.append(info)
+                state.hooks.add_param(info.ds_id, info.shard)
             module._parameters[attr] = info.shard
-            state.owned.setdefault(id(module), []).append((attr, info))
+            attrs, ids_of_module = state.owned.setdefault(id(module), ([], []))
+            attrs.append(attr)
+            ids_of_module.append(info.ds_id)
 
     ids = [i.ds_id for i in state.infos]
     state.trainable_infos = [i for i in state.infos if i.trainable]
@@ -296,7 +236,7 @@ def shard(
     register(fwd_graph, ids)
     register(bwd_graph, ids, reduce_dtype)
     if plan_path is not None:
-        state.keep_ids = set(_plan.load(state, plan_path, on_mismatch, reduce_dtype)["persistent"])
+        state.hooks.set_keep(_plan.load(state, plan_path, on_mismatch, reduce_dtype)["persistent"])
     if _record.active():
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, world_size, param_dtype, reduce_dtype)
 
@@ -371,41 +311,20 @@ def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: i
 
 def _make_pre_hook(state: _ShardState):
     def pre_hook(module, args):
-        owned = state.owned[id(module)]
-        infos = [info for _, info in owned]
-        state.refresh(infos)
-        if len(infos) > 1:
-            # Issued whatever is held (the runtime skips held copies): the op sequence, which
-            # plan positions count, must not depend on the schedule.
-            todo = infos
-            if len(todo) > 1:
-                dtype = state.param_dtype or torch.float32
-                torch.ops.dc.prefetch_params_fused(
-                    state.fwd_graph, [i.shard.detach() for i in todo], [i.ds_id for i in todo], [dtype] * len(todo)
-                )
-        track = state.stage == 3 and torch.is_grad_enabled()
-        for attr, info in owned:
-            if info.trainable and torch.is_grad_enabled():
-                full = _GatherParam.apply(info.shard, state, info)
-            else:
-                full = state.gather(info, state.fwd_graph)
-            module.__dict__[attr] = full
-            if track:
-                state.live[full.untyped_storage().data_ptr()] = info
+        attrs, ids = state.owned[id(module)]
+        d = module.__dict__
+        for attr, full in zip(attrs, state.hooks.forward_gather(ids)):
+            d[attr] = full
 
     return pre_hook
 
 
 def _make_post_hook(state: _ShardState):
     def post_hook(module, args, output):
-        for attr, info in state.owned[id(module)]:
-            full = module.__dict__.pop(attr, None)
-            if full is None:
-                continue
-            if state.stage == 3:
-                state.live.pop(full.untyped_storage().data_ptr(), None)
-            del full
-            state.release(info, state.fwd_graph)
+        attrs, ids = state.owned[id(module)]
+        d = module.__dict__
+        # A parameter its pre-hook did not gather (the forward raised before it) is not released.
+        state.hooks.forward_release([i for a, i in zip(attrs, ids) if d.pop(a, None) is not None])
 
     return post_hook
 
@@ -415,7 +334,7 @@ def _make_root_pre_hook(state: _ShardState):
         state.forward_depth += 1
         if state.forward_depth > 1:
             return
-        state.refresh(state.infos)  # stale copies go before a planned prefetch could find them held
+        state.hooks.refresh()  # stale copies go before a planned prefetch could find them held
         _C.start_forward()
         if _record.active():
             _record.after_start_forward()  # ends the process once every step is recorded

@@ -1,4 +1,5 @@
 // dcplan._C: the Python binding of the dc runtime (lifecycle and registration; the ops are torch.ops.dc.*).
+#include "ShardHooks.h"
 #include "dcplan/recorder/PythonBindings.h"
 #include "dcplan/replayer/Plan.h"
 #include "dcplan/replayer/Runtime.h"
@@ -252,5 +253,6 @@ PYBIND11_MODULE(_C, m) {
       },
       Release());
   bindPlan(m);
+  bindShardHooks(m);  // the per-parameter work of python/dcplan/_shard.py's hooks
   dcplan::recorder::bindRecorder(m);  // record_*: python/dcplan/_record.py
 }
