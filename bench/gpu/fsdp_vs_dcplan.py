@@ -59,6 +59,8 @@ def parse_args():
     p.add_argument("--bucket-mb", type=float, default=0, help="dcplan reduce bucket in MB (0: dcplan's default)")
     p.add_argument("--label", default="", help="a name for this shape in the output")
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the results here")
+    p.add_argument("--memory-report", action="store_true",
+                   help="rank 0: what is allocated when the optimizer step starts (the others by size and origin)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after timing, profile this many steps (torch.profiler) and print where the GPU time goes")
     p.add_argument("--trace-dir", help="rank 0 keeps its Chrome traces (--profile-steps) and host profiles "
@@ -114,13 +116,13 @@ class Bench:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         self.run_peak = torch.cuda.max_memory_allocated(self.device)  # before the phases reset it
-        self.phase_peaks = self.peaks_by_phase(model, opt)
+        self.phase_peaks = self.peaks_by_phase(model, opt, mode)
         self.breakdown = self.profile(step, mode) if a.profile_steps else None
         if a.host_profile_steps:
             self.host_profile(step, mode)
         return elapsed / a.steps, [float(v) for v in torch.stack(losses).cpu()]
 
-    def peaks_by_phase(self, model, opt):
+    def peaks_by_phase(self, model, opt, mode):
         """Peak memory (GiB, this rank) within forward, backward and the optimizer step of one more
         step: which phase sets a mode's peak (the optimizer's is the same for every mode)."""
         x, y = self.batches[0]
@@ -134,11 +136,57 @@ class Bench:
             peaks[name] = torch.cuda.max_memory_allocated(self.device) / 2**30
             return out
 
+        if self.args.memory_report:
+            torch.cuda.memory._record_memory_history(max_entries=100000)
         loss = phase("forward", lambda: F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()))
         phase("backward", loss.backward)
+        if self.args.memory_report:
+            try:
+                self.memory_report(model, opt, mode)
+            except Exception as e:  # a diagnostic: the benchmark goes on without it
+                print(f"{mode}: memory report failed: {type(e).__name__}: {e}", flush=True)
+            torch.cuda.memory._record_memory_history(enabled=None)
         phase("optimizer", opt.step)
         opt.zero_grad(set_to_none=True)
         return peaks
+
+    def memory_report(self, model, opt, mode):
+        """Rank 0: what is allocated when the optimizer step starts: parameters, gradients and
+        optimizer state, and the other blocks (largest first, where they were allocated)."""
+        if self.rank != 0:
+            return
+        torch.cuda.synchronize()
+
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        known = {}
+        for p in model.parameters():
+            known[local(p).untyped_storage().data_ptr()] = "param"
+            if p.grad is not None:
+                known[local(p.grad).untyped_storage().data_ptr()] = "grad"
+        for st in opt.state.values():
+            for v in st.values():
+                if torch.is_tensor(v) and v.is_cuda:
+                    known[local(v).untyped_storage().data_ptr()] = "optimizer state"
+        sums, others = {}, []
+        for seg in torch.cuda.memory._snapshot()["segments"]:
+            for blk in seg["blocks"]:
+                if blk["state"] != "active_allocated":
+                    continue
+                kind = known.get(blk["address"])
+                if kind is None:
+                    others.append(blk)
+                    kind = "other"
+                sums[kind] = sums.get(kind, 0) + blk["size"]
+        total = torch.cuda.memory_allocated(self.device)
+        print(f"{mode}: allocated when the optimizer step starts {total / 2**20:.1f} MiB: "
+              + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(sums.items())), flush=True)
+        for blk in sorted(others, key=lambda b: -b["size"])[:8]:
+            frames = [f for f in blk.get("frames", []) if f.get("filename", "").endswith(".py")][:3]
+            where = "; ".join(f"{pathlib.Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames)
+            print(f"  other block {blk['size'] / 2**20:8.2f} MiB  {where or '(allocated before the report step)'}",
+                  flush=True)
 
     def profile(self, step, mode):
         """Kernel time per step from a torch.profiler trace: compute, communication (NCCL

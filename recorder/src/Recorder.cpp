@@ -150,6 +150,10 @@ void Recorder::onStartBackward(bool update, bool sync) {
 void Recorder::onOpBegin(const replayer::OpEvent& event) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (!recording_ || finished_ || event.graphId < 0) return;
+  // The op starts now: what the recorder does below lies inside the op's span, not in the
+  // compute before it (a host-bound GPU would idle through it, and the planner would count
+  // the recorder's bookkeeping as model compute).
+  const TimePoint begin = timer_->mark(Stream::Compute);
   // Collectives that finished since the last op: their end is now at the latest.
   if (!inFlight_.empty()) {
     auto polled = inFlight_;
@@ -170,7 +174,7 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   raw.bytes = event.bytes;
   raw.dtype = event.dtype;
   raw.memory = memory_->bytesInUse();
-  raw.begin = timer_->mark(Stream::Compute);
+  raw.begin = begin;
   current_.events.push_back(std::move(raw));
   currentEvent_ = static_cast<int64_t>(current_.events.size()) - 1;
 }
