@@ -53,11 +53,11 @@ Context makeContext(const Workload& w, const CostModel& cost, uint64_t limit) {
         t += u;
         v.issueUs.push_back(t);
       }
-      v.activationBytes = run.activationBytes;
-    } else {
-      for (size_t i = 0; i < v.activationBytes.size(); ++i) {
-        v.activationBytes[i] = std::max(v.activationBytes[i], run.activationBytes[i]);
-      }
+      v.activationBytes.assign(run.activationBytes.size(), 0);
+    }
+    // Per op, the most of any run: at the op, or during the compute before it.
+    for (size_t i = 0; i < v.activationBytes.size(); ++i) {
+      v.activationBytes[i] = std::max({v.activationBytes[i], run.activationBytes[i], run.computePeakBytes[i]});
     }
   }
   return c;

@@ -179,9 +179,7 @@ class Search {
       uint64_t least = std::numeric_limits<uint64_t>::max();
       for (const Candidate& k : all) least = std::min(least, k.sim.prediction.peakMemoryBytes);
       uint64_t act = 0;
-      for (const GraphRun& r : w_.runs) {
-        for (uint64_t a : r.activationBytes) act = std::max(act, a);
-      }
+      for (const GraphRun& r : w_.runs) act = std::max(act, r.mostActivationBytes());
       throw std::invalid_argument("memory budget " + formatBytes(c_.limit) +
                                   " is below what any schedule needs: at least " + formatBytes(least) +
                                   " with every gather on use (baseline " + formatBytes(w_.baselineBytes) +
@@ -501,9 +499,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
             (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)"
                                : ""));
     uint64_t act = 0;
-    for (const GraphRun& r : w.runs) {
-      for (uint64_t a : r.activationBytes) act = std::max(act, a);
-    }
+    for (const GraphRun& r : w.runs) act = std::max(act, r.mostActivationBytes());
     std::string limitWhy = req.memoryBudgetBytes ? "--memory-budget"
                            : w.capacityBytes > 0 ? "device capacity"
                                                  : "unlimited";

@@ -195,6 +195,8 @@ class Simulation {
         if (record_) event(Stream::Compute, "compute", r, op.seq, {}, 0, t_, t_ + c);
         t_ += c;
       }
+      popBuckets(t_);
+      sample(t_, run.computePeakBytes[i]);  // the compute's own peak, before this op changes what is held
       for (int32_t k = cg.groupBegin[i]; k < cg.groupBegin[i + 1]; ++k) {
         gather(cg.groups[static_cast<size_t>(k)], r, op.seq, true);
       }

@@ -53,6 +53,13 @@ int32_t Workload::graphIndex(int64_t id) const {
   return -1;
 }
 
+uint64_t GraphRun::mostActivationBytes() const {
+  uint64_t most = 0;
+  for (uint64_t a : activationBytes) most = std::max(most, a);
+  for (uint64_t a : computePeakBytes) most = std::max(most, a);
+  return most;
+}
+
 double Workload::computeUs() const {
   double total = 0;
   for (const GraphRun& r : runs) total = std::accumulate(r.computeUs.begin(), r.computeUs.end(), total);
@@ -164,6 +171,7 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
       run.microStep = runsOfGraph[tg.id]++;
       run.computeUs.reserve(tg.events.size());
       run.activationBytes.reserve(tg.events.size());
+      run.computePeakBytes.reserve(tg.events.size());
       run.copyUs.assign(tg.events.size(), 0.0);
       for (size_t ei = 0; ei < tg.events.size(); ++ei) {
         const schemas::OpEvent& e = tg.events[ei];
@@ -196,6 +204,10 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
         run.computeUs.push_back(std::max(0.0, e.computeUs));
         uint64_t other = trace.memory.baselineBytes + gatheredBytes;
         run.activationBytes.push_back(e.memoryBytes > other ? e.memoryBytes - other : 0);
+        // What the recorded run held during the compute before this op is what it held after the
+        // op before: the same `other`.
+        const uint64_t peak = std::max(e.memoryBytes, e.peakBytes);
+        run.computePeakBytes.push_back(peak > other ? peak - other : 0);
         // Update what the recorded run held after this op.
         if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
           for (int64_t id : e.dsIds) {

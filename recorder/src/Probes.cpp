@@ -43,7 +43,10 @@ class CountingCpuAllocator final : public c10::Allocator {
     auto* base = static_cast<char*>(block.get());
     void* data = base + kHeader;
     new (base) Header{std::move(block), n, this};
-    live_.fetch_add(n, std::memory_order_relaxed);
+    const uint64_t now = live_.fetch_add(n, std::memory_order_relaxed) + n;
+    uint64_t peak = peak_.load(std::memory_order_relaxed);
+    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
     return {data, data, &CountingCpuAllocator::release, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -54,6 +57,11 @@ class CountingCpuAllocator final : public c10::Allocator {
   }
 
   uint64_t live() const { return live_.load(std::memory_order_relaxed); }
+  /// The most bytes live since the previous call; the next window starts at the bytes live now.
+  uint64_t takePeak() {
+    const uint64_t now = live();
+    return std::max(peak_.exchange(now, std::memory_order_relaxed), now);
+  }
 
  private:
   struct Header {
@@ -74,6 +82,7 @@ class CountingCpuAllocator final : public c10::Allocator {
 
   c10::Allocator* inner_;
   std::atomic<uint64_t> live_{0};
+  std::atomic<uint64_t> peak_{0};
 };
 
 /// Installed at most once per process and never destroyed: tensors it
@@ -113,6 +122,7 @@ class CpuMemoryProbe final : public MemoryProbe {
  public:
   CpuMemoryProbe() : counter_(countingAllocator()), capacity_(hostCapacityBytes()) {}
   uint64_t bytesInUse() override { return counter_ ? counter_->live() : residentBytes(); }
+  uint64_t takePeakBytes() override { return counter_ ? counter_->takePeak() : residentBytes(); }
   uint64_t capacityBytes() override { return capacity_; }
   std::string describe() override {
     return counter_ ? "bytes of live CPU tensors (counting wrapper around torch's CPU allocator)"
@@ -171,6 +181,12 @@ class DeviceAllocatorProbe final : public MemoryProbe {
     const auto stats = allocator_->getDeviceStats(index_);
     return static_cast<uint64_t>(
         stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current);
+  }
+  uint64_t takePeakBytes() override {
+    const auto stats = allocator_->getDeviceStats(index_);
+    const auto& allocated = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+    allocator_->resetPeakStats(index_);  // the next window starts now
+    return static_cast<uint64_t>(std::max(allocated.peak, allocated.current));
   }
   uint64_t capacityBytes() override { return capacity_; }
   std::string describe() override { return "allocated bytes of the device's caching allocator"; }

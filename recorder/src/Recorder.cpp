@@ -173,7 +173,9 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   raw.nUsers = event.nUsers;
   raw.bytes = event.bytes;
   raw.dtype = event.dtype;
+  raw.peak = memory_->takePeakBytes();
   raw.memory = memory_->bytesInUse();
+  raw.peak = std::max(raw.peak, raw.memory);
   raw.begin = begin;
   current_.events.push_back(std::move(raw));
   currentEvent_ = static_cast<int64_t>(current_.events.size()) - 1;
@@ -324,6 +326,7 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
         const Stream stream = streamOf(e.op);
         e.stream = streamName(stream);
         e.memoryBytes = raw.memory;
+        e.peakBytes = raw.peak;
         e.computeUs = std::max(0.0, timer_->elapsedUs(prevEnd, raw.begin));
         double start = timer_->elapsedUs(origin, raw.begin);
         double end = timer_->elapsedUs(origin, raw.end);

@@ -298,6 +298,12 @@ class TraceValidator {
     auto end = r.number("end_us", 0);
     ev.computeUs = r.number("compute_us", 0).value_or(0);
     ev.memoryBytes = r.bytes("memory_bytes").value_or(0);
+    ev.peakBytes = r.bytes("peak_bytes", P::Optional).value_or(0);
+    if (ev.peakBytes != 0 && ev.peakBytes < ev.memoryBytes) {
+      diags_.add(ptr + "/peak_bytes", "peak_bytes (" + std::to_string(ev.peakBytes) +
+                                          ") is below memory_bytes (" + std::to_string(ev.memoryBytes) +
+                                          "): the peak since the previous op includes the bytes in use at this one");
+    }
     r.rejectUnknownFields();
     if (start && end && *end < *start) {
       diags_.add(ptr + "/end_us", "end_us (" + ordered_json(*end).dump() + ") is before start_us (" +
@@ -405,6 +411,7 @@ std::string writeTrace(const Trace& t) {
         ev["end_us"] = e.endUs;
         ev["compute_us"] = e.computeUs;
         ev["memory_bytes"] = e.memoryBytes;
+        if (e.peakBytes != 0) ev["peak_bytes"] = e.peakBytes;
         events.push_back(std::move(ev));
       }
       graphs.push_back({{"id", g.id}, {"kind", graphKindName(g.kind)}, {"events", std::move(events)}});

@@ -146,6 +146,7 @@ Trace mergeRankTraces(const std::vector<RankTrace>& input) {
           m.endUs = std::max(m.endUs, o.endUs);
           m.computeUs = std::max(m.computeUs, o.computeUs);
           m.memoryBytes = std::max(m.memoryBytes, o.memoryBytes);
+          m.peakBytes = std::max(m.peakBytes, o.peakBytes);
         }
       }
     }

@@ -36,7 +36,7 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
         const double us = e.endUs - e.startUs;
         ++gs.ops;
         gs.computeUs += e.computeUs;
-        s.peakMemoryBytes = std::max(s.peakMemoryBytes, e.memoryBytes);
+        s.peakMemoryBytes = std::max({s.peakMemoryBytes, e.memoryBytes, e.peakBytes});
         if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
           gs.gathers += static_cast<int64_t>(e.dsIds.size());
           gs.gatheredBytes += e.bytes;

@@ -408,3 +408,40 @@ def test_gradients_are_the_callers_alone(dcplan_module, group, stage):
     with pytest.raises(RuntimeError, match=r"set_grads: grads\[0\] \(ds_id 0\) should be a 1-D floating tensor of"):
         dcplan_module._C.set_grads([0], [torch.zeros(3, 3)])
     dcplan_module.shutdown()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hooks_reduce_through_a_cpp_node_and_let_the_model_go(dcplan_module, group, stage):
+    """The module hooks are _C.ShardHooks: a gathered parameter's gradient reaches reduce_grad
+    through a C++ autograd node (autograd.grad of the shard reaches it too), a sharded model
+    and its hooks go with their last reference, and backward after shutdown() says why it fails."""
+    import gc
+    import weakref
+
+    dcplan_module.shutdown()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 3, bias=False))
+    dcplan_module.shard(m, stage=stage)
+    seen = []
+    m[0].register_forward_hook(lambda mod, args, out: seen.append(mod.weight.grad_fn.name()), prepend=True)
+    shards = list(m.parameters())
+    dcplan_module._C.start_op_log()
+    loss = m(torch.randn(2, 8)).square().mean()
+    assert seen == ["dcplan::ReduceGradBackward"]
+    got = torch.autograd.grad(loss, shards, allow_unused=True)
+    assert got == (None, None)  # the shards' gradients are end_backward's to attach, not autograd's
+    reduced = [ds for op, _, ds, *_ in dcplan_module._C.take_op_log() if op == "reduce_grad"]
+    dcplan_module._C.stop_op_log()
+    assert sorted(reduced) == [0, 1]
+    assert all(p.grad is not None for p in shards)
+    ref = weakref.ref(m)
+    hooks = weakref.ref(m._dcplan)
+    del m, shards, loss, got
+    gc.collect()
+    assert ref() is None and hooks() is None
+    m = nn.Sequential(nn.Linear(8, 3))
+    dcplan_module.shard(m, stage=stage)
+    loss = m(torch.randn(2, 8)).sum()
+    dcplan_module.shutdown()
+    with pytest.raises(RuntimeError, match="runtime is not initialized"):
+        loss.backward()

@@ -9,9 +9,11 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <utility>
 
 namespace dcplan::recorder {
 namespace {
@@ -32,15 +34,25 @@ class ScriptedTimer final : public DeviceTimer {
   double* now_;
 };
 
+/// Bytes in use and the peak since the last take, as the test sets them; reading the bytes
+/// in use costs readUs of scripted time (a slow probe).
 class ScriptedMemory final : public MemoryProbe {
  public:
-  explicit ScriptedMemory(uint64_t* bytes) : bytes_(bytes) {}
-  uint64_t bytesInUse() override { return *bytes_; }
+  ScriptedMemory(uint64_t* bytes, uint64_t* peak, double* now, const double* readUs)
+      : bytes_(bytes), peak_(peak), now_(now), readUs_(readUs) {}
+  uint64_t bytesInUse() override {
+    *now_ += *readUs_;
+    return *bytes_;
+  }
+  uint64_t takePeakBytes() override { return std::max(std::exchange(*peak_, 0), *bytes_); }
   uint64_t capacityBytes() override { return 1 << 30; }
   std::string describe() override { return "scripted"; }
 
  private:
   uint64_t* bytes_;
+  uint64_t* peak_;
+  double* now_;
+  const double* readUs_;
 };
 
 /// Completes when the test says so (or on wait).
@@ -98,7 +110,7 @@ class RecorderTest : public ::testing::Test {
     c.warmup = warmup;
     c.calibration.budgetSeconds = 0.01;
     auto rec = std::make_shared<Recorder>(c, std::make_unique<ScriptedTimer>(&now),
-                                          std::make_unique<ScriptedMemory>(&memory));
+                                          std::make_unique<ScriptedMemory>(&memory, &peak, &now, &readUs));
     local = std::make_shared<LocalTransport>();
     local->ws = ws;
     rec->attachTransport(local);
@@ -159,6 +171,8 @@ class RecorderTest : public ::testing::Test {
   std::filesystem::path dir;
   double now = 0;
   uint64_t memory = 1000;
+  uint64_t peak = 0;
+  double readUs = 0;
   std::shared_ptr<LocalTransport> local;
   std::shared_ptr<Transport> timed;
 };
@@ -237,6 +251,44 @@ TEST_F(RecorderTest, BuildsEventsWithSeqStreamsSpansAndBytes) {
   schemas::Trace check;
   auto problems = schemas::validateTrace(schemas::parseJson(schemas::writeTrace(t), "t"), check);
   EXPECT_TRUE(problems.empty()) << (problems.empty() ? "" : problems.front().str());
+}
+
+TEST_F(RecorderTest, PeaksBetweenOpsAreKeptAndTheProbesTimeIsNotCompute) {
+  auto rec = make(/*steps=*/1, /*warmup=*/0);
+  memory = 5000;
+  now = 0;
+  rec->onStartForward();
+  readUs = 100;  // the recorder's own work at an op lies inside the op, not in the compute before it
+  peak = 9000;   // temporaries of the compute before the first op
+  op(*rec, "allgather_param", 0, 0, 1, 2, {}, 40);
+  op(*rec, "wait_allgather", 0, 0, 3, 1);
+  peak = 7000;
+  op(*rec, "release_param", 0, 0, 10, 1);
+  readUs = 0;
+  now = 20;
+  rec->onStartBackward(true, true);
+  op(*rec, "reduce_grad", 1, 0, 20, 1);
+  op(*rec, "reduce_grad", 1, 1, 22, 1);
+  op(*rec, "end_backward", 1, -1, 30, 1);
+  now = 57;
+  rec->onStartForward();
+  ASSERT_TRUE(rec->done());
+  schemas::Calibration cal;
+  cal.allGather = cal.reduceScatter = cal.allReduce = {{65536, 10.0}};
+  schemas::Trace t = rec->buildTrace(cal);
+  const auto& fwd = t.steps[0].graphs[0];
+  ASSERT_EQ(fwd.events.size(), 3u);
+  EXPECT_DOUBLE_EQ(fwd.events[0].computeUs, 1.0);
+  EXPECT_DOUBLE_EQ(fwd.events[1].computeUs, 0.0);
+  EXPECT_DOUBLE_EQ(fwd.events[2].computeUs, 10.0 - 4.0);
+  EXPECT_EQ(fwd.events[0].peakBytes, 9000u);
+  EXPECT_EQ(fwd.events[1].peakBytes, 5000u);  // no peak above what is in use
+  EXPECT_EQ(fwd.events[2].peakBytes, 7000u);
+  EXPECT_EQ(fwd.events[2].memoryBytes, 5000u);
+  schemas::Trace check;
+  auto problems = schemas::validateTrace(schemas::parseJson(schemas::writeTrace(t), "t"), check);
+  EXPECT_TRUE(problems.empty()) << (problems.empty() ? "" : problems.front().str());
+  EXPECT_EQ(check.steps[0].graphs[0].events[0].peakBytes, 9000u);  // and it round-trips
 }
 
 TEST_F(RecorderTest, GradientAccumulationGivesMicroStepsAndOneOptimizerTime) {

@@ -107,6 +107,13 @@ INSTANTIATE_TEST_SUITE_P(
         TraceCase{"NegativeTime",
                   [](auto& t) { event(t, 0, 1)["compute_us"] = -1.0; },
                   {"/steps/0/graphs/0/events/1/compute_us: expected a number >= 0.0, got -1.0"}},
+        TraceCase{"PeakBelowMemoryInUse",
+                  [](auto& t) {
+                    event(t, 0, 1)["memory_bytes"] = 5000;
+                    event(t, 0, 1)["peak_bytes"] = 4000;
+                  },
+                  {"/steps/0/graphs/0/events/1/peak_bytes: peak_bytes (4000) is below memory_bytes (5000): the "
+                   "peak since the previous op includes the bytes in use at this one"}},
         TraceCase{"EmptyCurve",
                   [](auto& t) { t["calibration"]["all_reduce"] = ordered_json::array(); },
                   {"/calibration/all_reduce: expected at least one calibration point"}},

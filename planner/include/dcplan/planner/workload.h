@@ -51,7 +51,13 @@ struct GraphRun {
   int32_t microStep = 0;                  ///< 0-based micro-step of the optimizer step
   std::vector<double> computeUs;          ///< compute before each op
   std::vector<uint64_t> activationBytes;  ///< memory other than baseline and gathered params
+  /// The most of it during the compute before each op (the trace's peak_bytes; activationBytes
+  /// where the trace has none): temporaries that come and go between two ops.
+  std::vector<uint64_t> computePeakBytes;
   std::vector<double> copyUs;             ///< recorded duration of each CopyStart op
+
+  /// The most activation memory of the run, at an op or between two.
+  uint64_t mostActivationBytes() const;
 };
 
 struct Workload {

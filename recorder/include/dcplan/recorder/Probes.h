@@ -37,6 +37,11 @@ class MemoryProbe {
   virtual ~MemoryProbe() = default;
   /// Bytes in use now; called when each op is issued, so it must be cheap.
   virtual uint64_t bytesInUse() = 0;
+  /// The most bytes in use since the previous call (at least bytesInUse() now); starts the
+  /// next window. Called when each op is issued: the peak of the compute before it, which the
+  /// bytes in use at the ops alone miss (an attention backward's temporaries, say). A probe
+  /// that tracks no peak answers bytesInUse().
+  virtual uint64_t takePeakBytes() { return bytesInUse(); }
   /// Capacity of the memory bytesInUse() counts from.
   virtual uint64_t capacityBytes() = 0;
   /// One line saying what is counted, for docs and logs.
@@ -56,7 +61,9 @@ std::unique_ptr<DeviceTimer> makeDeviceEventTimer(c10::Device device);
 
 /// The device caching allocator's allocated bytes (c10::getDeviceAllocator;
 /// for CUDA the same number as torch.cuda.memory_allocated()); capacity: the
-/// device's total memory.
+/// device's total memory. takePeakBytes() reads the allocator's peak statistic and
+/// resets it, so while recording torch.cuda.max_memory_allocated() covers one op's
+/// window only.
 std::unique_ptr<MemoryProbe> makeDeviceAllocatorProbe(c10::Device device);
 
 /// What recording on `device` uses: the host timer and CPU memory probe for the

@@ -93,6 +93,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     TimePoint begin = 0;
     TimePoint end = 0;
     uint64_t memory = 0;
+    uint64_t peak = 0;  // the most in use since the previous op
     int64_t collective = -1;  // index into collectives_
   };
   struct Collective {

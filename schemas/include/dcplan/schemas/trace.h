@@ -76,6 +76,7 @@ struct OpEvent {
   double endUs = 0;               ///< end on its stream, from the graph's start
   double computeUs = 0;           ///< compute time since the previous op of the graph
   uint64_t memoryBytes = 0;       ///< device memory in use when the op was issued
+  uint64_t peakBytes = 0;         ///< the most in use since the previous op (0: not recorded)
 };
 
 enum class GraphKind { Forward, Backward };

@@ -39,7 +39,7 @@ struct TraceSummary {
   int64_t trainableParams = 0;
   uint64_t elements = 0;
   uint64_t masterBytes = 0;      ///< elements x master dtype size
-  uint64_t peakMemoryBytes = 0;  ///< highest memory_bytes of any event
+  uint64_t peakMemoryBytes = 0;  ///< highest memory_bytes or peak_bytes of any event
   int64_t steps = 0;
   std::vector<GraphSummary> graphs;  ///< per graph id, averaged over steps
   double computeUs = 0;              ///< per step
