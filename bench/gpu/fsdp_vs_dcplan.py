@@ -20,13 +20,16 @@ reduction. Modes:
 Prints, per mode: step time (mean over --steps after --warmup, one synchronisation at each
 end), tokens/s over all GPUs, peak memory (max over ranks, torch.cuda.max_memory_allocated),
 the ratio of the step time to the compute-only bound, and the first/last loss. --json FILE
-writes the same as JSON.
+writes the same as JSON. --rounds N runs the modes N times in turn and reports each mode's
+median step time (the GPU machines' hosts vary from minute to minute, and these shapes
+are host-bound).
 """
 import argparse
 import gc
 import json
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -52,6 +55,8 @@ def parse_args():
     p.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the modes this many times in turn (A B C A B C ...) and report each mode's median")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="fsdp2,dcplan,bound", help="comma-separated: fsdp2, dcplan, bound")
     p.add_argument("--plan", help="dcplan: replay this plan (default schedule without); several: comma-separated, "
@@ -367,6 +372,17 @@ class Bench:
         return out
 
 
+def merge_rounds(rs):
+    """One mode's results over the rounds: the median step time (the hosts of the GPU machine
+    vary from minute to minute), the highest peak, the rest from the last round."""
+    r = dict(rs[-1])
+    if len(rs) > 1 and all("step_s" in x for x in rs):
+        r["round_step_s"] = [x["step_s"] for x in rs]
+        r["step_s"] = statistics.median(r["round_step_s"])
+        r["peak_bytes"] = max(x["peak_bytes"] for x in rs)
+    return r
+
+
 def main():
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
@@ -378,14 +394,16 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     bench = Bench(args)
     tokens = args.batch * args.seq * bench.world
-    results = {}
-    for mode in args.modes.split(","):
-        if mode == "dcplan" and args.plan:
-            for plan in args.plan.split(","):
-                name = "dcplan:" + os.path.basename(plan).removesuffix(".json")
-                results[name] = bench.dcplan(plan)
-        else:
-            results[mode] = getattr(bench, mode)()
+    runs = {}  # mode -> its result in each round
+    for _ in range(args.rounds):
+        for mode in args.modes.split(","):
+            if mode == "dcplan" and args.plan:
+                for plan in args.plan.split(","):
+                    name = "dcplan:" + os.path.basename(plan).removesuffix(".json")
+                    runs.setdefault(name, []).append(bench.dcplan(plan))
+            else:
+                runs.setdefault(mode, []).append(getattr(bench, mode)())
+    results = {mode: merge_rounds(rs) for mode, rs in runs.items()}
     if bench.rank == 0:
         n_params = sum(p.numel() for p in bench.model().parameters())
         head = (f"{args.label or 'shape'}: {n_params / 1e6:.0f}M parameters, hidden {args.hidden}, {args.layers} layers, "
@@ -414,6 +432,11 @@ def main():
                 print(f"{mode:<{width}} rank-0 GPU time per step (ms): compute {b['compute_ms']:.1f}, NCCL {b['comm_ms']:.1f} "
                       f"(overlapped {b['overlap_ms']:.1f}, exposed {b['exposed_comm_ms']:.1f}), idle {b['idle_ms']:.1f}, "
                       f"window {b['window_ms']:.1f}")
+        if args.rounds > 1:
+            for mode, r in results.items():
+                if "round_step_s" in r:
+                    print(f"{mode:<{width}} step ms in each round: "
+                          + ", ".join(f"{1e3 * t:.1f}" for t in r["round_step_s"]) + " (the table: their median)")
         if "bound" in results:
             b = results["bound"]
             print(f"bound = fwd+bwd {1e3 * b['fwd_bwd_s']:.1f} ms + optimizer {1e3 * b['optimizer_s']:.1f} ms")

@@ -5,7 +5,8 @@
 #   bash bench/gpu/run_on_box.sh comm|compute [args]  # one shape, everything in order:
 #       1. fsdp2, dcplan (default schedule) and the compute-only bound;
 #       2. dcplan record of the default schedule;
-#       3. dcplan plan: heuristic, optimized, and optimized with FSDP2's measured peak as budget;
+#       3. dcplan plan: heuristic, optimized, and optimized with FSDP2's measured peak as budget
+#          (where the planner finds that below what any schedule needs: dcplan default's peak);
 #       4. fsdp2 and the three plans again, in one process (same machine state).
 # Logs, JSON results, traces and plans go to $OUT (default: build/cuda/bench-out).
 set -euo pipefail
@@ -65,8 +66,18 @@ case "$what" in
     for st in heuristic optimized; do
       build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/$st.json" --strategy $st | tail -5 && plans="$plans,$P/$st.json"
     done
-    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/optimized-fsdp2-memory.json" --memory-budget "$budget" 2>&1 | tail -5 \
-      && plans="$plans,$P/optimized-fsdp2-memory.json"
+    if build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/optimized-fsdp2-memory.json" --memory-budget "$budget" 2>&1 \
+      | tail -5; then
+      plans="$plans,$P/optimized-fsdp2-memory.json"
+    else
+      # Below the least any schedule needs (the optimizer step's, say): plan for what the
+      # planner predicts for the default schedule (gather on use) instead.
+      own=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['predicted_default']['peak_memory_bytes'])" \
+        "$P/optimized.json")
+      echo "== 3b. plan for the default schedule's predicted peak instead ($own bytes)"
+      build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/optimized-default-memory.json" --memory-budget "$own" 2>&1 \
+        | tail -5 && plans="$plans,$P/optimized-default-memory.json"
+    fi
     echo "== 4. fsdp2 and the plans"
     bench $args --modes fsdp2,dcplan --plan "${plans#,}" --json "$P/plans.json" "$@" 2>&1 | tee "$P/plans.log" | quiet
     ;;
