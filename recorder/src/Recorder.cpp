@@ -196,6 +196,9 @@ void Recorder::onOpEnd(const replayer::OpEvent& event) {
   if (!recording_ || currentEvent_ < 0) return;
   RawEvent& raw = current_.events[static_cast<size_t>(currentEvent_)];
   raw.end = now;
+  // The next op's peak is that of the compute after this op: what the runtime allocated
+  // for a while inside an op (a bucket's packed gradients) the planner models itself.
+  memory_->takePeakBytes();
   if (op == "reduce_grad") {
     // Added after its own op ran: a bucket flushed by this op carried the earlier gradients only.
     current_.pendingReduce.push_back(static_cast<size_t>(currentEvent_));

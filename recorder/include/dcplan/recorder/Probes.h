@@ -38,9 +38,9 @@ class MemoryProbe {
   /// Bytes in use now; called when each op is issued, so it must be cheap.
   virtual uint64_t bytesInUse() = 0;
   /// The most bytes in use since the previous call (at least bytesInUse() now); starts the
-  /// next window. Called when each op is issued: the peak of the compute before it, which the
-  /// bytes in use at the ops alone miss (an attention backward's temporaries, say). A probe
-  /// that tracks no peak answers bytesInUse().
+  /// next window. Called when each op ends and when the next is issued: the peak of the
+  /// compute between them, which the bytes in use at the ops alone miss (an attention
+  /// backward's temporaries, say). A probe that tracks no peak answers bytesInUse().
   virtual uint64_t takePeakBytes() { return bytesInUse(); }
   /// Capacity of the memory bytesInUse() counts from.
   virtual uint64_t capacityBytes() = 0;
