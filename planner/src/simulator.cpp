@@ -250,6 +250,12 @@ class Simulation {
       }
       popBuckets(t_);
       sample(t_, run.activationBytes[i]);
+      if (op.kind == OpKind::EndBackward) {  // every reduction drained: no packed input is left
+        releaseAfterSample_ += heldInput_;
+        heldInput_ = 0;
+      }
+      pendingBytes_ -= releaseAfterSample_;
+      releaseAfterSample_ = 0;
     }
     if (reduces) flush(cg, reduceOp, r, g.ops.empty() ? 0 : g.ops.back().seq);
     if (dropsPersistent) {
@@ -304,9 +310,16 @@ class Simulation {
     double start = std::max(t_, reduceFree_);
     double dur = cost_.us(op, bytes);
     reduceFree_ = start + dur;
-    if (w_.stage < 2) filling_ -= bytes;
-    pending_.emplace_back(reduceFree_, bytes);
     pendingBytes_ += bytes;
+    if (w_.stage < 2) {
+      filling_ -= bytes;
+      pending_.emplace_back(reduceFree_, bytes);  // its buffer is reused once the reduction is done
+    } else {
+      // A ZeRO-2/3 bucket's packed input lives from its launch until the next launch (the
+      // runtime frees the previous one there, on the host) or the end of the backward.
+      releaseAfterSample_ += heldInput_;
+      heldInput_ = bytes;
+    }
     res_.reduceBusyUs += dur;
     res_.reduceCalls++;
     if (record_) {
@@ -354,7 +367,9 @@ class Simulation {
   std::vector<char> launched_;
   std::vector<int32_t> members_;
   std::vector<int32_t> one_ = std::vector<int32_t>(1, 0);
-  std::deque<std::pair<double, uint64_t>> pending_;
+  std::deque<std::pair<double, uint64_t>> pending_;  ///< ZeRO-1 buckets in flight: (done at, bytes)
+  uint64_t heldInput_ = 0;           ///< ZeRO-2/3: the packed input of the last bucket launched
+  uint64_t releaseAfterSample_ = 0;  ///< ZeRO-2/3: inputs freed once this op's memory is sampled
   uint64_t pendingBytes_ = 0;
   uint64_t filling_ = 0;
   uint64_t liveGathered_ = 0;
