@@ -53,11 +53,6 @@ Context makeContext(const Workload& w, const CostModel& cost, uint64_t limit) {
         t += u;
         v.issueUs.push_back(t);
       }
-      v.activationBytes.assign(run.activationBytes.size(), 0);
-    }
-    // Per op, the most of any run: at the op, or during the compute before it.
-    for (size_t i = 0; i < v.activationBytes.size(); ++i) {
-      v.activationBytes[i] = std::max({v.activationBytes[i], run.activationBytes[i], run.computePeakBytes[i]});
     }
   }
   return c;
@@ -281,12 +276,39 @@ std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector
     delta[static_cast<size_t>(std::min<ptrdiff_t>(until, static_cast<ptrdiff_t>(n)))] -=
         static_cast<int64_t>(buckets[b].bytes);
   }
-  std::vector<uint64_t> m(n);
-  int64_t live = 0;
-  for (size_t i = 0; i < n; ++i) {
-    live += delta[i];
-    m[i] = c.w.baselineBytes + persistentBytes + v.activationBytes[i] +
-           static_cast<uint64_t>(std::max<int64_t>(0, live));
+  // Persistent copies: in the forward of a step's first micro-step (after an optimizer step,
+  // which makes them stale) each is gathered again at its first use and counts from there;
+  // in every other run they are held from the start (in backward conservatively: the
+  // runtime ends trainable ones at their last use).
+  std::vector<uint64_t> firstGathered(n + 1, 0);
+  {
+    std::vector<int32_t> first(c.w.params.size(), -1);
+    std::vector<uint64_t> bytes(c.w.params.size(), 0);
+    for (const GatherUse& u : uses) {
+      const size_t p = static_cast<size_t>(u.param);
+      if (!persistent[p]) continue;
+      if (first[p] < 0 || u.gatherOp < first[p]) first[p] = u.gatherOp;
+      bytes[p] = u.bytes;
+    }
+    for (size_t p = 0; p < first.size(); ++p) {
+      if (first[p] >= 0) firstGathered[static_cast<size_t>(first[p])] += bytes[p];
+    }
+  }
+  // Per op, the most of any run of the graph: during the compute before the op (its peak,
+  // with what was held then) and at the op.
+  std::vector<uint64_t> m(n, 0);
+  for (const GraphRun& run : c.w.runs) {
+    if (run.graph != g) continue;
+    const bool fresh = wg.kind == schemas::GraphKind::Forward && run.microStep == 0;
+    uint64_t held = fresh ? 0 : persistentBytes;
+    int64_t live = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t before = c.w.baselineBytes + held + static_cast<uint64_t>(std::max<int64_t>(0, live));
+      live += delta[i];
+      if (fresh) held += firstGathered[i];
+      const uint64_t at = c.w.baselineBytes + held + static_cast<uint64_t>(std::max<int64_t>(0, live));
+      m[i] = std::max({m[i], before + run.computePeakBytes[i], at + run.activationBytes[i]});
+    }
   }
   return m;
 }

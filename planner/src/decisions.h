@@ -16,7 +16,6 @@ struct GraphView {
   int32_t graph = 0;
   int32_t run = 0;                        ///< first run of the graph in the step
   std::vector<double> issueUs;            ///< stall-free time at which op i is issued
-  std::vector<uint64_t> activationBytes;  ///< max over the graph's runs
 };
 
 struct Context {

@@ -205,8 +205,11 @@ class Search {
         stalls = ref->sim.repeatStallUs;
         if (std::all_of(stalls.begin(), stalls.end(), [](double v) { return v <= 0; })) break;
       }
-      for (double fraction : {0.0, 0.25, 0.5, 1.0}) {
-        if (pass > 0 && fraction == 0.0) continue;
+      // The headroom is over the on-use peak; where something else sets the peak (the
+      // optimizer step, when no copy is held), keeping everything may fit as well: the
+      // last share (-1) tries it, and the simulation decides.
+      for (double fraction : {0.0, 0.25, 0.5, 1.0, -1.0}) {
+        if (pass > 0 && (fraction == 0.0 || fraction < 0)) continue;
         PersistChoice persist;
         std::string persistLabel;
         if (w_.stage < 3) {
@@ -214,14 +217,18 @@ class Search {
           persist.persistent = base;
           persistLabel = "all (stage " + std::to_string(w_.stage) + ")";
         } else {
-          auto cap = static_cast<uint64_t>(fraction * static_cast<double>(headroom));
+          uint64_t everything = 0;
+          for (const WorkParam& p : w_.params) everything += p.gatherBytes;
+          // Twice everything: the knapsack rounds weights up, and this choice must leave none out.
+          auto cap = fraction < 0 ? 2 * everything : static_cast<uint64_t>(fraction * static_cast<double>(headroom));
           persist = pass == 0 ? knapsackPersistence(c_, cap)
                               : knapsackPersistence(c_, cap, &stalls, 1e-3, /*onlyStalled=*/pass == 2);
           persistLabel = std::string(pass == 0   ? "knapsack of gather time saved"
                                      : pass == 1 ? "knapsack of stalls removed and gather time saved"
                                                  : "knapsack of stalls removed") +
-                         " per byte, up to " + formatBytes(cap) + " (" + formatFixed(fraction * 100, 0) +
-                         "% of the headroom)";
+                         (fraction < 0 ? std::string(" per byte, every parameter gathered more than once")
+                                       : " per byte, up to " + formatBytes(cap) + " (" +
+                                             formatFixed(fraction * 100, 0) + "% of the headroom)");
         }
         if (std::find(seen.begin(), seen.end(), persist.persistent) != seen.end()) continue;
         seen.push_back(persist.persistent);
@@ -229,7 +236,7 @@ class Search {
                               (pass == 0   ? "persist "
                                : pass == 1 ? "persist stalls+time "
                                            : "persist stalls ") +
-                                  formatFixed(fraction * 100, 0) + "%",
+                                  (fraction < 0 ? std::string("all") : formatFixed(fraction * 100, 0) + "%"),
                               buckets);
       }
     }

@@ -1,6 +1,8 @@
 // Turns a trace's last step into typed graph runs with activation memory isolated.
 #include "dcplan/planner/workload.h"
 
+#include "dcplan/planner/planner.h"
+
 #include <algorithm>
 #include <numeric>
 #include <stdexcept>
@@ -146,6 +148,12 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
   // What the recorded gather-on-use run had gathered, to take out of its memory.
   std::unordered_map<int64_t, uint64_t> gathered;
   uint64_t gatheredBytes = 0;
+  // ZeRO-2/3: the recorded run's own packed bucket input, held from its launch to the next
+  // launch or end_backward, is in its recorded memory too (the simulator adds the plan's). A
+  // trace is recorded without a plan: the default buckets, flushed when the next gradient
+  // would take one past kDefaultBucketBytes.
+  uint64_t recordedFilling = 0;
+  uint64_t recordedHeld = 0;
   for (size_t stepIndex : micro) {
     const schemas::TraceStep& step = trace.steps[stepIndex];
     std::string stepPtr = "/steps/" + std::to_string(stepIndex);
@@ -202,7 +210,7 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
           }
         }
         run.computeUs.push_back(std::max(0.0, e.computeUs));
-        uint64_t other = trace.memory.baselineBytes + gatheredBytes;
+        uint64_t other = trace.memory.baselineBytes + gatheredBytes + recordedHeld;
         run.activationBytes.push_back(e.memoryBytes > other ? e.memoryBytes - other : 0);
         // What the recorded run held during the compute before this op is what it held after the
         // op before: the same `other`.
@@ -222,6 +230,15 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
             gatheredBytes -= it->second;
             gathered.erase(it);
           }
+        } else if (w.stage >= 2 && e.op == "reduce_grad" && e.bytes > 0) {
+          if (recordedFilling > 0 && recordedFilling + e.bytes > kDefaultBucketBytes) {
+            recordedHeld = recordedFilling;  // launched here; the one before is freed here
+            recordedFilling = 0;
+          }
+          recordedFilling += e.bytes;
+        } else if (e.op == "end_backward") {
+          recordedFilling = 0;  // flushed, drained and freed
+          recordedHeld = 0;
         }
       }
       w.runs.push_back(std::move(run));

@@ -141,7 +141,12 @@ TEST(PlannerProperties, GradientAccumulationMakesPersistenceWorthMore) {
     o.steps = 1;
     schemas::Trace t = testing::generateTrace(o);
     Workload w = makeWorkload(t);
-    PlanResult r = plan(t, Strategy::Optimized, std::nullopt);
+    // A budget that fits a third of the parameters above the default schedule's peak: where
+    // everything fits, both would keep everything.
+    uint64_t all = 0;
+    for (const WorkParam& p : w.params) all += p.gatherBytes;
+    const uint64_t floor = plan(t, Strategy::Default, std::nullopt).plan.predicted.peakMemoryBytes;
+    PlanResult r = plan(t, Strategy::Optimized, floor + all / 3);
     uint64_t bytes = 0;
     for (int64_t id : r.plan.persistent) bytes += w.params[static_cast<size_t>(w.paramIndex(id))].gatherBytes;
     return std::make_pair(bytes, r.plan.predicted);
@@ -150,6 +155,19 @@ TEST(PlannerProperties, GradientAccumulationMakesPersistenceWorthMore) {
   auto [four, p4] = persistentBytes(4);
   EXPECT_GE(four, one);
   EXPECT_GT(four, 0u);
+}
+
+TEST(PlannerProperties, PersistenceFitsWhereTheOptimizerStepSetsThePeak) {
+  // The optimizer step (in the window before the step's first op) peaks 2 MB above anything
+  // forward or backward hold: with that peak as the budget, keeping parameters costs no peak.
+  schemas::Trace t = test::tinyTrace();
+  schemas::OpEvent& first = t.steps[0].graphs[0].events[0];
+  first.peakBytes = first.memoryBytes + 2'000'000;
+  const uint64_t floor = plan(t, Strategy::Default, std::nullopt).plan.predicted.peakMemoryBytes;
+  EXPECT_EQ(floor, first.peakBytes);
+  PlanResult r = plan(t, Strategy::Optimized, floor);
+  EXPECT_FALSE(r.plan.persistent.empty());
+  EXPECT_LE(r.plan.predicted.peakMemoryBytes, floor);
 }
 
 TEST(PlannerProperties, WhatIfWorldSizeAndBandwidth) {

@@ -207,6 +207,24 @@ TEST(Simulator, APeakBetweenTwoOpsCountsWithWhatWasHeldThen) {
   EXPECT_EQ(r.prediction.peakMemoryBytes, 1'000'000u + 100'000 + 400'000);
 }
 
+TEST(Simulator, TheRecordedRunsOwnBucketInputIsNotActivation) {
+  // Two 60 MB gradients: the recorded run (default 100 MB buckets) flushes the first bucket at
+  // the second gradient's reduce_grad and holds its packed input until end_backward; that is
+  // in its recorded memory, and the simulator adds the plan's own buckets instead.
+  schemas::Trace t = test::tinyTrace();
+  auto& bwd = t.steps[0].graphs[1].events;
+  bwd[2].bytes = bwd[6].bytes = 60'000'000;
+  for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes += 60'000'000;
+  Workload w = makeWorkload(t);
+  const GraphRun& run = w.runs[1];
+  EXPECT_EQ(run.activationBytes[6], 0u);
+  EXPECT_EQ(run.activationBytes[7], 0u);
+  EXPECT_EQ(run.activationBytes[8], 0u);
+  // ZeRO-1 buckets live otherwise; there the recorded memory is taken as it is.
+  t.meta.stage = 1;
+  EXPECT_EQ(makeWorkload(t).runs[1].activationBytes[7], 60'000'000u);
+}
+
 TEST(Simulator, GraphRunsMustRepeatTheSameOps) {
   schemas::Trace t = test::tinyTrace();
   schemas::TraceGraph again = t.steps[0].graphs[0];
