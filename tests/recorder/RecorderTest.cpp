@@ -168,6 +168,25 @@ class RecorderTest : public ::testing::Test {
     });
   }
 
+  /// The next step's start_forward at `at` ends the recording: the trace, on a one-point
+  /// calibration.
+  schemas::Trace finish(Recorder& rec, double at) {
+    now = at;
+    rec.onStartForward();
+    EXPECT_TRUE(rec.done());
+    schemas::Calibration cal;
+    cal.allGather = cal.reduceScatter = cal.allReduce = {{65536, 10.0}};
+    return rec.buildTrace(cal);
+  }
+
+  /// t written and read back, which must be a valid document.
+  static schemas::Trace validRoundTrip(const schemas::Trace& t) {
+    schemas::Trace check;
+    auto problems = schemas::validateTrace(schemas::parseJson(schemas::writeTrace(t), "t"), check);
+    EXPECT_TRUE(problems.empty()) << (problems.empty() ? "" : problems.front().str());
+    return check;
+  }
+
   std::filesystem::path dir;
   double now = 0;
   uint64_t memory = 1000;
@@ -202,12 +221,7 @@ TEST_F(RecorderTest, BuildsEventsWithSeqStreamsSpansAndBytes) {
   auto rec = make(/*steps=*/1, /*warmup=*/0);
   memory = 5000;
   microStep(*rec, 0, true);
-  now = 57;
-  rec->onStartForward();
-  ASSERT_TRUE(rec->done());
-  schemas::Calibration cal;
-  cal.allGather = cal.reduceScatter = cal.allReduce = {{65536, 10.0}};
-  schemas::Trace t = rec->buildTrace(cal);
+  schemas::Trace t = finish(*rec, 57);
   EXPECT_EQ(t.memory.baselineBytes, 5000u);
   EXPECT_EQ(t.meta.backend, "gloo");
   EXPECT_EQ(t.meta.worldSize, 2);
@@ -247,10 +261,7 @@ TEST_F(RecorderTest, BuildsEventsWithSeqStreamsSpansAndBytes) {
   EXPECT_NEAR(bwd.events[1].startUs, bwd.events[0].endUs, 1e-9);
   EXPECT_NEAR(bwd.events[1].endUs, 40.0 - 11.0, 1e-9);
   EXPECT_TRUE(bwd.events[2].dsIds.empty());
-  // The whole trace is a valid document.
-  schemas::Trace check;
-  auto problems = schemas::validateTrace(schemas::parseJson(schemas::writeTrace(t), "t"), check);
-  EXPECT_TRUE(problems.empty()) << (problems.empty() ? "" : problems.front().str());
+  validRoundTrip(t);  // the whole trace is a valid document
 }
 
 TEST_F(RecorderTest, PeaksBetweenOpsAreKeptAndTheProbesTimeIsNotCompute) {
@@ -270,12 +281,7 @@ TEST_F(RecorderTest, PeaksBetweenOpsAreKeptAndTheProbesTimeIsNotCompute) {
   op(*rec, "reduce_grad", 1, 0, 20, 1);
   op(*rec, "reduce_grad", 1, 1, 22, 1);
   op(*rec, "end_backward", 1, -1, 30, 1);
-  now = 57;
-  rec->onStartForward();
-  ASSERT_TRUE(rec->done());
-  schemas::Calibration cal;
-  cal.allGather = cal.reduceScatter = cal.allReduce = {{65536, 10.0}};
-  schemas::Trace t = rec->buildTrace(cal);
+  schemas::Trace t = finish(*rec, 57);
   const auto& fwd = t.steps[0].graphs[0];
   ASSERT_EQ(fwd.events.size(), 3u);
   EXPECT_DOUBLE_EQ(fwd.events[0].computeUs, 1.0);
@@ -286,9 +292,7 @@ TEST_F(RecorderTest, PeaksBetweenOpsAreKeptAndTheProbesTimeIsNotCompute) {
   EXPECT_EQ(fwd.events[2].peakBytes, 5000u);  // the wait's own peak is not the compute's after it
   EXPECT_EQ(fwd.events[2].memoryBytes, 5000u);
   EXPECT_EQ(t.steps[0].graphs[1].events[0].peakBytes, 7000u);
-  schemas::Trace check;
-  auto problems = schemas::validateTrace(schemas::parseJson(schemas::writeTrace(t), "t"), check);
-  EXPECT_TRUE(problems.empty()) << (problems.empty() ? "" : problems.front().str());
+  schemas::Trace check = validRoundTrip(t);
   EXPECT_EQ(check.steps[0].graphs[0].events[0].peakBytes, 9000u);  // and it round-trips
 }
 
