@@ -247,8 +247,8 @@ const char* issueReasonText(IssueReason r) {
 
 namespace {
 
-/// The memory curve of a graph's first run when every gather happens on use:
-/// what prefetching adds to.
+/// The memory curve of a graph when every gather happens on use (per op, the most of any
+/// of its runs): what prefetching adds to.
 std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector<GatherUse>& uses,
                                   const std::vector<char>& persistent, uint64_t persistentBytes,
                                   const std::vector<schemas::PlanBucket>& buckets) {
@@ -262,36 +262,52 @@ std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector
   }
   std::vector<BucketTiming> timings = bucketTimings(c, g, buckets);
   const WorkGraph& wg = c.w.graphs[static_cast<size_t>(g)];
+  auto opAt = [&](int64_t seq) {
+    return std::lower_bound(wg.ops.begin(), wg.ops.end(), seq,
+                            [](const WorkOp& op, int64_t s) { return op.seq < s; }) -
+           wg.ops.begin();
+  };
+  // Where each bucket launches (its last gradient), for ZeRO-2/3's next-launch rule.
+  std::vector<ptrdiff_t> launches;
+  for (const BucketTiming& t : timings) launches.push_back(opAt(t.lastSeq));
+  std::vector<ptrdiff_t> sortedLaunches = launches;
+  std::sort(sortedLaunches.begin(), sortedLaunches.end());
   for (size_t b = 0; b < buckets.size(); ++b) {
-    auto first = std::lower_bound(wg.ops.begin(), wg.ops.end(), timings[b].firstSeq,
-                                  [](const WorkOp& op, int64_t s) { return op.seq < s; }) -
-                 wg.ops.begin();
-    auto last = std::lower_bound(wg.ops.begin(), wg.ops.end(), timings[b].lastSeq,
-                                 [](const WorkOp& op, int64_t s) { return op.seq < s; }) -
-                wg.ops.begin();
-    auto until = std::lower_bound(v.issueUs.begin(), v.issueUs.end(), timings[b].endUs) - v.issueUs.begin();
-    until = std::max<ptrdiff_t>(until, last + 1);
-    // ZeRO-2/3 lay a bucket out at its launch (after its last gradient); ZeRO-1 fills it.
+    const ptrdiff_t first = opAt(timings[b].firstSeq);
+    const ptrdiff_t last = launches[b];
+    ptrdiff_t until;
+    if (c.w.stage < 2) {
+      // ZeRO-1 fills its bucket from the first gradient until the reduction is done.
+      until = std::lower_bound(v.issueUs.begin(), v.issueUs.end(), timings[b].endUs) - v.issueUs.begin();
+      until = std::max<ptrdiff_t>(until, last + 1);
+    } else {
+      // ZeRO-2/3 lay it out at its launch and free it after the next launch (or at the end).
+      auto next = std::upper_bound(sortedLaunches.begin(), sortedLaunches.end(), last);
+      until = next == sortedLaunches.end() ? static_cast<ptrdiff_t>(n) : *next + 1;
+    }
     delta[static_cast<size_t>(c.w.stage < 2 ? first : last)] += static_cast<int64_t>(buckets[b].bytes);
     delta[static_cast<size_t>(std::min<ptrdiff_t>(until, static_cast<ptrdiff_t>(n)))] -=
         static_cast<int64_t>(buckets[b].bytes);
   }
   // Persistent copies: in the forward of a step's first micro-step (after an optimizer step,
-  // which makes them stale) each is gathered again at its first use and counts from there;
-  // in every other run they are held from the start (in backward conservatively: the
-  // runtime ends trainable ones at their last use).
+  // which makes a trainable one stale) each trainable one is gathered again at its first use
+  // and counts from there; frozen ones and every other run hold them from the start (in
+  // backward conservatively: the runtime ends trainable ones at their last use).
   std::vector<uint64_t> firstGathered(n + 1, 0);
+  uint64_t heldFromStart = persistentBytes;
   {
     std::vector<int32_t> first(c.w.params.size(), -1);
     std::vector<uint64_t> bytes(c.w.params.size(), 0);
     for (const GatherUse& u : uses) {
       const size_t p = static_cast<size_t>(u.param);
-      if (!persistent[p]) continue;
+      if (!persistent[p] || !c.w.params[p].requiresGrad) continue;
       if (first[p] < 0 || u.gatherOp < first[p]) first[p] = u.gatherOp;
       bytes[p] = u.bytes;
     }
     for (size_t p = 0; p < first.size(); ++p) {
-      if (first[p] >= 0) firstGathered[static_cast<size_t>(first[p])] += bytes[p];
+      if (first[p] < 0) continue;
+      firstGathered[static_cast<size_t>(first[p])] += bytes[p];
+      heldFromStart -= std::min(heldFromStart, bytes[p]);
     }
   }
   // Per op, the most of any run of the graph: during the compute before the op (its peak,
@@ -300,7 +316,7 @@ std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector
   for (const GraphRun& run : c.w.runs) {
     if (run.graph != g) continue;
     const bool fresh = wg.kind == schemas::GraphKind::Forward && run.microStep == 0;
-    uint64_t held = fresh ? 0 : persistentBytes;
+    uint64_t held = fresh ? heldFromStart : persistentBytes;
     int64_t live = 0;
     for (size_t i = 0; i < n; ++i) {
       const uint64_t before = c.w.baselineBytes + held + static_cast<uint64_t>(std::max<int64_t>(0, live));

@@ -81,8 +81,7 @@ class _ShardState:
         self.saved_hooks = None
         self.trainable_infos: List[_ParamInfo] = []
         self.trainable_ids: List[int] = []
-        begin = weakref.WeakMethod(self.begin_backward)  # the C++ hooks must not keep this state alive
-        self.hooks = _C.ShardHooks(stage, fwd_graph, bwd_graph, param_dtype, lambda: begin()())
+        self.hooks = _C.ShardHooks(stage, fwd_graph, bwd_graph, param_dtype, _weak_begin_backward(self))
 
     @property
     def requires_sync(self) -> bool:
@@ -120,6 +119,19 @@ class _ShardState:
                 i.shard.grad = grad
         if self.stage == 3:
             self.hooks.after_backward()
+
+
+def _weak_begin_backward(state: "_ShardState"):
+    """state.begin_backward without a reference to state (the C++ hooks that call it are state's)."""
+    method = weakref.WeakMethod(state.begin_backward)
+
+    def begin_backward() -> None:
+        bound = method()
+        if bound is None:
+            raise RuntimeError("dcplan: backward began for a sharded model that has been deleted")
+        bound()
+
+    return begin_backward
 
 
 def _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_bucket_bytes):

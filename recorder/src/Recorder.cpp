@@ -138,6 +138,9 @@ void Recorder::onStartForward() {
   recording_ = optimizerStepsSeen_ >= config_.warmup;
   if (recording_ && !wasRecording && recorded_.empty()) {
     baselineBytes_ = memory_->bytesInUse();
+    // The first op's peak window starts at the last op's end; without a step before it (no
+    // warm-up), it starts here, not with whatever the script did before training.
+    if (optimizerStepsSeen_ == 0) memory_->takePeakBytes();
     writeProgress();  // "0 N ws": recording has started on this rank
   }
 }
@@ -187,6 +190,10 @@ void Recorder::onOpEnd(const replayer::OpEvent& event) {
   const std::string_view op(event.op);
   // A mark may cost a device event: only for what is recorded, and step boundaries.
   if (op != "end_backward" && (!recording_ || currentEvent_ < 0)) return;
+  // The next op's peak is that of the compute after this op (what the runtime allocated for a
+  // while inside an op, a bucket's packed gradients, the planner models itself); taken before
+  // the end mark, so that its own time stays inside the op.
+  memory_->takePeakBytes();
   const TimePoint now = timer_->mark(Stream::Compute);
   if (op == "end_backward") {
     // Step boundaries count in the warm-up too.
@@ -196,9 +203,6 @@ void Recorder::onOpEnd(const replayer::OpEvent& event) {
   if (!recording_ || currentEvent_ < 0) return;
   RawEvent& raw = current_.events[static_cast<size_t>(currentEvent_)];
   raw.end = now;
-  // The next op's peak is that of the compute after this op: what the runtime allocated
-  // for a while inside an op (a bucket's packed gradients) the planner models itself.
-  memory_->takePeakBytes();
   if (op == "reduce_grad") {
     // Added after its own op ran: a bucket flushed by this op carried the earlier gradients only.
     current_.pendingReduce.push_back(static_cast<size_t>(currentEvent_));

@@ -112,15 +112,30 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
     const bool track = stage_ == 3 && grad;
     std::vector<at::Tensor> out;
     out.reserve(ps.size());
-    for (size_t i = 0; i < ps.size(); ++i) {
-      Param& p = *ps[i];
-      at::Tensor full = gather(p, forwardGraph_, dsIds[i]);
-      if (grad && p.shard.requires_grad()) full = withReduction(full, p, dsIds[i]);
-      if (track) {
-        p.livePtr = storagePtr(full);
-        if (p.livePtr != nullptr) live_[p.livePtr] = dsIds[i];
+    try {
+      for (size_t i = 0; i < ps.size(); ++i) {
+        Param& p = *ps[i];
+        at::Tensor full = gather(p, forwardGraph_, dsIds[i]);
+        if (grad && p.shard.requires_grad()) full = withReduction(full, p, dsIds[i]);
+        if (track) {
+          p.livePtr = storagePtr(full);
+          if (p.livePtr != nullptr) live_[p.livePtr] = dsIds[i];
+        }
+        out.push_back(std::move(full));
       }
-      out.push_back(std::move(full));
+    } catch (...) {
+      // The module gets none of them, and its forward hook releases only what it got: release
+      // what was gathered before the failure here, and report the failure itself.
+      for (size_t j = 0; j < out.size(); ++j) {
+        Param& p = *ps[j];
+        if (p.livePtr != nullptr) live_.erase(p.livePtr);
+        p.livePtr = nullptr;
+        try {
+          releaseOp(p, forwardGraph_, dsIds[j]);
+        } catch (...) {  // the first failure is the one to report
+        }
+      }
+      throw;
     }
     return out;
   }
@@ -245,7 +260,12 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
     if (inBackward) return;
     inBackward = true;
     py::gil_scoped_acquire gil;
-    beginBackward_();  // set_grads, start_backward, the end-of-backward callback
+    try {
+      beginBackward_();  // set_grads, start_backward, the end-of-backward callback
+    } catch (...) {
+      inBackward = false;  // not begun: the next backward tries again
+      throw;
+    }
   }
 
   int64_t stage_;
@@ -267,7 +287,7 @@ class ReduceGradNode final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     std::shared_ptr<ShardHooks> hooks = hooks_.lock();
     TORCH_CHECK(hooks, "dcplan: backward reached parameter ds_id ", dsId_,
-                " of a sharded model whose hooks are gone (was dcplan.shutdown() called?)");
+                " of a sharded model that has been deleted (its autograd graph outlived it)");
     // An output that got no gradient still reduces (zeros): every rank issues the same ops.
     at::Tensor grad = grads[0].defined() ? grads[0] : input_metadata(0).zeros_like();
     hooks->reduce(dsId_, grad);

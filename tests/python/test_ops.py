@@ -414,7 +414,8 @@ def test_gradients_are_the_callers_alone(dcplan_module, group, stage):
 def test_hooks_reduce_through_a_cpp_node_and_let_the_model_go(dcplan_module, group, stage):
     """The module hooks are _C.ShardHooks: a gathered parameter's gradient reaches reduce_grad
     through a C++ autograd node (autograd.grad of the shard reaches it too), a sharded model
-    and its hooks go with their last reference, and backward after shutdown() says why it fails."""
+    and its hooks go with their last reference, and a backward after shutdown() or after its
+    model was deleted says why it fails."""
     import gc
     import weakref
 
@@ -445,3 +446,12 @@ def test_hooks_reduce_through_a_cpp_node_and_let_the_model_go(dcplan_module, gro
     dcplan_module.shutdown()
     with pytest.raises(RuntimeError, match="runtime is not initialized"):
         loss.backward()
+    if stage < 3:  # (ZeRO-3's saved-tensor hooks keep the model's state until backward)
+        m = nn.Sequential(nn.Linear(8, 3))
+        dcplan_module.shard(m, stage=stage)
+        loss = m(torch.randn(2, 8)).sum()
+        del m
+        gc.collect()
+        with pytest.raises(RuntimeError, match="sharded model that has been deleted"):
+            loss.backward()
+    dcplan_module.shutdown()

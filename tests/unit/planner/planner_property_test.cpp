@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "dcplan/planner/planner.h"
+#include "dcplan/planner/simulator.h"
+#include "dcplan/planner/workload.h"
 #include "dcplan/schemas/io.h"
 #include "dcplan/testing/trace_generator.h"
 #include "tiny_trace.h"
@@ -131,30 +133,31 @@ TEST(PlannerProperties, OptimizedBeatsTheHeuristicOnATightBudget) {
 }
 
 TEST(PlannerProperties, GradientAccumulationMakesPersistenceWorthMore) {
-  // With 4 micro-steps a parameter is gathered 8 times per optimizer step, not 2.
-  auto persistentBytes = [](int64_t accum) {
+  // With 4 micro-steps a parameter is gathered 8 times per optimizer step, not 2: keeping the
+  // same parameters saves more of the step, and the plan keeps some.
+  auto trace = [](int64_t accum) {
     testing::GeneratorOptions o;
     o.model.layers = 4;
     o.model.hidden = 1024;
     o.model.tokensPerRank = 256;  // communication-bound: persistence pays
     o.gradAccumSteps = accum;
     o.steps = 1;
-    schemas::Trace t = testing::generateTrace(o);
-    Workload w = makeWorkload(t);
-    // A budget that fits a third of the parameters above the default schedule's peak: where
-    // everything fits, both would keep everything.
-    uint64_t all = 0;
-    for (const WorkParam& p : w.params) all += p.gatherBytes;
-    const uint64_t floor = plan(t, Strategy::Default, std::nullopt).plan.predicted.peakMemoryBytes;
-    PlanResult r = plan(t, Strategy::Optimized, floor + all / 3);
-    uint64_t bytes = 0;
-    for (int64_t id : r.plan.persistent) bytes += w.params[static_cast<size_t>(w.paramIndex(id))].gatherBytes;
-    return std::make_pair(bytes, r.plan.predicted);
+    return testing::generateTrace(o);
   };
-  auto [one, p1] = persistentBytes(1);
-  auto [four, p4] = persistentBytes(4);
-  EXPECT_GE(four, one);
-  EXPECT_GT(four, 0u);
+  auto savedUs = [](const schemas::Trace& t) {
+    Workload w = makeWorkload(t);
+    CostModel cost{t.calibration, w.worldSize};
+    Schedule onUse = defaultSchedule(w);
+    Schedule kept = onUse;
+    for (const WorkParam& p : w.params) kept.persistent.push_back(p.id);
+    auto step = [&](const Schedule& s) { return simulate(w, cost, compileSchedule(w, s), SimOptions{}).prediction.stepUs; };
+    return step(onUse) - step(kept);
+  };
+  const double one = savedUs(trace(1));
+  const double four = savedUs(trace(4));
+  EXPECT_GT(one, 0);
+  EXPECT_GT(four, 2 * one);
+  EXPECT_FALSE(plan(trace(4), Strategy::Optimized, std::nullopt).plan.persistent.empty());
 }
 
 TEST(PlannerProperties, PersistenceFitsWhereTheOptimizerStepSetsThePeak) {
