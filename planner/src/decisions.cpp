@@ -67,7 +67,7 @@ BucketSet greedyBuckets(const Context& c, uint64_t capBytes) {
     uint64_t bytes = 0;
     for (const auto& [op, p] : gradients(c.w, static_cast<int32_t>(g))) {
       uint64_t b = c.w.params[static_cast<size_t>(p)].gradBytes;
-      if (!cur.empty() && bytes + b > capBytes) {
+      if (flushesBefore(bytes, b, capBytes)) {
         out[g].push_back(makeBucket(c, cur));
         cur.clear();
         bytes = 0;
@@ -156,8 +156,10 @@ std::vector<BucketTiming> bucketTimings(const Context& c, int32_t graph,
     if (!started[static_cast<size_t>(b)]) {
       started[static_cast<size_t>(b)] = 1;
       bt.firstSeq = op.seq;
+      bt.firstOp = static_cast<int32_t>(i);
     }
     bt.lastSeq = op.seq;
+    bt.lastOp = static_cast<int32_t>(i);
     bt.readyUs = t[i];
   }
   double free = 0;
@@ -262,19 +264,13 @@ std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector
   }
   std::vector<BucketTiming> timings = bucketTimings(c, g, buckets);
   const WorkGraph& wg = c.w.graphs[static_cast<size_t>(g)];
-  auto opAt = [&](int64_t seq) {
-    return std::lower_bound(wg.ops.begin(), wg.ops.end(), seq,
-                            [](const WorkOp& op, int64_t s) { return op.seq < s; }) -
-           wg.ops.begin();
-  };
   // Where each bucket launches (its last gradient), for ZeRO-2/3's next-launch rule.
   std::vector<ptrdiff_t> launches;
-  for (const BucketTiming& t : timings) launches.push_back(opAt(t.lastSeq));
-  std::vector<ptrdiff_t> sortedLaunches = launches;
-  std::sort(sortedLaunches.begin(), sortedLaunches.end());
+  for (const BucketTiming& t : timings) launches.push_back(t.lastOp);
+  std::sort(launches.begin(), launches.end());
   for (size_t b = 0; b < buckets.size(); ++b) {
-    const ptrdiff_t first = opAt(timings[b].firstSeq);
-    const ptrdiff_t last = launches[b];
+    const ptrdiff_t first = timings[b].firstOp;
+    const ptrdiff_t last = timings[b].lastOp;
     ptrdiff_t until;
     if (c.w.stage < 2) {
       // ZeRO-1 fills its bucket from the first gradient until the reduction is done.
@@ -282,8 +278,8 @@ std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector
       until = std::max<ptrdiff_t>(until, last + 1);
     } else {
       // ZeRO-2/3 lay it out at its launch and free it after the next launch (or at the end).
-      auto next = std::upper_bound(sortedLaunches.begin(), sortedLaunches.end(), last);
-      until = next == sortedLaunches.end() ? static_cast<ptrdiff_t>(n) : *next + 1;
+      auto next = std::upper_bound(launches.begin(), launches.end(), last);
+      until = next == launches.end() ? static_cast<ptrdiff_t>(n) : *next + 1;
     }
     delta[static_cast<size_t>(c.w.stage < 2 ? first : last)] += static_cast<int64_t>(buckets[b].bytes);
     delta[static_cast<size_t>(std::min<ptrdiff_t>(until, static_cast<ptrdiff_t>(n)))] -=
@@ -527,13 +523,24 @@ PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes, const std
     items.push_back({p, b, value});
   }
   if (items.empty()) return out;
+  auto take = [&](const Item& it) {
+    out.persistent[it.param] = 1;
+    out.bytes += it.bytes;
+    out.savedUs += (count[it.param] - 1) * c.cost.us(Collective::AllGather, it.bytes);
+  };
+  uint64_t total = 0;
+  for (const Item& it : items) total += it.bytes;
+  if (total <= capBytes) {  // everything fits: nothing to choose (the table's rounding could drop some)
+    for (const Item& it : items) take(it);
+    return out;
+  }
   // Capacity in units so the table stays small; weights round up, so the
   // choice never exceeds the capacity.
   constexpr uint64_t kUnits = 2048;
   uint64_t unit = std::max<uint64_t>(1, (capBytes + kUnits - 1) / kUnits);
   size_t cap = static_cast<size_t>(capBytes / unit);
   std::vector<double> best(cap + 1, 0.0);
-  std::vector<std::vector<char>> take(items.size(), std::vector<char>(cap + 1, 0));
+  std::vector<std::vector<char>> chosen(items.size(), std::vector<char>(cap + 1, 0));
   for (size_t k = 0; k < items.size(); ++k) {
     size_t wu = static_cast<size_t>((items[k].bytes + unit - 1) / unit);
     if (wu > cap) continue;
@@ -541,17 +548,15 @@ PersistChoice knapsackPersistence(const Context& c, uint64_t capBytes, const std
       double v = best[x - wu] + items[k].value;
       if (v > best[x] + 1e-9) {
         best[x] = v;
-        take[k][x] = 1;
+        chosen[k][x] = 1;
       }
       if (x == wu) break;
     }
   }
   size_t x = cap;
   for (size_t k = items.size(); k-- > 0;) {
-    if (!take[k][x]) continue;
-    out.persistent[items[k].param] = 1;
-    out.bytes += items[k].bytes;
-    out.savedUs += (count[items[k].param] - 1) * c.cost.us(Collective::AllGather, items[k].bytes);
+    if (!chosen[k][x]) continue;
+    take(items[k]);
     x -= static_cast<size_t>((items[k].bytes + unit - 1) / unit);
   }
   return out;

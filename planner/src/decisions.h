@@ -46,6 +46,7 @@ BucketSet optimalBuckets(const Context& c, uint64_t capBytes);
 /// Timing of one bucket under the stall-free model, for explanations.
 struct BucketTiming {
   int64_t firstSeq = 0, lastSeq = 0;
+  int32_t firstOp = 0, lastOp = 0;  ///< the same, as indices into the graph's ops
   double readyUs = 0, startUs = 0, endUs = 0;
 };
 std::vector<BucketTiming> bucketTimings(const Context& c, int32_t graph,

@@ -195,6 +195,8 @@ class Search {
     // stream time, which shortens the queue in front of later gathers); by the
     // stalls alone, which keeps memory down when only a few gathers hurt.
     std::vector<double> stalls;
+    uint64_t everything = 0;
+    for (const WorkParam& p : w_.params) everything += p.gatherBytes;
     for (int pass = 0; pass < 3; ++pass) {
       if (pass == 1) {
         const Candidate* ref = nullptr;
@@ -217,10 +219,7 @@ class Search {
           persist.persistent = base;
           persistLabel = "all (stage " + std::to_string(w_.stage) + ")";
         } else {
-          uint64_t everything = 0;
-          for (const WorkParam& p : w_.params) everything += p.gatherBytes;
-          // Twice everything: the knapsack rounds weights up, and this choice must leave none out.
-          auto cap = fraction < 0 ? 2 * everything : static_cast<uint64_t>(fraction * static_cast<double>(headroom));
+          auto cap = fraction < 0 ? everything : static_cast<uint64_t>(fraction * static_cast<double>(headroom));
           persist = pass == 0 ? knapsackPersistence(c_, cap)
                               : knapsackPersistence(c_, cap, &stalls, 1e-3, /*onlyStalled=*/pass == 2);
           persistLabel = std::string(pass == 0   ? "knapsack of gather time saved"

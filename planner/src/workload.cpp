@@ -1,8 +1,6 @@
 // Turns a trace's last step into typed graph runs with activation memory isolated.
 #include "dcplan/planner/workload.h"
 
-#include "dcplan/planner/planner.h"
-
 #include <algorithm>
 #include <numeric>
 #include <stdexcept>
@@ -231,7 +229,7 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
             gathered.erase(it);
           }
         } else if (w.stage >= 2 && e.op == "reduce_grad" && e.bytes > 0) {
-          if (recordedFilling > 0 && recordedFilling + e.bytes > kDefaultBucketBytes) {
+          if (flushesBefore(recordedFilling, e.bytes, kDefaultBucketBytes)) {
             recordedHeld = recordedFilling;  // launched here; the one before is freed here
             recordedFilling = 0;
           }

@@ -69,14 +69,11 @@ class _ShardState:
     def __init__(self, stage, pg, param_dtype, fwd_graph, bwd_graph):
         self.stage = stage
         self.pg = pg
-        world_size, rank = pg.size(), pg.rank()
-        self.world_size = world_size
-        self.rank = rank
+        self.world_size = pg.size()
         self.param_dtype = param_dtype
         self.fwd_graph = fwd_graph
         self.bwd_graph = bwd_graph
         self.infos: List[_ParamInfo] = []
-        self.owned: Dict[int, Tuple[List[str], List[int]]] = {}  # id(module) -> (attr names, ds_ids)
         self.forward_depth = 0
         self.saved_hooks = None
         self.trainable_infos: List[_ParamInfo] = []
@@ -222,6 +219,7 @@ def shard(
     state = _ShardState(stage, pg, param_dtype, fwd_graph, bwd_graph)
 
     by_param: Dict[int, _ParamInfo] = {}
+    owned: Dict[int, Tuple[nn.Module, List[str], List[int]]] = {}  # id(module) -> (module, attrs, ds_ids)
     for mod_name, module in model.named_modules():
         for attr, p in list(module._parameters.items()):
             if p is None:
@@ -237,7 +235,7 @@ def shard(
                 state.infos.append(info)
                 state.hooks.add_param(info.ds_id, info.shard)
             module._parameters[attr] = info.shard
-            attrs, ids_of_module = state.owned.setdefault(id(module), ([], []))
+            _, attrs, ids_of_module = owned.setdefault(id(module), (module, [], []))
             attrs.append(attr)
             ids_of_module.append(info.ds_id)
 
@@ -252,10 +250,9 @@ def shard(
     if _record.active():
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, world_size, param_dtype, reduce_dtype)
 
-    for module in model.modules():
-        if id(module) in state.owned:
-            module.register_forward_pre_hook(_make_pre_hook(state))
-            module.register_forward_hook(_make_post_hook(state), always_call=True)
+    for module, attrs, ids_of_module in owned.values():
+        module.register_forward_pre_hook(_make_pre_hook(state, attrs, ids_of_module))
+        module.register_forward_hook(_make_post_hook(state, attrs, ids_of_module), always_call=True)
     model.register_forward_pre_hook(_make_root_pre_hook(state), prepend=True)
     model.register_forward_hook(_make_root_post_hook(state), always_call=True)
 
@@ -321,9 +318,10 @@ def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: i
     return _ParamInfo(ds_id=ds_id, name=name, shape=p.shape, numel=numel, shard=shard_param)
 
 
-def _make_pre_hook(state: _ShardState):
+def _make_pre_hook(state: _ShardState, attrs: List[str], ids: List[int]):
+    """The module's parameters attrs (ds_ids ids), gathered into its __dict__."""
+
     def pre_hook(module, args):
-        attrs, ids = state.owned[id(module)]
         d = module.__dict__
         for attr, full in zip(attrs, state.hooks.forward_gather(ids)):
             d[attr] = full
@@ -331,9 +329,8 @@ def _make_pre_hook(state: _ShardState):
     return pre_hook
 
 
-def _make_post_hook(state: _ShardState):
+def _make_post_hook(state: _ShardState, attrs: List[str], ids: List[int]):
     def post_hook(module, args, output):
-        attrs, ids = state.owned[id(module)]
         d = module.__dict__
         # A parameter its pre-hook did not gather (the forward raised before it) is not released.
         state.hooks.forward_release([i for a, i in zip(attrs, ids) if d.pop(a, None) is not None])

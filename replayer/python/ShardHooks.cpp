@@ -76,8 +76,7 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
   /// shard: the parameter the optimizer sees (trainable while it requires grad).
   void addParam(int64_t dsId, const at::Tensor& shard) {
     TORCH_CHECK(params_.count(dsId) == 0, "ShardHooks.add_param: ds_id ", dsId, " is already added");
-    params_.emplace(dsId, Param{shard, shard.detach()});
-    order_.push_back(dsId);
+    params_.emplace(dsId, Param{dsId, shard, shard.detach()});
   }
 
   void setKeep(const std::vector<int64_t>& dsIds) {
@@ -94,7 +93,7 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
     std::vector<Param*> ps;
     ps.reserve(dsIds.size());
     for (int64_t id : dsIds) ps.push_back(&param("forward_gather", id));
-    for (size_t i = 0; i < ps.size(); ++i) refresh(*ps[i], dsIds[i]);
+    for (Param* p : ps) refresh(*p);
     if (ps.size() > 1) {
       // Issued whatever is held (the runtime skips held copies): the op sequence, which plan
       // positions count, must not depend on the schedule.
@@ -115,11 +114,11 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
     try {
       for (size_t i = 0; i < ps.size(); ++i) {
         Param& p = *ps[i];
-        at::Tensor full = gather(p, forwardGraph_, dsIds[i]);
-        if (grad && p.shard.requires_grad()) full = withReduction(full, p, dsIds[i]);
+        at::Tensor full = gather(p, forwardGraph_);
+        if (grad && p.shard.requires_grad()) full = withReduction(full, p);
         if (track) {
           p.livePtr = storagePtr(full);
-          if (p.livePtr != nullptr) live_[p.livePtr] = dsIds[i];
+          if (p.livePtr != nullptr) live_[p.livePtr] = &p;
         }
         out.push_back(std::move(full));
       }
@@ -127,11 +126,9 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
       // The module gets none of them, and its forward hook releases only what it got: release
       // what was gathered before the failure here, and report the failure itself.
       for (size_t j = 0; j < out.size(); ++j) {
-        Param& p = *ps[j];
-        if (p.livePtr != nullptr) live_.erase(p.livePtr);
-        p.livePtr = nullptr;
+        forgetLive(*ps[j]);
         try {
-          releaseOp(p, forwardGraph_, dsIds[j]);
+          releaseOp(*ps[j], forwardGraph_);
         } catch (...) {  // the first failure is the one to report
         }
       }
@@ -144,18 +141,18 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
   void forwardRelease(const std::vector<int64_t>& dsIds) {
     for (int64_t id : dsIds) {
       Param& p = param("forward_release", id);
-      if (p.livePtr != nullptr) {
-        live_.erase(p.livePtr);
-        p.livePtr = nullptr;
-      }
-      releaseOp(p, forwardGraph_, id);
+      forgetLive(p);
+      releaseOp(p, forwardGraph_);
     }
   }
 
   /// Drops the gathered copies of these parameters (all: empty) whose shard changed since
   /// they were gathered (an optimizer step).
   void refreshAll(const std::vector<int64_t>& dsIds) {
-    for (int64_t id : dsIds.empty() ? order_ : dsIds) refresh(param("refresh", id), id);
+    if (dsIds.empty()) {
+      for (auto& [id, p] : params_) refresh(p);
+    }
+    for (int64_t id : dsIds) refresh(param("refresh", id));
   }
 
   /// Saved-tensor pack hook: the id of the gathered parameter t aliases (one more unpack to
@@ -165,8 +162,8 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
     const void* ptr = storagePtr(t);
     auto it = ptr == nullptr ? live_.end() : live_.find(ptr);
     if (it == live_.end()) return -1;
-    ++param("pack", it->second).pendingUnpacks;
-    return it->second;
+    ++it->second->pendingUnpacks;
+    return it->second->id;
   }
 
   /// Saved-tensor unpack hook: the parameter gathered again (ZeRO-3) and viewed as it was saved;
@@ -176,10 +173,10 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
                     int64_t offset) {
     Param& p = param("unpack", dsId);
     beginBackwardOnce();
-    at::Tensor out = gather(p, backwardGraph_, dsId).as_strided(size, stride, offset);
+    at::Tensor out = gather(p, backwardGraph_).as_strided(size, stride, offset);
     if (--p.pendingUnpacks <= 0) {
       p.pendingUnpacks = 0;
-      releaseOp(p, backwardGraph_, dsId);
+      releaseOp(p, backwardGraph_);
       if (requiresSync && p.shard.requires_grad() && p.keep) invalidateGatheredParam(dsId);
     }
     return out;
@@ -212,6 +209,7 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
 
  private:
   struct Param {
+    int64_t id;
     at::Tensor shard;  // the optimizer's parameter
     at::Tensor data;   // its detached alias, what the ops take
     int64_t version = -1;
@@ -234,27 +232,33 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
     }
   }
 
-  void refresh(Param& p, int64_t dsId) {
+  void refresh(Param& p) {
     const int64_t v = static_cast<int64_t>(p.shard._version());
     if (v != p.version) {
-      invalidateGatheredParam(dsId);
+      invalidateGatheredParam(p.id);
       p.version = v;
     }
   }
 
-  at::Tensor gather(Param& p, int64_t graphId, int64_t dsId) {
+  /// p's gathered copy is no longer one a saved tensor may alias.
+  void forgetLive(Param& p) {
+    if (p.livePtr != nullptr) live_.erase(p.livePtr);
+    p.livePtr = nullptr;
+  }
+
+  at::Tensor gather(Param& p, int64_t graphId) {
     at::AutoDispatchBelowADInplaceOrView below;
     const DcOps& ops = DcOps::get();
-    at::Tensor full = ops.allgather.call(p.data, graphId, dsId, paramDtype_);
-    return ops.wait.call(full, graphId, dsId);
+    at::Tensor full = ops.allgather.call(p.data, graphId, p.id, paramDtype_);
+    return ops.wait.call(full, graphId, p.id);
   }
 
-  void releaseOp(Param& p, int64_t graphId, int64_t dsId) {
+  void releaseOp(Param& p, int64_t graphId) {
     at::AutoDispatchBelowADInplaceOrView below;
-    DcOps::get().release.call(p.data, graphId, dsId, 1);
+    DcOps::get().release.call(p.data, graphId, p.id, 1);
   }
 
-  at::Tensor withReduction(const at::Tensor& full, Param& p, int64_t dsId);
+  at::Tensor withReduction(const at::Tensor& full, Param& p);
 
   void beginBackwardOnce() {
     if (inBackward) return;
@@ -274,8 +278,8 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
   std::optional<at::ScalarType> paramDtype_;
   py::function beginBackward_;
   std::unordered_map<int64_t, Param> params_;
-  std::vector<int64_t> order_;
-  std::unordered_map<const void*, int64_t> live_;  // storage of a gathered parameter (ZeRO-3) -> ds_id
+  // Storage of a gathered parameter (ZeRO-3) -> the parameter (unordered_map nodes stay put).
+  std::unordered_map<const void*, Param*> live_;
 };
 
 /// The gathered parameter's gradient goes to reduce_grad; the shard gets none through
@@ -321,11 +325,11 @@ struct NodeMaker<c10::intrusive_ptr<torch::autograd::Node>> {
   }
 };
 
-at::Tensor ShardHooks::withReduction(const at::Tensor& full, Param& p, int64_t dsId) {
+at::Tensor ShardHooks::withReduction(const at::Tensor& full, Param& p) {
   // An alias of the runtime's buffer (it frees the buffer at release_param), with the node
   // as its history: the node's edge to the shard makes autograd.grad(shard) reach it.
   at::Tensor out = full.detach();
-  NodePtr node = NodeMaker<NodePtr>::make<ReduceGradNode>(weak_from_this(), dsId);
+  NodePtr node = NodeMaker<NodePtr>::make<ReduceGradNode>(weak_from_this(), p.id);
   node->set_next_edges(torch::autograd::collect_next_edges(p.shard));
   torch::autograd::set_history(out, node);
   return out;
@@ -362,7 +366,8 @@ void bindShardHooks(py::module& m) {
            "A module's forward hook: releases its parameters.")
       .def("refresh", &ShardHooks::refreshAll, py::arg("ds_ids") = std::vector<int64_t>{}, Release(),
            "Drops gathered copies whose shard changed since their gather (empty: every parameter).")
-      .def("pack", &ShardHooks::pack, py::arg("tensor"), Release(),
+      // A lookup, for every tensor autograd saves: not worth releasing the GIL for.
+      .def("pack", &ShardHooks::pack, py::arg("tensor"),
            "Saved-tensor pack: the ds_id of the gathered parameter tensor aliases, or -1.")
       .def("unpack", &ShardHooks::unpack, py::arg("ds_id"), py::arg("size"), py::arg("stride"), py::arg("offset"),
            Release(), "Saved-tensor unpack: the parameter gathered again, viewed as it was saved.")

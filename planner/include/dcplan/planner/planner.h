@@ -20,8 +20,6 @@ const char* strategyName(Strategy s);
 /// "default", "heuristic" or "optimized"; nullopt otherwise.
 std::optional<Strategy> parseStrategy(std::string_view name);
 
-/// Bucket size of the default schedule (the runtime without a plan), in bytes.
-inline constexpr uint64_t kDefaultBucketBytes = 100'000'000;
 /// The reference's prefetch grouping factor: gathers are launched this many at a
 /// time, one group ahead of use.
 inline constexpr int kReferencePrefetchFactor = 3;

@@ -9,6 +9,15 @@
 
 namespace dcplan::planner {
 
+/// Bucket size of the default schedule (the runtime without a plan), in bytes.
+inline constexpr uint64_t kDefaultBucketBytes = 100'000'000;
+
+/// The runtime's rule for size-capped buckets: one that holds gradients is flushed before a
+/// gradient that would take it past capBytes (a single larger gradient fills one alone).
+inline bool flushesBefore(uint64_t bucketBytes, uint64_t nextBytes, uint64_t capBytes) {
+  return bucketBytes > 0 && bucketBytes + nextBytes > capBytes;
+}
+
 enum class OpKind {
   AllGather,    ///< allgather_param: gather on use
   Wait,         ///< wait_allgather: the first user needs the gathered parameter
