@@ -41,8 +41,9 @@ except ImportError as e:  # pragma: no cover - depends on the build
         "to a build directory that has python/dcplan/_C*.so."
     ) from e
 
-from ._shard import full_parameters, shard, shutdown  # noqa: E402
+from ._shard import full_parameters, init, shard, shutdown  # noqa: E402
+from ._shm import ShmFallbackWarning  # noqa: E402
 from ._plan import PlanDepartureWarning, read_replay_log, replay_differences, replay_log  # noqa: E402
 
-__all__ = ["shard", "full_parameters", "shutdown"]
+__all__ = ["shard", "init", "full_parameters", "shutdown", "ShmFallbackWarning"]
 __all__ += ["replay_log", "read_replay_log", "replay_differences", "PlanDepartureWarning"]

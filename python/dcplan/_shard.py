@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _plan
-from . import _C, _record
+from . import _C, _record, _shm
 
 _DEFAULT_BUCKET_BYTES = 100_000_000  # the planner's default schedule assumes the same
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -143,11 +143,15 @@ def _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_b
         raise ValueError(f"dcplan.shard: reduce_bucket_bytes should be a positive int, got {reduce_bucket_bytes!r}")
     if getattr(model, "_dcplan", None) is not None:
         raise ValueError("dcplan.shard: model is already sharded")
+    _check_group("dcplan.shard", process_group)
+
+
+def _check_group(caller: str, process_group) -> None:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("dcplan.shard: torch.distributed is not initialized; call dist.init_process_group() first")
+        raise RuntimeError(f"{caller}: torch.distributed is not initialized; call dist.init_process_group() first")
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise ValueError(
-            f"dcplan.shard: process_group should be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}"
+            f"{caller}: process_group should be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}"
         )
 
 
@@ -293,7 +297,7 @@ def _init_runtime(pg: dist.ProcessGroup, device: torch.device, reduce_bucket_byt
     """Starts the runtime: on its own NCCL communicator and streams for parameters on a GPU
     (the unique id goes to the other ranks through pg), else on pg itself (c10d, Gloo on CPU)."""
     if device.type != "cuda":
-        _C.init(pg.group_name, reduce_bucket_bytes=reduce_bucket_bytes)
+        _shm.report(_C.init(pg.group_name, reduce_bucket_bytes=reduce_bucket_bytes, **_shm.settings()))
         return
     if not _C.has_nccl():
         raise RuntimeError(
@@ -384,6 +388,30 @@ def full_parameters(model: nn.Module) -> Dict[str, torch.Tensor]:
         dist.all_gather(parts, shard, group=state.pg)
         out[info.name] = torch.cat(parts)[: info.numel].view(info.shape).clone()
     return out
+
+
+def init(process_group: Optional[dist.ProcessGroup] = None, *, device="cpu") -> None:
+    """Starts dcplan's runtime on process_group (default: the world) without sharding a model,
+    for calling the ``torch.ops.dc.*`` ops directly, such as ``inference_all_reduce``.
+
+    A collective: every rank of the group calls it. ``dcplan.shard()`` on the same group later
+    uses this runtime. On CPU ranks that all share this machine's memory, the inference
+    all-reduce goes through shared memory (``DCPLAN_SHM``, ``DCPLAN_SHM_DIR``,
+    ``DCPLAN_SHM_TIMEOUT``: docs/runtime.md); otherwise through the process group, with one
+    ShmFallbackWarning saying why.
+    """
+    global _runtime_group
+    _check_group("dcplan.init", process_group)
+    pg = process_group if process_group is not None else dist.group.WORLD
+    if _C.is_initialized():
+        if _runtime_group == pg.group_name:
+            return
+        raise ValueError(
+            f"dcplan.init: the runtime runs on process group '{_runtime_group}', got '{pg.group_name}'; "
+            "call dcplan.shutdown() first"
+        )
+    _init_runtime(pg, torch.device(device), _DEFAULT_BUCKET_BYTES)
+    _runtime_group = pg.group_name
 
 
 @atexit.register

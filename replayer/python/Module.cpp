@@ -1,12 +1,14 @@
 // dcplan._C: the Python binding of the dc runtime (lifecycle and registration; the ops are torch.ops.dc.*).
 #include "ShardHooks.h"
 #include "dcplan/recorder/PythonBindings.h"
+#include "dcplan/replayer/LocalAllReduce.h"
 #include "dcplan/replayer/Plan.h"
 #include "dcplan/replayer/Runtime.h"
 
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -124,18 +126,35 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "init",
       [](const std::string& groupName, int64_t reduceBucketBytes, bool doubleBuffer,
-         int64_t freeActivationThresholdBytes) {
+         int64_t freeActivationThresholdBytes, bool shm, const std::string& shmDir, double shmTimeoutS) {
         RuntimeConfig config;
         config.reduceBucketBytes = reduceBucketBytes;
         config.doubleBuffer = doubleBuffer;
         config.freeActivationThresholdBytes = freeActivationThresholdBytes;
-        init(dcplan::recorder::transportForRuntime(makeProcessGroupTransport(groupName)), config);
+        LocalAllReduceSettings local;
+        local.enabled = shm;
+        local.dir = shmDir;
+        local.timeout = std::chrono::milliseconds(static_cast<int64_t>(shmTimeoutS * 1000.0));
+        std::shared_ptr<Transport> transport = makeProcessGroupTransport(groupName);
+        init(dcplan::recorder::transportForRuntime(transport), config);
+        try {
+          // On the process group itself, not the recorder's view of it: the rendezvous is not the job's.
+          return startLocalAllReduce(*transport, local);
+        } catch (...) {
+          cleanup();
+          throw;
+        }
       },
       py::arg("group_name"), py::arg("reduce_bucket_bytes") = RuntimeConfig{}.reduceBucketBytes,
       py::arg("double_buffer") = true,
-      py::arg("free_activation_threshold_bytes") = RuntimeConfig{}.freeActivationThresholdBytes, Release(),
+      py::arg("free_activation_threshold_bytes") = RuntimeConfig{}.freeActivationThresholdBytes,
+      py::arg("shm") = true, py::arg("shm_dir") = LocalAllReduceSettings{}.dir,
+      py::arg("shm_timeout_s") = std::chrono::duration<double>(LocalAllReduceSettings{}.timeout).count(), Release(),
       "Starts the runtime on the torch.distributed group registered as group_name (group.group_name). "
-      "Sizes in bytes.");
+      "Sizes in bytes. shm: the inference all-reduce goes through shared memory in shm_dir when every rank is "
+      "on this machine (collective). Returns why it does not ('' when it does, or shm is False).");
+  m.def("local_all_reduce_path", &localAllReducePath,
+        "The shared-memory segment the inference all-reduce uses ('' when it uses the process group).");
   m.def(
       "init_nccl",
       [](const py::bytes& uniqueId, int rank, int worldSize, int deviceIndex, int64_t reduceBucketBytes,

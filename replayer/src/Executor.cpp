@@ -1012,17 +1012,46 @@ void reloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId) {
   moveParameter("reload_parameter", graphId, dsId, [](auto& registry, Param& p) { registry.reload(p); });
 }
 
+namespace {
+
+std::optional<shm::DType> shmDType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return shm::DType::Float32;
+    case at::kBFloat16: return shm::DType::BFloat16;
+    case at::kHalf: return shm::DType::Float16;
+    default: return std::nullopt;
+  }
+}
+
+}  // namespace
+
 void allReduceInPlace(const char* op, const at::Tensor& tensor) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state(op);
   ObserverScope scope(rt, OpEvent{op, -1, -1, tensorBytes(tensor), tensor.scalar_type()});
-  if (tensor.is_contiguous()) {
-    rt.transport_->allReduce(tensor)->wait();
-    return;
+  at::Tensor flat = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  const std::optional<shm::DType> type = shmDType(tensor.scalar_type());
+  if (rt.localAllReduce_ && type && tensor.is_cpu()) {
+    try {
+      rt.localAllReduce_->allReduce(op, flat.data_ptr(), static_cast<size_t>(flat.numel()), *type);
+    } catch (const shm::Error& e) {
+      TORCH_CHECK(false, e.what());
+    }
+  } else {
+    rt.transport_->allReduce(flat)->wait();
   }
-  at::Tensor tmp = tensor.contiguous();
-  rt.transport_->allReduce(tmp)->wait();
-  tensor.copy_(tmp);
+  if (!flat.is_same(tensor)) tensor.copy_(flat);
+}
+
+void setLocalAllReduce(std::unique_ptr<shm::ShmComm> comm) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  state("set_local_all_reduce").localAllReduce_ = std::move(comm);
+}
+
+std::string localAllReducePath() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  const auto& local = state("local_all_reduce_path").localAllReduce_;
+  return local ? local->path() : "";
 }
 
 }  // namespace dcplan::replayer

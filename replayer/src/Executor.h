@@ -2,6 +2,7 @@
 #pragma once
 
 #include "dcplan/replayer/Runtime.h"
+#include "dcplan/shm/ShmComm.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -284,6 +285,7 @@ struct RuntimeState {
   // offload_tensor / reload_tensor copies in flight, until their wait_offload / wait_reload.
   std::map<std::pair<int64_t, int64_t>, CommHandlePtr> offloadCopies_;
   std::map<std::pair<int64_t, int64_t>, CommHandlePtr> reloadCopies_;
+  std::unique_ptr<shm::ShmComm> localAllReduce_;  // the inference ops' shared memory, if any
 };
 
 }  // namespace dcplan::replayer

@@ -11,7 +11,12 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
+
+namespace dcplan::shm {
+class ShmComm;
+}
 
 namespace dcplan::replayer {
 
@@ -99,7 +104,13 @@ at::Tensor waitOffload(const at::Tensor& tensor, int64_t graphId, int64_t id);
 at::Tensor waitReload(const at::Tensor& tensor, int64_t graphId, int64_t id);
 void offloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId);
 void reloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId);
-/// Sum all-reduce of tensor in place over the runtime's transport.
+/// Sum all-reduce of tensor in place: through the shared-memory communicator for float32,
+/// bfloat16 and float16 when one is set, else over the runtime's transport.
 void allReduceInPlace(const char* op, const at::Tensor& tensor);
+/// The shared-memory communicator of the ranks of this machine (LocalAllReduce.h), used by
+/// allReduceInPlace until cleanup(); null: none.
+void setLocalAllReduce(std::unique_ptr<shm::ShmComm> comm);
+/// The segment the runtime's shared-memory all-reduce uses ("" when it has none).
+std::string localAllReducePath();
 
 }  // namespace dcplan::replayer
