@@ -2,7 +2,6 @@
 #pragma once
 
 #include "dcplan/replayer/Runtime.h"
-#include "dcplan/shm/ShmComm.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -11,10 +10,18 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace dcplan::replayer {
+
+/// "[2, 3]": a shape in error messages.
+inline std::string shapeString(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
 
 /// Elements of one rank's slice of a parameter of numel elements.
 inline int64_t shardNumelOf(int64_t numel, int worldSize) { return (numel + worldSize - 1) / worldSize; }
@@ -270,22 +277,6 @@ class ShardedGradExecutor final : public Executor {
   at::Tensor reducedSlice(ReduceBucket& bucket, const ReduceTask& task) override;
   // The reduce-scatter output holds this rank's slices of the bucket's gradients, nothing else.
   bool sliceIsGradient() const override { return true; }
-};
-
-/// Everything init() creates; one per process.
-struct RuntimeState {
-  std::shared_ptr<Transport> transport_;
-  RuntimeConfig config_;
-  std::unique_ptr<ParamRegistry> registry_;
-  std::map<int64_t, std::unique_ptr<Executor>> executors_;
-  std::shared_ptr<OpObserver> observer_;
-  std::unique_ptr<SchedulePolicy> schedule_;
-  bool profiling_ = false;
-  std::map<std::pair<int64_t, int64_t>, c10::Device> offloadedFrom_;  // offload_tensor -> reload_tensor
-  // offload_tensor / reload_tensor copies in flight, until their wait_offload / wait_reload.
-  std::map<std::pair<int64_t, int64_t>, CommHandlePtr> offloadCopies_;
-  std::map<std::pair<int64_t, int64_t>, CommHandlePtr> reloadCopies_;
-  std::unique_ptr<shm::ShmComm> localAllReduce_;  // the inference ops' shared memory, if any
 };
 
 }  // namespace dcplan::replayer

@@ -1,5 +1,5 @@
 // Unit tests of the runtime classes, one thread per rank over an in-memory transport.
-#include "Executor.h"
+#include "RuntimeState.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -1,0 +1,228 @@
+// The process-wide runtime: its state, lifecycle, registration and settings (Runtime.h).
+#include "RuntimeState.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <functional>
+#include <utility>
+
+namespace dcplan::replayer {
+
+std::mutex gMutex;
+
+namespace {
+
+std::unique_ptr<RuntimeState> gState;
+
+/// Parameter dsId, which must be trainable without a registered gradient buffer (its
+/// gradient is the caller's to give and take).
+Param& callerGradParam(RuntimeState& rt, const char* op, int64_t dsId) {
+  Param& p = rt.registry_->get(op, dsId);
+  TORCH_CHECK(p.trainable_ && !p.fixedGrad_, op, ": ds_id ", dsId,
+              p.trainable_ ? " has a registered grad_buffer" : " is frozen (registered as not trainable)");
+  return p;
+}
+
+}  // namespace
+
+RuntimeState& state(const char* op) {
+  TORCH_CHECK(gState != nullptr, op, ": the dc runtime is not initialized; call dcplan._C.init() first");
+  return *gState;
+}
+
+Executor& executor(const char* op, int64_t graphId) {
+  auto& rt = state(op);
+  auto it = rt.executors_.find(graphId);
+  TORCH_CHECK(it != rt.executors_.end(), op, ": graph_id ", graphId,
+              " is not registered; register it with register_graph_z1/z2/z3 first");
+  return *it->second;
+}
+
+void init(std::shared_ptr<Transport> transport, const RuntimeConfig& config) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  TORCH_CHECK(gState == nullptr, "init: the dc runtime is already initialized; call cleanup() first");
+  TORCH_CHECK(transport != nullptr, "init: transport should not be null");
+  TORCH_CHECK(config.reduceBucketBytes > 0, "init: reduce_bucket_bytes should be > 0, got ",
+              config.reduceBucketBytes);
+  TORCH_CHECK(config.freeActivationThresholdBytes >= 0,
+              "init: free_activation_threshold_bytes should be >= 0, got ",
+              config.freeActivationThresholdBytes);
+  auto st = std::make_unique<RuntimeState>();
+  st->registry_ =
+      std::make_unique<ParamRegistry>(transport->worldSize(), *transport, config.maxReleaseLagBytes);
+  st->transport_ = std::move(transport);
+  st->config_ = config;
+  st->schedule_ = std::make_unique<SchedulePolicy>();
+  gState = std::move(st);
+}
+
+void cleanup() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  if (!gState) return;
+  for (auto& [id, ex] : gState->executors_) ex->drain();
+  for (auto& [id, p] : gState->registry_->all()) {
+    gState->registry_->dropGathered(p);
+    gState->registry_->reload(p);
+  }
+  gState.reset();
+}
+
+bool isInitialized() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  return gState != nullptr;
+}
+
+int worldSize() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  return state("world_size").transport_->worldSize();
+}
+
+int rank() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  return state("rank").transport_->rank();
+}
+
+void registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
+                   const at::Tensor& gradBuffer, bool persistent, bool trainable) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  state("register_param").registry_->registerParam(dsId, shape, shard, gradBuffer, persistent, trainable);
+}
+
+void registerGraph(int64_t graphId, Stage stage, const std::vector<int64_t>& dsIds,
+                   std::optional<at::ScalarType> reduceDtype) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state("register_graph");
+  TORCH_CHECK(!rt.executors_.count(graphId), "register_graph: graph_id ", graphId, " is already registered");
+  std::unique_ptr<Executor> ex;
+  if (stage == Stage::Zero1) {
+    ex = std::make_unique<Zero1Executor>(graphId, stage, dsIds, reduceDtype, rt);
+  } else {
+    TORCH_CHECK(stage == Stage::Zero2 || stage == Stage::Zero3,
+                "register_graph: stage should be 1, 2 or 3, got ", static_cast<int>(stage));
+    ex = std::make_unique<ShardedGradExecutor>(graphId, stage, dsIds, reduceDtype, rt);
+  }
+  rt.executors_.emplace(graphId, std::move(ex));
+}
+
+void setPersistent(int64_t dsId, bool persistent) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  state("set_persistent").registry_->get("set_persistent", dsId).persistent_ = persistent;
+}
+
+void startForward() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state("start_forward");
+  // Use counts of an interrupted step must not leak into this one.
+  for (auto& [id, p] : rt.registry_->all()) p.uses_ = 0;
+  // The optimizer wrote the shards before this point; this step's gathers wait for no more.
+  rt.transport_->shardsWritten();
+  rt.schedule_->onGraphStart(-1);
+  rt.schedule_->onStartForward();
+  if (rt.observer_) rt.observer_->onStartForward();
+}
+
+void endForward() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  state("end_forward").schedule_->onGraphEnd(-1);
+}
+
+void startBackward(bool update, bool sync) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state("start_backward");
+  // Per parameter, once (the forward and backward executors hold the same parameters).
+  for (auto& [id, p] : rt.registry_->all()) p.accumulate_ = !update && p.grad_.defined();
+  for (auto& [id, ex] : rt.executors_) ex->startBackward(sync);
+  rt.schedule_->onStartBackward(update, sync);
+  if (rt.observer_) rt.observer_->onStartBackward(update, sync);
+}
+
+void setGrads(const std::vector<int64_t>& dsIds, const std::vector<at::Tensor>& grads) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state("set_grads");
+  TORCH_CHECK(dsIds.size() == grads.size(), "set_grads: ds_ids and grads should have the same length, got ",
+              dsIds.size(), " and ", grads.size());
+  for (size_t i = 0; i < dsIds.size(); ++i) {
+    Param& p = callerGradParam(rt, "set_grads", dsIds[i]);
+    const at::Tensor& g = grads[i];
+    if (g.defined()) {
+      TORCH_CHECK(g.dim() == 1 && g.numel() == p.shardNumel_ && g.device() == p.shard_.device() &&
+                      at::isFloatingType(g.scalar_type()),
+                  "set_grads: grads[", i, "] (ds_id ", dsIds[i], ") should be a 1-D floating tensor of ",
+                  p.shardNumel_, " elements on ", p.shard_.device(), ", got ", g.sizes(), " ",
+                  g.scalar_type(), " on ", g.device());
+    }
+    p.grad_ = g;
+  }
+}
+
+std::vector<at::Tensor> takeGrads(const std::vector<int64_t>& dsIds) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state("take_grads");
+  std::vector<at::Tensor> out;
+  out.reserve(dsIds.size());
+  for (int64_t id : dsIds)
+    out.push_back(std::exchange(callerGradParam(rt, "take_grads", id).grad_, at::Tensor()));
+  return out;
+}
+
+void reset() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state("reset");
+  for (auto& [id, ex] : rt.executors_) ex->drain();
+  rt.executors_.clear();
+}
+
+void enableProfiling(bool enable) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  state("enable_profiling").profiling_ = enable;
+}
+
+bool isProfiling() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  return gState != nullptr && gState->profiling_;
+}
+
+void invalidateGatheredParam(int64_t dsId) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state("invalidate_gathered_param");
+  rt.registry_->dropGathered(rt.registry_->get("invalidate_gathered_param", dsId));
+}
+
+void clearAllGatheredParams() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state("clear_all_gathered_params");
+  for (auto& [id, p] : rt.registry_->all()) rt.registry_->dropGathered(p);
+}
+
+std::vector<int64_t> gatheredParamIds() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  std::vector<int64_t> ids;
+  for (auto& [id, p] : state("gathered_param_ids").registry_->all()) {
+    if (p.hasGathered()) ids.push_back(id);
+  }
+  return ids;
+}
+
+void setObserver(std::shared_ptr<OpObserver> observer) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  state("set_observer").observer_ = std::move(observer);
+}
+
+void setSchedule(std::unique_ptr<SchedulePolicy> schedule) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  TORCH_CHECK(schedule != nullptr, "set_schedule: schedule should not be null");
+  state("set_schedule").schedule_ = std::move(schedule);
+}
+
+void withSchedule(const std::function<void(SchedulePolicy&)>& fn) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  fn(*state("schedule").schedule_);
+}
+
+std::vector<int64_t> paramShape(const char* op, int64_t dsId) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  return state(op).registry_->get(op, dsId).shape_;
+}
+
+}  // namespace dcplan::replayer

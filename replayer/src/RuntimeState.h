@@ -1,0 +1,37 @@
+// The process-wide runtime: its state, the lock every entry point takes, and lookups that name the op.
+#pragma once
+
+#include "Executor.h"
+#include "dcplan/shm/ShmComm.h"
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+namespace dcplan::replayer {
+
+/// Everything init() creates; one per process.
+struct RuntimeState {
+  std::shared_ptr<Transport> transport_;
+  RuntimeConfig config_;
+  std::unique_ptr<ParamRegistry> registry_;
+  std::map<int64_t, std::unique_ptr<Executor>> executors_;
+  std::shared_ptr<OpObserver> observer_;
+  std::unique_ptr<SchedulePolicy> schedule_;
+  bool profiling_ = false;
+  std::map<std::pair<int64_t, int64_t>, c10::Device> offloadedFrom_;  // offload_tensor -> reload_tensor
+  // offload_tensor / reload_tensor copies in flight, until their wait_offload / wait_reload.
+  std::map<std::pair<int64_t, int64_t>, CommHandlePtr> offloadCopies_;
+  std::map<std::pair<int64_t, int64_t>, CommHandlePtr> reloadCopies_;
+  std::unique_ptr<shm::ShmComm> localAllReduce_;  // the inference ops' shared memory, if any
+};
+
+/// Taken by every entry point of Runtime.h: hooks, autograd's engine and Gloo's callbacks call in.
+extern std::mutex gMutex;
+/// The runtime, or an error naming op when it is not initialized. Call under gMutex.
+RuntimeState& state(const char* op);
+/// The executor of graphId, or an error naming op and the graph. Call under gMutex.
+Executor& executor(const char* op, int64_t graphId);
+
+}  // namespace dcplan::replayer
