@@ -56,6 +56,16 @@ def _run(out: dict, name: str, fn) -> None:
         out[name] = {"error": traceback.format_exc()}
 
 
+def _error_of(fn) -> dict:
+    """The RuntimeError fn raises, and how long it took to come ({"message": None}: none)."""
+    start = time.monotonic()
+    try:
+        fn()
+    except RuntimeError as e:
+        return {"message": str(e), "seconds": time.monotonic() - start}
+    return {"message": None}
+
+
 def sums_worker(rank, ws, store_file, out_dir, env):
     dcplan = _start(rank, ws, store_file, env)
     out = {}
@@ -149,15 +159,7 @@ def compile_and_mismatch_worker(rank, ws, store_file, out_dir, env):
 
     _run(out, "compile", compiled)
 
-    def disagree():
-        start = time.monotonic()
-        try:
-            ops.inference_all_reduce_(torch.ones(10 + rank))
-        except RuntimeError as e:
-            return {"message": str(e), "seconds": time.monotonic() - start}
-        return {"message": None}
-
-    _run(out, "mismatch", disagree)
+    _run(out, "mismatch", lambda: _error_of(lambda: ops.inference_all_reduce_(torch.ones(10 + rank))))
     _save(out_dir, rank, out)
     dcplan.shutdown()
     dist.destroy_process_group()
@@ -261,19 +263,12 @@ def absent_rank_worker(rank, ws, store_file, out_dir, env):
     dcplan.init()
     out = {}
 
-    def wait():
-        start = time.monotonic()
-        try:
-            if rank == 0:
-                torch.ops.dc.inference_all_reduce_(torch.ones(4))
-            else:
-                time.sleep(3)  # rank 1 never calls this one: rank 0 gives up after 1 s
-                torch.ops.dc.inference_all_reduce_(torch.ones(4))
-        except RuntimeError as e:
-            return {"message": str(e), "seconds": time.monotonic() - start}
-        return {"message": None}
+    def late():
+        if rank == 1:
+            time.sleep(3)  # rank 1 comes after rank 0 gave up (1 s)
+        torch.ops.dc.inference_all_reduce_(torch.ones(4))
 
-    _run(out, "absent", wait)
+    _run(out, "absent", lambda: _error_of(late))
     _save(out_dir, rank, out)
     dcplan.shutdown()
     dist.destroy_process_group()
@@ -297,15 +292,7 @@ def killed_rank_worker(rank, ws, store_file, out_dir, env):
         os.kill(os.getpid(), signal.SIGKILL)
     out = {}
 
-    def wait():
-        start = time.monotonic()
-        try:
-            torch.ops.dc.inference_all_reduce_(torch.ones(4))
-        except RuntimeError as e:
-            return {"message": str(e), "seconds": time.monotonic() - start}
-        return {"message": None}
-
-    _run(out, "killed", wait)
+    _run(out, "killed", lambda: _error_of(lambda: torch.ops.dc.inference_all_reduce_(torch.ones(4))))
     _save(out_dir, rank, out)
     dcplan.shutdown()
     dist.destroy_process_group()
