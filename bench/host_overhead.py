@@ -19,7 +19,6 @@ Prints the mean step time over --steps after --warmup (max over ranks) and the t
 """
 import argparse
 import gc
-import os
 import pathlib
 import sys
 import time
@@ -124,7 +123,6 @@ def main():
             extra = f"{1e3 * (t - base):12.2f}" if base is not None else f"{'-':>12}"
             print(f"{mode:<8} {1e3 * t:9.2f} {extra}")
     dist.destroy_process_group()
-    os._exit(0)  # Gloo worker threads can abort interpreter finalization (docs/replay.md)
 
 
 if __name__ == "__main__":

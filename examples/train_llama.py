@@ -235,15 +235,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit as e:  # argparse errors, and the end of a recording (DCPLAN_RECORD_EXIT=1)
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter finalization: Gloo's worker threads can still release tensors then,
-    # which needs the GIL and aborts the process (the pytorch#179291 family of exit crashes).
-    # Everything this script writes is written and flushed by now.
-    os._exit(code)
+    sys.exit(main())  # argparse errors and the end of a recording (DCPLAN_RECORD_EXIT=1) are SystemExit too

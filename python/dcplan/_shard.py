@@ -383,10 +383,10 @@ def full_parameters(model: nn.Module) -> Dict[str, torch.Tensor]:
         raise ValueError("dcplan.full_parameters: model is not sharded by dcplan.shard()")
     out = {}
     for info in state.infos:
-        shard = info.shard.detach()
-        parts = [torch.empty_like(shard) for _ in range(state.world_size)]
-        dist.all_gather(parts, shard, group=state.pg)
-        out[info.name] = torch.cat(parts)[: info.numel].view(info.shape).clone()
+        # Through the runtime, not dist.all_gather: Gloo's worker would otherwise drop Python
+        # tensors after the call returns, which needs the GIL and aborts at interpreter exit.
+        full = _C.all_gather_flat(info.shard.detach())
+        out[info.name] = full[: info.numel].view(info.shape).clone()
     return out
 
 

@@ -153,6 +153,10 @@ PYBIND11_MODULE(_C, m) {
       "Starts the runtime on the torch.distributed group registered as group_name (group.group_name). "
       "Sizes in bytes. shm: the inference all-reduce goes through shared memory in shm_dir when every rank is "
       "on this machine (collective). Returns why it does not ('' when it does, or shm is False).");
+  m.def(
+      "all_gather_flat", [](const at::Tensor& flat) { return allGatherFlat("all_gather_flat", flat); },
+      py::arg("flat"), Release(),
+      "Every rank's flat tensor, concatenated in rank order (collective over the runtime's transport).");
   m.def("local_all_reduce_path", &localAllReducePath,
         "The shared-memory segment the inference all-reduce uses ('' when it uses the process group).");
   m.def(

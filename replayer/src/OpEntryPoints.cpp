@@ -304,6 +304,16 @@ void allReduceInPlace(const char* op, const at::Tensor& tensor) {
   if (!flat.is_same(tensor)) tensor.copy_(flat);
 }
 
+at::Tensor allGatherFlat(const char* op, const at::Tensor& flat) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state(op);
+  TORCH_CHECK(flat.dim() == 1, op, ": the tensor should be flat (1-D), got ", flat.sizes());
+  at::Tensor in = flat.contiguous();
+  at::Tensor out = at::empty({rt.transport_->worldSize() * in.numel()}, in.options());
+  rt.transport_->allGather(out, in)->synchronize();
+  return out;
+}
+
 void setLocalAllReduce(std::unique_ptr<shm::ShmComm> comm) {
   std::lock_guard<std::mutex> lock(gMutex);
   state("set_local_all_reduce").localAllReduce_ = std::move(comm);

@@ -44,14 +44,19 @@ def skip_unselected(name: str) -> None:
 
 def run_ranks(worker: Callable, ws: int, *args, label: str = "") -> List[Dict]:
     """Runs worker(rank, ws, init_file, out_dir, *args) in ws spawned processes and returns what
-    each rank saved in out_dir/rank<r>.pt (on the CPU). A rank that raised or died keeps the
-    cases it finished; the tests name the rest."""
+    each rank saved in out_dir/rank<r>.pt (on the CPU). A rank that raised or exited keeps the
+    cases it finished; the tests name the rest. A rank killed by a signal fails the test."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             mp.start_processes(worker, args=(ws, os.path.join(tmp, "store"), tmp, *args), nprocs=ws, join=True,
                                start_method="spawn")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        except mp.ProcessRaisedException as e:
             print(e)  # the workers record their errors; they are reported per test
+        except mp.ProcessExitedException as e:
+            # Killed by a signal (an abort at exit, a crash): never a pass, whatever was saved.
+            if e.signal_name is not None:
+                pytest.fail(f"rank {e.error_index} of {ws}{label} died of {e.signal_name}: {e}")
+            print(e)
         per_rank = []
         for r in range(ws):
             path = os.path.join(tmp, f"rank{r}.pt")

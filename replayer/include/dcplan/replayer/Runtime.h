@@ -107,6 +107,10 @@ void reloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId);
 /// Sum all-reduce of tensor in place: through the shared-memory communicator for float32,
 /// bfloat16 and float16 when one is set, else over the runtime's transport.
 void allReduceInPlace(const char* op, const at::Tensor& tensor);
+/// Every rank's flat tensor, concatenated in rank order (world_size * numel elements): a
+/// collective over the runtime's transport. Its tensors are C++-owned, so that no Gloo worker
+/// ever holds a Python tensor (dropping one needs the GIL, which aborts at interpreter exit).
+at::Tensor allGatherFlat(const char* op, const at::Tensor& flat);
 /// The shared-memory communicator of the ranks of this machine (LocalAllReduce.h), used by
 /// allReduceInPlace until cleanup(); null: none.
 void setLocalAllReduce(std::unique_ptr<shm::ShmComm> comm);
