@@ -144,6 +144,17 @@ def _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_b
     if getattr(model, "_dcplan", None) is not None:
         raise ValueError("dcplan.shard: model is already sharded")
     _check_group("dcplan.shard", process_group)
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            raise ValueError(
+                f"dcplan.shard: parameter '{name}' should be a floating-point tensor (shards are fp32 master "
+                f"copies), got {p.dtype}; keep it as a buffer (register_buffer) instead"
+            )
+        if p.device.type == "meta":
+            raise ValueError(
+                f"dcplan.shard: parameter '{name}' is on the meta device (no data to shard); materialize the "
+                "model first, e.g. model.to_empty(device=...) and initialize its parameters"
+            )
 
 
 def _check_group(caller: str, process_group) -> None:

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <utility>
 
 namespace dcplan::replayer {
@@ -35,6 +36,33 @@ class ObserverScope {
   RuntimeState& rt_;
   OpEvent event_;
 };
+
+/// Runs the part of an op that may communicate. Refuses once a collective has failed (the ranks
+/// are out of step from there), and turns a failed collective (an exception of the transport,
+/// not a c10::Error of an argument check) into an error naming this rank, the op, its graph and
+/// id, and its place in the step; later ops repeat it.
+template <typename Body>
+decltype(auto) guarded(RuntimeState& rt, const char* op, int64_t graphId, int64_t id, Body&& body) {
+  const int64_t position = rt.opInPass_++;
+  TORCH_CHECK(rt.failure_.empty(), op, ": the runtime stopped at an earlier failure: ", rt.failure_,
+              "; call dcplan.shutdown()");
+  try {
+    return body();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string where = std::string(op);
+    if (id >= 0) where += " of id " + std::to_string(id);
+    if (graphId >= 0) where += " in graph " + std::to_string(graphId);
+    if (rt.step_ >= 0)
+      where += ", op " + std::to_string(position) + " of the " + (rt.inBackward_ ? "backward" : "forward") +
+               " of step " + std::to_string(rt.step_);
+    rt.failure_ = "rank " + std::to_string(rt.transport_->rank()) + ": " + where + ": a collective failed: " + e.what();
+    TORCH_CHECK(false, rt.failure_,
+                " (a rank that died fails it at once; one that stopped answering after the process group's "
+                "timeout, init_process_group(timeout=...))");
+  }
+}
 
 /// Bytes a gather of p in dtype receives; 0 when a copy in that dtype is held
 /// (the op is then served without communication).
@@ -89,12 +117,14 @@ at::Tensor allgatherParam(const at::Tensor& shard, int64_t graphId, int64_t dsId
   Executor& ex = executor("allgather_param", graphId);
   Param& p = ex.param("allgather_param", dsId);
   const at::ScalarType t = dtype.value_or(p.shard_.scalar_type());
-  scheduleBefore(rt,
-                 OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
-  reportGathers(rt, ex, graphId, {dsId}, {t}, /*planned=*/false);
-  ObserverScope scope(
-      rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
-  return ex.allgatherParam(shard, dsId, dtype);
+  return guarded(rt, "allgather_param", graphId, dsId, [&] {
+    scheduleBefore(rt,
+                   OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
+    reportGathers(rt, ex, graphId, {dsId}, {t}, /*planned=*/false);
+    ObserverScope scope(
+        rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
+    return ex.allgatherParam(shard, dsId, dtype);
+  });
 }
 
 void prefetchParamsFused(int64_t graphId, const std::vector<at::Tensor>& shards,
@@ -109,40 +139,46 @@ void prefetchParamsFused(int64_t graphId, const std::vector<at::Tensor>& shards,
   TORCH_CHECK(!dtypes || dtypes->size() == dsIds.size(),
               "prefetch_params_fused: dtypes should have one entry per id (", dsIds.size(), "), got ",
               dtypes ? dtypes->size() : 0);
-  scheduleBefore(rt, OpEvent{"prefetch_params_fused", graphId, -1, 0, at::ScalarType::Undefined});
-  std::vector<at::ScalarType> types;
-  int64_t bytes = 0;
-  for (size_t i = 0; i < dsIds.size(); ++i) {
-    Param& p = ex.param("prefetch_params_fused", dsIds[i]);
-    TORCH_CHECK(shards[i].numel() == p.shardNumel_ || p.offloaded_, "prefetch_params_fused: ds_id ", dsIds[i],
-                ": params[", i, "] should be the registered shard of ", p.shardNumel_, " elements, got ",
-                shards[i].numel());
-    types.push_back(dtypes ? (*dtypes)[i] : p.shard_.scalar_type());
-    bytes += gatherBytes(p, types.back(), rt.transport_->worldSize());
-  }
-  reportGathers(rt, ex, graphId, dsIds, types, /*planned=*/false);
-  ObserverScope scope(rt, OpEvent{"prefetch_params_fused", graphId, -1, bytes,
-                                  types.empty() ? at::ScalarType::Undefined : types.front(), dsIds});
-  ex.prefetchParamsFused(dsIds, types);
+  guarded(rt, "prefetch_params_fused", graphId, -1, [&] {
+    scheduleBefore(rt, OpEvent{"prefetch_params_fused", graphId, -1, 0, at::ScalarType::Undefined});
+    std::vector<at::ScalarType> types;
+    int64_t bytes = 0;
+    for (size_t i = 0; i < dsIds.size(); ++i) {
+      Param& p = ex.param("prefetch_params_fused", dsIds[i]);
+      TORCH_CHECK(shards[i].numel() == p.shardNumel_ || p.offloaded_, "prefetch_params_fused: ds_id ", dsIds[i],
+                  ": params[", i, "] should be the registered shard of ", p.shardNumel_, " elements, got ",
+                  shards[i].numel());
+      types.push_back(dtypes ? (*dtypes)[i] : p.shard_.scalar_type());
+      bytes += gatherBytes(p, types.back(), rt.transport_->worldSize());
+    }
+    reportGathers(rt, ex, graphId, dsIds, types, /*planned=*/false);
+    ObserverScope scope(rt, OpEvent{"prefetch_params_fused", graphId, -1, bytes,
+                                    types.empty() ? at::ScalarType::Undefined : types.front(), dsIds});
+    ex.prefetchParamsFused(dsIds, types);
+  });
 }
 
 at::Tensor waitAllgather(const at::Tensor& gathered, int64_t graphId, int64_t dsId) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("wait_allgather");
   Executor& ex = executor("wait_allgather", graphId);
-  scheduleBefore(rt, OpEvent{"wait_allgather", graphId, dsId, 0, gathered.scalar_type()});
-  ObserverScope scope(
-      rt, OpEvent{"wait_allgather", graphId, dsId, tensorBytes(gathered), gathered.scalar_type()});
-  return ex.waitAllgather(gathered, dsId);
+  return guarded(rt, "wait_allgather", graphId, dsId, [&] {
+    scheduleBefore(rt, OpEvent{"wait_allgather", graphId, dsId, 0, gathered.scalar_type()});
+    ObserverScope scope(
+        rt, OpEvent{"wait_allgather", graphId, dsId, tensorBytes(gathered), gathered.scalar_type()});
+    return ex.waitAllgather(gathered, dsId);
+  });
 }
 
 at::Tensor releaseParam(const at::Tensor& token, int64_t graphId, int64_t dsId, int64_t nUsers) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("release_param");
   Executor& ex = executor("release_param", graphId);
-  scheduleBefore(rt, OpEvent{"release_param", graphId, dsId, 0, token.scalar_type()});
-  ObserverScope scope(rt, OpEvent{"release_param", graphId, dsId, 0, token.scalar_type(), {}, nUsers});
-  ex.releaseParam(dsId, nUsers);
+  guarded(rt, "release_param", graphId, dsId, [&] {
+    scheduleBefore(rt, OpEvent{"release_param", graphId, dsId, 0, token.scalar_type()});
+    ObserverScope scope(rt, OpEvent{"release_param", graphId, dsId, 0, token.scalar_type(), {}, nUsers});
+    ex.releaseParam(dsId, nUsers);
+  });
   return token;
 }
 
@@ -150,9 +186,11 @@ at::Tensor reduceGrad(const at::Tensor& grad, int64_t graphId, int64_t dsId) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("reduce_grad");
   Executor& ex = executor("reduce_grad", graphId);
-  scheduleBefore(rt, OpEvent{"reduce_grad", graphId, dsId, tensorBytes(grad), grad.scalar_type()});
-  ObserverScope scope(rt, OpEvent{"reduce_grad", graphId, dsId, tensorBytes(grad), grad.scalar_type()});
-  ex.reduceGrad(grad, dsId);
+  guarded(rt, "reduce_grad", graphId, dsId, [&] {
+    scheduleBefore(rt, OpEvent{"reduce_grad", graphId, dsId, tensorBytes(grad), grad.scalar_type()});
+    ObserverScope scope(rt, OpEvent{"reduce_grad", graphId, dsId, tensorBytes(grad), grad.scalar_type()});
+    ex.reduceGrad(grad, dsId);
+  });
   // The reduced gradient lands in the registered grad buffer; the op's result
   // is an empty token that keeps the graph ordered.
   return at::empty({0}, grad.options());
@@ -162,9 +200,11 @@ void endBackward(int64_t graphId) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("end_backward");
   Executor& ex = executor("end_backward", graphId);
-  scheduleBefore(rt, OpEvent{"end_backward", graphId, -1, 0, at::ScalarType::Undefined});
-  ObserverScope scope(rt, OpEvent{"end_backward", graphId, -1, 0, at::ScalarType::Undefined});
-  ex.endBackward();
+  guarded(rt, "end_backward", graphId, -1, [&] {
+    scheduleBefore(rt, OpEvent{"end_backward", graphId, -1, 0, at::ScalarType::Undefined});
+    ObserverScope scope(rt, OpEvent{"end_backward", graphId, -1, 0, at::ScalarType::Undefined});
+    ex.endBackward();
+  });
   rt.schedule_->onGraphEnd(graphId);
 }
 
@@ -293,13 +333,14 @@ void allReduceInPlace(const char* op, const at::Tensor& tensor) {
   at::Tensor flat = tensor.is_contiguous() ? tensor : tensor.contiguous();
   const std::optional<shm::DType> type = shmDType(tensor.scalar_type());
   if (rt.localAllReduce_ && type && tensor.is_cpu()) {
+    // The shared-memory group keeps its own failure state (and names the ranks itself).
     try {
       rt.localAllReduce_->allReduce(op, flat.data_ptr(), static_cast<size_t>(flat.numel()), *type);
     } catch (const shm::Error& e) {
       TORCH_CHECK(false, e.what());
     }
   } else {
-    rt.transport_->allReduce(flat)->wait();
+    guarded(rt, op, -1, -1, [&] { rt.transport_->allReduce(flat)->wait(); });
   }
   if (!flat.is_same(tensor)) tensor.copy_(flat);
 }
@@ -310,7 +351,7 @@ at::Tensor allGatherFlat(const char* op, const at::Tensor& flat) {
   TORCH_CHECK(flat.dim() == 1, op, ": the tensor should be flat (1-D), got ", flat.sizes());
   at::Tensor in = flat.contiguous();
   at::Tensor out = at::empty({rt.transport_->worldSize() * in.numel()}, in.options());
-  rt.transport_->allGather(out, in)->synchronize();
+  guarded(rt, op, -1, -1, [&] { rt.transport_->allGather(out, in)->synchronize(); });
   return out;
 }
 

@@ -60,10 +60,19 @@ void init(std::shared_ptr<Transport> transport, const RuntimeConfig& config) {
 void cleanup() {
   std::lock_guard<std::mutex> lock(gMutex);
   if (!gState) return;
-  for (auto& [id, ex] : gState->executors_) ex->drain();
-  for (auto& [id, p] : gState->registry_->all()) {
-    gState->registry_->dropGathered(p);
-    gState->registry_->reload(p);
+  // After a failed collective the pending ones fail too: the runtime is dropped all the same
+  // (an exit handler must not raise for what the job already reported).
+  try {
+    for (auto& [id, ex] : gState->executors_) ex->drain();
+    for (auto& [id, p] : gState->registry_->all()) {
+      gState->registry_->dropGathered(p);
+      gState->registry_->reload(p);
+    }
+  } catch (const std::exception&) {
+    if (gState->failure_.empty()) {
+      gState.reset();
+      throw;
+    }
   }
   gState.reset();
 }
@@ -113,6 +122,9 @@ void setPersistent(int64_t dsId, bool persistent) {
 void startForward() {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("start_forward");
+  ++rt.step_;
+  rt.inBackward_ = false;
+  rt.opInPass_ = 0;
   // Use counts of an interrupted step must not leak into this one.
   for (auto& [id, p] : rt.registry_->all()) p.uses_ = 0;
   // The optimizer wrote the shards before this point; this step's gathers wait for no more.
@@ -130,6 +142,8 @@ void endForward() {
 void startBackward(bool update, bool sync) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("start_backward");
+  rt.inBackward_ = true;
+  rt.opInPass_ = 0;
   // Per parameter, once (the forward and backward executors hold the same parameters).
   for (auto& [id, p] : rt.registry_->all()) p.accumulate_ = !update && p.grad_.defined();
   for (auto& [id, ex] : rt.executors_) ex->startBackward(sync);

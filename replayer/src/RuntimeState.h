@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 
 namespace dcplan::replayer {
@@ -25,6 +26,13 @@ struct RuntimeState {
   std::map<std::pair<int64_t, int64_t>, CommHandlePtr> offloadCopies_;
   std::map<std::pair<int64_t, int64_t>, CommHandlePtr> reloadCopies_;
   std::unique_ptr<shm::ShmComm> localAllReduce_;  // the inference ops' shared memory, if any
+  // Where the ops are, for error messages: the step (start_forward calls), its pass, the
+  // index of the next op in that pass.
+  int64_t step_ = -1;
+  bool inBackward_ = false;
+  int64_t opInPass_ = 0;
+  // The first collective that failed (the ranks are out of step from there): later ops refuse.
+  std::string failure_;
 };
 
 /// Taken by every entry point of Runtime.h: hooks, autograd's engine and Gloo's callbacks call in.

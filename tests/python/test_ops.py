@@ -277,6 +277,13 @@ def test_shard_argument_errors(dcplan_module, group):
         dcplan_module.shard(object())
     with pytest.raises(ValueError, match="reduce_bucket_bytes should be a positive int"):
         dcplan_module.shard(nn.Linear(2, 2), reduce_bucket_bytes=0)
+    counter = nn.Linear(2, 2)
+    counter.steps = nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(ValueError, match="parameter 'steps' should be a floating-point tensor .* got torch.int64"):
+        dcplan_module.shard(counter)
+    with pytest.raises(ValueError, match="parameter 'weight' is on the meta device"):
+        dcplan_module.shard(nn.Linear(2, 2, device="meta"))
+    assert not dcplan_module._C.is_initialized(), "a refused shard() starts nothing"
     m = dcplan_module.shard(nn.Linear(2, 2), stage=2)
     with pytest.raises(ValueError, match="model is already sharded"):
         dcplan_module.shard(m)

@@ -1,0 +1,101 @@
+"""A rank that dies or stops answering mid-step: the others leave, in bounded time, with an error
+naming the op, its graph and its place in the step; nothing hangs (3 Gloo ranks)."""
+import datetime
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+PG_TIMEOUT_S = 4  # the process group's timeout: how long a rank waits for one that stopped answering
+
+
+def worker(rank, ws, store_file, out_dir, fault):
+    sys.path.insert(0, os.path.join(HERE, "..", "python"))
+    import dist_cases
+    import dcplan
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_file, ws), rank=rank, world_size=ws,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    model = dist_cases.make_model(dist_cases.Case("fault", 3))
+    dcplan.shard(model, stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if rank == 1:
+        def misbehave(module, args):
+            if steps_done[0] == 1:  # mid-forward of the second step
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(3 * PG_TIMEOUT_S)  # stuck, then it finds the others gone
+
+        model.block.register_forward_pre_hook(misbehave)
+    steps_done = [0]
+    result = {"error": None}
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            idx = torch.randint(0, 37, (2, dist_cases.SEQ))
+            dist_cases.loss_fn(model, idx, idx).backward()
+            opt.step()
+            opt.zero_grad()
+            steps_done[0] += 1
+    except RuntimeError:
+        result = {"error": traceback.format_exc(limit=1), "seconds": time.monotonic() - start}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run(fault):
+    """Starts 3 ranks (our own processes: mp.spawn would kill the others when one dies) and
+    waits for all to end; returns {rank: result} of the ranks that wrote one, and exit codes."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=worker, args=(r, 3, os.path.join(tmp, "store"), tmp, fault)) for r in range(3)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 120
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        assert not hung, f"ranks {hung} still running after 120 s"
+        results = {}
+        for r in range(3):
+            path = os.path.join(tmp, f"rank{r}.pt")
+            if os.path.exists(path):
+                results[r] = torch.load(path, weights_only=False)
+        return results, [p.exitcode for p in procs]
+
+
+def check_survivor(result, rank, limit_s):
+    assert result["error"] is not None, f"rank {rank} should have failed"
+    msg = result["error"]
+    assert f"rank {rank}: " in msg and " in graph 0, op " in msg and " of the forward of step 1: a collective failed" in msg, msg
+    assert result["seconds"] < limit_s, f"rank {rank} took {result['seconds']:.1f} s"
+
+
+def test_a_killed_rank_ends_the_others_at_once_with_the_op_named():
+    results, codes = run("kill")
+    assert codes[1] == -signal.SIGKILL
+    assert codes[0] == 0 and codes[2] == 0, f"the survivors exit cleanly after the error, got {codes}"
+    for r in (0, 2):
+        check_survivor(results[r], r, limit_s=15)  # at once (well under the process group's timeout)
+
+
+def test_a_stuck_rank_ends_the_others_after_the_process_group_timeout():
+    results, codes = run("stuck")
+    assert codes == [0, 0, 0], codes
+    for r in (0, 2):
+        check_survivor(results[r], r, limit_s=PG_TIMEOUT_S + 10)
+        assert f"{PG_TIMEOUT_S * 1000}ms" in results[r]["error"], results[r]["error"]
+    # The stuck rank, when it wakes, finds the others gone: an error too, not a hang.
+    assert results[1]["error"] is not None and "a collective failed" in results[1]["error"]
