@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
+import time
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -31,11 +33,13 @@ from torch import nn
 from . import _plan
 from . import _C, _record, _shm
 
-_DEFAULT_BUCKET_BYTES = 100_000_000  # the planner's default schedule assumes the same
+_DEFAULT_BUCKET_BYTES = 100_000_000
+_EXIT_GRACE_S = 0.05  # at exit, time for Gloo's worker threads to drop what they hold (_cleanup_at_exit)  # the planner's default schedule assumes the same
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # One runtime per process; ids are unique across every sharded model in it.
 _runtime_group: Optional[str] = None
+_runtime_started = False  # whether this process ever ran the runtime (the exit handler's grace period)
 _next_ds_id = 0
 _next_graph_id = 0
 
@@ -68,7 +72,8 @@ class _ShardState:
 
     def __init__(self, stage, pg, param_dtype, fwd_graph, bwd_graph):
         self.stage = stage
-        self.pg = pg
+        # No reference to pg: dist.destroy_process_group() must be able to free it (and join
+        # Gloo's worker threads) while Python is alive, not when the model is collected at exit.
         self.world_size = pg.size()
         self.param_dtype = param_dtype
         self.fwd_graph = fwd_graph
@@ -307,8 +312,12 @@ def _param_device(model: nn.Module) -> torch.device:
 def _init_runtime(pg: dist.ProcessGroup, device: torch.device, reduce_bucket_bytes: int) -> None:
     """Starts the runtime: on its own NCCL communicator and streams for parameters on a GPU
     (the unique id goes to the other ranks through pg), else on pg itself (c10d, Gloo on CPU)."""
+    global _runtime_started
+    _runtime_started = True
+    check = _check_collectives(device)
     if device.type != "cuda":
-        _shm.report(_C.init(pg.group_name, reduce_bucket_bytes=reduce_bucket_bytes, **_shm.settings()))
+        _shm.report(_C.init(pg.group_name, reduce_bucket_bytes=reduce_bucket_bytes, check_collectives=check,
+                            **_shm.settings()))
         return
     if not _C.has_nccl():
         raise RuntimeError(
@@ -318,7 +327,23 @@ def _init_runtime(pg: dist.ProcessGroup, device: torch.device, reduce_bucket_byt
     index = device.index if device.index is not None else torch.cuda.current_device()
     unique_id = [_C.nccl_unique_id() if pg.rank() == 0 else None]
     dist.broadcast_object_list(unique_id, group=pg, group_src=0)
-    _C.init_nccl(unique_id[0], pg.rank(), pg.size(), index, reduce_bucket_bytes=reduce_bucket_bytes)
+    _C.init_nccl(unique_id[0], pg.rank(), pg.size(), index, reduce_bucket_bytes=reduce_bucket_bytes,
+                 check_collectives=check)
+
+
+def _check_collectives(device: torch.device) -> bool:
+    """DCPLAN_CHECK_COLLECTIVES: whether the ranks agree on each collective before launching it.
+    auto (default): on CPU ranks, where it costs little next to Gloo's own latency, unless
+    recording (its all-gathers would be timed as the job's); off on GPUs, where each check
+    waits for the device."""
+    mode = os.environ.get("DCPLAN_CHECK_COLLECTIVES", "auto").strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(
+            f"DCPLAN_CHECK_COLLECTIVES should be 'auto', 'on' or 'off', got {os.environ['DCPLAN_CHECK_COLLECTIVES']!r}"
+        )
+    if mode == "auto":
+        return device.type != "cuda" and not _record.active()
+    return mode == "on"
 
 
 def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: int) -> _ParamInfo:
@@ -430,6 +455,14 @@ def _cleanup_at_exit() -> None:
     # Pending collectives are waited for and the process group released while
     # Python and torch are still alive, not during static destruction.
     _C.cleanup()
+    if _runtime_started:
+        # A Gloo worker thread that ran the script's last collective may still hold the script's
+        # tensors; dropping the last reference of a Python tensor takes the GIL, and a thread
+        # that takes it once the interpreter finalizes is ended inside a destructor (the process
+        # aborts: "terminate called without an active exception"). The process group outlives
+        # dist.destroy_process_group() once an optimizer was made (torch 2.13), so its workers
+        # are not joined before then. Released GIL for a moment: they finish now.
+        time.sleep(_EXIT_GRACE_S)
 
 
 def shutdown() -> None:

@@ -126,8 +126,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "init",
       [](const std::string& groupName, int64_t reduceBucketBytes, bool doubleBuffer,
-         int64_t freeActivationThresholdBytes, bool shm, const std::string& shmDir, double shmTimeoutS) {
+         int64_t freeActivationThresholdBytes, bool shm, const std::string& shmDir, double shmTimeoutS,
+         bool checkCollectives) {
         RuntimeConfig config;
+        config.checkCollectives = checkCollectives;
         config.reduceBucketBytes = reduceBucketBytes;
         config.doubleBuffer = doubleBuffer;
         config.freeActivationThresholdBytes = freeActivationThresholdBytes;
@@ -149,10 +151,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("double_buffer") = true,
       py::arg("free_activation_threshold_bytes") = RuntimeConfig{}.freeActivationThresholdBytes,
       py::arg("shm") = true, py::arg("shm_dir") = LocalAllReduceSettings{}.dir,
-      py::arg("shm_timeout_s") = std::chrono::duration<double>(LocalAllReduceSettings{}.timeout).count(), Release(),
+      py::arg("shm_timeout_s") = std::chrono::duration<double>(LocalAllReduceSettings{}.timeout).count(),
+      py::arg("check_collectives") = false, Release(),
       "Starts the runtime on the torch.distributed group registered as group_name (group.group_name). "
       "Sizes in bytes. shm: the inference all-reduce goes through shared memory in shm_dir when every rank is "
-      "on this machine (collective). Returns why it does not ('' when it does, or shm is False).");
+      "on this machine (collective). Returns why it does not ('' when it does, or shm is False). "
+      "check_collectives: the ranks agree on each collective before launching it.");
   m.def(
       "all_gather_flat", [](const at::Tensor& flat) { return allGatherFlat("all_gather_flat", flat); },
       py::arg("flat"), Release(),
@@ -162,8 +166,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "init_nccl",
       [](const py::bytes& uniqueId, int rank, int worldSize, int deviceIndex, int64_t reduceBucketBytes,
-         bool doubleBuffer, int64_t freeActivationThresholdBytes) {
+         bool doubleBuffer, int64_t freeActivationThresholdBytes, bool checkCollectives) {
         RuntimeConfig config;
+        config.checkCollectives = checkCollectives;
         config.reduceBucketBytes = reduceBucketBytes;
         config.doubleBuffer = doubleBuffer;
         config.freeActivationThresholdBytes = freeActivationThresholdBytes;
@@ -174,6 +179,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device_index"),
       py::arg("reduce_bucket_bytes") = RuntimeConfig{}.reduceBucketBytes, py::arg("double_buffer") = true,
       py::arg("free_activation_threshold_bytes") = RuntimeConfig{}.freeActivationThresholdBytes,
+      py::arg("check_collectives") = false,
       "Starts the runtime on its own NCCL communicator on cuda:device_index (collective over the "
       "world_size ranks; unique_id from nccl_unique_id() on one rank). Sizes in bytes.");
   m.def(

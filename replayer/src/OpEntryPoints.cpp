@@ -46,6 +46,7 @@ decltype(auto) guarded(RuntimeState& rt, const char* op, int64_t graphId, int64_
   const int64_t position = rt.opInPass_++;
   TORCH_CHECK(rt.failure_.empty(), op, ": the runtime stopped at an earlier failure: ", rt.failure_,
               "; call dcplan.shutdown()");
+  rt.place_ = OpPlace{op, id, graphId, rt.step_, position, rt.inBackward_};
   try {
     return body();
   } catch (const c10::Error&) {
@@ -58,6 +59,7 @@ decltype(auto) guarded(RuntimeState& rt, const char* op, int64_t graphId, int64_
       where += ", op " + std::to_string(position) + " of the " + (rt.inBackward_ ? "backward" : "forward") +
                " of step " + std::to_string(rt.step_);
     rt.failure_ = "rank " + std::to_string(rt.transport_->rank()) + ": " + where + ": a collective failed: " + e.what();
+    if (dynamic_cast<const CollectiveMismatch*>(&e) != nullptr) TORCH_CHECK(false, rt.failure_);
     TORCH_CHECK(false, rt.failure_,
                 " (a rank that died fails it at once; one that stopped answering after the process group's "
                 "timeout, init_process_group(timeout=...))");

@@ -49,6 +49,10 @@ void init(std::shared_ptr<Transport> transport, const RuntimeConfig& config) {
               "init: free_activation_threshold_bytes should be >= 0, got ",
               config.freeActivationThresholdBytes);
   auto st = std::make_unique<RuntimeState>();
+  if (config.checkCollectives) {
+    const RuntimeState* raw = st.get();  // owns the transport, so outlives it
+    transport = makeCheckedTransport(std::move(transport), [raw] { return raw->place_; });
+  }
   st->registry_ =
       std::make_unique<ParamRegistry>(transport->worldSize(), *transport, config.maxReleaseLagBytes);
   st->transport_ = std::move(transport);

@@ -1,6 +1,7 @@
 // The process-wide runtime: its state, the lock every entry point takes, and lookups that name the op.
 #pragma once
 
+#include "CollectiveCheck.h"
 #include "Executor.h"
 #include "dcplan/shm/ShmComm.h"
 
@@ -31,6 +32,7 @@ struct RuntimeState {
   int64_t step_ = -1;
   bool inBackward_ = false;
   int64_t opInPass_ = 0;
+  OpPlace place_;  // the op running now (collectives launched now are its)
   // The first collective that failed (the ranks are out of step from there): later ops refuse.
   std::string failure_;
 };

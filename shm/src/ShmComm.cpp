@@ -263,10 +263,15 @@ void ShmComm::sync(const char* op) {
 
 void ShmComm::checkAbort(const char* op) {
   const Header& h = segment_->header();
-  const int32_t who = h.abortRank.load(std::memory_order_acquire);
+  int32_t who = h.abortRank.load(std::memory_order_acquire);
   if (who == -1) return;
+  // -2: a rank is writing its reason; it publishes its rank right after.
+  for (int i = 0; who == -2 && i < 100'000; ++i) {
+    ::sched_yield();
+    who = h.abortRank.load(std::memory_order_acquire);
+  }
   std::string reason = who >= 0 ? std::string(h.abortReason, strnlen(h.abortReason, kReasonBytes))
-                                : std::string("(reason being written)");
+                                : std::string("(its reason was not written)");
   fail(std::string(op) + ": rank " + std::to_string(who) + " of the shared-memory group failed: " + reason, false);
 }
 

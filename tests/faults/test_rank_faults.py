@@ -1,5 +1,6 @@
-"""A rank that dies or stops answering mid-step: the others leave, in bounded time, with an error
-naming the op, its graph and its place in the step; nothing hangs (3 Gloo ranks)."""
+"""A rank that dies, stops answering or takes another branch mid-step: the others leave, in
+bounded time, with an error naming the op, its graph and its place in the step; nothing hangs
+(3 Gloo ranks)."""
 import datetime
 import os
 import signal
@@ -29,7 +30,16 @@ def worker(rank, ws, store_file, out_dir, fault):
     model = dist_cases.make_model(dist_cases.Case("fault", 3))
     dcplan.shard(model, stage=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if rank == 1:
+    if rank == 1 and fault == "disagree":
+        plain_forward = model.forward
+
+        def forward(idx):  # rank-dependent control flow: at the second step, rank 1 skips the block
+            if steps_done[0] == 1:
+                return model.head(model.ln_f(model.embed(idx) + model.pos))
+            return plain_forward(idx)
+
+        model.forward = forward
+    elif rank == 1:
         def misbehave(module, args):
             if steps_done[0] == 1:  # mid-forward of the second step
                 if fault == "kill":
@@ -99,3 +109,16 @@ def test_a_stuck_rank_ends_the_others_after_the_process_group_timeout():
         assert f"{PG_TIMEOUT_S * 1000}ms" in results[r]["error"], results[r]["error"]
     # The stuck rank, when it wakes, finds the others gone: an error too, not a hang.
     assert results[1]["error"] is not None and "a collective failed" in results[1]["error"]
+
+
+def test_ranks_that_take_different_branches_fail_together_naming_both_ops():
+    results, codes = run("disagree")
+    assert codes == [0, 0, 0], codes
+    for r in range(3):
+        msg = results[r]["error"]
+        assert msg is not None, f"rank {r} should have failed"
+        assert f"rank {r}: allgather_param of id " in msg and "op 12 of the forward of step 1" in msg, msg
+        assert "the ranks disagree on the next collective" in msg, msg
+        # Its own op and another rank's: rank 1 gathers the head (id 15), the others the block's first norm (id 4).
+        assert "for allgather_param of id 4 in graph 0" in msg and "for allgather_param of id 15 in graph 0" in msg, msg
+        assert results[r]["seconds"] < 30

@@ -33,6 +33,10 @@ struct RuntimeConfig {
   /// behind the host) may hold at most this much memory: a gather waits (on the host) for
   /// the oldest releases beyond it. Keeps the peak memory what the planner predicts.
   int64_t maxReleaseLagBytes = 512ll << 20;
+  /// Before each collective the ranks agree on what it is (one small all-gather each), so that
+  /// ranks whose op sequences diverge fail with an error naming both ops rather than launch
+  /// collectives of different sizes (CollectiveCheck.h).
+  bool checkCollectives = false;
 };
 
 enum class Stage : int { Zero1 = 1, Zero2 = 2, Zero3 = 3 };
