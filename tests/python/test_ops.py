@@ -462,3 +462,18 @@ def test_hooks_reduce_through_a_cpp_node_and_let_the_model_go(dcplan_module, gro
         with pytest.raises(RuntimeError, match="sharded model that has been deleted"):
             loss.backward()
     dcplan_module.shutdown()
+
+
+def test_check_collectives_setting(monkeypatch, dcplan_module):
+    from dcplan import _shard
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.delenv("DCPLAN_CHECK_COLLECTIVES", raising=False)
+    assert _shard._check_collectives(cpu) and not _shard._check_collectives(gpu)  # auto
+    monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "on")
+    assert _shard._check_collectives(gpu)
+    monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "OFF")
+    assert not _shard._check_collectives(cpu)
+    monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "sometimes")
+    with pytest.raises(ValueError, match="DCPLAN_CHECK_COLLECTIVES should be 'auto', 'on' or 'off', got 'sometimes'"):
+        _shard._check_collectives(cpu)
