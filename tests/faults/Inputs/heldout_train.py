@@ -1,6 +1,6 @@
 """A training script as a user writes it (run under torchrun on Gloo ranks): dcplan.shard, an
 AdamW loop, the mean loss through dist.all_reduce for logging, the full parameters at the end,
-and a plain exit: no os._exit. `--no-shutdown`: neither dcplan.shutdown() nor
+and a plain return from main (no forced exit). `--no-shutdown`: neither dcplan.shutdown() nor
 dist.destroy_process_group(), as in scripts that leave that to the interpreter's exit.
 
     torchrun --standalone --nproc-per-node 3 heldout_train.py STAGE [--no-shutdown]
