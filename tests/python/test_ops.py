@@ -477,3 +477,17 @@ def test_check_collectives_setting(monkeypatch, dcplan_module):
     monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "sometimes")
     with pytest.raises(ValueError, match="DCPLAN_CHECK_COLLECTIVES should be 'auto', 'on' or 'off', got 'sometimes'"):
         _shard._check_collectives(cpu)
+
+
+def test_init_without_a_model(dcplan_module, group):
+    dcplan_module.shutdown()
+    dcplan_module.init()
+    dcplan_module.init()  # again on the same group: nothing to do
+    assert dcplan_module._C.is_initialized()
+    x = torch.arange(4.0)
+    torch.testing.assert_close(ops.inference_all_reduce(x), x)  # one rank: the sum is x
+    m = dcplan_module.shard(nn.Linear(2, 2))  # shard() uses the runtime init() started
+    assert m._dcplan is not None
+    with pytest.raises(ValueError, match="process_group should be a torch.distributed.ProcessGroup or None"):
+        dcplan_module.init("world")
+    dcplan_module.shutdown()
