@@ -328,7 +328,20 @@ def _init_runtime(pg: dist.ProcessGroup, device: torch.device, reduce_bucket_byt
     unique_id = [_C.nccl_unique_id() if pg.rank() == 0 else None]
     dist.broadcast_object_list(unique_id, group=pg, group_src=0)
     _C.init_nccl(unique_id[0], pg.rank(), pg.size(), index, reduce_bucket_bytes=reduce_bucket_bytes,
-                 check_collectives=check)
+                 check_collectives=check, timeout_s=_nccl_timeout_s())
+
+
+def _nccl_timeout_s() -> float:
+    """DCPLAN_NCCL_TIMEOUT: seconds after which a collective that has not completed aborts dcplan's
+    NCCL communicator (default 600, as ProcessGroupNCCL's)."""
+    raw = os.environ.get("DCPLAN_NCCL_TIMEOUT", "600")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"DCPLAN_NCCL_TIMEOUT should be a positive number of seconds, got {raw!r}")
+    return value
 
 
 def _check_collectives(device: torch.device) -> bool:

@@ -166,7 +166,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "init_nccl",
       [](const py::bytes& uniqueId, int rank, int worldSize, int deviceIndex, int64_t reduceBucketBytes,
-         bool doubleBuffer, int64_t freeActivationThresholdBytes, bool checkCollectives) {
+         bool doubleBuffer, int64_t freeActivationThresholdBytes, bool checkCollectives, double timeoutS) {
         RuntimeConfig config;
         config.checkCollectives = checkCollectives;
         config.reduceBucketBytes = reduceBucketBytes;
@@ -174,14 +174,17 @@ PYBIND11_MODULE(_C, m) {
         config.freeActivationThresholdBytes = freeActivationThresholdBytes;
         std::string id = uniqueId;
         py::gil_scoped_release noGil;
-        init(dcplan::recorder::transportForRuntime(makeNcclTransport(id, rank, worldSize, deviceIndex)), config);
+        const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000.0));
+        init(dcplan::recorder::transportForRuntime(makeNcclTransport(id, rank, worldSize, deviceIndex, timeout)),
+             config);
       },
       py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device_index"),
       py::arg("reduce_bucket_bytes") = RuntimeConfig{}.reduceBucketBytes, py::arg("double_buffer") = true,
       py::arg("free_activation_threshold_bytes") = RuntimeConfig{}.freeActivationThresholdBytes,
-      py::arg("check_collectives") = false,
+      py::arg("check_collectives") = false, py::arg("timeout_s") = 600.0,
       "Starts the runtime on its own NCCL communicator on cuda:device_index (collective over the "
-      "world_size ranks; unique_id from nccl_unique_id() on one rank). Sizes in bytes.");
+      "world_size ranks; unique_id from nccl_unique_id() on one rank). Sizes in bytes. A collective "
+      "not done after timeout_s aborts the communicator.");
   m.def(
       "nccl_unique_id", [] { return py::bytes(makeNcclUniqueId()); },
       "A fresh NCCL unique id (bytes) for init_nccl.");

@@ -12,7 +12,7 @@ std::string makeNcclUniqueId() {
                      "or the cuda preset)");
 }
 
-std::shared_ptr<Transport> makeNcclTransport(const std::string&, int, int, int) {
+std::shared_ptr<Transport> makeNcclTransport(const std::string&, int, int, int, std::chrono::milliseconds) {
   TORCH_CHECK(false, "init_nccl: dcplan was built without CUDA (configure with -DDCPLAN_WITH_CUDA=ON, "
                      "or the cuda preset)");
 }

@@ -491,3 +491,16 @@ def test_init_without_a_model(dcplan_module, group):
     with pytest.raises(ValueError, match="process_group should be a torch.distributed.ProcessGroup or None"):
         dcplan_module.init("world")
     dcplan_module.shutdown()
+
+
+def test_nccl_timeout_setting(monkeypatch, dcplan_module):
+    from dcplan import _shard
+
+    monkeypatch.delenv("DCPLAN_NCCL_TIMEOUT", raising=False)
+    assert _shard._nccl_timeout_s() == 600
+    monkeypatch.setenv("DCPLAN_NCCL_TIMEOUT", "2.5")
+    assert _shard._nccl_timeout_s() == 2.5
+    for bad in ("0", "-3", "soon", "inf", "nan"):
+        monkeypatch.setenv("DCPLAN_NCCL_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"DCPLAN_NCCL_TIMEOUT should be a positive number of seconds, got '{bad}'"):
+            _shard._nccl_timeout_s()

@@ -23,6 +23,9 @@ class NcclComm {
   NcclComm& operator=(const NcclComm&) = delete;
 
   ncclComm_t get() const { return comm_; }
+  /// ncclCommAbort: ends the communicator's kernels wherever they wait (the watchdog's last
+  /// resort); the destructor then has nothing to destroy. Call it once.
+  void abort();
   int rank() const { return rank_; }
   int worldSize() const { return worldSize_; }
   c10::DeviceIndex device() const { return device_; }
@@ -32,6 +35,7 @@ class NcclComm {
       : comm_(comm), rank_(rank), worldSize_(worldSize), device_(device) {}
 
   ncclComm_t comm_;
+  bool aborted_ = false;
   int rank_;
   int worldSize_;
   c10::DeviceIndex device_;

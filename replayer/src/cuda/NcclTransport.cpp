@@ -8,6 +8,7 @@
 // (recordStream), so the caching allocator does not hand their memory out again before the
 // side stream is done with them.
 #include "cuda/NcclComm.h"
+#include "cuda/NcclWatchdog.h"
 #include "dcplan/replayer/Transport.h"
 
 #include <ATen/ATen.h>
@@ -16,8 +17,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <chrono>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 
 namespace dcplan::replayer {
 namespace cuda {
@@ -34,8 +37,15 @@ std::unique_ptr<NcclComm> NcclComm::create(const ncclUniqueId& uniqueId, int ran
   return std::unique_ptr<NcclComm>(new NcclComm(comm, rank, worldSize, device));
 }
 
+void NcclComm::abort() {
+  if (aborted_) return;
+  aborted_ = true;
+  c10::cuda::CUDAGuard guard(device_);
+  (void)ncclCommAbort(comm_);
+}
+
 NcclComm::~NcclComm() {
-  if (comm_ == nullptr) return;
+  if (comm_ == nullptr || aborted_) return;
   // Destructors never throw: a failure here can only be ignored.
   try {
     c10::cuda::CUDAGuard guard(device_);
@@ -121,7 +131,7 @@ ncclDataType_t ncclTypeOf(const char* op, at::ScalarType t) {
 /// is not reused before the work that stream queues on them has run.
 class EventHandle final : public CommHandle {
  public:
-  EventHandle(std::unique_ptr<CudaEvent> done, c10::DeviceIndex device, bool hostWait,
+  EventHandle(std::shared_ptr<CudaEvent> done, c10::DeviceIndex device, bool hostWait,
               std::vector<at::Tensor> usedByWaiter = {}, std::optional<c10::cuda::CUDAStream> stream = {})
       : done_(std::move(done)),
         device_(device),
@@ -154,7 +164,7 @@ class EventHandle final : public CommHandle {
   }
 
  private:
-  std::unique_ptr<CudaEvent> done_;
+  std::shared_ptr<CudaEvent> done_;
   c10::DeviceIndex device_;
   bool hostWait_;
   std::vector<at::Tensor> usedByWaiter_;
@@ -163,11 +173,15 @@ class EventHandle final : public CommHandle {
 
 class NcclTransport final : public Transport {
  public:
-  NcclTransport(std::unique_ptr<NcclComm> comm, std::unique_ptr<StreamSet> streams)
-      : comm_(std::move(comm)), streams_(std::move(streams)), device_(comm_->device()) {}
+  NcclTransport(std::unique_ptr<NcclComm> comm, std::unique_ptr<StreamSet> streams, std::chrono::milliseconds timeout)
+      : comm_(std::move(comm)),
+        streams_(std::move(streams)),
+        device_(comm_->device()),
+        watchdog_(std::make_unique<NcclWatchdog>(*comm_, timeout)) {}
 
   ~NcclTransport() override {
-    // Work queued on the side streams may still use the communicator.
+    // Work queued on the side streams may still use the communicator (the watchdog, still
+    // running, aborts it if that work never ends).
     try {
       c10::cuda::CUDAGuard guard(device_);
       (void)cudaStreamSynchronize(streams_->allGather.stream());
@@ -253,6 +267,7 @@ class NcclTransport final : public Transport {
                   "gatherShards: output ", i, " should be contiguous with world_size * ", shards[i].numel(),
                   " elements, got ", outputs[i].numel());
     }
+    refuseAfterFailure("gatherShards");
     c10::cuda::CUDAGuard guard(device_);
     const c10::cuda::CUDAStream stream = streams_->allGather;
     if (shardsWritten_) {
@@ -279,8 +294,9 @@ class NcclTransport final : public Transport {
       }
       DCPLAN_NCCL_CHECK_COMM(ncclGroupEnd(), comm_->get());
     }
-    auto done = CudaEvent::create(device_);
+    std::shared_ptr<CudaEvent> done = CudaEvent::create(device_);
     done->record(stream.stream());
+    watchdog_->watch("gatherShards", done);
     return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/false, outputs);
   }
 
@@ -380,16 +396,25 @@ class NcclTransport final : public Transport {
     }
   }
 
+  /// After the watchdog aborted the communicator, nothing may use it: a std::runtime_error
+  /// (the runtime takes it as a failed collective, names the op and stops).
+  void refuseAfterFailure(const char* op) {
+    const std::string failure = watchdog_->failure();
+    if (!failure.empty()) throw std::runtime_error(std::string(op) + " on rank " + std::to_string(rank()) + ": " + failure);
+  }
+
   template <class Body>
   CommHandlePtr launch(const char* op, c10::cuda::CUDAStream side, const std::vector<at::Tensor>& tensors,
                        Body&& body) {
+    refuseAfterFailure(op);
     for (const at::Tensor& t : tensors) checkDevice(op, t);
     c10::cuda::CUDAGuard guard(device_);
     waitForCaller(side);
     recordOn(side, tensors);
     body(side.stream());
-    auto done = CudaEvent::create(device_);
+    std::shared_ptr<CudaEvent> done = CudaEvent::create(device_);
     done->record(side.stream());
+    watchdog_->watch(op, done);
     return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/false,
                                          std::vector<at::Tensor>{}, side);
   }
@@ -398,6 +423,7 @@ class NcclTransport final : public Transport {
   std::unique_ptr<StreamSet> streams_;
   c10::DeviceIndex device_;
   std::unique_ptr<CudaEvent> shardsWritten_;  // recorded by shardsWritten() on the caller's stream
+  std::unique_ptr<NcclWatchdog> watchdog_;    // last: stopped first, after the destructor's stream syncs
 };
 
 }  // namespace
@@ -408,7 +434,8 @@ bool hasNcclTransport() { return true; }
 std::string makeNcclUniqueId() { return cuda::newUniqueId(); }
 
 std::shared_ptr<Transport> makeNcclTransport(const std::string& uniqueId, int rank, int worldSize,
-                                             int deviceIndex) {
+                                             int deviceIndex, std::chrono::milliseconds timeout) {
+  TORCH_CHECK(timeout.count() > 0, "init_nccl: timeout should be > 0 ms, got ", timeout.count());
   TORCH_CHECK(uniqueId.size() == sizeof(ncclUniqueId), "init_nccl: unique_id should have ",
               sizeof(ncclUniqueId), " bytes (from nccl_unique_id()), got ", uniqueId.size());
   TORCH_CHECK(deviceIndex >= 0 && deviceIndex < c10::cuda::device_count(), "init_nccl: device ", deviceIndex,
@@ -418,7 +445,7 @@ std::shared_ptr<Transport> makeNcclTransport(const std::string& uniqueId, int ra
   const auto device = static_cast<c10::DeviceIndex>(deviceIndex);
   auto streams = cuda::StreamSet::create(device);
   auto comm = cuda::NcclComm::create(id, rank, worldSize, device);
-  return std::make_shared<cuda::NcclTransport>(std::move(comm), std::move(streams));
+  return std::make_shared<cuda::NcclTransport>(std::move(comm), std::move(streams), timeout);
 }
 
 }  // namespace dcplan::replayer

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -94,8 +95,11 @@ bool hasNcclTransport();
 std::string makeNcclUniqueId();
 /// A Transport on its own NCCL communicator and dedicated CUDA streams of device
 /// deviceIndex; uniqueId comes from makeNcclUniqueId() on one rank. Collective: every rank of
-/// the communicator calls it. Fails in a build without CUDA.
+/// the communicator calls it. A collective that has not completed after timeout aborts the
+/// communicator (a watchdog thread), and every later launch fails naming why. Fails in a
+/// build without CUDA.
 std::shared_ptr<Transport> makeNcclTransport(const std::string& uniqueId, int rank, int worldSize,
-                                             int deviceIndex);
+                                             int deviceIndex,
+                                             std::chrono::milliseconds timeout = std::chrono::minutes(10));
 
 }  // namespace dcplan::replayer
