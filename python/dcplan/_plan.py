@@ -9,6 +9,7 @@ log (``DCPLAN_REPLAY_LOG``) and reads it back.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -65,7 +66,8 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
     world size, stage or dtype, and for a file that is not a valid plan.
     """
     reduce_name = dtype_name(reduce_dtype or state.param_dtype or torch.float32)
-    return _C.load_plan(
+    before = _digest(path)
+    loaded = _C.load_plan(
         path,
         live_params(state.infos),
         state.world_size,
@@ -76,6 +78,32 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
         state.param_dtype,
         on_mismatch,
     )
+    device = state.infos[0].shard.device if state.infos else torch.device("cpu")
+    check_same_plan(path, before, _digest(path), device)
+    return loaded
+
+
+def _digest(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).digest()
+
+
+def check_same_plan(path: str, before: bytes, after: bytes, device: torch.device) -> None:
+    """Every rank must follow the same plan: a file that changed while it was read, or that
+    differs between the ranks (changed on disk between their loads, another file at that path
+    on another host), is a ValueError on every rank. A collective over the runtime's ranks."""
+    if before != after:
+        raise ValueError(f"dcplan.shard: plan {path} changed on disk while it was loaded; write plans to a "
+                         "new file (dcplan plan writes a temporary and renames it) and start again")
+    mine = torch.frombuffer(bytearray(after), dtype=torch.uint8).to(device)
+    every = _C.all_gather_flat(mine).cpu().view(-1, len(after))
+    differ = [r for r in range(every.size(0)) if not torch.equal(every[r], every[_C.rank()])]
+    if differ:
+        raise ValueError(
+            f"dcplan.shard: plan {path}: rank {_C.rank()} read sha256 {after.hex()[:16]}..., but rank(s) "
+            f"{', '.join(map(str, differ))} read other contents (the file changed on disk between the ranks' "
+            "loads, or they see different files); every rank must follow the same plan"
+        )
 
 
 def rank_path(path: str, rank: int) -> str:

@@ -270,6 +270,12 @@ def run_all(rank: int, ws: int, tmp: str, results: Dict) -> None:
         path = write_plan(good, os.path.join(tmp, "refuse-other.plan.json"))
         out["other_model"] = (path, expect_error(lambda: dcplan.shard(other, stage=3, plan=path)))
         dcplan.shutdown()
+        # Ranks that read different bytes (the file changed on disk between their loads): refused on every rank.
+        path = os.path.join(tmp, f"differs-rank{rank}.plan.json")
+        with open(path, "w") as f:
+            json.dump(good, f, indent=rank + 1)
+        out["differs"] = expect_error(lambda: dcplan.shard(make_model(), stage=3, plan=path))
+        dcplan.shutdown()
         # DCPLAN_PLAN is used when no argument is given; the argument wins.
         os.environ["DCPLAN_PLAN"] = out["world_size"][0]
         out["env"] = expect_error(lambda: dcplan.shard(make_model(), stage=3))

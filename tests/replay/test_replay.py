@@ -175,6 +175,8 @@ def test_bad_plans_are_refused_at_start(runs):
         assert msg.startswith(f"{path}: ") and "\n" not in msg, msg
         assert got["env"].endswith(f"/source/world_size: the plan is for {ws + 1} ranks, this run has {ws}")
         assert got["arg_wins"] is True
+        assert "read other contents (the file changed on disk between the ranks' loads" in got["differs"], got["differs"]
+        assert "every rank must follow the same plan" in got["differs"]
 
 
 def first_difference(a, b):
