@@ -37,10 +37,26 @@ class ObserverScope {
   OpEvent event_;
 };
 
+/// Records the first failed collective (later ops refuse, naming it) and throws it with the op's
+/// place: this rank, the op, its id and graph, and its index in the step's pass.
+[[noreturn]] void collectiveFailed(RuntimeState& rt, const char* op, int64_t graphId, int64_t id, int64_t position,
+                                   const std::exception& e) {
+  std::string where = std::string(op);
+  if (id >= 0) where += " of id " + std::to_string(id);
+  if (graphId >= 0) where += " in graph " + std::to_string(graphId);
+  if (rt.step_ >= 0)
+    where += ", op " + std::to_string(position) + " of the " + (rt.inBackward_ ? "backward" : "forward") +
+             " of step " + std::to_string(rt.step_);
+  rt.failure_ = "rank " + std::to_string(rt.transport_->rank()) + ": " + where + ": a collective failed: " + e.what();
+  if (dynamic_cast<const CollectiveMismatch*>(&e) != nullptr) TORCH_CHECK(false, rt.failure_);
+  TORCH_CHECK(false, rt.failure_,
+              " (a rank that died fails it at once; one that stopped answering after the process group's "
+              "timeout, init_process_group(timeout=...))");
+}
+
 /// Runs the part of an op that may communicate. Refuses once a collective has failed (the ranks
-/// are out of step from there), and turns a failed collective (an exception of the transport,
-/// not a c10::Error of an argument check) into an error naming this rank, the op, its graph and
-/// id, and its place in the step; later ops repeat it.
+/// are out of step from there), and turns a failed collective (an exception of the transport or
+/// a c10::DistError, not a c10::Error of an argument check) into collectiveFailed's error.
 template <typename Body>
 decltype(auto) guarded(RuntimeState& rt, const char* op, int64_t graphId, int64_t id, Body&& body) {
   const int64_t position = rt.opInPass_++;
@@ -49,20 +65,12 @@ decltype(auto) guarded(RuntimeState& rt, const char* op, int64_t graphId, int64_
   rt.place_ = OpPlace{op, id, graphId, rt.step_, position, rt.inBackward_};
   try {
     return body();
+  } catch (const c10::DistError& e) {
+    collectiveFailed(rt, op, graphId, id, position, e);
   } catch (const c10::Error&) {
     throw;
   } catch (const std::exception& e) {
-    std::string where = std::string(op);
-    if (id >= 0) where += " of id " + std::to_string(id);
-    if (graphId >= 0) where += " in graph " + std::to_string(graphId);
-    if (rt.step_ >= 0)
-      where += ", op " + std::to_string(position) + " of the " + (rt.inBackward_ ? "backward" : "forward") +
-               " of step " + std::to_string(rt.step_);
-    rt.failure_ = "rank " + std::to_string(rt.transport_->rank()) + ": " + where + ": a collective failed: " + e.what();
-    if (dynamic_cast<const CollectiveMismatch*>(&e) != nullptr) TORCH_CHECK(false, rt.failure_);
-    TORCH_CHECK(false, rt.failure_,
-                " (a rank that died fails it at once; one that stopped answering after the process group's "
-                "timeout, init_process_group(timeout=...))");
+    collectiveFailed(rt, op, graphId, id, position, e);
   }
 }
 
