@@ -43,7 +43,10 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 from ._shard import full_parameters, init, shard, shutdown  # noqa: E402
 from ._shm import ShmFallbackWarning  # noqa: E402
+from ._clip import clip_grad_norm_, install_warning as _install_clip_warning  # noqa: E402
+
+_install_clip_warning()
 from ._plan import PlanDepartureWarning, read_replay_log, replay_differences, replay_log  # noqa: E402
 
-__all__ = ["shard", "init", "full_parameters", "shutdown", "ShmFallbackWarning"]
+__all__ = ["shard", "init", "full_parameters", "shutdown", "clip_grad_norm_", "ShmFallbackWarning"]
 __all__ += ["replay_log", "read_replay_log", "replay_differences", "PlanDepartureWarning"]

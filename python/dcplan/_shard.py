@@ -368,6 +368,7 @@ def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: i
     hi = min(lo + shard_numel, numel)
     data[: hi - lo].copy_(flat[lo:hi])
     shard_param = nn.Parameter(data, requires_grad=p.requires_grad)
+    shard_param._dcplan_shard = True  # torch.nn.utils.clip_grad_norm_ warns on these (_clip.py)
     return _ParamInfo(ds_id=ds_id, name=name, shape=p.shape, numel=numel, shard=shard_param)
 
 

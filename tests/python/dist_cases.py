@@ -23,6 +23,7 @@ STEPS = 10
 SEQ = 6
 BATCH = 6  # global batch per micro-step; divisible by 2 and 3 ranks
 LR = 1e-3
+MAX_NORM = 0.5  # the clip variant: below the gradients' norm at every step, so every step clips
 LOG_STEP = 2  # the optimizer step whose dc ops are recorded
 BUCKET_BYTES = 1024  # small, so that backward flushes several buckets (double buffering)
 # Where models and data live: the CPU here; tests/gpu sets each rank's GPU (NCCL path).
@@ -39,6 +40,7 @@ class Case:
 def all_cases() -> List[Case]:
     variants = ["base", "accum", "tied", "twice", "frozen", "odd", "bf16"]
     cases = [Case(f"zero{s}-{v}", s, v) for s in (1, 2, 3) for v in variants]
+    cases += [Case(f"zero{s}-clip", s, "clip") for s in (1, 3)]  # dcplan.clip_grad_norm_ each step
     return cases + [Case("zero3-subgroup", 3, "subgroup")]  # a group made by dist.new_group
 
 
@@ -139,17 +141,21 @@ def train_reference(case: Case) -> Dict:
     model = make_model(case)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     n = micro_steps(case)
-    losses = []
+    losses, norms = [], []
     for step in batches(case, model.embed.num_embeddings):
         total = 0.0
         for idx, tgt in step:
             loss = loss_fn(model, idx, tgt) / n
             loss.backward()
             total += loss.item()
+        if case.variant == "clip":
+            norms.append(torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], MAX_NORM).item())
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+            "norms": norms}
 
 
 def train_sharded(case: Case, rank: int, ws: int) -> Dict:
@@ -166,7 +172,7 @@ def train_sharded(case: Case, rank: int, ws: int) -> Dict:
     opt = torch.optim.AdamW([p for p in shards if p.requires_grad], lr=LR, weight_decay=0.01)
     n = micro_steps(case)
     per = BATCH // ws
-    losses = []
+    losses, norms = [], []
     gathered_after_forward = []
     op_log = None
     for s, step in enumerate(batches(case, model.embed.num_embeddings)):
@@ -180,6 +186,8 @@ def train_sharded(case: Case, rank: int, ws: int) -> Dict:
             gathered_after_forward.append(len(dcplan._C.gathered_param_ids()))
             loss.backward()
             total += loss.detach()
+        if case.variant == "clip":
+            norms.append(dcplan.clip_grad_norm_(model, MAX_NORM).item())
         opt.step()
         opt.zero_grad()
         if s == LOG_STEP:
@@ -197,6 +205,7 @@ def train_sharded(case: Case, rank: int, ws: int) -> Dict:
         "num_params": len(model._dcplan.infos),
         "gathered_after_forward": gathered_after_forward,
         "op_log": op_log,
+        "norms": norms,
         "graphs": (state.fwd_graph, state.bwd_graph),
         "trainable_ids": sorted(i.ds_id for i in state.infos if i.trainable),
         "frozen_ids": sorted(i.ds_id for i in state.infos if not i.trainable),

@@ -108,6 +108,11 @@ def assert_matches_reference(case, got: Dict, ref: Dict, ws: int, steps: int, wh
     for name, want in ref["params"].items():
         torch.testing.assert_close(got["params"][name], want, **param_tol,
                                    msg=lambda m, n=name: f"{what} parameter {n}: {m}")
+    # dcplan.clip_grad_norm_ returns the unsharded model's total norm, every step (and clipped by it).
+    torch.testing.assert_close(torch.tensor(got.get("norms", [])), torch.tensor(ref.get("norms", [])), **loss_tol,
+                               msg=lambda m: f"{what} gradient norms differ: {m}")
+    if case.variant == "clip":
+        assert len(got["norms"]) == steps and min(ref["norms"]) > 0.5, ref["norms"]  # every step clips
     # Every rank holds ceil(numel/ws) elements per parameter.
     expected = sorted(-(-v.numel() // ws) for v in ref["params"].values())
     assert sorted(s[0] for s in got["shard_shapes"]) == expected

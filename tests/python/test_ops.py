@@ -504,3 +504,38 @@ def test_nccl_timeout_setting(monkeypatch, dcplan_module):
         monkeypatch.setenv("DCPLAN_NCCL_TIMEOUT", bad)
         with pytest.raises(ValueError, match=f"DCPLAN_NCCL_TIMEOUT should be a positive number of seconds, got '{bad}'"):
             _shard._nccl_timeout_s()
+
+
+def test_clip_grad_norm_on_one_rank_and_the_warning_for_torchs(dcplan_module, group):
+    import warnings
+
+    dcplan_module.shutdown()
+    torch.manual_seed(0)
+    plain = nn.Linear(3, 5)
+    sharded = dcplan_module.shard(nn.Linear(3, 5).requires_grad_(True), stage=3)
+    with torch.no_grad():
+        for p, s in zip(plain.parameters(), sharded.parameters()):
+            s.copy_(p.reshape(-1))
+    x = torch.randn(4, 3)
+    plain(x).square().sum().backward()
+    sharded(x).square().sum().backward()
+    for norm_type in (2.0, float("inf")):
+        want = torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 1e9, norm_type)
+        got = dcplan_module.clip_grad_norm_(sharded, 1e9, norm_type)  # max_norm that clips nothing
+        torch.testing.assert_close(got, want)
+    want = torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 0.5)
+    got = dcplan_module.clip_grad_norm_(sharded, 0.5)
+    torch.testing.assert_close(got, want)
+    for p, s in zip(plain.parameters(), sharded.parameters()):
+        torch.testing.assert_close(s.grad, p.grad.reshape(-1))  # clipped alike
+    with pytest.warns(UserWarning, match="clips each rank by the norm of its own shards"):
+        torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1.0)  # once only
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)  # not shards: silent
+    with pytest.raises(ValueError, match="model is not sharded by dcplan.shard"):
+        dcplan_module.clip_grad_norm_(plain, 1.0)
+    with pytest.raises(ValueError, match="norm_type should be > 0 or inf, got -1.0"):
+        dcplan_module.clip_grad_norm_(sharded, 1.0, norm_type=-1)
+    dcplan_module.shutdown()
