@@ -13,7 +13,7 @@ namespace dcplan::replayer {
 
 /// Where the runtime is when it launches a collective: the dc op and its place in the step.
 struct OpPlace {
-  std::string op;  // "" outside an op
+  const char* op = "";  // a dc op's name (static), "" outside an op: set on every op, so no copy
   int64_t id = -1;
   int64_t graphId = -1;
   int64_t step = -1;

@@ -222,7 +222,7 @@ std::unique_ptr<ShmComm> ShmComm::open(const std::string& name, int rank, int wo
 }
 
 ShmComm::ShmComm(std::unique_ptr<Segment> segment, int rank, int worldSize, const Options& options)
-    : segment_(std::move(segment)), rank_(rank), worldSize_(worldSize), options_(options) {
+    : segment_(std::move(segment)), rank_(rank), worldSize_(worldSize), options_(options), inputs_(worldSize) {
   RankControl& mine = segment_->control(rank_);
   mine.pid = static_cast<int32_t>(::getpid());
   mine.pidNamespace = pidNamespace();
@@ -357,7 +357,7 @@ void ShmComm::reduceChunk(const char* op, char* data, size_t count, size_t total
   if (count != 0) std::memcpy(segment_->slotData(rank_, buffer), data, count * esize);  // data may be null then
   sync(op);
 
-  std::vector<const void*> ins(worldSize_);
+  std::vector<const void*>& ins = inputs_;
   for (int r = 0; r < worldSize_; ++r) {
     const SlotHeader& theirs = segment_->slotHeader(r, buffer);
     if (theirs.chunk != chunk || theirs.total != total || theirs.count != count || theirs.dtype != mine.dtype) {
@@ -383,9 +383,8 @@ void ShmComm::reduceChunk(const char* op, char* data, size_t count, size_t total
   auto sliceBegin = [&](int r) { return std::min(count, r * per); };
   const size_t lo = sliceBegin(rank_), hi = sliceBegin(rank_ + 1);
   if (hi > lo) {
-    std::vector<const void*> slices(worldSize_);
-    for (int r = 0; r < worldSize_; ++r) slices[r] = static_cast<const char*>(ins[r]) + lo * esize;
-    reduceSum(dtype, segment_->slotData(rank_, buffer) + lo * esize, slices.data(), worldSize_, hi - lo);
+    for (int r = 0; r < worldSize_; ++r) ins[r] = static_cast<const char*>(ins[r]) + lo * esize;
+    reduceSum(dtype, segment_->slotData(rank_, buffer) + lo * esize, ins.data(), worldSize_, hi - lo);
   }
   sync(op);
   for (int r = 0; r < worldSize_; ++r) {

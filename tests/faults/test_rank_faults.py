@@ -11,10 +11,10 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
+from mp_harness import run_own_processes  # noqa: E402
 
 PG_TIMEOUT_S = 4  # the process group's timeout: how long a rank waits for one that stopped answering
 
@@ -63,21 +63,9 @@ def worker(rank, ws, store_file, out_dir, fault):
 
 
 def run(fault):
-    """Starts 3 ranks (our own processes: mp.spawn would kill the others when one dies) and
-    waits for all to end; returns {rank: result} of the ranks that wrote one, and exit codes."""
-    ctx = mp.get_context("spawn")
+    """Runs 3 ranks to their end; returns {rank: result} of the ranks that wrote one, and exit codes."""
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker, args=(r, 3, os.path.join(tmp, "store"), tmp, fault)) for r in range(3)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 120
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        assert not hung, f"ranks {hung} still running after 120 s"
+        procs = run_own_processes(worker, 3, (3, os.path.join(tmp, "store"), tmp, fault), limit_s=120)
         results = {}
         for r in range(3):
             path = os.path.join(tmp, f"rank{r}.pt")

@@ -9,7 +9,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from mp_harness import run_own_processes
 
 pytestmark = pytest.mark.gpu
 
@@ -52,19 +53,8 @@ def worker(rank, ws, store_file, out_dir):
 
 
 def test_a_killed_gpu_rank_aborts_the_communicator_of_the_other(gpu_dcplan):
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker, args=(r, 2, os.path.join(tmp, "store"), tmp)) for r in range(2)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 180
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        assert not hung, f"ranks {hung} still running after 180 s"
+        procs = run_own_processes(worker, 2, (2, os.path.join(tmp, "store"), tmp), limit_s=180)
         codes = [p.exitcode for p in procs]
         assert codes[1] == -signal.SIGKILL, codes
         assert codes[0] == 0, f"rank 0 should exit cleanly after its error, got {codes}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from typing import Callable, Dict, List, Optional
 
 import pytest
@@ -63,6 +64,27 @@ def run_ranks(worker: Callable, ws: int, *args, label: str = "") -> List[Dict]:
             assert os.path.exists(path), f"rank {r} of {ws}{label} wrote no results"
             per_rank.append(torch.load(path, weights_only=False, map_location="cpu"))
     return per_rank
+
+
+def run_own_processes(target: Callable, ws: int, args: tuple, limit_s: float) -> List[mp.Process]:
+    """Runs target(rank, *args) in ws spawned processes of our own and waits for all of them:
+    mp.spawn would terminate the others as soon as one dies, and the fault tests watch what the
+    others do then. is_alive() reaps the dead (a zombie still answers kill(pid, 0), so a peer
+    would not see it exit). Fails, naming them, when ranks still run after limit_s (killed then)."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(ws)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + limit_s
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if hung:
+        pytest.fail(f"ranks {hung} of {ws} still running after {limit_s:.0f} s")
+    return procs
 
 
 def entry(per_rank: List[Dict], name: str) -> Dict:

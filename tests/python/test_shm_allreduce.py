@@ -12,9 +12,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from mp_harness import run_ranks
+from mp_harness import run_own_processes, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -299,20 +298,9 @@ def killed_rank_worker(rank, ws, store_file, out_dir, env):
 
 
 def test_a_killed_rank_is_noticed_and_leaves_no_segment(dcplan_module, shm_dir):
-    # Our own processes, not mp.spawn's: it would terminate rank 0 as soon as rank 1 died.
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         env = {"DCPLAN_SHM_DIR": shm_dir, "DCPLAN_SHM_TIMEOUT": "60"}
-        procs = [ctx.Process(target=killed_rank_worker, args=(r, 2, os.path.join(tmp, "store"), tmp, env)) for r in range(2)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 120
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:  # is_alive() reaps the dead
-            time.sleep(0.05)
-        alive = [p.pid for p in procs if p.is_alive()]
-        for p in procs:
-            p.kill() if p.is_alive() else None
-        assert not alive, "rank 0 should not hang when rank 1 dies"
+        procs = run_own_processes(killed_rank_worker, 2, (2, os.path.join(tmp, "store"), tmp, env), limit_s=120)
         assert procs[1].exitcode == -signal.SIGKILL
         assert procs[0].exitcode == 0
         res = torch.load(os.path.join(tmp, "rank0.pt"), weights_only=False)

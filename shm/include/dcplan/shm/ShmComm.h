@@ -7,6 +7,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace dcplan::shm {
 
@@ -90,6 +91,7 @@ class ShmComm {
   uint32_t syncs_ = 0;    // synchronisation points passed
   uint64_t chunks_ = 0;   // chunks reduced: chunk k uses buffer k % 2
   std::string brokenReason_;
+  std::vector<const void*> inputs_;  // per chunk: every rank's buffer (or slice), reused
 };
 
 /// out[i] = sum over k of ins[k][i] in k order, accumulated in fp32 and rounded once to dtype.
