@@ -1,23 +1,42 @@
 # Finds libtorch through the Python package (torch.utils.cmake_prefix_path).
 # Leaves DCPLAN_WITH_TORCH effective only when torch is importable.
+# DCPLAN_REQUIRE_TORCH (the wheel preset): no torch is an error, not a build without the runtime.
+option(DCPLAN_REQUIRE_TORCH "Fail the configure when torch is not importable" OFF)
+# Under pip (scikit-build-core sets SKBUILD, and Python3_EXECUTABLE to the target environment's
+# interpreter), PYTHONPATH points into pip's isolated build environment, which hides the installed
+# torch: -I ignores it, so that the extension is built against the torch it will run with.
+if(SKBUILD)
+  set(DCPLAN_PYTHON_ISOLATED -I)
+else()
+  set(DCPLAN_PYTHON_ISOLATED "")
+endif()
 find_package(Python3 COMPONENTS Interpreter Development.Module QUIET)
 if(Python3_Interpreter_FOUND)
-  # One interpreter start (importing torch takes seconds): torch's CMake prefix, then the
-  # libstdc++ the process runs on with torch loaded (checked against the compiler's below).
+  # One interpreter start (importing torch takes seconds): torch's CMake prefix, the libstdc++
+  # the process runs on with torch loaded (checked against the compiler's below), torch's version.
   execute_process(
-    COMMAND ${Python3_EXECUTABLE} -c
-      "import torch.utils; print(torch.utils.cmake_prefix_path); print(next((l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++.so' in l), ''))"
+    COMMAND ${Python3_EXECUTABLE} ${DCPLAN_PYTHON_ISOLATED} -c
+      "import torch.utils; print(torch.utils.cmake_prefix_path); print(next((l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++.so' in l), '-')); print(torch.__version__)"
     OUTPUT_VARIABLE DCPLAN_TORCH_QUERY OUTPUT_STRIP_TRAILING_WHITESPACE
-    RESULT_VARIABLE DCPLAN_TORCH_RESULT ERROR_QUIET)
+    RESULT_VARIABLE DCPLAN_TORCH_RESULT ERROR_VARIABLE DCPLAN_TORCH_ERROR)
   string(REPLACE "\n" ";" DCPLAN_TORCH_QUERY "${DCPLAN_TORCH_QUERY}")
-  list(GET DCPLAN_TORCH_QUERY 0 DCPLAN_TORCH_PREFIX)
   list(LENGTH DCPLAN_TORCH_QUERY DCPLAN_TORCH_QUERY_LINES)
-  set(DCPLAN_PYTHON_LIBSTDCXX "")
-  if(DCPLAN_TORCH_QUERY_LINES GREATER 1)
+  if(DCPLAN_TORCH_RESULT EQUAL 0 AND DCPLAN_TORCH_QUERY_LINES EQUAL 3)
+    list(GET DCPLAN_TORCH_QUERY 0 DCPLAN_TORCH_PREFIX)
     list(GET DCPLAN_TORCH_QUERY 1 DCPLAN_PYTHON_LIBSTDCXX)
+    list(GET DCPLAN_TORCH_QUERY 2 DCPLAN_TORCH_PY_VERSION)
+    if(DCPLAN_PYTHON_LIBSTDCXX STREQUAL "-")
+      set(DCPLAN_PYTHON_LIBSTDCXX "")
+    endif()
+  else()
+    set(DCPLAN_TORCH_RESULT 1)
   endif()
 endif()
 if(NOT Python3_Interpreter_FOUND OR NOT DCPLAN_TORCH_RESULT EQUAL 0)
+  if(DCPLAN_REQUIRE_TORCH)
+    message(FATAL_ERROR "dcplan: torch is not importable by ${Python3_EXECUTABLE} (${DCPLAN_TORCH_ERROR}); "
+      "install torch 2.11 to 2.14 into this environment first, e.g. pip install torch==2.13.0")
+  endif()
   message(STATUS "dcplan: torch not importable by Python; building without the runtime")
   return()
 endif()
@@ -28,6 +47,9 @@ if(DCPLAN_WITH_CUDA)
 endif()
 find_package(Torch QUIET)
 if(NOT TARGET torch)
+  if(DCPLAN_REQUIRE_TORCH)
+    message(FATAL_ERROR "dcplan: find_package(Torch) failed under ${DCPLAN_TORCH_PREFIX}")
+  endif()
   message(STATUS "dcplan: find_package(Torch) failed; building without the runtime")
   return()
 endif()
@@ -58,7 +80,7 @@ if(DCPLAN_WITH_CUDA)
   # NCCL: the headers and library of torch's nvidia-nccl wheel first (the library torch itself
   # loads), then NCCL_HOME / NCCL_ROOT and the system.
   execute_process(
-    COMMAND ${Python3_EXECUTABLE} -c "import nvidia.nccl as n; print(list(n.__path__)[0])"
+    COMMAND ${Python3_EXECUTABLE} ${DCPLAN_PYTHON_ISOLATED} -c "import nvidia.nccl as n; print(list(n.__path__)[0])"
     OUTPUT_VARIABLE DCPLAN_NCCL_WHEEL_DIR OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
   find_path(DCPLAN_NCCL_INCLUDE_DIR nccl.h
     HINTS ${DCPLAN_NCCL_WHEEL_DIR}/include $ENV{NCCL_HOME}/include $ENV{NCCL_ROOT}/include)

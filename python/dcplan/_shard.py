@@ -75,12 +75,14 @@ class _ShardState:
         # No reference to pg: dist.destroy_process_group() must be able to free it (and join
         # Gloo's worker threads) while Python is alive, not when the model is collected at exit.
         self.world_size = pg.size()
+        self.group_name = pg.group_name  # the state-dict functions find the group by its name
         self.param_dtype = param_dtype
         self.fwd_graph = fwd_graph
         self.bwd_graph = bwd_graph
         self.infos: List[_ParamInfo] = []
         self.forward_depth = 0
         self.saved_hooks = None
+        self.outside: Dict[int, torch.Tensor] = {}  # this forward's parameters read outside their module
         self.trainable_infos: List[_ParamInfo] = []
         self.trainable_ids: List[int] = []
         self.hooks = _C.ShardHooks(stage, fwd_graph, bwd_graph, param_dtype, _weak_begin_backward(self))
@@ -92,6 +94,15 @@ class _ShardState:
     @requires_sync.setter
     def requires_sync(self, value: bool) -> None:
         self.hooks.requires_sync = value
+
+    def read_outside(self, ds_id: int) -> torch.Tensor:
+        """A parameter read outside its module's forward (_reader_class): gathered once per forward."""
+        full = self.outside.get(ds_id)
+        if full is None:
+            [full] = self.hooks.forward_gather([ds_id], False)
+            self.hooks.forward_release([ds_id], False)
+            self.outside[ds_id] = full
+        return full
 
     # -- saved tensors (ZeRO-3) -------------------------------------------
     def pack(self, t: torch.Tensor):
@@ -271,6 +282,7 @@ def shard(
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, world_size, param_dtype, reduce_dtype)
 
     for module, attrs, ids_of_module in owned.values():
+        _watch_outside_reads(state, module, attrs, ids_of_module)
         module.register_forward_pre_hook(_make_pre_hook(state, attrs, ids_of_module))
         module.register_forward_hook(_make_post_hook(state, attrs, ids_of_module), always_call=True)
     model.register_forward_pre_hook(_make_root_pre_hook(state), prepend=True)
@@ -372,12 +384,18 @@ def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: i
     return _ParamInfo(ds_id=ds_id, name=name, shape=p.shape, numel=numel, shard=shard_param)
 
 
+def _recomputing(state: _ShardState) -> bool:
+    """Whether a module runs forward again inside backward (activation checkpointing): outside
+    the model's own forward, on the autograd engine's backward."""
+    return state.forward_depth == 0 and torch._C._current_graph_task_id() != -1
+
+
 def _make_pre_hook(state: _ShardState, attrs: List[str], ids: List[int]):
     """The module's parameters attrs (ds_ids ids), gathered into its __dict__."""
 
     def pre_hook(module, args):
         d = module.__dict__
-        for attr, full in zip(attrs, state.hooks.forward_gather(ids)):
+        for attr, full in zip(attrs, state.hooks.forward_gather(ids, _recomputing(state))):
             d[attr] = full
 
     return pre_hook
@@ -387,9 +405,46 @@ def _make_post_hook(state: _ShardState, attrs: List[str], ids: List[int]):
     def post_hook(module, args, output):
         d = module.__dict__
         # A parameter its pre-hook did not gather (the forward raised before it) is not released.
-        state.hooks.forward_release([i for a, i in zip(attrs, ids) if d.pop(a, None) is not None])
+        state.hooks.forward_release([i for a, i in zip(attrs, ids) if d.pop(a, None) is not None],
+                                    _recomputing(state))
 
     return post_hook
+
+
+# -- parameters read outside their module's forward ----------------------------------------------
+#
+# A module may read another module's parameter (an output projection reading the embedding's
+# weight, a root reading a block's norm). Outside its owner's forward the attribute would be the
+# flat shard: the owner's class is swapped for a subclass whose __getattr__ (reached only when
+# the pre-hook has not put the gathered parameter into the instance's __dict__) gathers it for
+# the rest of the model's forward. The runtime's buffer is released at once; the tensor the
+# reader got keeps its memory until autograd is done with it.
+
+_reader_classes: Dict[type, type] = {}
+
+
+def _reader_class(cls: type) -> type:
+    sub = _reader_classes.get(cls)
+    if sub is None:
+        def __getattr__(self, name):
+            ids = self.__dict__.get("_dcplan_param_ids")
+            if ids is not None and name in ids:
+                state = self.__dict__["_dcplan_state"]()
+                if state is not None and state.forward_depth > 0:
+                    return state.read_outside(ids[name])
+            return super(sub, self).__getattr__(name)
+
+        sub = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__, "_dcplan_reader": True})
+        _reader_classes[cls] = sub
+    return sub
+
+
+def _watch_outside_reads(state: _ShardState, module: nn.Module, attrs: List[str], ids: List[int]) -> None:
+    if not getattr(type(module), "_dcplan_reader", False):
+        module.__class__ = _reader_class(type(module))
+    module.__dict__["_dcplan_param_ids"] = dict(zip(attrs, ids))
+    module.__dict__["_dcplan_state"] = weakref.ref(state)
 
 
 def _make_root_pre_hook(state: _ShardState):
@@ -413,6 +468,7 @@ def _make_root_post_hook(state: _ShardState):
         state.forward_depth -= 1
         if state.forward_depth > 0:
             return
+        state.outside.clear()
         if state.saved_hooks is not None:
             hooks, state.saved_hooks = state.saved_hooks, None
             hooks.__exit__(None, None, None)

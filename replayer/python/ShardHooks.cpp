@@ -88,7 +88,14 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
   bool inBackward = false;
 
   /// Forward pre-hook of a module: its parameters gathered (several: one fused prefetch first).
-  std::vector<at::Tensor> forwardGather(const std::vector<int64_t>& dsIds) {
+  /// recompute: the forward runs again inside backward (activation checkpointing): its gathers
+  /// are the backward graph's, as the saved-tensor re-gathers are, and checkpointing keeps what
+  /// it saves, so nothing is tracked for packing. (The recomputed parameters still require
+  /// grad: autograd must save the same tensors as the first time. Gradients flow through the
+  /// first forward's nodes; the recomputed reduction nodes never run.)
+  std::vector<at::Tensor> forwardGather(const std::vector<int64_t>& dsIds, bool recompute) {
+    if (recompute) beginBackwardOnce();
+    const int64_t graph = recompute ? backwardGraph_ : forwardGraph_;
     const bool grad = at::GradMode::is_enabled();
     std::vector<Param*> ps;
     ps.reserve(dsIds.size());
@@ -103,18 +110,18 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
         shards.push_back(p->data);
         dtypes.push_back(paramDtype_.value_or(at::kFloat));
       }
-      torch::jit::Stack stack{c10::IValue(forwardGraph_), c10::IValue(shards), c10::IValue(dsIds),
+      torch::jit::Stack stack{c10::IValue(graph), c10::IValue(shards), c10::IValue(dsIds),
                               c10::IValue(dtypes)};
       at::AutoDispatchBelowADInplaceOrView below;
       DcOps::get().prefetchFused.callBoxed(&stack);
     }
-    const bool track = stage_ == 3 && grad;
+    const bool track = stage_ == 3 && grad && !recompute;
     std::vector<at::Tensor> out;
     out.reserve(ps.size());
     try {
       for (size_t i = 0; i < ps.size(); ++i) {
         Param& p = *ps[i];
-        at::Tensor full = gather(p, forwardGraph_);
+        at::Tensor full = gather(p, graph);
         if (grad && p.shard.requires_grad()) full = withReduction(full, p);
         if (track) {
           p.livePtr = storagePtr(full);
@@ -128,7 +135,7 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
       for (size_t j = 0; j < out.size(); ++j) {
         forgetLive(*ps[j]);
         try {
-          releaseOp(*ps[j], forwardGraph_);
+          releaseOp(*ps[j], graph);
         } catch (...) {  // the first failure is the one to report
         }
       }
@@ -137,12 +144,12 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
     return out;
   }
 
-  /// Forward hook of a module: its parameters released.
-  void forwardRelease(const std::vector<int64_t>& dsIds) {
+  /// Forward hook of a module: its parameters released (recompute: as forwardGather's).
+  void forwardRelease(const std::vector<int64_t>& dsIds, bool recompute) {
     for (int64_t id : dsIds) {
       Param& p = param("forward_release", id);
-      forgetLive(p);
-      releaseOp(p, forwardGraph_);
+      if (!recompute) forgetLive(p);
+      releaseOp(p, recompute ? backwardGraph_ : forwardGraph_);
     }
   }
 
@@ -360,10 +367,11 @@ void bindShardHooks(py::module& m) {
       .def("set_keep", &ShardHooks::setKeep, py::arg("ds_ids"), "The plan's persistent parameters.")
       .def_readwrite("requires_sync", &ShardHooks::requiresSync)
       .def_readwrite("in_backward", &ShardHooks::inBackward)
-      .def("forward_gather", &ShardHooks::forwardGather, py::arg("ds_ids"), Release(),
-           "A module's forward pre-hook: its parameters, gathered (in the gather dtype).")
-      .def("forward_release", &ShardHooks::forwardRelease, py::arg("ds_ids"), Release(),
-           "A module's forward hook: releases its parameters.")
+      .def("forward_gather", &ShardHooks::forwardGather, py::arg("ds_ids"), py::arg("recompute") = false, Release(),
+           "A module's forward pre-hook: its parameters, gathered (in the gather dtype); recompute: the "
+           "forward runs again in backward (activation checkpointing), on the backward graph.")
+      .def("forward_release", &ShardHooks::forwardRelease, py::arg("ds_ids"), py::arg("recompute") = false,
+           Release(), "A module's forward hook: releases its parameters.")
       .def("refresh", &ShardHooks::refreshAll, py::arg("ds_ids") = std::vector<int64_t>{}, Release(),
            "Drops gathered copies whose shard changed since their gather (empty: every parameter).")
       // A lookup, for every tensor autograd saves: not worth releasing the GIL for.

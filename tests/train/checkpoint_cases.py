@@ -1,0 +1,208 @@
+"""Rank workers of the checkpoint tests: full and sharded (torch.distributed.checkpoint) state
+dicts of dcplan-sharded models and their optimizers, exact resume, and resharding."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+import dist_cases  # noqa: E402  (the tiny transformer, its data and loss)
+from dist_cases import Case, batches, loss_fn, make_model  # noqa: E402
+
+LR = dist_cases.LR
+STEPS = 6
+HALF = 3
+
+
+def init_group(rank: int, ws: int, store: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ws,
+                            timeout=datetime.timedelta(seconds=60))
+
+
+def sharded(stage: int, seed: int = 1234):
+    """A fresh sharded tiny transformer and its AdamW; seed other than make_model's: other values,
+    so that only a load makes it equal to a trained one."""
+    import dcplan
+
+    model = make_model(Case("ckpt", stage))
+    if seed != 1234:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+    dcplan.shard(model, stage=stage, reduce_bucket_bytes=dist_cases.BUCKET_BYTES)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    return model, opt
+
+
+def train(model, opt, steps: range, rank: int, ws: int) -> List[float]:
+    per = dist_cases.BATCH // ws
+    data = batches(Case("ckpt", 3), model.embed.num_embeddings)
+    losses = []
+    for s in steps:
+        idx, tgt = data[s][0]
+        mine = slice(rank * per, (rank + 1) * per)
+        loss = loss_fn(model, idx[mine], tgt[mine])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / ws)
+    return losses
+
+
+def full_state(model, opt) -> Dict:
+    import dcplan
+
+    opts = dcplan.StateDictOptions(full_state_dict=True)
+    return {"model": dcplan.get_model_state_dict(model, options=opts),
+            "optim": dcplan.get_optimizer_state_dict(model, opt, options=opts)}
+
+
+def sharded_state(model, opt) -> Dict:
+    import dcplan
+
+    return {"model": dcplan.get_model_state_dict(model), "optim": dcplan.get_optimizer_state_dict(model, opt)}
+
+
+def load_sharded(model, opt, path: str) -> None:
+    import dcplan
+
+    sd = sharded_state(model, opt)
+    dcp.load(sd, checkpoint_id=path)
+    dcplan.set_model_state_dict(model, sd["model"])
+    dcplan.set_optimizer_state_dict(model, opt, sd["optim"])
+
+
+def resume_worker(rank: int, ws: int, store: str, out_dir: str, stages: List[int]) -> None:
+    """Per stage: 6 steps straight; then 3 steps, a DCP save, a new process group and a new
+    model loaded from it, 3 steps. Also the full state dict's round trips."""
+    import dcplan
+
+    results: Dict = {}
+    for stage in stages:
+        name = f"zero{stage}"
+        try:
+            init_group(rank, ws, f"{store}.{stage}.a")
+            model, opt = sharded(stage)
+            straight = train(model, opt, range(STEPS), rank, ws)
+            straight_full = full_state(model, opt)
+            dcplan.shutdown()
+            del model, opt
+
+            model, opt = sharded(stage)
+            first = train(model, opt, range(HALF), rank, ws)
+            path = os.path.join(out_dir, f"ckpt-{stage}")
+            dcp.save(sharded_state(model, opt), checkpoint_id=path)
+            saved_full = full_state(model, opt)
+            offloaded = dcplan.get_model_state_dict(
+                model, options=dcplan.StateDictOptions(full_state_dict=True, cpu_offload=True))
+            dcplan.shutdown()
+            del model, opt
+            dist.destroy_process_group()
+
+            init_group(rank, ws, f"{store}.{stage}.b")  # a new process group
+            model, opt = sharded(stage, seed=7)
+            before_load = full_state(model, opt)
+            load_sharded(model, opt, path)
+            loaded_full = full_state(model, opt)
+            second = train(model, opt, range(HALF, STEPS), rank, ws)
+            resumed_full = full_state(model, opt)
+
+            # Full state dict back into a sharded model: every rank passing it, and rank 0 only.
+            dcplan.shutdown()
+            model2, opt2 = sharded(stage, seed=8)
+            dcplan.set_model_state_dict(model2, saved_full["model"])
+            dcplan.set_optimizer_state_dict(model2, opt2, saved_full["optim"])
+            from_full = full_state(model2, opt2)
+            dcplan.shutdown()
+            model3, opt3 = sharded(stage, seed=9)
+            opts = dcplan.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            dcplan.set_model_state_dict(model3, saved_full["model"] if rank == 0 else {}, options=opts)
+            dcplan.set_optimizer_state_dict(model3, opt3, saved_full["optim"] if rank == 0 else {}, options=opts)
+            from_rank0 = full_state(model3, opt3)
+            dcplan.shutdown()
+            results[name] = {"value": {
+                "straight": straight, "first": first, "second": second, "straight_full": straight_full,
+                "saved_full": saved_full, "before_load": before_load, "loaded_full": loaded_full,
+                "resumed_full": resumed_full, "offloaded": offloaded, "from_full": from_full,
+                "from_rank0": from_rank0}}
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            break
+        finally:
+            dcplan.shutdown()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def reshard_save_worker(rank: int, ws: int, store: str, out_dir: str, stage: int, path: str) -> None:
+    """Trains 3 steps on ws ranks and saves a DCP checkpoint (and its full form, to compare)."""
+    import dcplan
+
+    results: Dict = {}
+    try:
+        init_group(rank, ws, store)
+        model, opt = sharded(stage)
+        losses = train(model, opt, range(HALF), rank, ws)
+        dcp.save(sharded_state(model, opt), checkpoint_id=path)
+        results["save"] = {"value": {"losses": losses, "full": full_state(model, opt)}}
+    except Exception:
+        results["save"] = {"error": traceback.format_exc()}
+    finally:
+        dcplan.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def reshard_load_worker(rank: int, ws: int, store: str, out_dir: str, stage: int, path: str) -> None:
+    """Loads that checkpoint on ws (other) ranks, then trains the last 3 steps."""
+    import dcplan
+
+    results: Dict = {}
+    try:
+        init_group(rank, ws, store)
+        model, opt = sharded(stage, seed=7)
+        load_sharded(model, opt, path)
+        loaded = full_state(model, opt)
+        losses = train(model, opt, range(HALF, STEPS), rank, ws)
+        results["load"] = {"value": {"loaded": loaded, "losses": losses,
+                                     "params": dcplan.full_parameters(model)}}
+        if rank == 0:
+            results["load"]["reference"] = reference()
+    except Exception:
+        results["load"] = {"error": traceback.format_exc()}
+    finally:
+        dcplan.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def reference() -> Dict:
+    """The same 6 steps in one process on the global batch."""
+    model = make_model(Case("ckpt", 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for step in batches(Case("ckpt", 3), model.embed.num_embeddings)[:STEPS]:
+        idx, tgt = step[0]
+        loss = loss_fn(model, idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+            "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}}

@@ -1,0 +1,49 @@
+"""transformers models sharded on 2 Gloo ranks against one process, at every stage: losses and
+parameters, greedy generate() between steps, and save_pretrained of the gathered state dict."""
+import pytest
+import torch
+
+from mp_harness import entry, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/setup.sh "
+                                                          "installs it)")
+import transformer_cases as tc  # noqa: E402
+
+CASES = [(m, s) for m in tc.MODELS for s in (1, 2, 3)]
+# fp32 on both sides, 2 ranks summing gradients in another order: the equivalence matrix's
+# tolerances (tests/python/test_equivalence.py).
+LOSS_TOL = dict(rtol=1e-5, atol=0)
+PARAM_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def results(dcplan_module):
+    return run_ranks(tc.worker, 2, CASES)
+
+
+@pytest.mark.parametrize("kind,stage", CASES, ids=[f"{m}-zero{s}" for m, s in CASES])
+def test_matches_single_process(results, kind, stage):
+    res = entry(results, f"{kind}-zero{stage}")
+    got, ref = res["value"], res["reference"]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL)
+    assert sorted(got["params"]) == sorted(ref["params"])
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], want, **PARAM_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert got["tied"] == ref["tied"] == (kind != "llama")
+
+
+@pytest.mark.parametrize("kind,stage", CASES, ids=[f"{m}-zero{s}" for m, s in CASES])
+def test_generate_between_steps(results, kind, stage):
+    res = entry(results, f"{kind}-zero{stage}")
+    for step, (got, want) in enumerate(zip(res["value"]["generated"], res["reference"]["generated"])):
+        assert torch.equal(got, want), f"step {step}: {got.tolist()} vs {want.tolist()}"
+
+
+@pytest.mark.parametrize("kind,stage", CASES, ids=[f"{m}-zero{s}" for m, s in CASES])
+def test_save_pretrained_of_the_full_state_dict(results, kind, stage):
+    got = entry(results, f"{kind}-zero{stage}")["value"]
+    assert got["reloaded_tied"] == got["tied"]
+    assert sorted(got["reloaded"]) == sorted(got["params"])
+    for name, want in got["params"].items():
+        assert torch.equal(got["reloaded"][name], want), name
