@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class RotaryEmbedding(nn.Module):
@@ -90,8 +91,9 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     def __init__(self, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
-                 max_seq: int, tied: bool):
+                 max_seq: int, tied: bool, checkpointed: bool = False):
         super().__init__()
+        self.checkpointed = checkpointed
         self.embed = nn.Embedding(vocab, hidden)
         rotary = RotaryEmbedding(hidden // heads, max_seq)
         self.layers = nn.ModuleList(Block(hidden, heads, kv_heads, ffn, rotary) for _ in range(layers))
@@ -105,7 +107,10 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x)
+            if self.checkpointed and torch.is_grad_enabled():
+                x = checkpoint(layer, x, use_reentrant=False)  # its forward runs again in backward
+            else:
+                x = layer(x)
         return self.head(self.norm(x))
 
 
@@ -119,6 +124,8 @@ def parse_args(argv=None):
     p.add_argument("--ffn", type=int, default=0, help="0: 8/3 x hidden, rounded up to 64")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block in backward (torch.utils.checkpoint, use_reentrant=False)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -176,7 +183,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     ffn = args.ffn or (8 * args.hidden // 3 + 63) // 64 * 64
     model = Llama(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads or args.heads, ffn, args.seq,
-                  args.tied).to(device)
+                  args.tied, args.activation_checkpointing).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     param_dtype = getattr(torch, args.param_dtype)
     if args.no_shard:

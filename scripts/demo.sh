@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's demo: installs what is missing, builds dcplan, then runs the whole
+# The README's demo: installs what is missing, installs dcplan (pip install .), then runs the whole
 # pipeline on the example Llama-style model on 2 CPU ranks (Gloo):
 # record a trace -> plan it -> inspect the plan -> train with the plan, and prints the
 # losses next to those of the same training without a plan.
@@ -7,11 +7,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
-cmake --preset cpu >/dev/null
-cmake --build --preset cpu -j "$(nproc)"
-export PATH="$PWD/build/cpu/bin:$PATH" PYTHONPATH="$PWD/python" DCPLAN_BUILD_DIR="$PWD/build/cpu" OMP_NUM_THREADS=1
+# dcplan as a user installs it (pip install ., pyproject.toml), into the checkout's .venv, which
+# sees the torch setup.sh found or installed.
+[ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv
+echo "\$ pip install .   # into .venv: builds the runtime against the installed torch (a few minutes, once)"
+.venv/bin/pip install -q .
+export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1
+unset PYTHONPATH DCPLAN_BUILD_DIR
 work=$(mktemp -d)
-train=(python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_llama.py --steps 6)
+train=(python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_llama.py --steps 6)
 
 run() { echo; echo "\$ $*"; "$@"; }
 run dcplan record -o "$work/trace.json" --steps 2 --warmup 1 -- "${train[@]}"
@@ -21,9 +25,9 @@ echo; echo "\$ ${train[*]}   # without a plan"
 "${train[@]}" --losses "$work/no-plan.json" >/dev/null
 echo "\$ DCPLAN_PLAN=plan.json DCPLAN_REPLAY_LOG=replay.{rank}.jsonl ${train[*]}"
 DCPLAN_PLAN="$work/plan.json" DCPLAN_REPLAY_LOG="$work/replay.{rank}.jsonl" "${train[@]}" --losses "$work/plan.json.losses" >/dev/null
-run python3 -m dcplan.check_replay "$work/plan.json" "$work/replay.0.jsonl" "$work/replay.1.jsonl"
+run python -m dcplan.check_replay "$work/plan.json" "$work/replay.0.jsonl" "$work/replay.1.jsonl"
 echo
-python3 - "$work/no-plan.json" "$work/plan.json.losses" <<'PY'
+python - "$work/no-plan.json" "$work/plan.json.losses" <<'PY'
 import json, sys
 a, b = (json.load(open(p))["losses"] for p in sys.argv[1:])
 print("step   loss without plan   loss with plan")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: installs what is missing, builds, and runs every test:
 # the CPU build (unit, golden and multi-process tests) and the planner/CLI under
-# AddressSanitizer + UBSan. Exits non-zero on any failure.
+# AddressSanitizer + UBSan, the CUDA compile check, and `pip install .` into a fresh venv.
+# Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,3 +38,6 @@ if [ -f "$cuda_torch" ] && [ -x /usr/local/cuda-13.0/bin/nvcc ]; then
 else
   echo "== SKIPPED: CUDA compile check (no CUDA torch wheel at $cuda_torch or no nvcc 13.0)"
 fi
+
+echo "== pip install . into a fresh venv (scripts/check_install.sh)"
+bash scripts/check_install.sh

@@ -190,3 +190,36 @@ def test_bad_settings_are_named(dcplan_ok, tmp_path):
                        env=env(DCPLAN_RECORD=str(tmp_path), DCPLAN_RECORD_STEPS="zero"), timeout=600)
     assert r.returncode != 0
     assert "DCPLAN_RECORD_STEPS should be an integer >= 1, got 'zero'" in r.stdout + r.stderr
+
+
+def test_activation_checkpointing_is_recorded_planned_and_replayed(dcplan_ok, tmp_path):
+    """train_llama --activation-checkpointing: the recomputation's re-gathers are backward-graph
+    ops of the trace, the plan covers them, the replay follows it, and no number changes."""
+    args = ["--activation-checkpointing", "--steps", "5"]
+    trace, plan = tmp_path / "t.json", tmp_path / "p.json"
+    ac = backward_gathers(dcplan_ok, trace, args)
+    plain = backward_gathers(dcplan_ok, tmp_path / "plain.json", ["--steps", "5"])
+    # A block recomputed in backward gathers its parameters in forward order; without
+    # checkpointing, backward re-gathers the saved ones as their gradients come, last first.
+    layer1 = [n for n in ac if n.startswith("layers.1.")]
+    assert layer1[0] == "layers.1.attn_norm.weight" and layer1[-1] == "layers.1.mlp.w_down.weight", ac
+    assert plain.index("layers.1.mlp.w_down.weight") < plain.index("layers.1.attn.wq.weight"), plain
+    p = subprocess.run([dcplan_ok, "plan", str(trace), "-o", str(plan)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    logs = str(tmp_path / "replay.{rank}.jsonl")
+    planned = losses_of(tmp_path, "planned", args, DCPLAN_PLAN=str(plan), DCPLAN_REPLAY_LOG=logs)
+    c = subprocess.run([sys.executable, "-m", "dcplan.check_replay", str(plan),
+                        logs.format(rank=0), logs.format(rank=1)], capture_output=True, text=True, env=env())
+    assert c.returncode == 0 and c.stdout.count(f"follows {plan}") == 2, c.stdout + c.stderr
+    assert planned == losses_of(tmp_path, "plain", ["--steps", "5"])  # recomputation changes no number
+
+
+def backward_gathers(dcplan_bin_path, out, args):
+    """`dcplan record` of train_llama with args: the parameters the first recorded step's backward
+    gathers, in order."""
+    r = subprocess.run([dcplan_bin_path, "record", "-o", str(out), "--steps", "2", "--warmup", "1", "--",
+                        *torchrun(*args)], capture_output=True, text=True, env=env(), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    t = json.loads(out.read_text())
+    names = {p["id"]: p["name"] for p in t["params"]}
+    return [names[e["ds_id"]] for e in t["steps"][0]["graphs"][1]["events"] if e["op"] == "allgather_param"]

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Trains a transformers LlamaForCausalLM (built from a config: random init, no download) with
+dcplan, and checkpoints it halfway: a sharded save through torch.distributed.checkpoint, a new
+model and optimizer, a load, and the rest of the steps.
+
+    torchrun --standalone --nproc-per-node 2 examples/train_transformers.py              # CPU ranks
+    torchrun --nproc-per-node 2 examples/train_transformers.py --device cuda --hidden 2048 --layers 16
+
+--check-resume also trains the same steps without the checkpoint, in the same processes, and
+says whether the losses after the load are the same numbers. --save-pretrained DIR writes the
+gathered full state dict in transformers' format at the end (rank 0). Rank 0 prints one line per
+step.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import dcplan
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--save-at", type=int, default=10, help="the step after which to save and load")
+    p.add_argument("--checkpoint-dir", default="", help="default: a temporary directory")
+    p.add_argument("--check-resume", action="store_true", help="also train straight through and compare")
+    p.add_argument("--save-pretrained", default="", help="directory for the final model (transformers format)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
+    p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping (dcplan.clip_grad_norm_)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    return p.parse_args(argv)
+
+
+def build(args, device, seed):
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                            num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                            num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
+                            attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(config).to(device)
+    if args.activation_checkpointing:  # torch.utils.checkpoint around each decoder layer
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x names it so
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    param_dtype = torch.bfloat16 if args.param_dtype == "bfloat16" else None
+    dcplan.shard(model, stage=args.stage, param_dtype=param_dtype, reduce_dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    return model, opt
+
+
+def batch(args, step, rank, device):
+    """This rank's slice of step's global batch (deterministic: the same for every run)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, args.vocab, (args.batch * dist.get_world_size(), args.seq), generator=g)
+    return ids[rank * args.batch:(rank + 1) * args.batch].to(device)
+
+
+def train(model, opt, args, steps, rank, device, label):
+    losses = []
+    for step in steps:
+        t0 = time.perf_counter()
+        ids = batch(args, step, rank, device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        dcplan.clip_grad_norm_(model, args.max_norm)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+        if rank == 0:
+            print(f"{label} step {step:3d}  loss {losses[-1]:.6f}  {1e3 * (time.perf_counter() - t0):8.1f} ms",
+                  flush=True)
+    return losses
+
+
+def state(model, opt):
+    return {"model": dcplan.get_model_state_dict(model), "optim": dcplan.get_optimizer_state_dict(model, opt)}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not 0 < args.save_at < args.steps:
+        sys.exit(f"train_transformers: --save-at should be between 0 and --steps ({args.steps}), got {args.save_at}")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    ckpt_root = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="dcplan-ckpt-") if rank == 0 else None)]
+    dist.broadcast_object_list(ckpt_root, group_src=0)  # one directory for every rank (one machine)
+    ckpt_root = ckpt_root[0]
+    path = os.path.join(ckpt_root, f"step{args.save_at}")
+
+    model, opt = build(args, device, seed=0)
+    losses = train(model, opt, args, range(args.save_at), rank, device, "train")
+    dcp.save(state(model, opt), checkpoint_id=path)
+    if rank == 0:
+        print(f"saved {path} (torch.distributed.checkpoint, {dist.get_world_size()} ranks)", flush=True)
+    del model, opt
+
+    model, opt = build(args, device, seed=1)  # other values: only the load makes them right
+    sd = state(model, opt)
+    dcp.load(sd, checkpoint_id=path)
+    dcplan.set_model_state_dict(model, sd["model"])
+    dcplan.set_optimizer_state_dict(model, opt, sd["optim"])
+    if rank == 0:
+        print(f"loaded {path} into a new model and optimizer", flush=True)
+    losses += train(model, opt, args, range(args.save_at, args.steps), rank, device, "train")
+
+    if args.save_pretrained:
+        full = dcplan.get_model_state_dict(model, options=dcplan.StateDictOptions(full_state_dict=True,
+                                                                                  cpu_offload=True))
+        if rank == 0:
+            model.save_pretrained(args.save_pretrained, state_dict=full)
+            print(f"saved {args.save_pretrained} (save_pretrained of the full state dict)", flush=True)
+    code = 0
+    if args.check_resume:
+        del model, opt
+        model, opt = build(args, device, seed=0)
+        straight = train(model, opt, args, range(args.steps), rank, device, "straight")
+        same = straight == losses
+        if rank == 0:
+            print(f"resume exact: {'yes' if same else 'NO'} ({args.steps - args.save_at} steps after the load)")
+            if not same:
+                for s, (a, b) in enumerate(zip(straight, losses)):
+                    print(f"  step {s:3d}  straight {a:.9f}  resumed {b:.9f}")
+        code = 0 if same else 1
+    if rank == 0 and torch.cuda.is_available() and cuda:
+        print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
