@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what dcplan needs to build and test, only what is missing:
 # Debian packages (compiler tools, CLI11, nlohmann-json, GoogleTest, FileCheck/lit)
-# and Python packages (torch 2.13.0 CPU if no torch is importable, pytest, jsonschema).
+# and Python packages (torch 2.13.0 CPU if no torch is importable, pytest, jsonschema, transformers).
 set -euo pipefail
 
 need_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -29,6 +29,9 @@ py_missing=()
 for m in pytest jsonschema; do
   "$PYTHON" -c "import $m" >/dev/null 2>&1 || py_missing+=("$m")
 done
+# The transformers models of tests/train and examples/train_transformers.py (the version the
+# tests were written against; it does not depend on torch, so pip leaves torch as it is).
+"$PYTHON" -c "import transformers" >/dev/null 2>&1 || py_missing+=("transformers==5.23.0")
 if [ ${#py_missing[@]} -gt 0 ]; then
   echo "setup: installing Python packages: ${py_missing[*]}"
   "$PYTHON" -m pip install -q "${py_missing[@]}"
