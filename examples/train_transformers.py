@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
     p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
+                   help="attention implementation (eager: deterministic on GPUs, for --check-resume)")
     p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping (dcplan.clip_grad_norm_)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -54,7 +56,7 @@ def build(args, device, seed):
     config = tf.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
                             num_hidden_layers=args.layers, num_attention_heads=args.heads,
                             num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
-                            attn_implementation="sdpa")
+                            attn_implementation=args.attn)
     torch.manual_seed(seed)
     model = tf.LlamaForCausalLM(config).to(device)
     if args.activation_checkpointing:  # torch.utils.checkpoint around each decoder layer

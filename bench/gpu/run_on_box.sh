@@ -2,6 +2,7 @@
 # Builds the CUDA path, runs the GPU tests and the FSDP2 comparison on a 2-GPU machine.
 #   bash bench/gpu/run_on_box.sh tests               # GPU tests + plan replay tests on NCCL
 #   bash bench/gpu/run_on_box.sh bench [args]         # fsdp_vs_dcplan.py with these arguments only
+#   bash bench/gpu/run_on_box.sh train [args]         # transformers Llama with a checkpoint; pip install .
 #   bash bench/gpu/run_on_box.sh comm|compute [args]  # one shape, everything in order:
 #       1. fsdp2, dcplan (default schedule) and the compute-only bound;
 #       2. dcplan record of the default schedule;
@@ -50,6 +51,24 @@ case "$what" in
   bench)
     bench "$@" 2>&1 | tee "$OUT/bench.log" | quiet
     ;;
+  train)
+    # A transformers Llama (0.3B, from a config) for 20 steps, bf16, with a DCP save at step 10,
+    # a new model and optimizer loaded from it, and the losses compared with 20 steps straight;
+    # sdpa, then eager attention with activation checkpointing and save_pretrained.
+    L=(examples/train_transformers.py --device cuda --hidden 1024 --layers 8 --heads 16 --kv-heads 4 --vocab 32000
+       --seq 1024 --batch 2 --param-dtype bfloat16 --steps 20 --save-at 10 --check-resume)
+    "$PY" -m torch.distributed.run --nproc-per-node 2 "${L[@]}" "$@" 2>&1 | tee "$OUT/train-sdpa.log" | quiet || true
+    "$PY" -m torch.distributed.run --nproc-per-node 2 "${L[@]}" --attn eager --activation-checkpointing \
+      --save-pretrained "$OUT/pretrained" "$@" 2>&1 | tee "$OUT/train-eager-ac.log" | quiet || true
+    # pip install . as on a machine without network: the build backend is already installed.
+    "$PY" -m venv --system-site-packages /tmp/dcplan-venv
+    /tmp/dcplan-venv/bin/pip install -q --no-index --no-build-isolation -Ccmake.define.DCPLAN_WITH_CUDA=ON \
+      -Ccmake.define.CMAKE_CUDA_HOST_COMPILER="$CXX" . 2>&1 | tail -3
+    (cd /tmp && /tmp/dcplan-venv/bin/dcplan --version && env -u PYTHONPATH -u DCPLAN_BUILD_DIR \
+      /tmp/dcplan-venv/bin/python -c "import dcplan; print('import dcplan:', dcplan.__file__, 'nccl', dcplan._C.has_nccl())")
+    env -u PYTHONPATH -u DCPLAN_BUILD_DIR /tmp/dcplan-venv/bin/python -m torch.distributed.run --nproc-per-node 2 \
+      examples/train_llama.py --device cuda --steps 3 2>&1 | quiet | tail -3
+    ;;
   comm|compute)
     sh=$what
     case $sh in comm) args="--batch 1 --seq 1024 --label comm-heavy";; compute) args="--batch 4 --seq 2048 --label compute-heavy";; esac
@@ -81,6 +100,6 @@ case "$what" in
     echo "== 4. fsdp2 and the plans"
     bench $args --modes fsdp2,dcplan --plan "${plans#,}" --json "$P/plans.json" "$@" 2>&1 | tee "$P/plans.log" | quiet
     ;;
-  *) echo "run_on_box.sh: expected tests, bench, comm or compute, got '$what'" >&2; exit 2 ;;
+  *) echo "run_on_box.sh: expected tests, bench, train, comm or compute, got '$what'" >&2; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - start )) s"
