@@ -1,5 +1,5 @@
 """Rank workers of the model tests: parameters read outside their module, and activation
-checkpointing (torch.utils.checkpoint, use_reentrant=False), sharded against one process."""
+checkpointing (torch.utils.checkpoint, use_reentrant False and True), sharded against one process."""
 from __future__ import annotations
 
 import datetime
@@ -48,7 +48,8 @@ class Reader(nn.Module):
 
 class Net(nn.Module):
     """variant: 'reader' (parameters read outside their module, by a module and by the root),
-    'ckpt' (each block under activation checkpointing), 'ckpt-reader' (both)."""
+    'ckpt' (each block under activation checkpointing), 'ckpt-reader' (both), 'reentrant-ckpt'
+    (use_reentrant=True)."""
 
     def __init__(self, variant: str):
         super().__init__()
@@ -64,8 +65,8 @@ class Net(nn.Module):
         if "reader" in self.variant:
             x = x + 0.1 * self.blocks[2].norm.weight  # the root reads a block's parameter
         for block in self.blocks:
-            if "ckpt" in self.variant:
-                x = checkpoint(block, x, use_reentrant=False)
+            if "ckpt" in self.variant and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=self.variant.startswith("reentrant"))
             else:
                 x = block(x)
         h = self.norm(x)

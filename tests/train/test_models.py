@@ -1,6 +1,7 @@
 """Models beyond the tiny transformer's habits, sharded on 2 Gloo ranks against one process:
 parameters read outside their module's forward, and activation checkpointing
-(torch.utils.checkpoint, use_reentrant=False), at every stage, with an eval forward between steps."""
+(torch.utils.checkpoint, use_reentrant False and True), at every stage, with an eval forward
+between steps."""
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from mp_harness import entry, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-VARIANTS = ["base", "reader", "ckpt", "ckpt-reader"]
+VARIANTS = ["base", "reader", "ckpt", "ckpt-reader", "reentrant-ckpt"]
 CASES = [(v, s) for v in VARIANTS for s in (1, 2, 3)]
 # fp32 on both sides; 2 ranks sum gradients in another order than one process: the equivalence
 # matrix's tolerances (tests/python/test_equivalence.py).
