@@ -55,10 +55,11 @@ case "$what" in
     # A transformers Llama (0.3B, from a config) for 20 steps, bf16, with a DCP save at step 10,
     # a new model and optimizer loaded from it, and the losses compared with 20 steps straight;
     # sdpa, then eager attention with activation checkpointing and save_pretrained.
+    gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
     L=(examples/train_transformers.py --device cuda --hidden 1024 --layers 8 --heads 16 --kv-heads 4 --vocab 32000
        --seq 1024 --batch 2 --param-dtype bfloat16 --steps 20 --save-at 10 --check-resume)
-    "$PY" -m torch.distributed.run --nproc-per-node 2 "${L[@]}" "$@" 2>&1 | tee "$OUT/train-sdpa.log" | quiet || true
-    "$PY" -m torch.distributed.run --nproc-per-node 2 "${L[@]}" --attn eager --activation-checkpointing \
+    "$PY" -m torch.distributed.run --nproc-per-node "$gpus" "${L[@]}" "$@" 2>&1 | tee "$OUT/train-sdpa.log" | quiet || true
+    "$PY" -m torch.distributed.run --nproc-per-node "$gpus" "${L[@]}" --attn eager --activation-checkpointing \
       --save-pretrained "$OUT/pretrained" "$@" 2>&1 | tee "$OUT/train-eager-ac.log" | quiet || true
     # pip install . as on a machine without network: the build backend is already installed.
     "$PY" -m venv --system-site-packages /tmp/dcplan-venv
@@ -66,7 +67,7 @@ case "$what" in
       -Ccmake.define.CMAKE_CUDA_HOST_COMPILER="$CXX" . 2>&1 | tail -3
     (cd /tmp && /tmp/dcplan-venv/bin/dcplan --version && env -u PYTHONPATH -u DCPLAN_BUILD_DIR \
       /tmp/dcplan-venv/bin/python -c "import dcplan; print('import dcplan:', dcplan.__file__, 'nccl', dcplan._C.has_nccl())")
-    env -u PYTHONPATH -u DCPLAN_BUILD_DIR /tmp/dcplan-venv/bin/python -m torch.distributed.run --nproc-per-node 2 \
+    env -u PYTHONPATH -u DCPLAN_BUILD_DIR /tmp/dcplan-venv/bin/python -m torch.distributed.run --nproc-per-node "$gpus" \
       examples/train_llama.py --device cuda --steps 3 2>&1 | quiet | tail -3
     ;;
   comm|compute)
