@@ -7,7 +7,8 @@ model and optimizer, a load, and the rest of the steps.
     torchrun --nproc-per-node 2 examples/train_transformers.py --device cuda --hidden 2048 --layers 16
 
 --check-resume also trains the same steps without the checkpoint, in the same processes, and
-says whether the losses after the load are the same numbers. --save-pretrained DIR writes the
+says whether the losses after the load are the same numbers (on GPUs with --attn eager: sdpa's
+flash-attention backward accumulates in a varying order, so two straight runs differ as well). --save-pretrained DIR writes the
 gathered full state dict in transformers' format at the end (rank 0). Rank 0 prints one line per
 step.
 """

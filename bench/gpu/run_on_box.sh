@@ -61,13 +61,17 @@ case "$what" in
     "$PY" -m torch.distributed.run --nproc-per-node "$gpus" "${L[@]}" "$@" 2>&1 | tee "$OUT/train-sdpa.log" | quiet || true
     "$PY" -m torch.distributed.run --nproc-per-node "$gpus" "${L[@]}" --attn eager --activation-checkpointing \
       --save-pretrained "$OUT/pretrained" "$@" 2>&1 | tee "$OUT/train-eager-ac.log" | quiet || true
-    # pip install . as on a machine without network: the build backend is already installed.
-    "$PY" -m venv --system-site-packages /tmp/dcplan-venv
-    /tmp/dcplan-venv/bin/pip install -q --no-index --no-build-isolation -Ccmake.define.DCPLAN_WITH_CUDA=ON \
+    # pip install . as on a machine without network, into the torch venv (the build backend from
+    # there, or from wheels carried in .whl: scikit-build-core, pathspec).
+    if ! "$PY" -c "import scikit_build_core" 2>/dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps .whl/scikit_build_core-*.whl .whl/pathspec-*.whl
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -Ccmake.define.DCPLAN_WITH_CUDA=ON \
       -Ccmake.define.CMAKE_CUDA_HOST_COMPILER="$CXX" . 2>&1 | tail -3
-    (cd /tmp && /tmp/dcplan-venv/bin/dcplan --version && env -u PYTHONPATH -u DCPLAN_BUILD_DIR \
-      /tmp/dcplan-venv/bin/python -c "import dcplan; print('import dcplan:', dcplan.__file__, 'nccl', dcplan._C.has_nccl())")
-    env -u PYTHONPATH -u DCPLAN_BUILD_DIR /tmp/dcplan-venv/bin/python -m torch.distributed.run --nproc-per-node "$gpus" \
+    bin=$(dirname "$PY")
+    (cd /tmp && "$bin/dcplan" --version && env -u PYTHONPATH -u DCPLAN_BUILD_DIR \
+      "$PY" -c "import dcplan; print('import dcplan:', dcplan.__file__, 'nccl', dcplan._C.has_nccl())")
+    env -u PYTHONPATH -u DCPLAN_BUILD_DIR "$PY" -m torch.distributed.run --nproc-per-node "$gpus" \
       examples/train_llama.py --device cuda --steps 3 2>&1 | quiet | tail -3
     ;;
   comm|compute)
