@@ -40,6 +40,22 @@ if(NOT Python3_Interpreter_FOUND OR NOT DCPLAN_TORCH_RESULT EQUAL 0)
   message(STATUS "dcplan: torch not importable by Python; building without the runtime")
   return()
 endif()
+# A build directory configured against another torch (pip's build directory serves every
+# environment of one Python) keeps that torch's paths in its cache (Torch_DIR, TORCH_LIBRARY, ...):
+# drop every cached path under the old torch, so that this one is found afresh.
+if(DEFINED CACHE{DCPLAN_TORCH_PREFIX_USED} AND NOT DCPLAN_TORCH_PREFIX_USED STREQUAL DCPLAN_TORCH_PREFIX)
+  get_filename_component(DCPLAN_OLD_TORCH_ROOT "${DCPLAN_TORCH_PREFIX_USED}/../.." ABSOLUTE)
+  get_cmake_property(DCPLAN_CACHED CACHE_VARIABLES)
+  foreach(var IN LISTS DCPLAN_CACHED)
+    get_property(value CACHE ${var} PROPERTY VALUE)
+    string(FIND "${value}" "${DCPLAN_OLD_TORCH_ROOT}" at)
+    if(NOT at EQUAL -1)
+      unset(${var} CACHE)
+    endif()
+  endforeach()
+  message(STATUS "dcplan: torch moved from ${DCPLAN_OLD_TORCH_ROOT}; its cached paths are dropped")
+endif()
+set(DCPLAN_TORCH_PREFIX_USED "${DCPLAN_TORCH_PREFIX}" CACHE INTERNAL "torch's CMake prefix this cache was made with")
 list(APPEND CMAKE_PREFIX_PATH "${DCPLAN_TORCH_PREFIX}")
 if(DCPLAN_WITH_CUDA)
   enable_language(CUDA)
@@ -98,4 +114,12 @@ endif()
 find_library(DCPLAN_TORCH_PYTHON_LIBRARY torch_python PATHS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED)
 # The Python module uses the pybind11 headers bundled with torch (on the torch
 # target's include path), so that its type registry matches torch_python's.
-message(STATUS "dcplan: building the runtime against torch ${Torch_VERSION}")
+# The C++ torch found must be the Python torch the extension will run with (_build_info.py
+# records the latter, and dcplan/__init__.py checks it at import).
+string(REGEX MATCH "^[0-9]+\\.[0-9]+" DCPLAN_TORCH_CXX_RELEASE "${Torch_VERSION}")
+string(REGEX MATCH "^[0-9]+\\.[0-9]+" DCPLAN_TORCH_PY_RELEASE "${DCPLAN_TORCH_PY_VERSION}")
+if(NOT DCPLAN_TORCH_CXX_RELEASE STREQUAL DCPLAN_TORCH_PY_RELEASE)
+  message(FATAL_ERROR "dcplan: find_package(Torch) found torch ${Torch_VERSION} (${Torch_DIR}), but "
+    "${Python3_EXECUTABLE} imports torch ${DCPLAN_TORCH_PY_VERSION}; remove the build directory and configure again")
+endif()
+message(STATUS "dcplan: building the runtime against torch ${Torch_VERSION} (Python: ${DCPLAN_TORCH_PY_VERSION})")

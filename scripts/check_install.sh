@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# `pip install .` as a new user runs it: into a fresh venv that has only torch (the release the
-# machine's Python has, pinned), then, from another directory, the `dcplan` command, `import
-# dcplan` from the venv (not the checkout), and a short 2-rank training run on the installed package.
+# `pip install .` as a new user runs it: into a fresh venv that sees the machine's torch (and
+# nothing of dcplan), then, from another directory, the `dcplan` command, `import dcplan` from
+# the venv (not the checkout), and a short 2-rank training run on the installed package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 venv=${1:-build/venv-install}
-torch_version=$(python3 -c "import torch; print(torch.__version__.split('+')[0])")
 
 rm -rf "$venv"
-python3 -m venv "$venv"
-"$venv/bin/pip" install -q "torch==$torch_version" numpy
+# --system-site-packages: the torch already installed, exactly (pip would resolve another build).
+python3 -m venv --system-site-packages "$venv"
 "$venv/bin/pip" install -q .
 venv=$(cd "$venv" && pwd)
 

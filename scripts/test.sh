@@ -8,17 +8,21 @@ cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
 jobs=$(nproc)
+# ccache keys leave out the build directory (debug info would name it otherwise), so that the
+# pip install at the end reuses what the CPU build compiled; each step says when it starts.
+export CCACHE_NOHASHDIR=true
+step() { echo "== $* ($(date +%T))"; }
 
-echo "== CPU build (preset cpu)"
+step "CPU build (preset cpu)"
 cmake --preset cpu
 cmake --build --preset cpu -j "$jobs"
-echo "== tests (preset cpu)"
+step "tests (preset cpu)"
 ctest --preset cpu -j "$jobs"
 
-echo "== AddressSanitizer build (preset asan: schemas, planner, CLI)"
+step "AddressSanitizer build (preset asan: schemas, planner, CLI)"
 cmake --preset asan
 cmake --build --preset asan -j "$jobs"
-echo "== tests (preset asan)"
+step "tests (preset asan)"
 ctest --preset asan -j "$jobs"
 
 # The CUDA path compiles (no GPU here to run it): against the CUDA torch wheel that this
@@ -26,7 +30,7 @@ ctest --preset asan -j "$jobs"
 wheels=/opt/pypi-more/files
 cuda_torch=$wheels/torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl
 if [ -f "$cuda_torch" ] && [ -x /usr/local/cuda-13.0/bin/nvcc ]; then
-  echo "== CUDA compile check (torch 2.14.1+cu130, no GPU: compile only)"
+  step "CUDA compile check (torch 2.14.1+cu130, no GPU: compile only)"
   if ! .venv-cuda/bin/python -c "import torch" >/dev/null 2>&1; then
     python3 -m venv --system-site-packages .venv-cuda
     .venv-cuda/bin/pip install -q --no-index --no-deps --find-links "$wheels" "$cuda_torch" "$wheels"/nvidia_*.whl
@@ -36,8 +40,8 @@ if [ -f "$cuda_torch" ] && [ -x /usr/local/cuda-13.0/bin/nvcc ]; then
     -DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda-13.0 -DCMAKE_CUDA_COMPILER=/usr/local/cuda-13.0/bin/nvcc
   cmake --build build/cuda-compile --target dcplan_python -j "$jobs"
 else
-  echo "== SKIPPED: CUDA compile check (no CUDA torch wheel at $cuda_torch or no nvcc 13.0)"
+  step "SKIPPED: CUDA compile check (no CUDA torch wheel at $cuda_torch or no nvcc 13.0)"
 fi
 
-echo "== pip install . into a fresh venv (scripts/check_install.sh)"
+step "pip install . into a fresh venv (scripts/check_install.sh)"
 bash scripts/check_install.sh

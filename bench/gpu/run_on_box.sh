@@ -58,9 +58,11 @@ case "$what" in
     gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
     L=(examples/train_transformers.py --device cuda --hidden 1024 --layers 8 --heads 16 --kv-heads 4 --vocab 32000
        --seq 1024 --batch 2 --param-dtype bfloat16 --steps 20 --save-at 10 --check-resume)
-    "$PY" -m torch.distributed.run --nproc-per-node "$gpus" "${L[@]}" "$@" 2>&1 | tee "$OUT/train-sdpa.log" | quiet || true
+    "$PY" -m torch.distributed.run --nproc-per-node "$gpus" "${L[@]}" "$@" 2>&1 | tee "$OUT/train-sdpa.log" | quiet \
+      || echo "train_transformers (sdpa) FAILED: exit code 1 is also a resume that is not exact"
     "$PY" -m torch.distributed.run --nproc-per-node "$gpus" "${L[@]}" --attn eager --activation-checkpointing \
-      --save-pretrained "$OUT/pretrained" "$@" 2>&1 | tee "$OUT/train-eager-ac.log" | quiet || true
+      --save-pretrained "$OUT/pretrained" "$@" 2>&1 | tee "$OUT/train-eager-ac.log" | quiet \
+      || echo "train_transformers (eager, checkpointing) FAILED"
     # pip install . as on a machine without network, into the torch venv (the build backend from
     # there, or from wheels carried in .whl: scikit-build-core, pathspec).
     if ! "$PY" -c "import scikit_build_core" 2>/dev/null; then

@@ -47,7 +47,7 @@ def _check_torch_release() -> None:
         raise ImportError(
             f"dcplan: dcplan._C was built against torch {built}, but this process imports torch {running}; "
             "rebuild dcplan against this torch: pip install --force-reinstall --no-deps . (from the dcplan "
-            "checkout), or rebuild the CMake build directory"
+            "checkout), or configure and build the CMake build directory again (cmake --preset cpu)"
         )
 
 

@@ -82,7 +82,7 @@ class _ShardState:
         self.infos: List[_ParamInfo] = []
         self.forward_depth = 0
         self.saved_hooks = None
-        self.outside: Dict[int, torch.Tensor] = {}  # this forward's parameters read outside their module
+        self.outside: Dict[tuple, torch.Tensor] = {}  # this forward's reads outside the owning module
         self.trainable_infos: List[_ParamInfo] = []
         self.trainable_ids: List[int] = []
         self.hooks = _C.ShardHooks(stage, fwd_graph, bwd_graph, param_dtype, _weak_begin_backward(self))
@@ -95,13 +95,17 @@ class _ShardState:
     def requires_sync(self, value: bool) -> None:
         self.hooks.requires_sync = value
 
-    def read_outside(self, ds_id: int) -> torch.Tensor:
-        """A parameter read outside its module's forward (_reader_class): gathered once per forward."""
-        full = self.outside.get(ds_id)
+    def read_outside(self, ds_id: int, recompute: bool) -> torch.Tensor:
+        """A parameter read outside its module's forward (_reader_class): gathered once per forward
+        and grad mode (a copy gathered under no_grad has no gradient path); in a recomputation
+        (activation checkpointing), on the backward graph at each read."""
+        key = (ds_id, torch.is_grad_enabled())
+        full = None if recompute else self.outside.get(key)
         if full is None:
-            [full] = self.hooks.forward_gather([ds_id], False)
-            self.hooks.forward_release([ds_id], False)
-            self.outside[ds_id] = full
+            [full] = self.hooks.forward_gather([ds_id], recompute)
+            self.hooks.forward_release([ds_id], recompute)
+            if not recompute:
+                self.outside[key] = full
         return full
 
     # -- saved tensors (ZeRO-3) -------------------------------------------
@@ -333,8 +337,9 @@ def _init_runtime(pg: dist.ProcessGroup, device: torch.device, reduce_bucket_byt
         return
     if not _C.has_nccl():
         raise RuntimeError(
-            f"dcplan.shard: the model is on {device}, but dcplan._C was built without CUDA; "
-            "build the cuda preset (cmake --preset cuda) and point DCPLAN_BUILD_DIR at it"
+            f"dcplan.shard: the model is on {device}, but dcplan._C was built without CUDA; install it with "
+            "pip install . -Ccmake.define.DCPLAN_WITH_CUDA=ON, or build the cuda preset (cmake --preset cuda) "
+            "and point DCPLAN_BUILD_DIR at it"
         )
     index = device.index if device.index is not None else torch.cuda.current_device()
     unique_id = [_C.nccl_unique_id() if pg.rank() == 0 else None]
@@ -430,8 +435,10 @@ def _reader_class(cls: type) -> type:
             ids = self.__dict__.get("_dcplan_param_ids")
             if ids is not None and name in ids:
                 state = self.__dict__["_dcplan_state"]()
-                if state is not None and state.forward_depth > 0:
-                    return state.read_outside(ids[name])
+                if state is not None:
+                    recompute = _recomputing(state)
+                    if state.forward_depth > 0 or recompute:
+                        return state.read_outside(ids[name], recompute)
             return super(sub, self).__getattr__(name)
 
         sub = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,
@@ -449,6 +456,11 @@ def _watch_outside_reads(state: _ShardState, module: nn.Module, attrs: List[str]
 
 def _make_root_pre_hook(state: _ShardState):
     def root_pre_hook(module, args):
+        if state.forward_depth == 0 and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                "dcplan: the sharded model's own forward runs inside a backward (activation checkpointing "
+                "around the whole model?); checkpoint its blocks instead, e.g. "
+                "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) inside forward")
         state.forward_depth += 1
         if state.forward_depth > 1:
             return

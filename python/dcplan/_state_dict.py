@@ -62,10 +62,22 @@ def _options(options, caller: str) -> StateDictOptions:
     if not all(hasattr(options, f) for f in fields):
         raise ValueError(f"dcplan.{caller}: options should be a dcplan.StateDictOptions (or torch's), "
                          f"got {type(options).__name__}")
+    # torch's StateDictOptions has more fields; dcplan honours none of them, so they must be unset.
+    for name, default in _TORCH_ONLY_DEFAULTS.items():
+        if hasattr(options, name) and getattr(options, name) != default:
+            raise ValueError(f"dcplan.{caller}: options.{name}={getattr(options, name)!r} is not supported "
+                             f"(only {', '.join(fields)}); leave it at {default!r}")
     opts = StateDictOptions(**{f: bool(getattr(options, f)) for f in fields})
     if opts.broadcast_from_rank0 and not opts.full_state_dict:
         raise ValueError(f"dcplan.{caller}: broadcast_from_rank0=True needs full_state_dict=True")
+    if opts.cpu_offload and not opts.full_state_dict:
+        raise ValueError(f"dcplan.{caller}: cpu_offload=True needs full_state_dict=True (the sharded form's "
+                         "local tensors stay where the shards are)")
     return opts
+
+
+_TORCH_ONLY_DEFAULTS = {"ignore_frozen_params": False, "keep_submodule_prefixes": True,
+                        "flatten_optimizer_state_dict": False, "dsd_fqn_modifiers": "_fqn_modifiers"}
 
 
 def _group(state) -> dist.ProcessGroup:
@@ -77,6 +89,25 @@ def _group(state) -> dist.ProcessGroup:
 def _by_shard(state) -> Dict[int, Any]:
     """id(shard) -> _ParamInfo."""
     return {id(i.shard): i for i in state.infos}
+
+
+def _entries(model: nn.Module, state, caller: str) -> Dict[str, Tuple[Optional[Any], torch.Tensor]]:
+    """model.state_dict()'s keys -> (the parameter's _ParamInfo, or None for a buffer; the tensor).
+    Parameters are found by name (a tied one under each of its names), not by the identity of
+    state_dict()'s values, which a state-dict hook may have replaced."""
+    infos = _by_shard(state)
+    params = {name: infos.get(id(p)) for name, p in model.named_parameters(remove_duplicate=False)}
+    out = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        info = params.get(key)
+        if key in params and (info is None or value is not info.shard):
+            raise ValueError(f"dcplan.{caller}: state_dict() entry '{key}' is a parameter but not its dcplan shard "
+                             "(a state-dict hook replaced it?); dcplan cannot tell which elements it holds")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"dcplan.{caller}: state_dict() entry '{key}' is a {type(value).__name__}, not a "
+                             "tensor (extra state); dcplan's state dicts hold tensors only")
+        out[key] = (info, value)
+    return out
 
 
 def _valid(info, rank: int, world_size: int) -> Tuple[int, int]:
@@ -97,7 +128,7 @@ class _Sharder:
 
     @property
     def keeps_full(self) -> bool:
-        """Whether this rank keeps full tensors (cpu_offload: rank 0 only)."""
+        """Whether this rank keeps what it gets (full form with cpu_offload: rank 0 only)."""
         return not self.opts.cpu_offload or self.rank == 0
 
     def mesh(self, device: torch.device):
@@ -147,11 +178,23 @@ class _Sharder:
             dst[n:].zero_()
 
     def broadcast(self, value: Optional[torch.Tensor], like: torch.Tensor, shape, dtype) -> torch.Tensor:
-        """Rank 0's value, on every rank (broadcast_from_rank0)."""
-        buf = value.detach().to(like.device, dtype) if self.rank == 0 else torch.empty(shape, dtype=dtype,
-                                                                                        device=like.device)
+        """Rank 0's value (already checked: numel and type), on every rank (broadcast_from_rank0)."""
+        if self.rank == 0:
+            buf = value.detach().reshape(shape).to(like.device, dtype).contiguous()
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=like.device)
         dist.broadcast(buf, group=self.pg, group_src=0)
         return buf
+
+    def agree(self, error: Optional[str], payload=None):
+        """Rank 0's verdict on what it was given (and payload), on every rank; every rank raises
+        the same ValueError when rank 0 found a problem, before any tensor is sent."""
+        box = [(error, payload) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self.pg, group_src=0)
+        error, payload = box[0]
+        if error:
+            raise ValueError(error if self.rank == 0 else f"{error} (found on rank 0)")
+        return payload
 
 
 # -- model -----------------------------------------------------------------------------------
@@ -164,22 +207,25 @@ def get_model_state_dict(model: nn.Module, *, options=None) -> Dict[str, Any]:
     fp32 tensors of the original shapes, loadable with ``load_state_dict`` into the unsharded
     model; ``cpu_offload=True`` too: on the CPU, and only rank 0's dict has them. A collective.
     """
-    state = _state(model, "get_model_state_dict")
-    opts = _options(options, "get_model_state_dict")
+    caller = "get_model_state_dict"
+    state = _state(model, caller)
+    opts = _options(options, caller)
     sharder = _Sharder(state, opts)
-    infos = _by_shard(state)
     done: Dict[int, Optional[torch.Tensor]] = {}
     out: Dict[str, Any] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        info = infos.get(id(value))
+    for key, (info, value) in _entries(model, state, caller).items():
         if info is None:  # a buffer: the same on every rank
             if sharder.keeps_full:
-                out[key] = value.detach().cpu() if opts.cpu_offload else value.detach()
+                # Full form: a copy, like the gathered parameters; sharded: the buffer itself, so
+                # that dcp.load writes into it.
+                value = value.detach()
+                out[key] = value if not opts.full_state_dict else value.to("cpu", copy=True) if opts.cpu_offload \
+                    else value.clone()
             continue
-        if id(value) not in done:
-            done[id(value)] = sharder.out(info, value)
-        if done[id(value)] is not None:
-            out[key] = done[id(value)]
+        if info.ds_id not in done:
+            done[info.ds_id] = sharder.out(info, value)
+        if done[info.ds_id] is not None:
+            out[key] = done[info.ds_id]
     return out
 
 
@@ -188,43 +234,62 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *, 
     ``state_dict()``) into the sharded model's shards and buffers. A collective.
 
     Full tensors: every rank passes the whole dict, or with ``broadcast_from_rank0=True`` only
-    rank 0 does (the others pass {}). ``strict`` (default True): a missing or unexpected key is a
-    ValueError naming it. Returns (missing_keys, unexpected_keys).
+    rank 0 does (the others pass {} or None). ``strict`` (default True): a missing or unexpected
+    key is a ValueError naming it. Returns (missing_keys, unexpected_keys).
     """
     caller = "set_model_state_dict"
     state = _state(model, caller)
     opts = _options(options, caller)
     sharder = _Sharder(state, opts)
-    infos = _by_shard(state)
-    own = model.state_dict(keep_vars=True)
+    own = _entries(model, state, caller)
+    given_dict = model_state_dict or {}
+    if not isinstance(given_dict, dict):
+        raise ValueError(f"dcplan.{caller}: model_state_dict should be a dict, got {type(given_dict).__name__}")
+    given = sorted(given_dict)
     if opts.broadcast_from_rank0:
-        keys = [sorted(model_state_dict) if sharder.rank == 0 else None]
-        dist.broadcast_object_list(keys, group=sharder.pg, group_src=0)
-        given = keys[0]
-    else:
-        given = sorted(model_state_dict)
+        error = _check_model_values(given_dict, own, caller) if sharder.rank == 0 else None
+        given = sharder.agree(error, given)
     missing = sorted(set(own) - set(given))
     unexpected = sorted(set(given) - set(own))
     if opts.strict and (missing or unexpected):
         raise ValueError(f"dcplan.{caller}: the state dict does not match the model: missing keys {missing}, "
                          f"unexpected keys {unexpected} (pass StateDictOptions(strict=False) to load the rest)")
+    if not opts.broadcast_from_rank0:
+        error = _check_model_values(given_dict, own, caller)
+        if error:
+            raise ValueError(error)
     loaded = set()
     for key in sorted(set(own) & set(given)):
-        dst = own[key]
-        info = infos.get(id(dst))
-        value = model_state_dict.get(key)
+        info, dst = own[key]
+        value = given_dict.get(key)
         if opts.broadcast_from_rank0:
             shape = info.shape if info is not None else dst.shape
             value = sharder.broadcast(value, dst, shape, torch.float32 if info is not None else dst.dtype)
         if info is None:
             with torch.no_grad():
-                dst.copy_(value.reshape(dst.shape) if isinstance(value, torch.Tensor) else value)
-            continue
-        if id(dst) in loaded:  # a tied parameter: its first name loaded it
-            continue
-        sharder.load(info, dst.detach(), value, key, caller)
-        loaded.add(id(dst))
+                dst.copy_(value.reshape(dst.shape))
+        elif info.ds_id not in loaded:  # a tied parameter: its first name loaded it
+            sharder.load(info, dst.detach(), value, key, caller)
+            loaded.add(info.ds_id)
     return IncompatibleKeys(missing, unexpected)
+
+
+def _check_model_values(given: Dict[str, Any], own, caller: str) -> Optional[str]:
+    """The first value of given that cannot load into its key of the model, described; or None."""
+    from torch.distributed.tensor import DTensor
+
+    for key in sorted(set(given) & set(own)):
+        info, dst = own[key]
+        value = given[key]
+        numel = info.numel if info is not None else dst.numel()
+        if not isinstance(value, torch.Tensor):
+            return f"dcplan.{caller}: '{key}' should be a tensor, got {type(value).__name__}"
+        if isinstance(value, DTensor) and info is None:
+            return f"dcplan.{caller}: '{key}' is a buffer; expected a plain tensor, got a DTensor"
+        if value.numel() != numel:
+            want = f"{numel} elements (shape {tuple(info.shape if info is not None else dst.shape)})"
+            return f"dcplan.{caller}: '{key}' should have {want}, got shape {tuple(value.shape)}"
+    return None
 
 
 # -- optimizer --------------------------------------------------------------------------------
@@ -248,12 +313,15 @@ def _optim_params(state, optim: torch.optim.Optimizer, caller: str) -> List[List
 
 def _init_optim_state(optim: torch.optim.Optimizer) -> None:
     """A fresh optimizer's state, made by one step with zero gradients at lr 0 (as torch's
-    state-dict functions do), so that a checkpoint has tensors to load into."""
-    if optim.state or any(p.grad is not None for g in optim.param_groups for p in g[_PARAMS]):
+    state-dict functions do), so that a checkpoint has tensors to load into and the state's
+    per-element keys are known. Gradients the shards hold are put back afterwards."""
+    if optim.state:
         return
+    held = {}
     for group in optim.param_groups:
         for p in group[_PARAMS]:
             if p.requires_grad:
+                held[p] = p.grad
                 p.grad = torch.zeros_like(p)
     lrs = [group.get("lr") for group in optim.param_groups]
     for group in optim.param_groups:
@@ -263,12 +331,27 @@ def _init_optim_state(optim: torch.optim.Optimizer) -> None:
     for group, lr in zip(optim.param_groups, lrs):
         if lr is not None:
             group["lr"] = lr
-    optim.zero_grad(set_to_none=True)
+    for p, grad in held.items():
+        p.grad = grad
 
 
 def _is_sharded_state(t, info) -> bool:
     """Whether optimizer state t is per element of the shard (Adam's moments), not a scalar (step)."""
     return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == info.shard.numel()
+
+
+def _per_element_keys(optim, p, info, caller: str) -> List[str]:
+    """The keys of p's optimizer state that hold one value per shard element; any other tensor
+    state must be a scalar (a ValueError names it otherwise)."""
+    keys = []
+    for key, value in optim.state.get(p, {}).items():
+        if _is_sharded_state(value, info):
+            keys.append(key)
+        elif isinstance(value, torch.Tensor) and value.dim() > 0:
+            raise ValueError(f"dcplan.{caller}: optimizer state '{key}' of '{info.name}' has shape "
+                             f"{tuple(value.shape)}: neither one value per shard element ({info.shard.numel()}) "
+                             "nor a scalar; dcplan's state dicts do not support this optimizer's state")
+    return keys
 
 
 def get_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *, options=None) -> Dict[str, Any]:
@@ -289,16 +372,15 @@ def get_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *, 
     for group, infos in zip(optim.param_groups, groups):
         out_groups.append({**{k: v for k, v in group.items() if k != _PARAMS}, _PARAMS: [i.name for i in infos]})
         for p, info in zip(group[_PARAMS], infos):
+            per_element = _per_element_keys(optim, p, info, caller)
             entry = {}
             for key, value in sorted(optim.state.get(p, {}).items()):
-                if _is_sharded_state(value, info):
-                    value = sharder.out(info, value)
-                    if value is None:
-                        continue
-                elif isinstance(value, torch.Tensor):
-                    value = value.detach().cpu() if opts.cpu_offload else value.detach().clone()
+                if key in per_element:
+                    value = sharder.out(info, value)  # a collective: every rank, whatever it keeps
+                elif isinstance(value, torch.Tensor):  # a copy: the optimizer updates its own in place
+                    value = value.detach().to("cpu", copy=True) if opts.cpu_offload else value.detach().clone()
                 entry[key] = value
-            if entry and sharder.keeps_full:
+            if entry:
                 out_state[info.name] = entry
     if not sharder.keeps_full:
         return {}
@@ -308,40 +390,40 @@ def get_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *, 
 def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Dict[str, Any], *,
                              options=None) -> None:
     """Loads get_optimizer_state_dict's form (full or sharded, saved on any number of ranks) into
-    the optimizer: its state and its param groups' settings (lr, betas, ...). A collective."""
+    the optimizer: its state and its param groups' settings (lr, betas, ...). With
+    ``broadcast_from_rank0=True`` only rank 0 passes it (the others {} or None). A collective."""
     caller = "set_optimizer_state_dict"
     state = _state(model, caller)
     opts = _options(options, caller)
     sharder = _Sharder(state, opts)
     groups = _optim_params(state, optim, caller)
+    _init_optim_state(optim)
+    per_element = {info.ds_id: _per_element_keys(optim, p, info, caller)
+                   for group, infos in zip(optim.param_groups, groups) for p, info in zip(group[_PARAMS], infos)}
     if opts.broadcast_from_rank0:
-        # The structure (names, scalars, settings) as objects; per-element tensors one by one below.
-        skeleton = [_skeleton(optim_state_dict) if sharder.rank == 0 else None]
-        dist.broadcast_object_list(skeleton, group=sharder.pg, group_src=0)
-        given_state, given_groups = skeleton[0]["state"], skeleton[0]["param_groups"]
+        # The structure (names, scalars, settings) as objects, once rank 0 checked it all; then the
+        # per-element tensors one by one.
+        error, skeleton = None, None
+        if sharder.rank == 0:
+            error = _check_optim(optim_state_dict, groups, per_element, caller)
+            skeleton = None if error else _skeleton(optim_state_dict, groups, per_element)
+        skeleton = sharder.agree(error, skeleton)
+        given_state, given_groups = skeleton["state"], skeleton["param_groups"]
     else:
-        if not isinstance(optim_state_dict, dict) or "state" not in optim_state_dict \
-                or "param_groups" not in optim_state_dict:
-            raise ValueError(f"dcplan.{caller}: optim_state_dict should have 'state' and 'param_groups' "
-                             "(get_optimizer_state_dict's form)")
+        error = _check_optim(optim_state_dict, groups, per_element, caller)
+        if error:
+            raise ValueError(error)
         given_state, given_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
-    if len(given_groups) != len(groups):
-        raise ValueError(f"dcplan.{caller}: the state dict has {len(given_groups)} param groups, the optimizer "
-                         f"{len(groups)}")
     torch_state: Dict[int, Dict[str, Any]] = {}
     torch_groups = []
     index = 0
-    for g, (given, infos) in enumerate(zip(given_groups, groups)):
-        names = [i.name for i in infos]
-        if list(given[_PARAMS]) != names:
-            raise ValueError(f"dcplan.{caller}: param group {g} holds {list(given[_PARAMS])}, the optimizer's "
-                             f"{names}")
+    for given, infos in zip(given_groups, groups):
         torch_groups.append({**{k: v for k, v in given.items() if k != _PARAMS},
                              _PARAMS: list(range(index, index + len(infos)))})
         for info in infos:
             entry = {}
-            for key, value in given_state.get(info.name, {}).items():
-                if isinstance(value, _Elementwise) or _is_full_or_dtensor(value, info):
+            for key, value in sorted(given_state.get(info.name, {}).items()):
+                if key in per_element[info.ds_id]:
                     if isinstance(value, _Elementwise):
                         src = optim_state_dict["state"][info.name][key] if sharder.rank == 0 else None
                         value = sharder.broadcast(src, info.shard, info.shape, value.dtype)
@@ -357,6 +439,35 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
     optim.load_state_dict({"state": torch_state, "param_groups": torch_groups})
 
 
+def _check_optim(optim_state_dict, groups, per_element, caller: str) -> Optional[str]:
+    """What is wrong with an optimizer state dict for this optimizer, or None."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(optim_state_dict, dict) or "state" not in optim_state_dict \
+            or "param_groups" not in optim_state_dict:
+        return (f"dcplan.{caller}: optim_state_dict should have 'state' and 'param_groups' "
+                "(get_optimizer_state_dict's form)")
+    given_groups = optim_state_dict["param_groups"]
+    if len(given_groups) != len(groups):
+        return f"dcplan.{caller}: the state dict has {len(given_groups)} param groups, the optimizer {len(groups)}"
+    for g, (given, infos) in enumerate(zip(given_groups, groups)):
+        names = [i.name for i in infos]
+        if list(given.get(_PARAMS, [])) != names:
+            return f"dcplan.{caller}: param group {g} holds {list(given.get(_PARAMS, []))}, the optimizer's {names}"
+        for info in infos:
+            for key, value in optim_state_dict["state"].get(info.name, {}).items():
+                if key in per_element[info.ds_id]:
+                    if not isinstance(value, torch.Tensor) or (not isinstance(value, DTensor)
+                                                               and value.numel() != info.numel):
+                        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                        return (f"dcplan.{caller}: state.{info.name}.{key} should hold {info.numel} elements "
+                                f"(shape {tuple(info.shape)}), got {got}")
+                elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                    return (f"dcplan.{caller}: state.{info.name}.{key} should be a scalar (the optimizer holds "
+                            f"no per-element '{key}'), got shape {tuple(value.shape)}")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Elementwise:
     """In a broadcast skeleton: a per-element tensor that rank 0 sends next."""
@@ -364,19 +475,10 @@ class _Elementwise:
     dtype: torch.dtype
 
 
-def _is_full_or_dtensor(value, info) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return True
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == info.numel \
-        and tuple(value.shape) == tuple(info.shape)
-
-
-def _skeleton(optim_state_dict: Dict[str, Any]) -> Dict[str, Any]:
-    """optim_state_dict with its per-element (full-shape, non-scalar) tensors replaced by markers."""
+def _skeleton(optim_state_dict, groups, per_element) -> Dict[str, Any]:
+    """optim_state_dict with its per-element tensors replaced by markers (rank 0 sends them next)."""
+    keys = {info.name: per_element[info.ds_id] for infos in groups for info in infos}
     state = {}
     for name, entry in optim_state_dict["state"].items():
-        state[name] = {k: _Elementwise(v.dtype) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                       for k, v in entry.items()}
+        state[name] = {k: _Elementwise(v.dtype) if k in keys.get(name, ()) else v for k, v in entry.items()}
     return {"state": state, "param_groups": optim_state_dict["param_groups"]}

@@ -11,11 +11,12 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 import dist_cases  # noqa: E402  (the tiny transformer, its data and loss)
-from dist_cases import Case, batches, loss_fn, make_model  # noqa: E402
+from dist_cases import Case, batches, loss_fn  # noqa: E402
 
 LR = dist_cases.LR
 STEPS = 6
@@ -29,17 +30,39 @@ def init_group(rank: int, ws: int, store: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
 
 
-def sharded(stage: int, seed: int = 1234):
-    """A fresh sharded tiny transformer and its AdamW; seed other than make_model's: other values,
-    so that only a load makes it equal to a trained one."""
-    import dcplan
+class CkptModel(dist_cases.TinyTransformer):
+    """The tiny transformer with tied embeddings, a 0-dim parameter (a logit scale) and an int64
+    buffer (forwards seen): what a checkpoint must carry besides plain weights."""
 
-    model = make_model(Case("ckpt", stage))
+    def __init__(self):
+        super().__init__(tied=True)
+        self.logit_scale = nn.Parameter(torch.tensor(1.0))
+        self.register_buffer("seen", torch.zeros(2, dtype=torch.int64))
+
+    def forward(self, idx):
+        if self.training and torch.is_grad_enabled():
+            self.seen += 1
+        return super().forward(idx) * self.logit_scale
+
+
+def make_ckpt_model(seed: int = 1234) -> CkptModel:
+    """seed other than 1234: other values, so that only a load makes it equal to a trained one."""
+    torch.manual_seed(1234)
+    model = CkptModel()
     if seed != 1234:
         torch.manual_seed(seed)
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_()
+            model.seen.fill_(seed)
+    return model
+
+
+def sharded(stage: int, seed: int = 1234):
+    """A fresh sharded CkptModel and its AdamW."""
+    import dcplan
+
+    model = make_ckpt_model(seed)
     dcplan.shard(model, stage=stage, reduce_bucket_bytes=dist_cases.BUCKET_BYTES)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     return model, opt
@@ -132,12 +155,13 @@ def resume_worker(rank: int, ws: int, store: str, out_dir: str, stages: List[int
             dcplan.set_model_state_dict(model3, saved_full["model"] if rank == 0 else {}, options=opts)
             dcplan.set_optimizer_state_dict(model3, opt3, saved_full["optim"] if rank == 0 else {}, options=opts)
             from_rank0 = full_state(model3, opt3)
+            errors = load_errors(model3, opt3, saved_full, rank)
             dcplan.shutdown()
             results[name] = {"value": {
                 "straight": straight, "first": first, "second": second, "straight_full": straight_full,
                 "saved_full": saved_full, "before_load": before_load, "loaded_full": loaded_full,
                 "resumed_full": resumed_full, "offloaded": offloaded, "from_full": from_full,
-                "from_rank0": from_rank0}}
+                "from_rank0": from_rank0, "errors": errors}}
         except Exception:
             results[name] = {"error": traceback.format_exc()}
             break
@@ -146,6 +170,37 @@ def resume_worker(rank: int, ws: int, store: str, out_dir: str, stages: List[int
             if dist.is_initialized():
                 dist.destroy_process_group()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def load_errors(model, opt, full: Dict, rank: int) -> Dict[str, str]:
+    """What bad state dicts raise, on every rank alike (broadcast: rank 0's check reaches all)."""
+    import dcplan
+
+    def error(fn) -> str:
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    bad_shape = dict(full["model"], **{"block.attn.proj.weight": torch.zeros(3, 3)})
+    missing = {k: v for k, v in full["model"].items() if k != "ln_f.bias"}
+    extra = dict(full["model"], bogus=torch.zeros(1))
+    opts = dcplan.StateDictOptions(full_state_dict=True)
+    bcast = dcplan.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    lenient = dcplan.StateDictOptions(full_state_dict=True, strict=False)
+    return {
+        "missing": error(lambda: dcplan.set_model_state_dict(model, missing, options=opts)),
+        "unexpected": error(lambda: dcplan.set_model_state_dict(model, extra, options=opts)),
+        "lenient": str(dcplan.set_model_state_dict(model, extra, options=lenient)),
+        "shape": error(lambda: dcplan.set_model_state_dict(model, bad_shape, options=opts)),
+        "shape_broadcast": error(lambda: dcplan.set_model_state_dict(model, bad_shape if rank == 0 else {},
+                                                                     options=bcast)),
+        "optim_broadcast": error(lambda: dcplan.set_optimizer_state_dict(
+            model, opt, {"state": {}, "param_groups": []} if rank == 0 else None, options=bcast)),
+        "offload_sharded": error(lambda: dcplan.get_model_state_dict(
+            model, options=dcplan.StateDictOptions(cpu_offload=True))),
+    }
 
 
 def reshard_save_worker(rank: int, ws: int, store: str, out_dir: str, stage: int, path: str) -> None:
@@ -169,7 +224,7 @@ def reshard_save_worker(rank: int, ws: int, store: str, out_dir: str, stage: int
 
 
 def reshard_load_worker(rank: int, ws: int, store: str, out_dir: str, stage: int, path: str) -> None:
-    """Loads that checkpoint on ws (other) ranks, then trains the last 3 steps."""
+    """Loads that checkpoint on ws (other) ranks at stage (maybe another), then trains the last 3 steps."""
     import dcplan
 
     results: Dict = {}
@@ -194,7 +249,7 @@ def reshard_load_worker(rank: int, ws: int, store: str, out_dir: str, stage: int
 
 def reference() -> Dict:
     """The same 6 steps in one process on the global batch."""
-    model = make_model(Case("ckpt", 3))
+    model = make_ckpt_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
     for step in batches(Case("ckpt", 3), model.embed.num_embeddings)[:STEPS]:

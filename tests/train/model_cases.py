@@ -48,8 +48,8 @@ class Reader(nn.Module):
 
 class Net(nn.Module):
     """variant: 'reader' (parameters read outside their module, by a module and by the root),
-    'ckpt' (each block under activation checkpointing), 'ckpt-reader' (both), 'reentrant-ckpt'
-    (use_reentrant=True)."""
+    'ckpt' (each block under activation checkpointing), 'ckpt-reader' (both, the reader
+    checkpointed too: it reads again in backward), 'reentrant-ckpt' (use_reentrant=True)."""
 
     def __init__(self, variant: str):
         super().__init__()
@@ -70,7 +70,11 @@ class Net(nn.Module):
             else:
                 x = block(x)
         h = self.norm(x)
-        return self.reader(h) if self.reader is not None else self.head(h)
+        if self.reader is None:
+            return self.head(h)
+        if "ckpt" in self.variant and torch.is_grad_enabled():  # its reads happen again in backward
+            return checkpoint(self.reader, h, use_reentrant=self.variant.startswith("reentrant"))
+        return self.reader(h)
 
 
 def make(variant: str) -> Net:

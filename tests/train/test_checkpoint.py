@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import checkpoint_cases as cc
-from dist_cases import Case, make_model
 from mp_harness import entry, run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -66,7 +65,7 @@ def test_full_state_dict(resumed, stage):
     from rank 0 alone; cpu_offload keeps it on rank 0 only."""
     v = entry(resumed, f"zero{stage}")["value"]
     full = v["saved_full"]["model"]
-    plain = make_model(Case("plain", stage))
+    plain = cc.make_ckpt_model()
     assert sorted(full) == sorted(plain.state_dict())
     for k, t in plain.state_dict().items():
         assert full[k].shape == t.shape, k
@@ -78,19 +77,36 @@ def test_full_state_dict(resumed, stage):
     assert_equal_states(v["from_full"], v["saved_full"], "loaded from the full state dict")
     assert_equal_states(v["from_rank0"], v["saved_full"], "broadcast from rank 0")
     optim = v["saved_full"]["optim"]
-    assert sorted(optim["state"]) == sorted(n for n, p in plain.named_parameters())
+    assert sorted(optim["state"]) == sorted(n for n, p in plain.named_parameters())  # tied: once
     for name, p in plain.named_parameters():
         assert optim["state"][name]["exp_avg"].shape == p.shape, name
+    assert full["logit_scale"].shape == () and full["seen"].dtype == torch.int64
+    assert full["head.weight"] is full["embed.weight"]  # tied: one tensor under both names
+    assert full["seen"].tolist() == [cc.HALF, cc.HALF]
 
 
-@pytest.mark.parametrize("stage", [3, 1])
-def test_reshard_three_ranks_to_two(dcplan_module, stage):
-    """Saved on 3 ranks, loaded on 2: the same model and optimizer state, element for element, and
-    training goes on as the single-process run does."""
+@pytest.mark.parametrize("stage", STAGES)
+def test_bad_state_dicts_are_named(resumed, stage):
+    for rank in range(2):
+        errors = resumed[rank][f"zero{stage}"]["value"]["errors"]
+        assert "missing keys ['ln_f.bias']" in errors["missing"]
+        assert "unexpected keys ['bogus']" in errors["unexpected"]
+        assert errors["lenient"] == "IncompatibleKeys(missing_keys=[], unexpected_keys=['bogus'])"
+        assert "'block.attn.proj.weight' should have 100 elements (shape (10, 10)), got shape (3, 3)" in errors["shape"]
+        assert "'block.attn.proj.weight' should have 100 elements" in errors["shape_broadcast"]
+        assert ("param group" in errors["optim_broadcast"]) and (rank == 0 or "found on rank 0" in
+                                                                 errors["optim_broadcast"])
+        assert "cpu_offload=True needs full_state_dict=True" in errors["offload_sharded"]
+
+
+@pytest.mark.parametrize("save_stage,load_stage", [(3, 1), (2, 3)], ids=["zero3-to-zero1", "zero2-to-zero3"])
+def test_reshard_three_ranks_to_two(dcplan_module, save_stage, load_stage):
+    """Saved on 3 ranks, loaded on 2 at another stage: the same model and optimizer state, element
+    for element, and training goes on as the single-process run does."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt")
-        saved = run_ranks(cc.reshard_save_worker, 3, stage, path, label=" (save)")
-        loaded = run_ranks(cc.reshard_load_worker, 2, stage, path, label=" (load)")
+        saved = run_ranks(cc.reshard_save_worker, 3, save_stage, path, label=" (save)")
+        loaded = run_ranks(cc.reshard_load_worker, 2, load_stage, path, label=" (load)")
     want = entry(saved, "save")["value"]
     res = entry(loaded, "load")
     got, ref = res["value"], res["reference"]

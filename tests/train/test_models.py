@@ -10,7 +10,7 @@ from mp_harness import entry, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-VARIANTS = ["base", "reader", "ckpt", "ckpt-reader", "reentrant-ckpt"]
+VARIANTS = ["base", "reader", "ckpt", "ckpt-reader", "reentrant-ckpt", "reentrant-ckpt-reader"]
 CASES = [(v, s) for v in VARIANTS for s in (1, 2, 3)]
 # fp32 on both sides; 2 ranks sum gradients in another order than one process: the equivalence
 # matrix's tolerances (tests/python/test_equivalence.py).
@@ -50,6 +50,19 @@ def test_recomputation_gathers_on_the_backward_graph(results, stage):
         assert gathers, "no re-gather in the backward graph"
         releases = [i for op, i in _ops(ckpt["op_log"], cb) if op == "release_param"]
         assert sorted(releases) == sorted(gathers)
+
+
+def test_checkpointed_reader_reads_on_the_backward_graph(results):
+    """A checkpointed module that reads another module's parameter reads it again in backward:
+    gathered there on the backward graph (ZeRO-3)."""
+    ckpt = entry(results, "ckpt-reader-zero3")["value"]
+    plain = entry(results, "ckpt-zero3")["value"]
+    bwd, ids = ckpt["graphs"][1], ckpt["ids"]
+    gathered = [i for op, i in _ops(ckpt["op_log"], bwd) if op == "allgather_param"]
+    # At least its first read: non-reentrant checkpointing stops recomputing once it has every
+    # saved tensor it needs (the second read saves nothing).
+    assert gathered.count(ids["embed.weight"]) >= 1
+    assert _ops(plain["op_log"], plain["graphs"][1]).count(("allgather_param", plain["ids"]["embed.weight"])) == 0
 
 
 def test_outside_reads_gather_once_per_forward(results):
