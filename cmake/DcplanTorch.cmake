@@ -5,10 +5,12 @@ option(DCPLAN_REQUIRE_TORCH "Fail the configure when torch is not importable" OF
 # Under pip (scikit-build-core sets SKBUILD, and Python3_EXECUTABLE to the target environment's
 # interpreter), PYTHONPATH points into pip's isolated build environment, which hides the installed
 # torch: -I ignores it, so that the extension is built against the torch it will run with.
+# A torch that only PYTHONPATH or the user site shows: -Ccmake.define.DCPLAN_PYTHON_ISOLATED=""
+# with --no-build-isolation.
 if(SKBUILD)
-  set(DCPLAN_PYTHON_ISOLATED -I)
+  set(DCPLAN_PYTHON_ISOLATED -I CACHE STRING "flags of the interpreter run that finds torch under pip")
 else()
-  set(DCPLAN_PYTHON_ISOLATED "")
+  set(DCPLAN_PYTHON_ISOLATED "" CACHE STRING "flags of the interpreter run that finds torch")
 endif()
 find_package(Python3 COMPONENTS Interpreter Development.Module QUIET)
 if(Python3_Interpreter_FOUND)

@@ -335,6 +335,16 @@ def _init_optim_state(optim: torch.optim.Optimizer) -> None:
         p.grad = grad
 
 
+def _optim_context(model, optim, options, caller: str):
+    """(options, the sharder, per param group its parameters' _ParamInfo), with the optimizer's
+    state made if it has none yet."""
+    state = _state(model, caller)
+    opts = _options(options, caller)
+    groups = _optim_params(state, optim, caller)
+    _init_optim_state(optim)
+    return opts, _Sharder(state, opts), groups
+
+
 def _is_sharded_state(t, info) -> bool:
     """Whether optimizer state t is per element of the shard (Adam's moments), not a scalar (step)."""
     return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == info.shard.numel()
@@ -362,11 +372,7 @@ def get_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *, 
     lr 0 with zero gradients), so that DCP has tensors to load into. A collective.
     """
     caller = "get_optimizer_state_dict"
-    state = _state(model, caller)
-    opts = _options(options, caller)
-    sharder = _Sharder(state, opts)
-    groups = _optim_params(state, optim, caller)
-    _init_optim_state(optim)
+    opts, sharder, groups = _optim_context(model, optim, options, caller)
     out_state: Dict[str, Dict[str, Any]] = {}
     out_groups = []
     for group, infos in zip(optim.param_groups, groups):
@@ -393,11 +399,7 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
     the optimizer: its state and its param groups' settings (lr, betas, ...). With
     ``broadcast_from_rank0=True`` only rank 0 passes it (the others {} or None). A collective."""
     caller = "set_optimizer_state_dict"
-    state = _state(model, caller)
-    opts = _options(options, caller)
-    sharder = _Sharder(state, opts)
-    groups = _optim_params(state, optim, caller)
-    _init_optim_state(optim)
+    opts, sharder, groups = _optim_context(model, optim, options, caller)
     per_element = {info.ds_id: _per_element_keys(optim, p, info, caller)
                    for group, infos in zip(optim.param_groups, groups) for p, info in zip(group[_PARAMS], infos)}
     if opts.broadcast_from_rank0:

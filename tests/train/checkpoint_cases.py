@@ -2,7 +2,6 @@
 dicts of dcplan-sharded models and their optimizers, exact resume, and resharding."""
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import traceback
@@ -17,17 +16,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 import dist_cases  # noqa: E402  (the tiny transformer, its data and loss)
 from dist_cases import Case, batches, loss_fn  # noqa: E402
+from train_harness import init_group, run_cases  # noqa: E402
 
 LR = dist_cases.LR
 STEPS = 6
 HALF = 3
-
-
-def init_group(rank: int, ws: int, store: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ws,
-                            timeout=datetime.timedelta(seconds=60))
 
 
 class CkptModel(dist_cases.TinyTransformer):
@@ -205,46 +198,28 @@ def load_errors(model, opt, full: Dict, rank: int) -> Dict[str, str]:
 
 def reshard_save_worker(rank: int, ws: int, store: str, out_dir: str, stage: int, path: str) -> None:
     """Trains 3 steps on ws ranks and saves a DCP checkpoint (and its full form, to compare)."""
-    import dcplan
 
-    results: Dict = {}
-    try:
-        init_group(rank, ws, store)
+    def save() -> Dict:
         model, opt = sharded(stage)
         losses = train(model, opt, range(HALF), rank, ws)
         dcp.save(sharded_state(model, opt), checkpoint_id=path)
-        results["save"] = {"value": {"losses": losses, "full": full_state(model, opt)}}
-    except Exception:
-        results["save"] = {"error": traceback.format_exc()}
-    finally:
-        dcplan.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        return {"losses": losses, "full": full_state(model, opt)}
+
+    run_cases(rank, ws, store, out_dir, [("save", save, None)])
 
 
 def reshard_load_worker(rank: int, ws: int, store: str, out_dir: str, stage: int, path: str) -> None:
     """Loads that checkpoint on ws (other) ranks at stage (maybe another), then trains the last 3 steps."""
     import dcplan
 
-    results: Dict = {}
-    try:
-        init_group(rank, ws, store)
+    def load() -> Dict:
         model, opt = sharded(stage, seed=7)
         load_sharded(model, opt, path)
         loaded = full_state(model, opt)
         losses = train(model, opt, range(HALF, STEPS), rank, ws)
-        results["load"] = {"value": {"loaded": loaded, "losses": losses,
-                                     "params": dcplan.full_parameters(model)}}
-        if rank == 0:
-            results["load"]["reference"] = reference()
-    except Exception:
-        results["load"] = {"error": traceback.format_exc()}
-    finally:
-        dcplan.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        return {"loaded": loaded, "losses": losses, "params": dcplan.full_parameters(model)}
+
+    run_cases(rank, ws, store, out_dir, [("load", load, reference)])
 
 
 def reference() -> Dict:

@@ -2,18 +2,15 @@
 checkpointing (torch.utils.checkpoint, use_reentrant False and True), sharded against one process."""
 from __future__ import annotations
 
-import datetime
-import math
-import os
-import sys
-import traceback
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from train_harness import run_cases
 
 STEPS = 5
 BATCH, SEQ, VOCAB, D = 6, 5, 29, 12
@@ -136,26 +133,5 @@ def sharded(variant: str, stage: int, rank: int, ws: int) -> Dict:
 
 
 def worker(rank: int, ws: int, store: str, out_dir: str, cases: List[tuple]) -> None:
-    import dcplan
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ws,
-                            timeout=datetime.timedelta(seconds=60))
-    results: Dict = {}
-    try:
-        for variant, stage in cases:
-            name = f"{variant}-zero{stage}"
-            try:
-                res = {"value": sharded(variant, stage, rank, ws)}
-                if rank == 0:
-                    res["reference"] = reference(variant)
-                results[name] = res
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-                break
-            finally:
-                dcplan.shutdown()
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+    run_cases(rank, ws, store, out_dir,
+              [(f"{v}-zero{s}", lambda v=v, s=s: sharded(v, s, rank, ws), lambda v=v: reference(v)) for v, s in cases])

@@ -3,10 +3,10 @@ parameters read outside their module's forward, and activation checkpointing
 (torch.utils.checkpoint, use_reentrant False and True), at every stage, with an eval forward
 between steps."""
 import pytest
-import torch
 
 import model_cases as mc
 from mp_harness import entry, run_ranks
+from train_harness import assert_trained_like
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,10 +27,7 @@ def results(dcplan_module):
 def test_matches_single_process(results, variant, stage):
     res = entry(results, f"{variant}-zero{stage}")
     got, ref = res["value"], res["reference"]
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL)
-    assert sorted(got["params"]) == sorted(ref["params"])
-    for name, want in ref["params"].items():
-        torch.testing.assert_close(got["params"][name], want, **PARAM_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_trained_like(got, ref, LOSS_TOL, PARAM_TOL)
 
 
 def _ops(log, graph):
@@ -43,7 +40,7 @@ def test_recomputation_gathers_on_the_backward_graph(results, stage):
     the saved-tensor re-gathers would be; ZeRO-1/2 hold every parameter, so nothing moves)."""
     base = entry(results, f"base-zero{stage}")["value"]
     ckpt = entry(results, f"ckpt-zero{stage}")["value"]
-    (bf, bb), (cf, cb) = base["graphs"], ckpt["graphs"]
+    bf, (cf, cb) = base["graphs"][0], ckpt["graphs"]
     assert _ops(ckpt["op_log"], cf) == _ops(base["op_log"], bf)
     gathers = [i for op, i in _ops(ckpt["op_log"], cb) if op == "allgather_param"]
     if stage == 3:

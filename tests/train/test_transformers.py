@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mp_harness import entry, run_ranks
+from train_harness import assert_trained_like
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/setup.sh "
@@ -26,10 +27,7 @@ def results(dcplan_module):
 def test_matches_single_process(results, kind, stage):
     res = entry(results, f"{kind}-zero{stage}")
     got, ref = res["value"], res["reference"]
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL)
-    assert sorted(got["params"]) == sorted(ref["params"])
-    for name, want in ref["params"].items():
-        torch.testing.assert_close(got["params"][name], want, **PARAM_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_trained_like(got, ref, LOSS_TOL, PARAM_TOL)
     assert got["tied"] == ref["tied"] == (kind != "llama")
 
 

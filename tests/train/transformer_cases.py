@@ -4,13 +4,13 @@ sharded against one process; greedy generate() between steps; save_pretrained of
 full state dict, loaded back with from_pretrained."""
 from __future__ import annotations
 
-import datetime
 import os
-import traceback
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+
+from train_harness import run_cases
 
 STEPS = 4
 BATCH, SEQ, VOCAB = 4, 8, 61
@@ -107,26 +107,5 @@ def sharded(kind: str, stage: int, rank: int, ws: int, out_dir: str) -> Dict:
 
 
 def worker(rank: int, ws: int, store: str, out_dir: str, cases: List[tuple]) -> None:
-    import dcplan
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ws,
-                            timeout=datetime.timedelta(seconds=60))
-    results: Dict = {}
-    try:
-        for kind, stage in cases:
-            name = f"{kind}-zero{stage}"
-            try:
-                res = {"value": sharded(kind, stage, rank, ws, out_dir)}
-                if rank == 0:
-                    res["reference"] = reference(kind)
-                results[name] = res
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-                break
-            finally:
-                dcplan.shutdown()
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+    run_cases(rank, ws, store, out_dir, [(f"{k}-zero{s}", lambda k=k, s=s: sharded(k, s, rank, ws, out_dir),
+                                          lambda k=k: reference(k)) for k, s in cases])

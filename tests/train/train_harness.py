@@ -1,0 +1,54 @@
+"""What the rank workers and tests of tests/train share: the Gloo group, running named cases
+on every rank (and the reference on rank 0), saving each rank's results, and comparing a sharded
+run with its single-process reference."""
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def init_group(rank: int, ws: int, store: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ws,
+                            timeout=datetime.timedelta(seconds=60))
+
+
+def run_cases(rank: int, ws: int, store: str, out_dir: str,
+              cases: Iterable[Tuple[str, Callable[[], Dict], Optional[Callable[[], Dict]]]]) -> None:
+    """cases: (name, the sharded run on every rank, its reference on rank 0 or None), each under
+    a new Gloo group; the first error is recorded and ends the rest (the ranks would be out of
+    step). Writes out_dir/rank<r>.pt, as mp_harness.run_ranks reads it."""
+    import dcplan
+
+    results: Dict = {}
+    try:
+        for n, (name, run, reference) in enumerate(cases):
+            init_group(rank, ws, f"{store}.{n}")
+            try:
+                res = {"value": run()}
+                if rank == 0 and reference is not None:
+                    res["reference"] = reference()
+                results[name] = res
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+                break
+            finally:
+                dcplan.shutdown()
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def assert_trained_like(got: Dict, ref: Dict, loss_tol: Dict, param_tol: Dict) -> None:
+    """Losses and final parameters (by name) of a sharded run against its reference."""
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **loss_tol)
+    assert sorted(got["params"]) == sorted(ref["params"])
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], want, **param_tol, msg=lambda m, n=name: f"{n}: {m}")
