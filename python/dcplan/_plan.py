@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
+import time
 import warnings
 from typing import Dict, Iterable, List, Optional, Union
 
@@ -112,13 +114,46 @@ def rank_path(path: str, rank: int) -> str:
     return path.replace("{rank}", str(rank)) if "{rank}" in path else f"{path}.rank{rank}"
 
 
+class _StepMarks:
+    """What the replay log measures at the start of each forward: the host time and the memory
+    peak so far (dcplan.check_replay compares them with the plan's prediction)."""
+
+    def __init__(self, device: torch.device):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.probe = _C.run_peak_probe(str(device))
+        self.t0 = time.perf_counter_ns()
+        self.peak = 0
+
+    def mark(self) -> None:
+        self.peak = max(self.peak, self.probe.peak())
+        t_us = (time.perf_counter_ns() - self.t0) // 1000
+        _C.log_replay_event(json.dumps({"ev": "mark", "t_us": t_us, "peak_bytes": self.peak}))
+
+
+_marks: Optional[_StepMarks] = None
+runtime_device = torch.device("cpu")  # set by dcplan.shard() when it starts the runtime
+
+
+def _open_log(mine: str) -> None:
+    global _marks
+    _C.set_replay_log(mine)
+    _marks = _StepMarks(runtime_device)
+
+
+def mark_step() -> None:
+    """At the start of each forward of a sharded model: a mark in the replay log, if one is open."""
+    if _marks is not None:
+        _marks.mark()
+
+
 def start_env_replay_log(rank: int) -> Optional[str]:
     """Opens the replay log named by $DCPLAN_REPLAY_LOG, if set; returns this rank's path."""
     path = os.environ.get(ENV_REPLAY_LOG)
     if not path:
         return None
     mine = rank_path(path, rank)
-    _C.set_replay_log(mine)
+    _open_log(mine)
     return mine
 
 
@@ -128,14 +163,21 @@ def replay_log(path: Optional[str]) -> Optional[str]:
     path may hold "{rank}"; without it ".rank<R>" is appended. The runtime must be started
     (after dcplan.shard()). The file is JSON lines, one event each (docs/replay.md).
     """
+    global _marks
     if not _C.is_initialized():
         raise RuntimeError("dcplan.replay_log: the runtime is not started; call dcplan.shard() first")
     if path is None:
         _C.set_replay_log("")
+        _marks = None
         return None
     mine = rank_path(path, _C.rank())
-    _C.set_replay_log(mine)
+    _open_log(mine)
     return mine
+
+
+def stop_marks() -> None:
+    global _marks
+    _marks = None
 
 
 def warn_departure() -> None:
@@ -243,8 +285,61 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
     return diffs
 
 
+def measured(events: List[Dict]) -> Dict:
+    """What a replay log measured: ``step_us`` (the median time between the starts of optimizer
+    steps, the first step left out as warm-up; None with fewer than 3 steps), ``steps`` (how many
+    intervals that is) and ``peak_bytes`` (the highest memory at a forward's start, None without
+    marks). Host time: on a GPU it is the step time when the loop waits for each step (a
+    ``loss.item()``), as training loops do."""
+    starts: List[int] = []
+    peak = None
+    new_step = True
+    for ev in events:
+        if ev["ev"] == "mark":
+            peak = max(peak or 0, ev["peak_bytes"])
+            if new_step:
+                starts.append(ev["t_us"])
+                new_step = False
+        elif ev["ev"] == "start_backward":
+            new_step = ev.get("sync", True)  # an optimizer step ends with a synchronizing backward
+    gaps = [b - a for a, b in zip(starts[1:], starts[2:])]
+    return {"step_us": statistics.median(gaps) if gaps else None, "steps": len(gaps), "peak_bytes": peak}
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.1f} MiB"
+
+
+def _ms(us) -> str:
+    return "-" if us is None else f"{us / 1000:.3f} ms"
+
+
+def prediction_report(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
+    """Lines comparing the plan's prediction with each rank's measurement, and whether a measured
+    peak exceeds the plan's memory budget (the line then starts with "OVER BUDGET")."""
+    pred = plan.get("predicted", {})
+    budget = plan.get("options", {}).get("memory_budget_bytes")
+    lines = [f"prediction of {plan.get('source', {}).get('trace', 'the plan')} against the run:",
+             f"  {'':24s} {'step':>20s} {'peak memory':>20s}",
+             f"  {'predicted':24s} {_ms(pred.get('step_us')):>20s} {_mib(pred.get('peak_memory_bytes')):>20s}"]
+    for name, m in runs.items():
+        step = _ms(m["step_us"])
+        if m["step_us"] is not None and pred.get("step_us"):
+            step += f" ({100 * (m['step_us'] / pred['step_us'] - 1):+.0f}%)"
+        peak = _mib(m["peak_bytes"])
+        if m["peak_bytes"] is not None and pred.get("peak_memory_bytes"):
+            peak += f" ({100 * (m['peak_bytes'] / pred['peak_memory_bytes'] - 1):+.0f}%)"
+        lines.append(f"  {os.path.basename(name):24s} {step:>20s} {peak:>20s}  ({m['steps']} steps timed)")
+    lines.append(f"  budget: {_mib(budget) if budget else 'none (the plan was made without --memory-budget)'}")
+    for name, m in runs.items():
+        if budget and m["peak_bytes"] is not None and m["peak_bytes"] > budget:
+            lines.append(f"OVER BUDGET: {name}: peak {_mib(m['peak_bytes'])} > budget {_mib(budget)}")
+    return lines
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """python -m dcplan.check_replay PLAN LOG...: whether each rank's replay log followed PLAN (exit 1 if not)."""
+    """python -m dcplan.check_replay PLAN LOG...: whether each rank's replay log followed PLAN, and its
+    prediction against what each rank measured; exit 1 if a log departs or a peak exceeds the budget."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -252,9 +347,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("usage: python -m dcplan.check_replay PLAN REPLAY_LOG...", file=sys.stderr)
         return 2
     failed = False
+    runs: Dict[str, Dict] = {}
     for path in args[1:]:
         with open(path) as f:
             events = [json.loads(line) for line in f if line.strip()]
+        runs[path] = measured(events)
         diffs = replay_differences(args[0], events)
         ops = sum(e["ev"] == "op" for e in events)
         groups = sum(e["ev"] == "prefetch" for e in events)
@@ -266,4 +363,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"  {d}")
         else:
             print(f"{path}: follows {args[0]} ({ops} ops, {groups} planned prefetches, {flushes} bucket flushes)")
-    return 1 if failed else 0
+    with open(args[0]) as f:
+        report = prediction_report(json.load(f), runs)
+    print("\n".join(report))
+    return 1 if failed or any(line.startswith("OVER BUDGET") for line in report) else 0

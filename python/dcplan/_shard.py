@@ -236,6 +236,7 @@ def shard(
             _record.begin(recording, _model_device(model))  # before init: the recorder times its transport
         _init_runtime(pg, _param_device(model), reduce_bucket_bytes)
         _runtime_group = group_name
+        _plan.runtime_device = _param_device(model)
         _plan.start_env_replay_log(pg.rank())
         if _record.active():
             _record.attach()
@@ -465,6 +466,7 @@ def _make_root_pre_hook(state: _ShardState):
         if state.forward_depth > 1:
             return
         state.hooks.refresh()  # stale copies go before a planned prefetch could find them held
+        _plan.mark_step()
         _C.start_forward()
         if _record.active():
             _record.after_start_forward()  # ends the process once every step is recorded
@@ -551,6 +553,7 @@ def shutdown() -> None:
     """Stops the runtime: every sharded model of this process stops working."""
     global _runtime_group, _next_ds_id, _next_graph_id
     _record.stop()
+    _plan.stop_marks()
     _C.cleanup()
     _runtime_group = None
     _next_ds_id = 0

@@ -1,6 +1,7 @@
 // dcplan._C record_* functions: one recorder per process, armed before the runtime starts.
 #include "dcplan/recorder/PythonBindings.h"
 
+#include "dcplan/recorder/Probes.h"
 #include "dcplan/recorder/Recorder.h"
 #include "dcplan/replayer/Runtime.h"
 
@@ -140,6 +141,17 @@ void bindRecorder(py::module_& m) {
         if (rec && replayer::isInitialized()) replayer::setObserver(nullptr);
       },
       Release(), "Drops the recorder (what it recorded and did not write is lost).");
+  // The replay log's memory measurement (python/dcplan/_plan.py, dcplan.check_replay).
+  py::class_<MemoryProbe>(m, "MemoryProbe", "Memory in use on one device, as a trace counts it.")
+      .def("peak", &MemoryProbe::takePeakBytes,
+           "CPU: the most bytes of live tensors since the previous call; a GPU: the allocator's peak.")
+      .def("in_use", &MemoryProbe::bytesInUse)
+      .def("describe", &MemoryProbe::describe);
+  m.def(
+      "run_peak_probe", [](const std::string& device) { return makeRunPeakProbe(c10::Device(device)); },
+      py::arg("device"),
+      "A MemoryProbe for a run's peak on device ('cpu': counts CPU tensors allocated from now on, as "
+      "recording does; 'cuda:N': the caching allocator's peak statistic, never reset).");
 }
 
 }  // namespace dcplan::recorder

@@ -169,8 +169,8 @@ class DeviceEventTimer final : public DeviceTimer {
 
 class DeviceAllocatorProbe final : public MemoryProbe {
  public:
-  explicit DeviceAllocatorProbe(c10::Device device)
-      : allocator_(c10::getDeviceAllocator(device.type())), index_(device.index()) {
+  DeviceAllocatorProbe(c10::Device device, bool resetPeak)
+      : allocator_(c10::getDeviceAllocator(device.type())), index_(device.index()), resetPeak_(resetPeak) {
     try {
       capacity_ = allocator_->getMemoryInfo(index_).second;
     } catch (const c10::Error&) {
@@ -185,7 +185,7 @@ class DeviceAllocatorProbe final : public MemoryProbe {
   uint64_t takePeakBytes() override {
     const auto stats = allocator_->getDeviceStats(index_);
     const auto& allocated = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
-    allocator_->resetPeakStats(index_);  // the next window starts now
+    if (resetPeak_) allocator_->resetPeakStats(index_);  // the next window starts now
     return static_cast<uint64_t>(std::max(allocated.peak, allocated.current));
   }
   uint64_t capacityBytes() override { return capacity_; }
@@ -194,6 +194,7 @@ class DeviceAllocatorProbe final : public MemoryProbe {
  private:
   c10::DeviceAllocator* allocator_;
   c10::DeviceIndex index_;
+  bool resetPeak_;
   uint64_t capacity_ = 0;
 };
 
@@ -206,7 +207,12 @@ std::unique_ptr<DeviceTimer> makeDeviceEventTimer(c10::Device device) {
 }
 
 std::unique_ptr<MemoryProbe> makeDeviceAllocatorProbe(c10::Device device) {
-  return std::make_unique<DeviceAllocatorProbe>(device);
+  return std::make_unique<DeviceAllocatorProbe>(device, /*resetPeak=*/true);
+}
+
+std::unique_ptr<MemoryProbe> makeRunPeakProbe(c10::Device device) {
+  if (device.is_cpu()) return makeCpuMemoryProbe();
+  return std::make_unique<DeviceAllocatorProbe>(device, /*resetPeak=*/false);
 }
 
 DeviceProbes makeProbes(c10::Device device) {

@@ -107,6 +107,8 @@ void bindPlan(py::module& m) {
   m.def("set_replay_log", &setReplayLog, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
         "Writes this rank's replay log (JSON lines) to path from now on; '' stops.");
   m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
+  m.def("log_replay_event", &logReplayEvent, py::arg("json"), py::call_guard<py::gil_scoped_release>(),
+        "Appends one JSON object (one line) to this rank's replay log, if one is open.");
   m.def("plan_active", &planActive, "Whether a loaded plan drives the schedule (no departure so far).");
   m.def(
       "take_plan_departure",

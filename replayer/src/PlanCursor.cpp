@@ -534,6 +534,12 @@ void flushReplayLog() {
   });
 }
 
+void logReplayEvent(const std::string& json) {
+  withSchedule([&](SchedulePolicy& s) {
+    if (PlanCursor* c = installedCursor(s)) c->logLine(json);
+  });
+}
+
 std::string takePlanDeparture() {
   std::string out;
   withSchedule([&](SchedulePolicy& s) {

@@ -66,6 +66,12 @@ std::unique_ptr<DeviceTimer> makeDeviceEventTimer(c10::Device device);
 /// window only.
 std::unique_ptr<MemoryProbe> makeDeviceAllocatorProbe(c10::Device device);
 
+/// What a run's peak memory is, as measured for the replay log (dcplan.check_replay): the CPU
+/// probe above (the peak since the previous call), or the device allocator's peak statistic
+/// without resetting it (the peak since the process started or torch's last reset), so that
+/// torch.cuda.max_memory_allocated() keeps its meaning for the job.
+std::unique_ptr<MemoryProbe> makeRunPeakProbe(c10::Device device);
+
 /// What recording on `device` uses: the host timer and CPU memory probe for the
 /// CPU, device events and the device allocator otherwise, and a host wait for the
 /// device's queued work (empty for the CPU) for the calibration.

@@ -62,6 +62,9 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
 void setReplayLog(const std::string& path);
 /// Writes what the replay log has buffered.
 void flushReplayLog();
+/// Appends one JSON object (one line, no newline) to this rank's replay log, if one is open:
+/// what the Python side measures (step marks: time and memory peak).
+void logReplayEvent(const std::string& json);
 /// After a departure with OnMismatch::Fallback: its message, returned once
 /// (the caller warns); "" otherwise.
 std::string takePlanDeparture();
