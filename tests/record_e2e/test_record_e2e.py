@@ -194,7 +194,8 @@ def test_bad_settings_are_named(dcplan_ok, tmp_path):
 
 def test_activation_checkpointing_is_recorded_planned_and_replayed(dcplan_ok, tmp_path):
     """train_llama --activation-checkpointing: the recomputation's re-gathers are backward-graph
-    ops of the trace, the plan covers them, the replay follows it, and no number changes."""
+    ops of the trace, the plan covers them, the replay follows it, and no number changes; and
+    check_replay's report of the prediction against the run, and its budget check."""
     args = ["--activation-checkpointing", "--steps", "5"]
     trace, plan = tmp_path / "t.json", tmp_path / "p.json"
     ac = backward_gathers(dcplan_ok, trace, args)
@@ -208,10 +209,26 @@ def test_activation_checkpointing_is_recorded_planned_and_replayed(dcplan_ok, tm
     assert p.returncode == 0, p.stdout + p.stderr
     logs = str(tmp_path / "replay.{rank}.jsonl")
     planned = losses_of(tmp_path, "planned", args, DCPLAN_PLAN=str(plan), DCPLAN_REPLAY_LOG=logs)
-    c = subprocess.run([sys.executable, "-m", "dcplan.check_replay", str(plan),
-                        logs.format(rank=0), logs.format(rank=1)], capture_output=True, text=True, env=env())
+    paths = [logs.format(rank=0), logs.format(rank=1)]
+    c = check_replay(plan, paths)
     assert c.returncode == 0 and c.stdout.count(f"follows {plan}") == 2, c.stdout + c.stderr
     assert planned == losses_of(tmp_path, "plain", ["--steps", "5"])  # recomputation changes no number
+    # check_replay's second half: the prediction next to each rank's step time and peak; the same
+    # logs against the plan with a budget one byte below the measured peak: OVER BUDGET, exit 1.
+    assert "prediction of t.json against the run:" in c.stdout and "(3 steps timed)" in c.stdout, c.stdout
+    import dcplan
+
+    peak = max(dcplan._plan.measured(dcplan.read_replay_log(p))["peak_bytes"] for p in paths)
+    tight = json.loads(plan.read_text())
+    tight["options"]["memory_budget_bytes"] = peak - 1
+    (tmp_path / "tight.json").write_text(json.dumps(tight))
+    c = check_replay(tmp_path / "tight.json", paths)
+    assert c.returncode == 1 and "OVER BUDGET" in c.stdout, c.stdout + c.stderr
+
+
+def check_replay(plan, logs):
+    return subprocess.run([sys.executable, "-m", "dcplan.check_replay", str(plan), *logs], capture_output=True,
+                          text=True, env=env())
 
 
 def backward_gathers(dcplan_bin_path, out, args):
@@ -223,34 +240,3 @@ def backward_gathers(dcplan_bin_path, out, args):
     t = json.loads(out.read_text())
     names = {p["id"]: p["name"] for p in t["params"]}
     return [names[e["ds_id"]] for e in t["steps"][0]["graphs"][1]["events"] if e["op"] == "allgather_param"]
-
-
-def test_check_replay_compares_the_prediction_and_refuses_a_peak_over_budget(dcplan_ok, tmp_path):
-    """A recorded plan replayed with a replay log: check_replay prints the prediction next to each
-    rank's measured step time and peak, exit 0; the same logs against the plan with a budget one
-    byte below the measured peak: OVER BUDGET, exit 1."""
-    trace, plan = tmp_path / "t.json", tmp_path / "p.json"
-    r = subprocess.run([dcplan_ok, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--",
-                        *torchrun("--steps", "5")], capture_output=True, text=True, env=env(), timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert subprocess.run([dcplan_ok, "plan", str(trace), "-o", str(plan)], capture_output=True).returncode == 0
-    logs = str(tmp_path / "replay.{rank}.jsonl")
-    losses_of(tmp_path, "planned", ["--steps", "6"], DCPLAN_PLAN=str(plan), DCPLAN_REPLAY_LOG=logs)
-    paths = [logs.format(rank=0), logs.format(rank=1)]
-
-    def check(plan_path):
-        return subprocess.run([sys.executable, "-m", "dcplan.check_replay", str(plan_path), *paths],
-                              capture_output=True, text=True, env=env())
-
-    c = check(plan)
-    assert c.returncode == 0, c.stdout + c.stderr
-    assert "prediction of t.json against the run:" in c.stdout and "(4 steps timed)" in c.stdout, c.stdout
-    import dcplan
-
-    peak = max(dcplan._plan.measured(dcplan.read_replay_log(p))["peak_bytes"] for p in paths)
-    assert peak > 0
-    tight = json.loads(plan.read_text())
-    tight["options"]["memory_budget_bytes"] = peak - 1
-    (tmp_path / "tight.json").write_text(json.dumps(tight))
-    c = check(tmp_path / "tight.json")
-    assert c.returncode == 1 and "OVER BUDGET" in c.stdout, c.stdout + c.stderr
