@@ -3,6 +3,7 @@
 #   bash bench/gpu/run_on_box.sh tests               # GPU tests + plan replay tests on NCCL
 #   bash bench/gpu/run_on_box.sh bench [args]         # fsdp_vs_dcplan.py with these arguments only
 #   bash bench/gpu/run_on_box.sh train [args]         # transformers Llama with a checkpoint; pip install .
+#   bash bench/gpu/run_on_box.sh predict [budget]     # record, plan, replay, check_replay: predicted vs measured
 #   bash bench/gpu/run_on_box.sh comm|compute [args]  # one shape, everything in order:
 #       1. fsdp2, dcplan (default schedule) and the compute-only bound;
 #       2. dcplan record of the default schedule;
@@ -76,6 +77,22 @@ case "$what" in
     env -u PYTHONPATH -u DCPLAN_BUILD_DIR "$PY" -m torch.distributed.run --nproc-per-node "$gpus" \
       examples/train_llama.py --device cuda --steps 3 2>&1 | quiet | tail -3
     ;;
+  predict)
+    # dcplan.check_replay on GPUs: examples/train_llama.py at the reference size (hidden 2048,
+    # 16 layers, 1x1024 tokens per GPU, bf16 gathers, fp32 reduce) recorded, planned (with
+    # --memory-budget "$1" if given) and replayed with a replay log; predicted against measured.
+    P=$OUT/predict
+    mkdir -p "$P"
+    gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
+    T=(-m torch.distributed.run --nproc-per-node "$gpus" examples/train_llama.py --device cuda --hidden 2048
+       --layers 16 --heads 16 --vocab 32000 --seq 1024 --batch 1 --param-dtype bfloat16 --reduce-dtype float32)
+    build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 8 \
+      2>&1 | quiet | tail -4
+    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/plan.json" ${1:+--memory-budget "$1"} | tail -6
+    DCPLAN_PLAN="$P/plan.json" DCPLAN_REPLAY_LOG="$P/replay.{rank}.jsonl" "$PY" "${T[@]}" --steps 12 2>&1 | quiet \
+      | tail -3
+    "$PY" -m dcplan.check_replay "$P/plan.json" "$P"/replay.*.jsonl || true
+    ;;
   comm|compute)
     sh=$what
     case $sh in comm) args="--batch 1 --seq 1024 --label comm-heavy";; compute) args="--batch 4 --seq 2048 --label compute-heavy";; esac
@@ -107,6 +124,6 @@ case "$what" in
     echo "== 4. fsdp2 and the plans"
     bench $args --modes fsdp2,dcplan --plan "${plans#,}" --json "$P/plans.json" "$@" 2>&1 | tee "$P/plans.log" | quiet
     ;;
-  *) echo "run_on_box.sh: expected tests, bench, train, comm or compute, got '$what'" >&2; exit 2 ;;
+  *) echo "run_on_box.sh: expected tests, bench, train, predict, comm or compute, got '$what'" >&2; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - start )) s"
