@@ -79,16 +79,24 @@ case "$what" in
     ;;
   predict)
     # dcplan.check_replay on GPUs: examples/train_llama.py at the reference size (hidden 2048,
-    # 16 layers, 1x1024 tokens per GPU, bf16 gathers, fp32 reduce) recorded, planned (with
-    # --memory-budget "$1" if given) and replayed with a replay log; predicted against measured.
+    # 16 layers, $BATCH x $SEQ tokens per GPU, default 1x1024, bf16 gathers, fp32 reduce)
+    # recorded, planned (--memory-budget "$1" if given; "auto": 97% of the unconstrained plan's
+    # predicted peak) and replayed with a replay log; predicted against measured.
     P=$OUT/predict
     mkdir -p "$P"
     gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
     T=(-m torch.distributed.run --nproc-per-node "$gpus" examples/train_llama.py --device cuda --hidden 2048
-       --layers 16 --heads 16 --vocab 32000 --seq 1024 --batch 1 --param-dtype bfloat16 --reduce-dtype float32)
+       --layers 16 --heads 16 --vocab 32000 --seq "${SEQ:-1024}" --batch "${BATCH:-1}" --param-dtype bfloat16
+       --reduce-dtype float32)
     build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 8 \
       2>&1 | quiet | tail -4
-    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/plan.json" ${1:+--memory-budget "$1"} | tail -6
+    budget=${1:-}
+    if [ "$budget" = auto ]; then
+      build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/unconstrained.json" > /dev/null
+      budget=$("$PY" -c "import json,sys; print(int(0.97 * json.load(open(sys.argv[1]))['predicted']['peak_memory_bytes']))" \
+        "$P/unconstrained.json")
+    fi
+    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/plan.json" ${budget:+--memory-budget "$budget"} | tail -6
     DCPLAN_PLAN="$P/plan.json" DCPLAN_REPLAY_LOG="$P/replay.{rank}.jsonl" "$PY" "${T[@]}" --steps 12 2>&1 | quiet \
       | tail -3
     "$PY" -m dcplan.check_replay "$P/plan.json" "$P"/replay.*.jsonl || true
