@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from typing import Dict, List
 
 import torch
@@ -104,65 +103,55 @@ def load_sharded(model, opt, path: str) -> None:
 def resume_worker(rank: int, ws: int, store: str, out_dir: str, stages: List[int]) -> None:
     """Per stage: 6 steps straight; then 3 steps, a DCP save, a new process group and a new
     model loaded from it, 3 steps. Also the full state dict's round trips."""
+    run_cases(rank, ws, store, out_dir,
+              [(f"zero{stage}", lambda stage=stage: resume(stage, rank, ws, store, out_dir), None) for stage in stages])
+
+
+def resume(stage: int, rank: int, ws: int, store: str, out_dir: str) -> Dict:
     import dcplan
 
-    results: Dict = {}
-    for stage in stages:
-        name = f"zero{stage}"
-        try:
-            init_group(rank, ws, f"{store}.{stage}.a")
-            model, opt = sharded(stage)
-            straight = train(model, opt, range(STEPS), rank, ws)
-            straight_full = full_state(model, opt)
-            dcplan.shutdown()
-            del model, opt
+    model, opt = sharded(stage)
+    straight = train(model, opt, range(STEPS), rank, ws)
+    straight_full = full_state(model, opt)
+    dcplan.shutdown()
+    del model, opt
 
-            model, opt = sharded(stage)
-            first = train(model, opt, range(HALF), rank, ws)
-            path = os.path.join(out_dir, f"ckpt-{stage}")
-            dcp.save(sharded_state(model, opt), checkpoint_id=path)
-            saved_full = full_state(model, opt)
-            offloaded = dcplan.get_model_state_dict(
-                model, options=dcplan.StateDictOptions(full_state_dict=True, cpu_offload=True))
-            dcplan.shutdown()
-            del model, opt
-            dist.destroy_process_group()
+    model, opt = sharded(stage)
+    first = train(model, opt, range(HALF), rank, ws)
+    path = os.path.join(out_dir, f"ckpt-{stage}")
+    dcp.save(sharded_state(model, opt), checkpoint_id=path)
+    saved_full = full_state(model, opt)
+    offloaded = dcplan.get_model_state_dict(
+        model, options=dcplan.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    dcplan.shutdown()
+    del model, opt
+    dist.destroy_process_group()
 
-            init_group(rank, ws, f"{store}.{stage}.b")  # a new process group
-            model, opt = sharded(stage, seed=7)
-            before_load = full_state(model, opt)
-            load_sharded(model, opt, path)
-            loaded_full = full_state(model, opt)
-            second = train(model, opt, range(HALF, STEPS), rank, ws)
-            resumed_full = full_state(model, opt)
+    init_group(rank, ws, f"{store}.{stage}.new")  # a new process group
+    model, opt = sharded(stage, seed=7)
+    before_load = full_state(model, opt)
+    load_sharded(model, opt, path)
+    loaded_full = full_state(model, opt)
+    second = train(model, opt, range(HALF, STEPS), rank, ws)
+    resumed_full = full_state(model, opt)
 
-            # Full state dict back into a sharded model: every rank passing it, and rank 0 only.
-            dcplan.shutdown()
-            model2, opt2 = sharded(stage, seed=8)
-            dcplan.set_model_state_dict(model2, saved_full["model"])
-            dcplan.set_optimizer_state_dict(model2, opt2, saved_full["optim"])
-            from_full = full_state(model2, opt2)
-            dcplan.shutdown()
-            model3, opt3 = sharded(stage, seed=9)
-            opts = dcplan.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            dcplan.set_model_state_dict(model3, saved_full["model"] if rank == 0 else {}, options=opts)
-            dcplan.set_optimizer_state_dict(model3, opt3, saved_full["optim"] if rank == 0 else {}, options=opts)
-            from_rank0 = full_state(model3, opt3)
-            errors = load_errors(model3, opt3, saved_full, rank)
-            dcplan.shutdown()
-            results[name] = {"value": {
-                "straight": straight, "first": first, "second": second, "straight_full": straight_full,
-                "saved_full": saved_full, "before_load": before_load, "loaded_full": loaded_full,
-                "resumed_full": resumed_full, "offloaded": offloaded, "from_full": from_full,
-                "from_rank0": from_rank0, "errors": errors}}
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            break
-        finally:
-            dcplan.shutdown()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    # Full state dict back into a sharded model: every rank passing it, and rank 0 only.
+    dcplan.shutdown()
+    model2, opt2 = sharded(stage, seed=8)
+    dcplan.set_model_state_dict(model2, saved_full["model"])
+    dcplan.set_optimizer_state_dict(model2, opt2, saved_full["optim"])
+    from_full = full_state(model2, opt2)
+    dcplan.shutdown()
+    model3, opt3 = sharded(stage, seed=9)
+    opts = dcplan.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dcplan.set_model_state_dict(model3, saved_full["model"] if rank == 0 else {}, options=opts)
+    dcplan.set_optimizer_state_dict(model3, opt3, saved_full["optim"] if rank == 0 else {}, options=opts)
+    from_rank0 = full_state(model3, opt3)
+    errors = load_errors(model3, opt3, saved_full, rank)
+    return {"straight": straight, "first": first, "second": second, "straight_full": straight_full,
+            "saved_full": saved_full, "before_load": before_load, "loaded_full": loaded_full,
+            "resumed_full": resumed_full, "offloaded": offloaded, "from_full": from_full,
+            "from_rank0": from_rank0, "errors": errors}
 
 
 def load_errors(model, opt, full: Dict, rank: int) -> Dict[str, str]:
