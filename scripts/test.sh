@@ -8,9 +8,11 @@ cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
 jobs=$(nproc)
-# ccache keys leave out the build directory (debug info would name it otherwise), so that the
-# pip install at the end reuses what the CPU build compiled; each step says when it starts.
-export CCACHE_NOHASHDIR=true
+# ccache keys leave out the build directory (debug info would name it otherwise), and both the
+# CPU build and the pip install at the end call the compiler by one name (pip's build would pick
+# g++ where CMake picks c++; ccache keys on the name), so that the pip install reuses what the
+# CPU build compiled. Each step says when it starts.
+export CCACHE_NOHASHDIR=true CXX=${CXX:-g++} CC=${CC:-gcc}
 step() { echo "== $* ($(date +%T))"; }
 
 step "CPU build (preset cpu)"
