@@ -401,7 +401,9 @@ def _make_pre_hook(state: _ShardState, attrs: List[str], ids: List[int]):
 
     def pre_hook(module, args):
         d = module.__dict__
-        for attr, full in zip(attrs, state.hooks.forward_gather(ids, _recomputing(state))):
+        # _recomputing(), inlined: this runs for every module of every forward.
+        recompute = state.forward_depth == 0 and torch._C._current_graph_task_id() != -1
+        for attr, full in zip(attrs, state.hooks.forward_gather(ids, recompute)):
             d[attr] = full
 
     return pre_hook
@@ -411,8 +413,8 @@ def _make_post_hook(state: _ShardState, attrs: List[str], ids: List[int]):
     def post_hook(module, args, output):
         d = module.__dict__
         # A parameter its pre-hook did not gather (the forward raised before it) is not released.
-        state.hooks.forward_release([i for a, i in zip(attrs, ids) if d.pop(a, None) is not None],
-                                    _recomputing(state))
+        recompute = state.forward_depth == 0 and torch._C._current_graph_task_id() != -1  # _recomputing()
+        state.hooks.forward_release([i for a, i in zip(attrs, ids) if d.pop(a, None) is not None], recompute)
 
     return post_hook
 
@@ -436,10 +438,10 @@ def _reader_class(cls: type) -> type:
             ids = self.__dict__.get("_dcplan_param_ids")
             if ids is not None and name in ids:
                 state = self.__dict__["_dcplan_state"]()
-                if state is not None:
-                    recompute = _recomputing(state)
-                    if state.forward_depth > 0 or recompute:
-                        return state.read_outside(ids[name], recompute)
+                if state is not None and state.forward_depth > 0:
+                    return state.read_outside(ids[name], False)
+                if state is not None and _recomputing(state):
+                    return state.read_outside(ids[name], True)
             return super(sub, self).__getattr__(name)
 
         sub = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,

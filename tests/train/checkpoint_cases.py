@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 import dist_cases  # noqa: E402  (the tiny transformer, its data and loss)
 from dist_cases import Case, batches, loss_fn  # noqa: E402
-from train_harness import init_group, run_cases  # noqa: E402
+from train_harness import init_group, run_cases, step  # noqa: E402
 
 LR = dist_cases.LR
 STEPS = 6
@@ -68,12 +68,7 @@ def train(model, opt, steps: range, rank: int, ws: int) -> List[float]:
         idx, tgt = data[s][0]
         mine = slice(rank * per, (rank + 1) * per)
         loss = loss_fn(model, idx[mine], tgt[mine])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / ws)
+        losses.append(step(loss, opt, ws))
     return losses
 
 
@@ -216,8 +211,8 @@ def reference() -> Dict:
     model = make_ckpt_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
-    for step in batches(Case("ckpt", 3), model.embed.num_embeddings)[:STEPS]:
-        idx, tgt = step[0]
+    for micro_batches in batches(Case("ckpt", 3), model.embed.num_embeddings)[:STEPS]:
+        idx, tgt = micro_batches[0]
         loss = loss_fn(model, idx, tgt)
         loss.backward()
         opt.step()

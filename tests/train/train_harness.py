@@ -46,6 +46,16 @@ def run_cases(rank: int, ws: int, store: str, out_dir: str,
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def step(loss: torch.Tensor, opt, ws: int) -> float:
+    """One optimizer step on loss (this rank's); returns the mean loss over the ranks."""
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / ws
+
+
 def assert_trained_like(got: Dict, ref: Dict, loss_tol: Dict, param_tol: Dict) -> None:
     """Losses and final parameters (by name) of a sharded run against its reference."""
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **loss_tol)

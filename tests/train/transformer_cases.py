@@ -8,9 +8,8 @@ import os
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
-from train_harness import run_cases
+from train_harness import run_cases, step
 
 STEPS = 4
 BATCH, SEQ, VOCAB = 4, 8, 61
@@ -84,12 +83,7 @@ def sharded(kind: str, stage: int, rank: int, ws: int, out_dir: str) -> Dict:
     for ids in data():
         mine = ids[rank * per:(rank + 1) * per]
         loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / ws)
+        losses.append(step(loss, opt, ws))
         generated.append(generate(model, ids[:1, :3]))  # every rank the same prompt: the same tokens
     full = dcplan.get_model_state_dict(model, options=dcplan.StateDictOptions(full_state_dict=True,
                                                                               cpu_offload=True))
