@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _plan
-from . import _C, _record, _shm
+from . import _C, _compile, _record, _shm
 
 _DEFAULT_BUCKET_BYTES = 100_000_000  # the planner's default schedule assumes the same
 _EXIT_GRACE_S = 0.05  # at exit, time for Gloo's worker threads to drop what they hold (_cleanup_at_exit)
@@ -85,6 +85,7 @@ class _ShardState:
         self.outside: Dict[tuple, torch.Tensor] = {}  # this forward's reads outside the owning module
         self.trainable_infos: List[_ParamInfo] = []
         self.trainable_ids: List[int] = []
+        self.compiled = False  # model.forward runs as torch.compile graphs (_compile)
         self.hooks = _C.ShardHooks(stage, fwd_graph, bwd_graph, param_dtype, _weak_begin_backward(self))
 
     @property
@@ -197,6 +198,7 @@ def shard(
     plan=None,
     record=None,
     on_mismatch: str = "error",
+    compile=False,
 ) -> nn.Module:
     """Shards model's parameters over process_group (default: the world) for ZeRO stage 1, 2 or 3.
 
@@ -218,9 +220,13 @@ def shard(
     ``$DCPLAN_REPLAY_LOG``: write each rank's replay log (see ``dcplan.replay_log``).
     ``record``: a directory to record a trace into (docs/recording.md); None:
     ``$DCPLAN_RECORD`` decides; False: off.
+    ``compile``: True, or a dict of ``torch.compile`` arguments (``fullgraph``, ``dynamic``,
+    ``options``): ``model.forward`` runs as torch.compile graphs with the dc ops inside them, and
+    its backward as the graph AOTAutograd derives (docs/compiled.md).
     """
     global _runtime_group, _next_ds_id, _next_graph_id
     _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_bucket_bytes)
+    _compile.check_settings(compile)
     plan_path = _plan.resolve_plan(plan)
     _plan.check_on_mismatch(on_mismatch)
     recording = _record.settings(record)
@@ -253,6 +259,7 @@ def shard(
     fwd_graph, bwd_graph = _next_graph_id, _next_graph_id + 1
     _next_graph_id += 2
     state = _ShardState(stage, pg, param_dtype, fwd_graph, bwd_graph)
+    state.compiled = compile is not False
 
     by_param: Dict[int, _ParamInfo] = {}
     owned: Dict[int, Tuple[nn.Module, List[str], List[int]]] = {}  # id(module) -> (module, attrs, ds_ids)
@@ -287,11 +294,16 @@ def shard(
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, world_size, param_dtype, reduce_dtype)
 
     for module, attrs, ids_of_module in owned.values():
+        if state.compiled:
+            _compile.install(state, module, attrs, ids_of_module)
+            continue
         _watch_outside_reads(state, module, attrs, ids_of_module)
         module.register_forward_pre_hook(_make_pre_hook(state, attrs, ids_of_module))
         module.register_forward_hook(_make_post_hook(state, attrs, ids_of_module), always_call=True)
     model.register_forward_pre_hook(_make_root_pre_hook(state), prepend=True)
     model.register_forward_hook(_make_root_post_hook(state), always_call=True)
+    if state.compiled:
+        _compile.compile_forward(model, compile)
 
     model._dcplan = state
     model_ref = weakref.ref(model)
@@ -472,7 +484,7 @@ def _make_root_pre_hook(state: _ShardState):
         _C.start_forward()
         if _record.active():
             _record.after_start_forward()  # ends the process once every step is recorded
-        if state.stage == 3:
+        if state.stage == 3 and not state.compiled:  # compiled: the partitioner re-gathers
             state.saved_hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
             state.saved_hooks.__enter__()
 
@@ -490,8 +502,25 @@ def _make_root_post_hook(state: _ShardState):
             hooks.__exit__(None, None, None)
         _C.end_forward()
         _plan.warn_departure()
+        if state.compiled and torch.is_grad_enabled():
+            _begin_backward_before(state, output)
 
     return root_post_hook
+
+
+def _begin_backward_before(state: _ShardState, output) -> None:
+    """Compiled mode: the backward begins (state.begin_backward) when a gradient first reaches one
+    of the forward's outputs, before the compiled backward runs."""
+    fired = [False]
+
+    def pre_hook(grad_outputs):
+        if not fired[0]:
+            fired[0] = True
+            state.begin_backward()
+
+    for t in torch.utils._pytree.tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            t.grad_fn.register_prehook(pre_hook)
 
 
 @torch.no_grad()

@@ -1,0 +1,270 @@
+"""Compiled replay: a sharded model's forward and backward run as torch.compile graphs with the
+dc ops inside them.
+
+``dcplan.shard(model, ..., compile=True)`` compiles ``model.forward``. Inside it, a sharded
+parameter is a property of its module (``_gathering_class``) that Dynamo traces into the graph:
+``allgather_param``, ``wait_allgather`` and ``release_param`` in forward, and through an
+autograd.Function (``_GatherParam``) ``reduce_grad`` of its gradient in backward. Two Inductor
+passes then make the graphs do what the eager hooks do:
+
+* on the joint graph, the gathers are marked must-recompute, so the partitioner saves the shard
+  for backward, not the gathered copy, and gathers it again there (ZeRO-3's re-gather);
+* on the forward and the backward graph: the backward's gathers carry the backward graph's id,
+  each gather sits right before the first use of the copy, and each release right after its
+  last use (views of it included).
+
+Ops run in the graph's order and reach the same executor, plan cursor and observer as the eager
+hooks' ops, so a plan made from a trace of the compiled model replays there, and a departure from
+it is caught the same way. The root's hooks (step start, backward start and end) stay eager.
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+import pathlib
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+_dc = torch.ops.dc
+_GATHER_OPS = (_dc.allgather_param.default, _dc.wait_allgather.default, _dc.release_param.default)
+
+# A release and a reduction have no users in the graph: they must not be dead-code eliminated.
+for _op in (_dc.release_param.default, _dc.reduce_grad.default, _dc.end_backward.default):
+    torch.fx.node.has_side_effect(_op)
+
+
+class _GatherParam(torch.autograd.Function):
+    """A parameter gathered for one use: its gradient goes to reduce_grad (the reduced shard
+    gradient reaches ``.grad`` at end_backward, as in eager mode)."""
+
+    @staticmethod
+    def forward(ctx, shard, fwd_graph: int, bwd_graph: int, ds_id: int, dtype: Optional[torch.dtype]):
+        ctx.bwd_graph = bwd_graph
+        ctx.ds_id = ds_id
+        full = _dc.allgather_param(shard, fwd_graph, ds_id, dtype)
+        full = _dc.wait_allgather(full, fwd_graph, ds_id)
+        # Placed after the copy's last use by the post-grad pass.
+        return _dc.release_param(full, fwd_graph, ds_id, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _dc.reduce_grad(grad, ctx.bwd_graph, ctx.ds_id)
+        return None, None, None, None, None
+
+
+def gather(state, shard: torch.Tensor, ds_id: int) -> torch.Tensor:
+    return _GatherParam.apply(shard, state.fwd_graph, state.bwd_graph, ds_id, state.param_dtype)
+
+
+_gathering_classes: Dict[type, type] = {}
+
+
+def _gathering_class(cls: type, attrs: List[str]) -> type:
+    """cls with a property per sharded parameter attribute: the gathered parameter during the
+    model's forward, the shard otherwise (as the eager hooks leave it)."""
+    key = (cls, tuple(sorted(attrs)))
+    sub = _gathering_classes.get(key)
+    if sub is not None:
+        return sub
+
+    def make_property(name: str):
+        def get(self):
+            shard = self._parameters[name]
+            state = self.__dict__["_dcplan_state"]
+            if state.forward_depth == 0:
+                return shard
+            return gather(state, shard, self.__dict__["_dcplan_param_ids"][name])
+
+        return property(get)
+
+    body: Dict[str, Any] = {name: make_property(name) for name in attrs}
+    body.update({"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_dcplan_gathering": True})
+    sub = type(cls.__name__, (cls,), body)
+    _gathering_classes[key] = sub
+    return sub
+
+
+def install(state, module: nn.Module, attrs: List[str], ids: List[int]) -> None:
+    """Makes module's sharded parameters attrs (ds_ids ids) gather when read in a forward."""
+    base = type(module)
+    if getattr(base, "_dcplan_gathering", False):
+        raise ValueError(f"dcplan.shard: module {base.__name__} is already sharded for compiled replay")
+    module.__class__ = _gathering_class(base, attrs)
+    module.__dict__["_dcplan_param_ids"] = dict(zip(attrs, ids))
+    module.__dict__["_dcplan_state"] = state
+
+
+# -- graph passes ----------------------------------------------------------------------------------
+
+def _pass_uuid(name: str) -> bytes:
+    # Inductor's FX graph cache keys on this: a change to the passes must miss the cache.
+    return hashlib.sha256(name.encode() + pathlib.Path(__file__).read_bytes()).digest()
+
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover - torch builds without Inductor
+    CustomGraphPass = object
+
+
+def _is_gather_op(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _GATHER_OPS
+
+
+class _RecomputeGathers(CustomGraphPass):
+    """Joint graph: gathers (and the copies functionalization put between them) are recomputed in
+    backward, never saved."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in graph.nodes:
+            if not _is_gather_op(node):
+                continue
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            for user in node.users:
+                if user.target is torch.ops.aten.clone.default:
+                    user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+    def uuid(self):
+        return _pass_uuid("recompute-gathers")
+
+
+def _storage_key(node: torch.fx.Node):
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return torch.multiprocessing.reductions.StorageWeakRef(val.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def _users_of_copy(wait: torch.fx.Node) -> List[torch.fx.Node]:
+    """The nodes that read the gathered copy wait returns, through any view of it."""
+    key = _storage_key(wait)
+    seen, users, todo = {wait}, [], [wait]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen or user.target is _dc.release_param.default:
+                continue
+            seen.add(user)
+            users.append(user)
+            if key is not None and _storage_key(user) == key:
+                todo.append(user)  # a view: its readers read the copy too
+    return users
+
+
+class _PlaceGathers(CustomGraphPass):
+    """Forward and backward graphs: the backward's gathers on the backward graph id; each gather
+    right before the copy's first use; each release right after its last use."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+        for wait in [n for n in graph.nodes if n.target is _dc.wait_allgather.default]:
+            gather_node = wait.args[0]
+            releases = [u for u in wait.users if u.target is _dc.release_param.default]
+            for r in releases:
+                r.replace_all_uses_with(wait)
+            if backward:
+                bwd = _backward_graph_id(graph, gather_node.args[1])
+                for n in (gather_node, wait, *releases):
+                    _set_args(n, (n.args[0], bwd, *n.args[2:]))
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            users = _users_of_copy(wait)
+            if users:
+                first = min(users, key=order.__getitem__)
+                first.prepend(gather_node)
+                first.prepend(wait)
+                last = max(users, key=order.__getitem__)
+            else:
+                last = wait
+            token = _release_token(last, wait)
+            for r in reversed(releases):
+                _set_args(r, (token, *r.args[1:]))
+                r.meta["val"] = token.meta["val"]  # the op returns its token
+                if last.op == "output":
+                    last.prepend(r)
+                else:
+                    (last if token is wait else token).append(r)
+
+    def uuid(self):
+        return _pass_uuid("place-gathers")
+
+
+def _set_args(node: torch.fx.Node, args: tuple) -> None:
+    """node's new args, and the example values Inductor lowers it with (strides, constants)."""
+    node.args = args
+    if "eager_input_vals" in node.meta:
+        _, kwargs = node.meta["eager_input_vals"]
+        vals = tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args)
+        node.meta["eager_input_vals"] = (vals, kwargs)
+
+
+def _release_token(last: torch.fx.Node, wait: torch.fx.Node) -> torch.fx.Node:
+    """What a release takes as its token (the runtime reads only its dtype): a floating-point
+    output of the copy's last use, so that Inductor, which schedules by data dependencies, cannot
+    run the release before that use; the copy itself where the last use has none."""
+    candidates = [last] + [u for u in last.users if u.target is operator.getitem]
+    for node in candidates:
+        val = node.meta.get("val")
+        if node.op != "output" and isinstance(val, torch.Tensor) and val.is_floating_point():
+            return node
+    return wait
+
+
+def _backward_graph_id(graph: torch.fx.Graph, forward_graph_id: int) -> int:
+    """The backward graph id of a model: its reduce_grad ops say it; a graph without any (no
+    trainable parameter) uses the id shard() gives every model's backward, forward + 1."""
+    for n in graph.nodes:
+        if n.target is _dc.reduce_grad.default:
+            return n.args[1]
+    return forward_graph_id + 1
+
+
+def inductor_options() -> Dict[str, Any]:
+    """The Inductor options of a compiled sharded model: the two passes; no reordering for peak
+    memory (the plan decides when copies live); and no buffer reuse. The runtime holds tensors
+    past the op that hands them over (a gradient until its bucket is packed, a gathered copy
+    while it is held), which Inductor cannot know: reusing such a buffer for another value, or
+    computing in place into it, would overwrite them. Freed buffers still go back to the
+    allocator, which counts the runtime's references."""
+    return {
+        "joint_custom_pre_pass": _RecomputeGathers(),
+        "post_grad_custom_post_pass": _PlaceGathers(),
+        "reorder_for_peak_memory": False,
+        "allow_buffer_reuse": False,
+        "inplace_buffers": False,
+    }
+
+
+def compile_forward(model: nn.Module, settings) -> None:
+    """model.forward, compiled with the dcplan passes; settings: True or torch.compile's kwargs."""
+    kwargs = {} if settings is True else dict(settings)
+    backend = kwargs.pop("backend", "inductor")
+    if backend != "inductor":
+        raise ValueError(f"dcplan.shard: compile: backend should be 'inductor', got {backend!r}")
+    options = dict(kwargs.pop("options", None) or {})
+    clash = sorted(set(options) & set(inductor_options()))
+    if clash:
+        raise ValueError(f"dcplan.shard: compile: options {clash} are dcplan's own; leave them out")
+    options.update(inductor_options())
+    if "mode" in kwargs:
+        raise ValueError("dcplan.shard: compile: 'mode' cannot be combined with dcplan's Inductor options; "
+                         "pass the settings of that mode in 'options' instead")
+    model.forward = torch.compile(model.forward, backend="inductor", options=options, **kwargs)
+
+
+def check_settings(settings) -> None:
+    if settings is False or settings is True:
+        return
+    if not isinstance(settings, dict):
+        raise ValueError(f"dcplan.shard: compile should be a bool or a dict of torch.compile arguments, "
+                         f"got {type(settings).__name__}")
+    known = {"fullgraph", "dynamic", "options", "backend", "disable", "mode"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"dcplan.shard: compile: unknown torch.compile arguments {unknown}; expected some of "
+                         f"{sorted(known)}")

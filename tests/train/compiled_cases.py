@@ -1,0 +1,128 @@
+"""Rank workers of the compiled-replay tests: dcplan.shard(..., compile=True) on 2 Gloo ranks
+against single-process training of the same model under torch.compile, at every stage, with
+gradient accumulation, tied weights, a module called twice and a frozen parameter."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from train_harness import run_cases
+
+STEPS = 4
+BATCH, SEQ, VOCAB, D = 4, 6, 23, 16
+LR = 1e-3
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, 2 * D + 3)
+        self.down = nn.Linear(2 * D + 3, D)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """'base'; 'tied' (the head is the embedding's weight); 'twice' (a block called twice);
+    'frozen' (the first block's parameters do not train)."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.embed = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        if variant == "tied":
+            self.head.weight = self.embed.weight
+        if variant == "frozen":
+            self.blocks[0].requires_grad_(False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        if self.variant == "twice":
+            x = self.blocks[1](x)
+        return self.head(self.norm(x))
+
+
+def make(variant: str) -> Net:
+    torch.manual_seed(123)
+    return Net(variant)
+
+
+def data(accum: int):
+    g = torch.Generator().manual_seed(9)
+    return [[(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+             for _ in range(accum)] for _ in range(STEPS)]
+
+
+def loss_of(model, idx, tgt):
+    return F.cross_entropy(model(idx).reshape(-1, VOCAB), tgt.reshape(-1))
+
+
+def _optimizer(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+
+
+def reference(variant: str, accum: int) -> Dict:
+    torch._dynamo.reset()
+    model = make(variant)
+    compiled = torch.compile(model)
+    opt = _optimizer(model)
+    losses = []
+    for micro in data(accum):
+        total = 0.0
+        for idx, tgt in micro:
+            loss = loss_of(compiled, idx, tgt) / accum
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+def sharded(variant: str, stage: int, accum: int, rank: int, ws: int) -> Dict:
+    import dcplan
+
+    torch._dynamo.reset()
+    model = make(variant)
+    dcplan.shard(model, stage=stage, reduce_bucket_bytes=1024, compile=True)
+    opt = _optimizer(model)
+    per = BATCH // ws
+    mine = slice(rank * per, (rank + 1) * per)
+    losses, op_log = [], None
+    for s, micro in enumerate(data(accum)):
+        if s == 1:
+            dcplan._C.start_op_log()
+        total = 0.0
+        for m, (idx, tgt) in enumerate(micro):
+            model.set_requires_gradient_sync(m == accum - 1)
+            loss = loss_of(model, idx[mine], tgt[mine]) / accum
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        if s == 1:
+            op_log = dcplan._C.take_op_log()
+            dcplan._C.stop_op_log()
+        t = torch.tensor(total)
+        dist.all_reduce(t)
+        losses.append(t.item() / ws)
+    state = model._dcplan
+    return {"losses": losses, "params": dcplan.full_parameters(model), "op_log": op_log,
+            "graphs": (state.fwd_graph, state.bwd_graph), "ids": {i.name: i.ds_id for i in state.infos}}
+
+
+def worker(rank: int, ws: int, store: str, out_dir: str, cases: List[tuple]) -> None:
+    run_cases(rank, ws, store, out_dir,
+              [(f"{v}-zero{s}-accum{a}", lambda v=v, s=s, a=a: sharded(v, s, a, rank, ws),
+                lambda v=v, a=a: reference(v, a)) for v, s, a in cases])
