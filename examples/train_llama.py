@@ -126,6 +126,9 @@ def parse_args(argv=None):
     p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward (torch.utils.checkpoint, use_reentrant=False)")
+    p.add_argument("--compile", action="store_true",
+                   help="compiled replay: forward and backward as torch.compile graphs with the dc ops inside "
+                        "(dcplan.shard(compile=True)); with --no-shard, torch.compile on the model")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -192,8 +195,10 @@ def main(argv=None) -> int:
         import dcplan
 
         model = dcplan.shard(model, stage=args.stage, param_dtype=param_dtype if param_dtype != torch.float32
-                             else None, reduce_dtype=getattr(torch, args.reduce_dtype))
+                             else None, reduce_dtype=getattr(torch, args.reduce_dtype), compile=args.compile)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    if args.compile and args.no_shard:
+        model = torch.compile(model)
 
     if rank == 0:
         mode = "single process (no dcplan)" if args.no_shard else f"dcplan ZeRO-{args.stage} on {world} ranks"

@@ -53,14 +53,15 @@ class Net(nn.Module):
         return self.head(self.norm(x))
 
 
-def make(variant: str) -> Net:
+def make(variant: str, device: str) -> Net:
     torch.manual_seed(123)
-    return Net(variant)
+    return Net(variant).to(device)
 
 
-def data(accum: int):
+def data(accum: int, device: str):
     g = torch.Generator().manual_seed(9)
-    return [[(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    return [[(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device),
+              torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device))
              for _ in range(accum)] for _ in range(STEPS)]
 
 
@@ -72,13 +73,13 @@ def _optimizer(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
 
 
-def reference(variant: str, accum: int) -> Dict:
+def reference(variant: str, accum: int, device: str) -> Dict:
     torch._dynamo.reset()
-    model = make(variant)
+    model = make(variant, device)
     compiled = torch.compile(model)
     opt = _optimizer(model)
     losses = []
-    for micro in data(accum):
+    for micro in data(accum, device):
         total = 0.0
         for idx, tgt in micro:
             loss = loss_of(compiled, idx, tgt) / accum
@@ -87,20 +88,20 @@ def reference(variant: str, accum: int) -> Dict:
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+    return {"losses": losses, "params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()}}
 
 
-def sharded(variant: str, stage: int, accum: int, rank: int, ws: int) -> Dict:
+def sharded(variant: str, stage: int, accum: int, rank: int, ws: int, device: str) -> Dict:
     import dcplan
 
     torch._dynamo.reset()
-    model = make(variant)
+    model = make(variant, device)
     dcplan.shard(model, stage=stage, reduce_bucket_bytes=1024, compile=True)
     opt = _optimizer(model)
     per = BATCH // ws
     mine = slice(rank * per, (rank + 1) * per)
     losses, op_log = [], None
-    for s, micro in enumerate(data(accum)):
+    for s, micro in enumerate(data(accum, device)):
         if s == 1:
             dcplan._C.start_op_log()
         total = 0.0
@@ -114,15 +115,18 @@ def sharded(variant: str, stage: int, accum: int, rank: int, ws: int) -> Dict:
         if s == 1:
             op_log = dcplan._C.take_op_log()
             dcplan._C.stop_op_log()
-        t = torch.tensor(total)
+        t = torch.tensor(total, device=device)
         dist.all_reduce(t)
         losses.append(t.item() / ws)
     state = model._dcplan
-    return {"losses": losses, "params": dcplan.full_parameters(model), "op_log": op_log,
+    params = {k: v.cpu() for k, v in dcplan.full_parameters(model).items()}
+    return {"losses": losses, "params": params, "op_log": op_log,
             "graphs": (state.fwd_graph, state.bwd_graph), "ids": {i.name: i.ds_id for i in state.infos}}
 
 
-def worker(rank: int, ws: int, store: str, out_dir: str, cases: List[tuple]) -> None:
+def worker(rank: int, ws: int, store: str, out_dir: str, cases: List[tuple], device: str = "cpu") -> None:
+    """cases: (variant, stage, micro-steps per optimizer step); device "cuda": NCCL, rank r on GPU r."""
     run_cases(rank, ws, store, out_dir,
-              [(f"{v}-zero{s}-accum{a}", lambda v=v, s=s, a=a: sharded(v, s, a, rank, ws),
-                lambda v=v, a=a: reference(v, a)) for v, s, a in cases])
+              [(f"{v}-zero{s}-accum{a}", lambda v=v, s=s, a=a: sharded(v, s, a, rank, ws, device),
+                lambda v=v, a=a: reference(v, a, device)) for v, s, a in cases],
+              backend="nccl" if device == "cuda" else "gloo")

@@ -12,24 +12,29 @@ import torch
 import torch.distributed as dist
 
 
-def init_group(rank: int, ws: int, store: str) -> None:
+def init_group(rank: int, ws: int, store: str, backend: str = "gloo") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ws,
-                            timeout=datetime.timedelta(seconds=60))
+    kw = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kw["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=ws,
+                            timeout=datetime.timedelta(seconds=60), **kw)
 
 
 def run_cases(rank: int, ws: int, store: str, out_dir: str,
-              cases: Iterable[Tuple[str, Callable[[], Dict], Optional[Callable[[], Dict]]]]) -> None:
+              cases: Iterable[Tuple[str, Callable[[], Dict], Optional[Callable[[], Dict]]]],
+              backend: str = "gloo") -> None:
     """cases: (name, the sharded run on every rank, its reference on rank 0 or None), each under
-    a new Gloo group; the first error is recorded and ends the rest (the ranks would be out of
+    a new process group (Gloo; "nccl": rank r on GPU r); the first error is recorded and ends the rest (the ranks would be out of
     step). Writes out_dir/rank<r>.pt, as mp_harness.run_ranks reads it."""
     import dcplan
 
     results: Dict = {}
     try:
         for n, (name, run, reference) in enumerate(cases):
-            init_group(rank, ws, f"{store}.{n}")
+            init_group(rank, ws, f"{store}.{n}", backend)
             try:
                 res = {"value": run()}
                 if rank == 0 and reference is not None:
