@@ -11,8 +11,12 @@ reduction. Modes:
 
 * fsdp2  -- torch.distributed.fsdp.fully_shard on every block and on the root,
             MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32);
+* fsdp2-compiled -- as fsdp2, and torch.compile on every block (torchtitan's way);
 * dcplan -- dcplan.shard(stage=3, param_dtype=bf16, reduce_dtype=fp32), default schedule, or
             the plan given by --plan (its predicted step time is printed beside the measured);
+* dcplan-compiled -- as dcplan with compile=True (compiled replay: forward and backward as
+            Inductor graphs with the dc ops inside), default schedule, or the plans given by
+            --compiled-plan (made from a trace of the compiled model);
 * bound  -- the compute-only bound, on rank 0: forward+backward of the whole model in bf16 on
             one GPU without any communication, plus the AdamW step over this rank's 1/world
             share of the fp32 parameters.
@@ -58,9 +62,12 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=1,
                    help="run the modes this many times in turn (A B C A B C ...) and report each mode's median")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--modes", default="fsdp2,dcplan,bound", help="comma-separated: fsdp2, dcplan, bound")
+    p.add_argument("--modes", default="fsdp2,dcplan,bound",
+                   help="comma-separated: fsdp2, fsdp2-compiled, dcplan, dcplan-compiled, bound")
     p.add_argument("--plan", help="dcplan: replay this plan (default schedule without); several: comma-separated, "
                    "one dcplan run each (dcplan:<file name> in the table)")
+    p.add_argument("--compiled-plan", help="dcplan-compiled: replay these plans (comma-separated; "
+                   "dcplan-compiled:<file name> in the table), each made from a trace of the compiled model")
     p.add_argument("--bucket-mb", type=float, default=0, help="dcplan reduce bucket in MB (0: dcplan's default)")
     p.add_argument("--label", default="", help="a name for this shape in the output")
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the results here")
@@ -292,35 +299,40 @@ class Bench:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def fsdp2(self):
+    def fsdp2(self, compiled=False):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.fresh()
+        torch._dynamo.reset()
         model = self.model()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.layers:
             fully_shard(block, mp_policy=mp)
+            if compiled:
+                block.compile()
         fully_shard(model, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
-        step, losses = self.run(model, opt, "fsdp2")
+        step, losses = self.run(model, opt, "fsdp2-compiled" if compiled else "fsdp2")
         out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
                "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks}
         del model, opt
         return out
 
-    def dcplan(self, plan=None):
+    def dcplan(self, plan=None, compiled=False):
         import dcplan
 
         self.fresh()
+        torch._dynamo.reset()
         model = self.model()
         kw = {}
         if self.args.bucket_mb:
             kw["reduce_bucket_bytes"] = int(self.args.bucket_mb * 1e6)
         if plan:
             kw["plan"] = plan
-        model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kw)
+        model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                             compile=compiled, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
-        step, losses = self.run(model, opt, "dcplan")
+        step, losses = self.run(model, opt, "dcplan-compiled" if compiled else "dcplan")
         out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
                "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks}
         if plan:
@@ -401,6 +413,12 @@ def main():
                 for plan in args.plan.split(","):
                     name = "dcplan:" + os.path.basename(plan).removesuffix(".json")
                     runs.setdefault(name, []).append(bench.dcplan(plan))
+            elif mode == "dcplan-compiled":
+                for plan in [None] + (args.compiled_plan.split(",") if args.compiled_plan else []):
+                    name = mode + (":" + os.path.basename(plan).removesuffix(".json") if plan else "")
+                    runs.setdefault(name, []).append(bench.dcplan(plan, compiled=True))
+            elif mode == "fsdp2-compiled":
+                runs.setdefault(mode, []).append(bench.fsdp2(compiled=True))
             else:
                 runs.setdefault(mode, []).append(getattr(bench, mode)())
     results = {mode: merge_rounds(rs) for mode, rs in runs.items()}

@@ -4,6 +4,9 @@
 #   bash bench/gpu/run_on_box.sh bench [args]         # fsdp_vs_dcplan.py with these arguments only
 #   bash bench/gpu/run_on_box.sh train [args]         # transformers Llama with a checkpoint; pip install .
 #   bash bench/gpu/run_on_box.sh predict [budget]     # record, plan, replay, check_replay: predicted vs measured
+#   bash bench/gpu/run_on_box.sh compiled comm|compute [args]  # compiled replay: GPU tests, then a
+#       trace of the compiled model, its plan, and fsdp2, fsdp2-compiled, dcplan, dcplan-compiled
+#       (default schedule and the plan) and the bound in one process, interleaved over rounds
 #   bash bench/gpu/run_on_box.sh comm|compute [args]  # one shape, everything in order:
 #       1. fsdp2, dcplan (default schedule) and the compute-only bound;
 #       2. dcplan record of the default schedule;
@@ -132,6 +135,26 @@ case "$what" in
     echo "== 4. fsdp2 and the plans"
     bench $args --modes fsdp2,dcplan --plan "${plans#,}" --json "$P/plans.json" "$@" 2>&1 | tee "$P/plans.log" | quiet
     ;;
-  *) echo "run_on_box.sh: expected tests, bench, train, predict, comm or compute, got '$what'" >&2; exit 2 ;;
+  compiled)
+    sh=${1:-comm}
+    shift || true
+    case $sh in comm) args="--batch 1 --seq 1024 --label comm-heavy";; compute) args="--batch 4 --seq 2048 --label compute-heavy";;
+      *) echo "run_on_box.sh compiled: expected comm or compute, got '$sh'" >&2; exit 2;; esac
+    P=$OUT/compiled-$sh
+    mkdir -p "$P"
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      echo "== 1. compiled replay on NCCL against one GPU"
+      "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_gpu_compiled.py 2>&1 | tee "$P/tests.log" | tail -4 || true
+    fi
+    echo "== 2. record the compiled model"
+    build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 3 --timeout 400 -- "$PY" -m torch.distributed.run \
+      --nproc-per-node 2 bench/gpu/fsdp_vs_dcplan.py --modes dcplan-compiled $args --warmup 3 --steps 10 2>&1 | quiet | tail -3
+    echo "== 3. plan"
+    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/plan.json" | tail -6
+    echo "== 4. every mode, interleaved"
+    bench $args --modes "${MODES:-fsdp2,fsdp2-compiled,dcplan,dcplan-compiled,bound}" --compiled-plan "$P/plan.json" \
+      --warmup 8 --steps 15 --rounds "${ROUNDS:-2}" --json "$P/modes.json" "$@" 2>&1 | tee "$P/modes.log" | quiet
+    ;;
+  *) echo "run_on_box.sh: expected tests, bench, train, predict, compiled, comm or compute, got '$what'" >&2; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - start )) s"
