@@ -42,7 +42,7 @@ cmake --build build/cuda --target dcplan_python dcplan_cli -j "$(nproc)" > build
   || { grep -E "error|FAILED" build/cuda/build.log | head -40; exit 1; }
 echo "built in $(( $(date +%s) - start )) s"
 export DCPLAN_BUILD_DIR=$PWD/build/cuda PYTHONPATH=$PWD/python
-bench() { "$PY" -m torch.distributed.run --nproc-per-node 2 bench/gpu/fsdp_vs_dcplan.py "$@"; }
+bench() { "$PY" -m torch.distributed.run --nproc-per-node "${NPROC:-2}" bench/gpu/fsdp_vs_dcplan.py "$@"; }
 quiet() { grep -v "^\[\|UserWarning\|_warn_once\|^W1\|^\*\*\*\|OMP_NUM_THREADS" || true; }
 
 case "$what" in
@@ -148,7 +148,7 @@ case "$what" in
     fi
     echo "== 2. record the compiled model"
     build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 3 --timeout 400 -- "$PY" -m torch.distributed.run \
-      --nproc-per-node 2 bench/gpu/fsdp_vs_dcplan.py --modes dcplan-compiled $args --warmup 3 --steps 10 2>&1 | quiet | tail -3
+      --nproc-per-node "${NPROC:-2}" bench/gpu/fsdp_vs_dcplan.py --modes dcplan-compiled $args --warmup 3 --steps 10 2>&1 | quiet | tail -3
     echo "== 3. plan"
     build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/plan.json" | tail -6
     echo "== 4. every mode, interleaved"
