@@ -152,7 +152,8 @@ def _users_of_copy(wait: torch.fx.Node) -> List[torch.fx.Node]:
                 continue
             seen.add(user)
             users.append(user)
-            if key is not None and _storage_key(user) == key:
+            user_key = _storage_key(user)
+            if key is not None and user_key is not None and user_key == key:
                 todo.append(user)  # a view: its readers read the copy too
     return users
 

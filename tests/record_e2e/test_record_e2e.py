@@ -240,3 +240,21 @@ def backward_gathers(dcplan_bin_path, out, args):
     t = json.loads(out.read_text())
     names = {p["id"]: p["name"] for p in t["params"]}
     return [names[e["ds_id"]] for e in t["steps"][0]["graphs"][1]["events"] if e["op"] == "allgather_param"]
+
+
+def test_compiled_model_is_recorded_planned_and_replayed(dcplan_ok, tmp_path):
+    """train_llama --compile (dcplan.shard(compile=True)): the trace holds the compiled graphs'
+    ops, and the plan made from it is followed by the compiled replay without changing a number."""
+    args = ["--compile", "--steps", "4"]
+    trace, plan = tmp_path / "t.json", tmp_path / "p.json"
+    gathers = backward_gathers(dcplan_ok, trace, args)
+    # The backward gathers again what its gradients need (recomputed by the partitioner, never
+    # saved): the output head's weight first, its gradient being the first to come.
+    assert gathers and gathers[0] == "head.weight", gathers
+    p = subprocess.run([dcplan_ok, "plan", str(trace), "-o", str(plan)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    logs = str(tmp_path / "replay.{rank}.jsonl")
+    planned = losses_of(tmp_path, "planned", args, DCPLAN_PLAN=str(plan), DCPLAN_REPLAY_LOG=logs)
+    c = check_replay(plan, [logs.format(rank=0), logs.format(rank=1)])
+    assert c.returncode == 0 and c.stdout.count(f"follows {plan}") == 2, c.stdout + c.stderr
+    assert planned == losses_of(tmp_path, "plain", args)

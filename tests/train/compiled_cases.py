@@ -30,7 +30,8 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     """'base'; 'tied' (the head is the embedding's weight); 'twice' (a block called twice);
-    'frozen' (the first block's parameters do not train)."""
+    'frozen' (the first block's parameters do not train); 'break' (a graph break between the
+    blocks: Dynamo compiles the regions around it as separate graphs)."""
 
     def __init__(self, variant: str):
         super().__init__()
@@ -46,8 +47,10 @@ class Net(nn.Module):
 
     def forward(self, idx):
         x = self.embed(idx)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             x = block(x)
+            if self.variant == "break" and i == 0:
+                torch._dynamo.graph_break()
         if self.variant == "twice":
             x = self.blocks[1](x)
         return self.head(self.norm(x))
