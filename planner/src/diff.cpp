@@ -183,6 +183,7 @@ PlanDiff diffPlans(const schemas::Plan& a, const schemas::Plan& b, double tolera
           static_cast<double>(b.source.worldSize));
   d.exact("/source/stage", "source.stage", static_cast<double>(a.source.stage),
           static_cast<double>(b.source.stage));
+  d.text("/source/replay", "source.replay", a.source.replay, b.source.replay);
   d.text("/options/strategy", "options.strategy", a.options.strategy, b.options.strategy);
   d.text("/options/memory_budget_bytes", "options.memory_budget_bytes",
          a.options.memoryBudgetBytes ? std::to_string(*a.options.memoryBudgetBytes) : "none",

@@ -483,6 +483,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   plan.source.paramSignature = schemas::paramSignature(trace.params, w.worldSize);
   plan.source.worldSize = w.worldSize;
   plan.source.stage = w.stage;
+  plan.source.replay = trace.meta.replay;
   plan.options.strategy = strategyName(req.strategy);
   plan.options.memoryBudgetBytes = req.memoryBudgetBytes;
   plan.options.bandwidthGBps = req.bandwidthGBps;

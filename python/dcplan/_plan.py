@@ -79,6 +79,7 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
         reduce_name,
         state.param_dtype,
         on_mismatch,
+        state.compiled,
     )
     device = state.infos[0].shard.device if state.infos else torch.device("cpu")
     check_same_plan(path, before, _digest(path), device)

@@ -114,7 +114,8 @@ def attach() -> None:
     _C.record_attach()
 
 
-def add_model(stage: int, fwd_graph: int, bwd_graph: int, infos, world_size: int, param_dtype, reduce_dtype) -> None:
+def add_model(stage: int, fwd_graph: int, bwd_graph: int, infos, world_size: int, param_dtype, reduce_dtype,
+              compiled: bool = False) -> None:
     def name(dt):
         return str(dt or torch.float32).replace("torch.", "")
 
@@ -123,7 +124,8 @@ def add_model(stage: int, fwd_graph: int, bwd_graph: int, infos, world_size: int
          i.trainable)
         for i in infos
     ]
-    _C.record_add_model(stage, fwd_graph, bwd_graph, name(param_dtype), name(reduce_dtype or param_dtype), params)
+    _C.record_add_model(stage, fwd_graph, bwd_graph, name(param_dtype), name(reduce_dtype or param_dtype), params,
+                        compiled)
 
 
 def after_start_forward() -> None:

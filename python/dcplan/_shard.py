@@ -291,7 +291,8 @@ def shard(
     if plan_path is not None:
         state.hooks.set_keep(_plan.load(state, plan_path, on_mismatch, reduce_dtype)["persistent"])
     if _record.active():
-        _record.add_model(stage, fwd_graph, bwd_graph, state.infos, world_size, param_dtype, reduce_dtype)
+        _record.add_model(stage, fwd_graph, bwd_graph, state.infos, world_size, param_dtype, reduce_dtype,
+                          state.compiled)
 
     for module, attrs, ids_of_module in owned.values():
         if state.compiled:

@@ -77,8 +77,9 @@ void bindRecorder(py::module_& m) {
   m.def(
       "record_add_model",
       [](int64_t stage, int64_t forwardGraph, int64_t backwardGraph, const std::string& paramDtype,
-         const std::string& reduceDtype, const std::vector<py::tuple>& params) {
+         const std::string& reduceDtype, const std::vector<py::tuple>& params, bool compiled) {
         ModelInfo info;
+        info.compiled = compiled;
         info.stage = stage;
         info.forwardGraph = forwardGraph;
         info.backwardGraph = backwardGraph;
@@ -102,7 +103,7 @@ void bindRecorder(py::module_& m) {
         current("record_add_model")->addModel(info);
       },
       py::arg("stage"), py::arg("forward_graph"), py::arg("backward_graph"), py::arg("param_dtype"),
-      py::arg("reduce_dtype"), py::arg("params"));
+      py::arg("reduce_dtype"), py::arg("params"), py::arg("compiled") = false);
   m.def(
       "record_done", [] { return current("record_done")->done(); },
       "Whether every step is recorded (known at the start_forward after the last one).");

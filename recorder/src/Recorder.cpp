@@ -274,6 +274,7 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
   t.meta.gradAccumSteps = gradAccumSteps_;
   t.meta.paramDtype = first.paramDtype;
   t.meta.reduceDtype = first.reduceDtype;
+  t.meta.replay = first.compiled ? "compiled" : "eager";
   t.meta.versions = config_.versions;
   t.meta.versions["dcplan"] = DCPLAN_VERSION;
   t.memory.capacityBytes = memory_->capacityBytes();

@@ -76,13 +76,14 @@ void bindPlan(py::module& m) {
       "load_plan",
       [liveModel](const std::string& path, const std::vector<ParamTuple>& params, int64_t worldSize,
                   int64_t stage, int64_t forwardGraph, int64_t backwardGraph, const std::string& reduceDtype,
-                  const py::object& gatherDtype, const std::string& onMismatch) {
+                  const py::object& gatherDtype, const std::string& onMismatch, bool compiled) {
         LiveModel model = liveModel(params, worldSize);
         model.stage = stage;
         model.forwardGraph = forwardGraph;
         model.backwardGraph = backwardGraph;
         model.reduceDtype = reduceDtype;
         model.gatherDtype = optionalDtype(gatherDtype, "load_plan: gather_dtype");
+        model.compiled = compiled;
         TORCH_CHECK(onMismatch == "error" || onMismatch == "fallback",
                     "load_plan: on_mismatch should be \"error\" or \"fallback\", got \"", onMismatch, "\"");
         PlanSummary summary;
@@ -101,7 +102,7 @@ void bindPlan(py::module& m) {
       },
       py::arg("path"), py::arg("params"), py::arg("world_size"), py::arg("stage"), py::arg("forward_graph"),
       py::arg("backward_graph"), py::arg("reduce_dtype"), py::arg("gather_dtype") = py::none(),
-      py::arg("on_mismatch") = "error",
+      py::arg("on_mismatch") = "error", py::arg("compiled") = false,
       "Reads plan file path, checks it against the live model (ValueError naming the file, the JSON "
       "pointer and what differs) and makes it the runtime's schedule.");
   m.def("set_replay_log", &setReplayLog, py::arg("path"), py::call_guard<py::gil_scoped_release>(),

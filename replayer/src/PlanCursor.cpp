@@ -432,6 +432,13 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
            "the plan is for ZeRO stage " + std::to_string(src.stage) + ", this run uses stage " +
                std::to_string(model.stage));
   }
+  const std::string replay = model.compiled ? "compiled" : "eager";
+  if (src.replay != replay) {
+    refuse(path, "/source/replay",
+           "the plan was made from a trace of the " + src.replay + " model, this run is " + replay +
+               " (dcplan.shard(compile=" + (model.compiled ? "True" : "False") +
+               ")): their op sequences differ; record the model as it runs here and plan again");
+  }
   std::set<int64_t> live;
   std::set<int64_t> frozen;
   for (const LiveParam& p : model.params) {

@@ -78,6 +78,7 @@ class PlanValidator {
       if (*stage > 3) diags_.add(r.pointerOf("stage"), "expected 1, 2 or 3, got " + std::to_string(*stage));
       s.stage = *stage;
     }
+    s.replay = r.oneOf("replay", {"eager", "compiled"}, P::Optional).value_or("eager");
     r.rejectUnknownFields();
   }
 
@@ -222,15 +223,16 @@ std::string writePlan(const Plan& plan) {
                       {"prefetch", std::move(prefetch)},
                       {"buckets", std::move(buckets)}});
   }
+  ordered_json source{{"trace", plan.source.trace},
+                      {"trace_digest", plan.source.traceDigest},
+                      {"param_signature", plan.source.paramSignature},
+                      {"world_size", plan.source.worldSize},
+                      {"stage", plan.source.stage}};
+  if (plan.source.replay != "eager") source["replay"] = plan.source.replay;  // absent: eager
   ordered_json doc{
       {"schema", kPlanSchema},
       {"created_by", plan.createdBy},
-      {"source",
-       {{"trace", plan.source.trace},
-        {"trace_digest", plan.source.traceDigest},
-        {"param_signature", plan.source.paramSignature},
-        {"world_size", plan.source.worldSize},
-        {"stage", plan.source.stage}}},
+      {"source", std::move(source)},
       {"options", std::move(options)},
       {"persistent", plan.persistent},
       {"graphs", std::move(graphs)},

@@ -78,6 +78,7 @@ class TraceValidator {
     meta.gradAccumSteps = r.integer("grad_accum_steps", 1).value_or(1);
     meta.paramDtype = r.dtype("param_dtype").value_or("");
     meta.reduceDtype = r.dtype("reduce_dtype").value_or("");
+    meta.replay = r.oneOf("replay", {"eager", "compiled"}, FieldReader::Optional).value_or("eager");
     if (auto* versions = r.object("versions")) {
       for (const auto& [key, v] : versions->items()) {
         if (!v.is_string()) {
@@ -375,6 +376,7 @@ std::string writeTrace(const Trace& t) {
                     {"reduce_dtype", t.meta.reduceDtype}};
   meta["versions"] = ordered_json::object();
   for (const auto& [k, v] : t.meta.versions) meta["versions"][k] = v;
+  if (t.meta.replay != "eager") meta["replay"] = t.meta.replay;  // absent: eager, as before the field
 
   ordered_json params = ordered_json::array();
   for (const auto& p : t.params) {

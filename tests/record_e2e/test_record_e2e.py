@@ -248,13 +248,31 @@ def test_compiled_model_is_recorded_planned_and_replayed(dcplan_ok, tmp_path):
     args = ["--compile", "--steps", "4"]
     trace, plan = tmp_path / "t.json", tmp_path / "p.json"
     gathers = backward_gathers(dcplan_ok, trace, args)
+    assert json.loads(trace.read_text())["meta"]["replay"] == "compiled"
     # The backward gathers again what its gradients need (recomputed by the partitioner, never
     # saved): the output head's weight first, its gradient being the first to come.
     assert gathers and gathers[0] == "head.weight", gathers
     p = subprocess.run([dcplan_ok, "plan", str(trace), "-o", str(plan)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
+    i = subprocess.run([dcplan_ok, "inspect", str(plan)], capture_output=True, text=True)
+    assert "ZeRO-3, grad accum 1, compiled" in i.stdout, i.stdout
     logs = str(tmp_path / "replay.{rank}.jsonl")
     planned = losses_of(tmp_path, "planned", args, DCPLAN_PLAN=str(plan), DCPLAN_REPLAY_LOG=logs)
     c = check_replay(plan, [logs.format(rank=0), logs.format(rank=1)])
     assert c.returncode == 0 and c.stdout.count(f"follows {plan}") == 2, c.stdout + c.stderr
     assert planned == losses_of(tmp_path, "plain", args)
+
+
+def test_plan_of_the_other_replay_mode_is_refused(dcplan_ok, tmp_path):
+    """A plan records whether its trace came from the eager or the compiled model (their op
+    sequences differ); the other mode refuses it at shard(), naming the file and the field."""
+    eager_trace, eager_plan = tmp_path / "eager.json", tmp_path / "eager-plan.json"
+    backward_gathers(dcplan_ok, eager_trace, ["--steps", "4"])
+    assert "replay" not in json.loads(eager_trace.read_text())["meta"]  # absent: eager, as before the field
+    p = subprocess.run([dcplan_ok, "plan", str(eager_trace), "-o", str(eager_plan)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = subprocess.run(torchrun("--compile", "--steps", "2"), capture_output=True, text=True,
+                       env=env(DCPLAN_PLAN=str(eager_plan)), timeout=600)
+    assert r.returncode != 0
+    assert (f"{eager_plan}: /source/replay: the plan was made from a trace of the eager model, this run is "
+            "compiled") in r.stderr, r.stderr[-3000:]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from train_harness import run_cases
 
@@ -31,7 +32,9 @@ class Block(nn.Module):
 class Net(nn.Module):
     """'base'; 'tied' (the head is the embedding's weight); 'twice' (a block called twice);
     'frozen' (the first block's parameters do not train); 'break' (a graph break between the
-    blocks: Dynamo compiles the regions around it as separate graphs)."""
+    blocks: Dynamo compiles the regions around it as separate graphs); 'ckpt' (each block under
+    activation checkpointing, torch.utils.checkpoint with use_reentrant=False); 'bf16' and
+    'bf16-eager' (the base model gathered in bf16, reduced in fp32: compiled and eager replay)."""
 
     def __init__(self, variant: str):
         super().__init__()
@@ -48,7 +51,10 @@ class Net(nn.Module):
     def forward(self, idx):
         x = self.embed(idx)
         for i, block in enumerate(self.blocks):
-            x = block(x)
+            if self.variant == "ckpt":
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
             if self.variant == "break" and i == 0:
                 torch._dynamo.graph_break()
         if self.variant == "twice":
@@ -99,7 +105,9 @@ def sharded(variant: str, stage: int, accum: int, rank: int, ws: int, device: st
 
     torch._dynamo.reset()
     model = make(variant, device)
-    dcplan.shard(model, stage=stage, reduce_bucket_bytes=1024, compile=True)
+    compiled = variant != "bf16-eager"
+    mixed = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if variant.startswith("bf16") else {}
+    dcplan.shard(model, stage=stage, reduce_bucket_bytes=1024, compile=compiled, **mixed)
     opt = _optimizer(model)
     per = BATCH // ws
     mine = slice(rank * per, (rank + 1) * per)
@@ -131,5 +139,5 @@ def worker(rank: int, ws: int, store: str, out_dir: str, cases: List[tuple], dev
     """cases: (variant, stage, micro-steps per optimizer step); device "cuda": NCCL, rank r on GPU r."""
     run_cases(rank, ws, store, out_dir,
               [(f"{v}-zero{s}-accum{a}", lambda v=v, s=s, a=a: sharded(v, s, a, rank, ws, device),
-                lambda v=v, a=a: reference(v, a, device)) for v, s, a in cases],
+                None if v.startswith("bf16") else lambda v=v, a=a: reference(v, a, device)) for v, s, a in cases],
               backend="nccl" if device == "cuda" else "gloo")

@@ -69,6 +69,22 @@ TEST(RoundTrip, OptionalPlanFieldsStayAbsentOrPresent) {
   EXPECT_EQ(writePlan(again), text);
 }
 
+TEST(RoundTrip, ReplayModeIsAbsentForEagerAndKeptForCompiled) {
+  Trace trace = readTrace(kInputs / "minimal.trace.json");
+  Plan plan = readPlan(kInputs / "minimal.plan.json");
+  EXPECT_EQ(trace.meta.replay, "eager");
+  EXPECT_EQ(plan.source.replay, "eager");
+  trace.meta.replay = "compiled";
+  plan.source.replay = "compiled";
+  Trace t2;
+  Plan p2;
+  ASSERT_TRUE(validateTrace(parseJson(writeTrace(trace), "trace"), t2).empty());
+  ASSERT_TRUE(validatePlan(parseJson(writePlan(plan), "plan"), p2).empty());
+  EXPECT_EQ(t2.meta.replay, "compiled");
+  EXPECT_EQ(p2.source.replay, "compiled");
+  EXPECT_EQ(writePlan(p2), writePlan(plan));
+}
+
 TEST(Signature, DependsOnNamesShapesDtypesAndWorldSizeOnly) {
   std::vector<TraceParam> params{{0, "a.weight", {4, 3}, "float32", 12, 6, true},
                                  {1, "a.bias", {3}, "float32", 3, 2, true}};

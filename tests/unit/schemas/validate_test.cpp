@@ -114,6 +114,9 @@ INSTANTIATE_TEST_SUITE_P(
                   },
                   {"/steps/0/graphs/0/events/1/peak_bytes: peak_bytes (4000) is below memory_bytes (5000): the "
                    "peak since the previous op includes the bytes in use at this one"}},
+        TraceCase{"UnknownReplayMode",
+                  [](auto& t) { t["meta"]["replay"] = "jit"; },
+                  {"/meta/replay: expected one of \"eager\", \"compiled\", got \"jit\""}},
         TraceCase{"EmptyCurve",
                   [](auto& t) { t["calibration"]["all_reduce"] = ordered_json::array(); },
                   {"/calibration/all_reduce: expected at least one calibration point"}},

@@ -35,6 +35,7 @@ struct ModelInfo {
   int64_t backwardGraph = 1;
   std::string paramDtype = "float32";   ///< gather dtype, torch name
   std::string reduceDtype = "float32";  ///< dtype of the reduce buckets
+  bool compiled = false;                ///< replayed in torch.compile graphs (trace meta.replay)
   std::vector<schemas::TraceParam> params;
 };
 

@@ -37,6 +37,7 @@ struct LiveModel {
   std::string reduceDtype;  ///< dtype gradients are reduced in
   /// dtype of the planned prefetches (the gathers' dtype); nullopt: the shard's.
   std::optional<c10::ScalarType> gatherDtype;
+  bool compiled = false;  ///< dcplan.shard(compile=True): the plan must come from a compiled trace
 };
 
 enum class OnMismatch { Error, Fallback };

@@ -19,6 +19,7 @@ struct PlanSource {
   std::string paramSignature;  ///< paramSignature() for the planned world size
   int64_t worldSize = 1;       ///< planned world size
   int64_t stage = 3;
+  std::string replay = "eager";  ///< the trace's meta.replay: "eager" or "compiled"
 };
 
 /// The options the planner ran with.

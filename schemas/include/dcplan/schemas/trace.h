@@ -22,6 +22,9 @@ struct TraceMeta {
   std::string paramDtype;                       ///< dtype parameters are gathered in
   std::string reduceDtype;                      ///< dtype gradients are reduced in
   std::map<std::string, std::string> versions;  ///< "dcplan", "torch", "nccl", ...
+  /// How the recorded run replayed: "eager" (module hooks) or "compiled" (torch.compile graphs,
+  /// dcplan.shard(compile=True)); the two issue different op sequences.
+  std::string replay = "eager";
 };
 
 /// Device memory facts of the recording rank(s).
