@@ -43,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
     p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="compiled replay (dcplan.shard(compile=True))")
     p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
                    help="attention implementation (eager: deterministic on GPUs, for --check-resume)")
     p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping (dcplan.clip_grad_norm_)")
@@ -67,7 +68,7 @@ def build(args, device, seed):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     param_dtype = torch.bfloat16 if args.param_dtype == "bfloat16" else None
-    dcplan.shard(model, stage=args.stage, param_dtype=param_dtype, reduce_dtype=torch.float32)
+    dcplan.shard(model, stage=args.stage, param_dtype=param_dtype, reduce_dtype=torch.float32, compile=args.compile)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     return model, opt
 

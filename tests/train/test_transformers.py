@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 import transformer_cases as tc  # noqa: E402
 
 CASES = [(m, s) for m in tc.MODELS for s in (1, 2, 3)]
+# Compiled replay (dcplan.shard(compile=True)) against the model under torch.compile.
+COMPILED = [("llama", 3, True), ("gpt2", 3, True), ("llama-tied", 2, True)]
 # fp32 on both sides, 2 ranks summing gradients in another order: the equivalence matrix's
 # tolerances (tests/python/test_equivalence.py).
 LOSS_TOL = dict(rtol=1e-5, atol=0)
@@ -20,7 +22,7 @@ PARAM_TOL = dict(rtol=1e-5, atol=1e-6)
 
 @pytest.fixture(scope="module")
 def results(dcplan_module):
-    return run_ranks(tc.worker, 2, CASES)
+    return run_ranks(tc.worker, 2, CASES + COMPILED)
 
 
 @pytest.mark.parametrize("kind,stage", CASES, ids=[f"{m}-zero{s}" for m, s in CASES])
@@ -29,6 +31,13 @@ def test_matches_single_process(results, kind, stage):
     got, ref = res["value"], res["reference"]
     assert_trained_like(got, ref, LOSS_TOL, PARAM_TOL)
     assert got["tied"] == ref["tied"] == (kind != "llama")
+
+
+@pytest.mark.parametrize("kind,stage,compiled", COMPILED, ids=[tc.case_name(*c) for c in COMPILED])
+def test_compiled_matches_single_process_compiled(results, kind, stage, compiled):
+    res = entry(results, tc.case_name(kind, stage, compiled))
+    assert_trained_like(res["value"], res["reference"], LOSS_TOL, PARAM_TOL)
+    assert res["value"]["tied"] == res["reference"]["tied"] == (kind != "llama")
 
 
 @pytest.mark.parametrize("kind,stage", CASES, ids=[f"{m}-zero{s}" for m, s in CASES])

@@ -52,17 +52,21 @@ def generate(model, prompt):
     return out
 
 
-def reference(kind: str) -> Dict:
+def reference(kind: str, compiled: bool = False) -> Dict:
+    """compiled: the model under torch.compile, and no generate() (its every length would compile)."""
+    torch._dynamo.reset()
     model = make(kind)
+    run = torch.compile(model) if compiled else model
     opt = optimizer(model.parameters())
     losses, generated = [], []
     for ids in data():
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = run(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        generated.append(generate(model, ids[:1, :3]))
+        if not compiled:
+            generated.append(generate(model, ids[:1, :3]))
     return {"losses": losses, "generated": generated, "tied": _tied(model),
             "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
 
@@ -71,12 +75,14 @@ def _tied(model) -> bool:
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-def sharded(kind: str, stage: int, rank: int, ws: int, out_dir: str) -> Dict:
+def sharded(kind: str, stage: int, rank: int, ws: int, out_dir: str, compiled: bool = False) -> Dict:
+    """compiled: dcplan.shard(compile=True); losses and parameters only (as reference)."""
     import dcplan
 
+    torch._dynamo.reset()
     model = make(kind)
     tied = _tied(model)
-    dcplan.shard(model, stage=stage, reduce_bucket_bytes=4096)
+    dcplan.shard(model, stage=stage, reduce_bucket_bytes=4096, compile=compiled)
     opt = optimizer(model.parameters())
     per = BATCH // ws
     losses, generated = [], []
@@ -84,7 +90,10 @@ def sharded(kind: str, stage: int, rank: int, ws: int, out_dir: str) -> Dict:
         mine = ids[rank * per:(rank + 1) * per]
         loss = model(input_ids=mine, labels=mine).loss
         losses.append(step(loss, opt, ws))
-        generated.append(generate(model, ids[:1, :3]))  # every rank the same prompt: the same tokens
+        if not compiled:
+            generated.append(generate(model, ids[:1, :3]))  # every rank the same prompt: the same tokens
+    if compiled:
+        return {"losses": losses, "tied": tied, "params": dcplan.full_parameters(model)}
     full = dcplan.get_model_state_dict(model, options=dcplan.StateDictOptions(full_state_dict=True,
                                                                               cpu_offload=True))
     reloaded = None
@@ -100,6 +109,12 @@ def sharded(kind: str, stage: int, rank: int, ws: int, out_dir: str) -> Dict:
             "reloaded": reloaded, "reloaded_tied": reloaded_tied if rank == 0 else None}
 
 
+def case_name(kind: str, stage: int, compiled: bool = False) -> str:
+    return f"{kind}-zero{stage}" + ("-compiled" if compiled else "")
+
+
 def worker(rank: int, ws: int, store: str, out_dir: str, cases: List[tuple]) -> None:
-    run_cases(rank, ws, store, out_dir, [(f"{k}-zero{s}", lambda k=k, s=s: sharded(k, s, rank, ws, out_dir),
-                                          lambda k=k: reference(k)) for k, s in cases])
+    """cases: (kind, stage) or (kind, stage, compiled)."""
+    run_cases(rank, ws, store, out_dir,
+              [(case_name(*c), lambda c=c: sharded(c[0], c[1], rank, ws, out_dir, *c[2:]),
+                lambda c=c: reference(c[0], *c[2:])) for c in cases])
