@@ -17,6 +17,9 @@ reduction. Modes:
 * dcplan-compiled -- as dcplan with compile=True (compiled replay: forward and backward as
             Inductor graphs with the dc ops inside), default schedule, or the plans given by
             --compiled-plan (made from a trace of the compiled model);
+* deepspeed, deepcompile -- DeepSpeed ZeRO-3 (bf16, fp32 communication, torch AdamW), eager and
+            with DeepCompile (compile.deepcompile, engine.compile()); not in a process with dcplan
+            modes (both register torch.ops.dc): run in turn and combine with --merge;
 * bound  -- the compute-only bound, on rank 0: forward+backward of the whole model in bf16 on
             one GPU without any communication, plus the AdamW step over this rank's 1/world
             share of the fp32 parameters.
@@ -26,7 +29,8 @@ end), tokens/s over all GPUs, peak memory (max over ranks, torch.cuda.max_memory
 the ratio of the step time to the compute-only bound, and the first/last loss. --json FILE
 writes the same as JSON. --rounds N runs the modes N times in turn and reports each mode's
 median step time (the GPU machines' hosts vary from minute to minute, and these shapes
-are host-bound).
+are host-bound). --merge FILE... prints the table of several such --json files (rounds run as
+separate processes), each mode's rounds merged the same way.
 """
 import argparse
 import gc
@@ -105,17 +109,21 @@ class Bench:
         return self.tl.Llama(a.vocab, a.hidden, a.layers, a.heads, a.kv_heads or a.heads, self.ffn, a.seq,
                              False).to(self.device)
 
-    def run(self, model, opt, mode):
+    def run(self, model, opt, mode, update=None):
+        """update(loss): backward and optimizer step (default: loss.backward(), opt.step(), zero_grad)."""
         a = self.args
         losses = []
+
+        def default_update(loss):
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
         def step(i):
             x, y = self.batches[i]
             logits = model(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            (update or default_update)(loss)
             losses.append(loss.detach())
 
         for i in range(a.warmup):
@@ -128,7 +136,8 @@ class Bench:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         self.run_peak = torch.cuda.max_memory_allocated(self.device)  # before the phases reset it
-        self.phase_peaks = self.peaks_by_phase(model, opt, mode)
+        # By phase only where forward, backward and step are the plain calls (not DeepSpeed's engine).
+        self.phase_peaks = self.peaks_by_phase(model, opt, mode) if update is None else None
         self.breakdown = self.profile(step, mode) if a.profile_steps else None
         if a.host_profile_steps:
             self.host_profile(step, mode)
@@ -318,6 +327,37 @@ class Bench:
         del model, opt
         return out
 
+    def deepspeed(self, compiled=False):
+        """DeepSpeed ZeRO-3 (bf16 on, fp32 communication, torch AdamW); compiled: DeepCompile
+        (compile.deepcompile, engine.compile()), whose passes run at step 5: time it after at
+        least 12 warm-up steps (--warmup)."""
+        import deepspeed
+
+        self.fresh()
+        torch._dynamo.reset()
+        model = self.model()
+        opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
+        config = {"train_micro_batch_size_per_gpu": self.args.batch, "gradient_accumulation_steps": 1,
+                  "bf16": {"enabled": True}, "communication_data_type": "fp32",
+                  "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+                  "compile": {"deepcompile": compiled}}
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        if compiled:
+            engine.compile()
+
+        def update(loss):
+            engine.backward(loss)
+            engine.step()
+
+        mode = "deepcompile" if compiled else "deepspeed"
+        step, losses = self.run(engine, opt, mode, update)
+        out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
+               "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks, "deepspeed": deepspeed.__version__}
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+        del engine, model, opt
+        return out
+
     def dcplan(self, plan=None, compiled=False):
         import dcplan
 
@@ -395,7 +435,66 @@ def merge_rounds(rs):
     return r
 
 
+def report(results, meta):
+    """The table of results (mode -> merged result) for meta: the shape, the machine, the versions."""
+    a = argparse.Namespace(**meta["args"])
+    world = meta["world"]
+    tokens = a.batch * a.seq * world
+    print(f"{a.label or 'shape'}: {meta['params'] / 1e6:.0f}M parameters, hidden {a.hidden}, {a.layers} layers, "
+          f"{a.batch}x{a.seq} tokens per GPU, {world} GPUs ({meta['device']}), torch {meta['torch']}")
+    bound = results.get("bound", {}).get("step_s")
+    width = max(8, *(len(m) for m in results))
+    print(f"{'mode':<{width}} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9} {'x bound':>8} {'pred ms':>8} {'pred GiB':>8} "
+          f"{'loss first/last':>16}")
+    for mode, r in results.items():
+        ratio = f"{r['step_s'] / bound:8.2f}" if bound else f"{'-':>8}"
+        pred = f"{1e3 * r['predicted_step_s']:8.1f}" if "predicted_step_s" in r else f"{'-':>8}"
+        pred += f" {r['predicted_peak_bytes'] / 2**30:8.2f}" if "predicted_peak_bytes" in r else f" {'-':>8}"
+        losses = r.get("losses")
+        loss = f"{losses[0]:7.3f}/{losses[-1]:7.3f}" if losses else f"{'-':>16}"
+        print(f"{mode:<{width}} {1e3 * r['step_s']:9.1f} {tokens / r['step_s']:10.0f} {r['peak_bytes'] / 2**30:9.2f} "
+              f"{ratio} {pred} {loss}")
+    for mode, r in results.items():
+        ph = r.get("phase_peaks_gib")
+        if ph:
+            print(f"{mode:<{width}} rank-0 peak GiB by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
+    for mode, r in results.items():
+        b = r.get("breakdown")
+        if b:
+            print(f"{mode:<{width}} rank-0 GPU time per step (ms): compute {b['compute_ms']:.1f}, NCCL {b['comm_ms']:.1f} "
+                  f"(overlapped {b['overlap_ms']:.1f}, exposed {b['exposed_comm_ms']:.1f}), idle {b['idle_ms']:.1f}, "
+                  f"window {b['window_ms']:.1f}")
+    for mode, r in results.items():
+        if "round_step_s" in r:
+            print(f"{mode:<{width}} step ms in each round: "
+                  + ", ".join(f"{1e3 * t:.1f}" for t in r["round_step_s"]) + " (the table: their median)")
+    if "bound" in results:
+        b = results["bound"]
+        print(f"bound = fwd+bwd {1e3 * b['fwd_bwd_s']:.1f} ms + optimizer {1e3 * b['optimizer_s']:.1f} ms")
+
+
+def merge_files(paths):
+    """--merge: the --json files of several runs of one shape (rounds run as separate processes,
+    as DeepSpeed's modes must: its op library registers torch.ops.dc, as dcplan's does), each
+    mode's rounds merged as --rounds does."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+        if "world" not in docs[-1]:
+            sys.exit(f"fsdp_vs_dcplan --merge: {p}: no 'world' field (written before --merge existed)")
+    runs = {}
+    for d in docs:
+        for mode, r in d["results"].items():
+            runs.setdefault(mode, []).extend(
+                [dict(r, step_s=t) for t in r["round_step_s"]] if "round_step_s" in r else [r])
+    report({mode: merge_rounds(rs) for mode, rs in runs.items()}, docs[0])
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--merge":
+        merge_files(sys.argv[2:])
+        return
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
     args = parse_args()
@@ -404,8 +503,12 @@ def main():
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    modes = args.modes.split(",")
+    ds = [m for m in modes if m in ("deepspeed", "deepcompile")]
+    if ds and len(ds) != len(modes) and any(m.startswith("dcplan") for m in modes):
+        sys.exit("fsdp_vs_dcplan: deepspeed/deepcompile and dcplan modes cannot share a process (both register "
+                 "torch.ops.dc); run them in turn in separate processes and combine the --json files with --merge")
     bench = Bench(args)
-    tokens = args.batch * args.seq * bench.world
     runs = {}  # mode -> its result in each round
     for _ in range(args.rounds):
         for mode in args.modes.split(","):
@@ -419,49 +522,18 @@ def main():
                     runs.setdefault(name, []).append(bench.dcplan(plan, compiled=True))
             elif mode == "fsdp2-compiled":
                 runs.setdefault(mode, []).append(bench.fsdp2(compiled=True))
+            elif mode in ("deepspeed", "deepcompile"):
+                runs.setdefault(mode, []).append(bench.deepspeed(compiled=mode == "deepcompile"))
             else:
                 runs.setdefault(mode, []).append(getattr(bench, mode)())
     results = {mode: merge_rounds(rs) for mode, rs in runs.items()}
     if bench.rank == 0:
-        n_params = sum(p.numel() for p in bench.model().parameters())
-        head = (f"{args.label or 'shape'}: {n_params / 1e6:.0f}M parameters, hidden {args.hidden}, {args.layers} layers, "
-                f"{args.batch}x{args.seq} tokens per GPU, {bench.world} GPUs ({torch.cuda.get_device_name()}), "
-                f"torch {torch.__version__}")
-        print(head)
-        bound = results.get("bound", {}).get("step_s")
-        width = max(8, *(len(m) for m in results))
-        print(f"{'mode':<{width}} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9} {'x bound':>8} {'pred ms':>8} {'pred GiB':>8} "
-              f"{'loss first/last':>16}")
-        for mode, r in results.items():
-            ratio = f"{r['step_s'] / bound:8.2f}" if bound else f"{'-':>8}"
-            pred = f"{1e3 * r['predicted_step_s']:8.1f}" if "predicted_step_s" in r else f"{'-':>8}"
-            pred += f" {r['predicted_peak_bytes'] / 2**30:8.2f}" if "predicted_peak_bytes" in r else f" {'-':>8}"
-            losses = r.get("losses")
-            loss = f"{losses[0]:7.3f}/{losses[-1]:7.3f}" if losses else f"{'-':>16}"
-            tps = tokens / r["step_s"] if mode != "bound" else bench.world * args.batch * args.seq / r["step_s"]
-            print(f"{mode:<{width}} {1e3 * r['step_s']:9.1f} {tps:10.0f} {r['peak_bytes'] / 2**30:9.2f} {ratio} {pred} {loss}")
-        for mode, r in results.items():
-            ph = r.get("phase_peaks_gib")
-            if ph:
-                print(f"{mode:<{width}} rank-0 peak GiB by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
-        for mode, r in results.items():
-            b = r.get("breakdown")
-            if b:
-                print(f"{mode:<{width}} rank-0 GPU time per step (ms): compute {b['compute_ms']:.1f}, NCCL {b['comm_ms']:.1f} "
-                      f"(overlapped {b['overlap_ms']:.1f}, exposed {b['exposed_comm_ms']:.1f}), idle {b['idle_ms']:.1f}, "
-                      f"window {b['window_ms']:.1f}")
-        if args.rounds > 1:
-            for mode, r in results.items():
-                if "round_step_s" in r:
-                    print(f"{mode:<{width}} step ms in each round: "
-                          + ", ".join(f"{1e3 * t:.1f}" for t in r["round_step_s"]) + " (the table: their median)")
-        if "bound" in results:
-            b = results["bound"]
-            print(f"bound = fwd+bwd {1e3 * b['fwd_bwd_s']:.1f} ms + optimizer {1e3 * b['optimizer_s']:.1f} ms")
+        meta = {"args": vars(args), "params": sum(p.numel() for p in bench.model().parameters()),
+                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "world": bench.world}
+        report(results, meta)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "params": n_params, "device": torch.cuda.get_device_name(),
-                           "torch": torch.__version__, "results": results}, f, indent=1)
+                json.dump({**meta, "results": results}, f, indent=1)
     dist.destroy_process_group()
 
 

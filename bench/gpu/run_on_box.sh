@@ -7,6 +7,9 @@
 #   bash bench/gpu/run_on_box.sh compiled comm|compute [args]  # compiled replay: GPU tests, then a
 #       trace of the compiled model, its plan, and fsdp2, fsdp2-compiled, dcplan, dcplan-compiled
 #       (default schedule and the plan) and the bound in one process, interleaved over rounds
+#   bash bench/gpu/run_on_box.sh deepspeed comm|compute [args]  # DeepSpeed ZeRO-3 eager and DeepCompile
+#       (wheels from .whl, carried) against $MODES (default fsdp2,dcplan-compiled,bound; $PLAN: a
+#       compiled plan), separate processes in turn over $ROUNDS rounds, merged into one table
 #   bash bench/gpu/run_on_box.sh comm|compute [args]  # one shape, everything in order:
 #       1. fsdp2, dcplan (default schedule) and the compute-only bound;
 #       2. dcplan record of the default schedule;
@@ -155,6 +158,27 @@ case "$what" in
     bench $args --modes "${MODES:-fsdp2,fsdp2-compiled,dcplan,dcplan-compiled,bound}" --compiled-plan "$P/plan.json" \
       --warmup 8 --steps 15 --rounds "${ROUNDS:-2}" --json "$P/modes.json" "$@" 2>&1 | tee "$P/modes.log" | quiet
     ;;
-  *) echo "run_on_box.sh: expected tests, bench, train, predict, compiled, comm or compute, got '$what'" >&2; exit 2 ;;
+  deepspeed)
+    sh=${1:-comm}
+    shift || true
+    case $sh in comm) args="--batch 1 --seq 1024 --label comm-heavy";; compute) args="--batch 4 --seq 2048 --label compute-heavy";;
+      *) echo "run_on_box.sh deepspeed: expected comm or compute, got '$sh'" >&2; exit 2;; esac
+    # DeepSpeed 0.19.8 as a pure wheel (DS_BUILD_OPS=0: its ops, DeepCompile's included, are built
+    # on first use) and the dependencies the machine lacks, carried in .whl (docs/benchmarks.md).
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+    P=$OUT/deepspeed-$sh
+    mkdir -p "$P"
+    # --warmup 14: DeepCompile profiles and runs its passes at step 5.
+    common=($args --warmup 14 --steps 15)
+    for r in $(seq "${ROUNDS:-2}"); do
+      bench "${common[@]}" --modes "${MODES:-fsdp2,dcplan-compiled,bound}" ${PLAN:+--compiled-plan "$PLAN"} \
+        --json "$P/round$r-torch.json" "$@" 2>&1 | tail -3
+      bench "${common[@]}" --modes deepspeed,deepcompile --json "$P/round$r-deepspeed.json" "$@" 2>&1 \
+        | grep -v "^\[" | tail -3
+    done
+    "$PY" bench/gpu/fsdp_vs_dcplan.py --merge "$P"/round*.json | tee "$P/merged.log"
+    ;;
+  *) echo "run_on_box.sh: expected tests, bench, train, predict, compiled, deepspeed, comm or compute, got '$what'" >&2; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - start )) s"
