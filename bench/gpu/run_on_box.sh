@@ -171,11 +171,13 @@ case "$what" in
     mkdir -p "$P"
     # --warmup 14: DeepCompile profiles and runs its passes at step 5.
     common=($args --warmup 14 --steps 15)
+    # A failed process is reported (its log's end) and the rounds go on.
     for r in $(seq "${ROUNDS:-2}"); do
       bench "${common[@]}" --modes "${MODES:-fsdp2,dcplan-compiled,bound}" ${PLAN:+--compiled-plan "$PLAN"} \
-        --json "$P/round$r-torch.json" "$@" 2>&1 | tail -3
-      bench "${common[@]}" --modes deepspeed,deepcompile --json "$P/round$r-deepspeed.json" "$@" 2>&1 \
-        | grep -v "^\[" | tail -3
+        --json "$P/round$r-torch.json" "$@" > "$P/round$r-torch.log" 2>&1 || tail -25 "$P/round$r-torch.log"
+      # DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as numbers (not the machine's "9.0a").
+      TORCH_CUDA_ARCH_LIST=9.0 bench "${common[@]}" --modes deepspeed,deepcompile --json "$P/round$r-deepspeed.json" \
+        "$@" > "$P/round$r-deepspeed.log" 2>&1 || tail -25 "$P/round$r-deepspeed.log"
     done
     "$PY" bench/gpu/fsdp_vs_dcplan.py --merge "$P"/round*.json | tee "$P/merged.log"
     ;;
