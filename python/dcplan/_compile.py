@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import warnings
 import pathlib
 from typing import Any, Dict, List, Optional
 
@@ -55,8 +56,17 @@ class _GatherParam(torch.autograd.Function):
         return None, None, None, None, None
 
 
-def gather(state, shard: torch.Tensor, ds_id: int) -> torch.Tensor:
-    return _GatherParam.apply(shard, state.fwd_graph, state.bwd_graph, ds_id, state.param_dtype)
+def gather(state, shard: torch.Tensor, ds_id: int, recompute: bool = False) -> torch.Tensor:
+    """shard's parameter, gathered for one read; recompute: in backward, on its graph."""
+    if not torch.compiler.is_compiling() and not state.eager_read_warned and torch.is_grad_enabled():
+        # Code between graphs (a graph break) runs eagerly: autograd saves what it reads whole,
+        # as the compiled graphs never do (their backward gathers again).
+        state.eager_read_warned = True
+        warnings.warn(f"dcplan: parameter {ds_id} was read outside the compiled graphs (code around a graph "
+                      "break runs eagerly): autograd keeps such a gathered copy until backward; move the read "
+                      "into the compiled region or remove the break", RuntimeWarning, stacklevel=3)
+    graph = state.bwd_graph if recompute else state.fwd_graph
+    return _GatherParam.apply(shard, graph, state.bwd_graph, ds_id, state.param_dtype)
 
 
 _gathering_classes: Dict[type, type] = {}
@@ -74,9 +84,14 @@ def _gathering_class(cls: type, attrs: List[str]) -> type:
         def get(self):
             shard = self._parameters[name]
             state = self.__dict__["_dcplan_state"]
+            recompute = False
             if state.forward_depth == 0:
-                return shard
-            return gather(state, shard, self.__dict__["_dcplan_param_ids"][name])
+                # Outside the model's forward: the shard, unless autograd runs a checkpointed
+                # region's forward again in eager code (a graph break inside it).
+                if torch._C._current_graph_task_id() == -1:
+                    return shard
+                recompute = True
+            return gather(state, shard, self.__dict__["_dcplan_param_ids"][name], recompute)
 
         return property(get)
 
@@ -167,6 +182,13 @@ class _PlaceGathers(CustomGraphPass):
         for wait in [n for n in graph.nodes if n.target is _dc.wait_allgather.default]:
             gather_node = wait.args[0]
             releases = [u for u in wait.users if u.target is _dc.release_param.default]
+            if gather_node.target is not _dc.allgather_param.default or len(releases) != 1:
+                # What _GatherParam traces, once Inductor's own passes removed functionalization's
+                # copies (its pattern matcher): anything else would leave a release unplaced.
+                raise RuntimeError(
+                    f"dcplan compiled replay: wait_allgather of ds_id {wait.args[2]} in graph {wait.args[1]} should "
+                    f"follow its allgather_param and have one release_param among its users, got "
+                    f"{gather_node.target} and {len(releases)}; leave Inductor's pattern_matcher on")
             for r in releases:
                 r.replace_all_uses_with(wait)
             if backward:
@@ -242,30 +264,45 @@ def inductor_options() -> Dict[str, Any]:
 
 
 def compile_forward(model: nn.Module, settings) -> None:
-    """model.forward, compiled with the dcplan passes; settings: True or torch.compile's kwargs."""
+    """model.forward, compiled with the dcplan passes; settings: True or torch.compile's kwargs
+    (check_settings accepted them)."""
     kwargs = {} if settings is True else dict(settings)
-    backend = kwargs.pop("backend", "inductor")
-    if backend != "inductor":
-        raise ValueError(f"dcplan.shard: compile: backend should be 'inductor', got {backend!r}")
+    kwargs.pop("backend", None)
     options = dict(kwargs.pop("options", None) or {})
-    clash = sorted(set(options) & set(inductor_options()))
-    if clash:
-        raise ValueError(f"dcplan.shard: compile: options {clash} are dcplan's own; leave them out")
     options.update(inductor_options())
-    if "mode" in kwargs:
-        raise ValueError("dcplan.shard: compile: 'mode' cannot be combined with dcplan's Inductor options; "
-                         "pass the settings of that mode in 'options' instead")
     model.forward = torch.compile(model.forward, backend="inductor", options=options, **kwargs)
 
 
+# CUDA graphs replay the device work they captured, not the dc ops' host state (docs/compiled.md).
+_REFUSED_OPTIONS = ("triton.cudagraphs", "triton.cudagraph_trees")
+
+
 def check_settings(settings) -> None:
+    """dcplan.shard's compile argument, before the model is changed."""
     if settings is False or settings is True:
         return
     if not isinstance(settings, dict):
         raise ValueError(f"dcplan.shard: compile should be a bool or a dict of torch.compile arguments, "
                          f"got {type(settings).__name__}")
-    known = {"fullgraph", "dynamic", "options", "backend", "disable", "mode"}
+    known = {"fullgraph", "dynamic", "options", "backend"}
     unknown = sorted(set(settings) - known)
+    if "mode" in unknown:
+        raise ValueError("dcplan.shard: compile: 'mode' is not supported (its CUDA graphs, 'reduce-overhead', "
+                         "cannot replay the dc ops' host state; docs/compiled.md); pass Inductor settings in "
+                         "'options'")
     if unknown:
         raise ValueError(f"dcplan.shard: compile: unknown torch.compile arguments {unknown}; expected some of "
                          f"{sorted(known)}")
+    if settings.get("backend", "inductor") != "inductor":
+        raise ValueError(f"dcplan.shard: compile: backend should be 'inductor', got {settings['backend']!r}")
+    options = settings.get("options") or {}
+    if not isinstance(options, dict):
+        raise ValueError(f"dcplan.shard: compile: options should be a dict of Inductor settings, "
+                         f"got {type(options).__name__}")
+    clash = sorted(set(options) & set(inductor_options()))
+    if clash:
+        raise ValueError(f"dcplan.shard: compile: options {clash} are dcplan's own; leave them out")
+    cuda_graphs = sorted(k for k in _REFUSED_OPTIONS if options.get(k))
+    if cuda_graphs:
+        raise ValueError(f"dcplan.shard: compile: options {cuda_graphs} (CUDA graphs) are not supported: a "
+                         "captured graph cannot replay the dc ops' host state (docs/compiled.md)")

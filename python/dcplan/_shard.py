@@ -23,6 +23,7 @@ import atexit
 import dataclasses
 import os
 import time
+import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -86,6 +87,7 @@ class _ShardState:
         self.trainable_infos: List[_ParamInfo] = []
         self.trainable_ids: List[int] = []
         self.compiled = False  # model.forward runs as torch.compile graphs (_compile)
+        self.eager_read_warned = False  # compiled: a parameter read outside the graphs was reported
         self.hooks = _C.ShardHooks(stage, fwd_graph, bwd_graph, param_dtype, _weak_begin_backward(self))
 
     @property
@@ -511,17 +513,29 @@ def _make_root_post_hook(state: _ShardState):
 
 def _begin_backward_before(state: _ShardState, output) -> None:
     """Compiled mode: the backward begins (state.begin_backward) when a gradient first reaches one
-    of the forward's outputs, before the compiled backward runs."""
-    fired = [False]
+    of the forward's outputs, before the compiled backward runs; once per backward, however many
+    forwards it goes through (end_backward clears in_backward, as the eager hooks' node does)."""
 
     def pre_hook(grad_outputs):
-        if not fired[0]:
-            fired[0] = True
+        if state.hooks.in_backward:
+            return
+        state.hooks.in_backward = True
+        try:
             state.begin_backward()
+        except BaseException:
+            state.hooks.in_backward = False  # not begun: the next backward tries again
+            raise
 
+    hooked = False
     for t in torch.utils._pytree.tree_leaves(output):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
             t.grad_fn.register_prehook(pre_hook)
+            hooked = True
+    if not hooked and state.trainable_ids:
+        warnings.warn(
+            f"dcplan: the compiled model's output ({type(output).__name__}) holds no tensor with a gradient "
+            "history: a backward through this forward would reduce no gradient (return the tensors a loss is "
+            "computed from)", RuntimeWarning, stacklevel=3)
 
 
 @torch.no_grad()

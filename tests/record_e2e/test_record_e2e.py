@@ -261,6 +261,12 @@ def test_compiled_model_is_recorded_planned_and_replayed(dcplan_ok, tmp_path):
     c = check_replay(plan, [logs.format(rank=0), logs.format(rank=1)])
     assert c.returncode == 0 and c.stdout.count(f"follows {plan}") == 2, c.stdout + c.stderr
     assert planned == losses_of(tmp_path, "plain", args)
+    # The eager model refuses it (the other way round: test_plan_of_the_other_replay_mode_is_refused).
+    r = subprocess.run(torchrun("--steps", "2"), capture_output=True, text=True, env=env(DCPLAN_PLAN=str(plan)),
+                       timeout=600)
+    assert r.returncode != 0
+    assert f"{plan}: /source/replay: the plan was made from a trace of the compiled model, this run is eager" \
+        in r.stderr, r.stderr[-3000:]
 
 
 def test_plan_of_the_other_replay_mode_is_refused(dcplan_ok, tmp_path):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from model_cases import Block
 from train_harness import run_cases
 
 STEPS = 4
@@ -18,29 +19,19 @@ BATCH, SEQ, VOCAB, D = 4, 6, 23, 16
 LR = 1e-3
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.up = nn.Linear(D, 2 * D + 3)
-        self.down = nn.Linear(2 * D + 3, D)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
 class Net(nn.Module):
     """'base'; 'tied' (the head is the embedding's weight); 'twice' (a block called twice);
     'frozen' (the first block's parameters do not train); 'break' (a graph break between the
     blocks: Dynamo compiles the regions around it as separate graphs); 'ckpt' (each block under
     activation checkpointing, torch.utils.checkpoint with use_reentrant=False); 'bf16' and
-    'bf16-eager' (the base model gathered in bf16, reduced in fp32: compiled and eager replay)."""
+    'bf16-eager' (the base model gathered in bf16, reduced in fp32: compiled and eager replay);
+    'two' (the base model, two forwards before each backward: loss_of)."""
 
     def __init__(self, variant: str):
         super().__init__()
         self.variant = variant
         self.embed = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.blocks = nn.ModuleList([Block(D) for _ in range(3)])
         self.norm = nn.LayerNorm(D)
         self.head = nn.Linear(D, VOCAB, bias=False)
         if variant == "tied":
@@ -74,7 +65,12 @@ def data(accum: int, device: str):
              for _ in range(accum)] for _ in range(STEPS)]
 
 
-def loss_of(model, idx, tgt):
+def loss_of(model, idx, tgt, variant: str = ""):
+    """'two': the batch in two halves, two forwards before one backward (their mean is the
+    whole batch's mean loss)."""
+    if variant == "two":
+        half = idx.shape[0] // 2
+        return (loss_of(model, idx[:half], tgt[:half]) + loss_of(model, idx[half:], tgt[half:])) / 2
     return F.cross_entropy(model(idx).reshape(-1, VOCAB), tgt.reshape(-1))
 
 
@@ -91,7 +87,7 @@ def reference(variant: str, accum: int, device: str) -> Dict:
     for micro in data(accum, device):
         total = 0.0
         for idx, tgt in micro:
-            loss = loss_of(compiled, idx, tgt) / accum
+            loss = loss_of(compiled, idx, tgt, variant) / accum
             loss.backward()
             total += loss.item()
         opt.step()
@@ -111,16 +107,18 @@ def sharded(variant: str, stage: int, accum: int, rank: int, ws: int, device: st
     opt = _optimizer(model)
     per = BATCH // ws
     mine = slice(rank * per, (rank + 1) * per)
-    losses, op_log = [], None
+    losses, op_log, first_grads = [], None, None
     for s, micro in enumerate(data(accum, device)):
         if s == 1:
             dcplan._C.start_op_log()
         total = 0.0
         for m, (idx, tgt) in enumerate(micro):
             model.set_requires_gradient_sync(m == accum - 1)
-            loss = loss_of(model, idx[mine], tgt[mine]) / accum
+            loss = loss_of(model, idx[mine], tgt[mine], variant) / accum
             loss.backward()
             total += loss.item()
+        if s == 0:  # this rank's reduced shard gradients of the first step
+            first_grads = {i.name: i.shard.grad.detach().cpu().clone() for i in model._dcplan.trainable_infos}
         opt.step()
         opt.zero_grad()
         if s == 1:
@@ -131,7 +129,7 @@ def sharded(variant: str, stage: int, accum: int, rank: int, ws: int, device: st
         losses.append(t.item() / ws)
     state = model._dcplan
     params = {k: v.cpu() for k, v in dcplan.full_parameters(model).items()}
-    return {"losses": losses, "params": params, "op_log": op_log,
+    return {"losses": losses, "params": params, "op_log": op_log, "first_grads": first_grads,
             "graphs": (state.fwd_graph, state.bwd_graph), "ids": {i.name: i.ds_id for i in state.infos}}
 
 

@@ -18,11 +18,13 @@ LR = 1e-3
 
 
 class Block(nn.Module):
-    def __init__(self):
+    """A pre-norm MLP block of width d (an odd inner width: shards are padded)."""
+
+    def __init__(self, d: int = D):
         super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.up = nn.Linear(D, 2 * D + 3)
-        self.down = nn.Linear(2 * D + 3, D)
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d + 3)
+        self.down = nn.Linear(2 * d + 3, d)
 
     def forward(self, x):
         return x + self.down(F.gelu(self.up(self.norm(x))))

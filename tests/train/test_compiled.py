@@ -10,7 +10,8 @@ from train_harness import assert_trained_like
 pytestmark = pytest.mark.multiprocess
 
 CASES = [("base", s, 1) for s in (1, 2, 3)] + [("base", s, 2) for s in (1, 2, 3)] + [
-    (v, 3, 1) for v in ("tied", "twice", "frozen", "break", "ckpt")] + [("tied", 1, 2), ("break", 2, 2)]
+    (v, 3, 1) for v in ("tied", "twice", "frozen", "break", "ckpt", "two")] + [("tied", 1, 2), ("break", 2, 2),
+                                                                                  ("two", 3, 2)]
 MIXED = [(v, s, 2) for s in (2, 3) for v in ("bf16", "bf16-eager")]
 # fp32 on both sides, both compiled by Inductor: the two runs differ in how the 2 ranks' gradient
 # sum is ordered (as eager, tests/python/test_equivalence.py) and in Inductor's kernels for a batch
@@ -40,12 +41,13 @@ def _ops(log, graph):
     return [(op, i) for op, g, i, b, dt in log if g == graph]
 
 
-@pytest.mark.parametrize("variant", ["base", "tied", "twice", "frozen", "break", "ckpt"])
+@pytest.mark.parametrize("variant", ["base", "tied", "twice", "frozen", "break", "ckpt", "two"])
 def test_zero3_ops_of_the_compiled_graphs(results, variant):
-    """ZeRO-3, one step's ops: every use of a parameter in forward is a gather, its wait, and later
-    its release (after the copy's last use: other ops between); backward gathers again on the
-    backward graph what its gradients need (never saved from forward); each trainable parameter's
-    gradient is reduced once per use, frozen ones never."""
+    """ZeRO-3, one step's ops: every gather in forward is followed by its wait, and later by its
+    release, after the copy's last read (a Linear's weight outlives its bias's gather: both feed
+    one addmm); backward gathers again on the backward graph what its gradients need (never saved
+    from forward); each trainable parameter's gradient is reduced once per read, frozen ones
+    never; identical reads in one graph are one gather (Inductor's CSE)."""
     v = entry(results, f"{variant}-zero3-accum1")["value"]
     fwd, bwd = (_ops(v["op_log"], g) for g in v["graphs"])
     ids = v["ids"]
@@ -61,9 +63,11 @@ def test_zero3_ops_of_the_compiled_graphs(results, variant):
         assert not any(held.values()), f"{graph}: gathered and never released: {held}"
     gathered = {i for op, i in fwd if op == "allgather_param"}
     assert gathered == set(ids.values())
-    # Some copies outlive the next gather (a weight and its module's bias, the embedding and the
-    # first norm fused into one kernel): releases are not all right after their wait.
-    assert any(fwd[k + 2][0] != "release_param" for k, (op, _) in enumerate(fwd) if op == "allgather_param")
+    for b in range(3):
+        weight, bias = ids[f"blocks.{b}.up.weight"], ids[f"blocks.{b}.up.bias"]
+        assert fwd.index(("release_param", weight)) > fwd.index(("wait_allgather", bias)), (b, fwd)
+    if variant == "tied":  # read by the embedding and by the head, in one graph: one gather
+        assert fwd.count(("allgather_param", ids["embed.weight"])) == 1
     assert any(op == "allgather_param" for op, _ in bwd), "backward gathers nothing: the copies were saved"
     reduced = [i for op, i in bwd if op == "reduce_grad"]
     frozen = {i for n, i in ids.items() if variant == "frozen" and n.startswith("blocks.0.")}
@@ -72,6 +76,8 @@ def test_zero3_ops_of_the_compiled_graphs(results, variant):
         assert reduced.count(ids["blocks.1.up.weight"]) == 2
     elif variant == "tied":  # the embedding's weight is the head's too: used twice
         assert reduced.count(ids["embed.weight"]) == 2
+    elif variant == "two":  # two forwards, one backward through both: every gradient twice
+        assert all(reduced.count(i) == 2 for i in ids.values()), reduced
     else:
         assert len(reduced) == len(set(reduced))
 
@@ -79,23 +85,42 @@ def test_zero3_ops_of_the_compiled_graphs(results, variant):
 def test_settings_are_checked():
     from dcplan import _compile
 
-    for bad, message in (("yes", "should be a bool or a dict"), ({"fullgraf": True}, "unknown torch.compile arguments")):
+    for bad, message in (("yes", "should be a bool or a dict"),
+                         ({"fullgraf": True}, "unknown torch.compile arguments"),
+                         ({"mode": "reduce-overhead"}, "'mode' is not supported"),
+                         ({"backend": "eager"}, "backend should be 'inductor'"),
+                         ({"options": {"allow_buffer_reuse": True}}, "are dcplan's own"),
+                         ({"options": {"triton.cudagraphs": True}}, "CUDA graphs")):
         with pytest.raises(ValueError, match=message):
             _compile.check_settings(bad)
 
 
-# bf16 gathers (fp32 master and reduce): compiled against eager replay of the same model. Eager
-# rounds every op's output to bf16 (8 significant bits: a relative error up to 2**-9 each),
-# Inductor rounds a fused chain once, so the losses differ by some 1e-3 relative; AdamW's
-# updates are about lr = 1e-3 per step whatever the gradient's size, and a few elements whose
-# update flips sign between the two runs move by up to 2 lr a step: 4 steps, 8e-3 at most.
-# Measured on 2 Gloo ranks: 1.2e-3 relative on the losses, 2.1e-3 on the parameters.
-MIXED_LOSS_TOL = dict(rtol=1e-2, atol=0)
-MIXED_PARAM_TOL = dict(rtol=0, atol=8e-3)
+# bf16 gathers (fp32 master and reduce): compiled against eager replay of the same model, on the
+# first step (later steps move parameters by about lr = 1e-3 whatever happened to the gradients,
+# too little to tell a broken run from rounding). The first loss: eager rounds every op's output
+# to bf16 (2**-9 relative each), Inductor a fused chain once; measured 1.2e-3 relative.
+MIXED_LOSS_RTOL = 1e-2
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_bf16_compiled_matches_eager(results, stage):
-    compiled = entry(results, _name("bf16", stage, 2))["value"]
-    eager = entry(results, _name("bf16-eager", stage, 2))["value"]
-    assert_trained_like(compiled, eager, MIXED_LOSS_TOL, MIXED_PARAM_TOL)
+def test_bf16_compiled_first_loss_matches_eager(results, stage):
+    compiled = entry(results, _name("bf16", stage, 2))["value"]["losses"][0]
+    eager = entry(results, _name("bf16-eager", stage, 2))["value"]["losses"][0]
+    assert abs(compiled - eager) <= MIXED_LOSS_RTOL * abs(eager), (compiled, eager)
+
+
+# The first step's reduced gradients, per parameter, normwise: eager rounds each op's output to
+# bf16 (2**-9 relative each) and a gradient passes a dozen such ops from the loss; Inductor
+# rounds once per fused chain. Measured 0.6e-2 to 1.5e-2 on 2 Gloo ranks; a gradient missing or
+# reduced for another parameter is off by about 1.
+MIXED_GRAD_RTOL = 5e-2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_compiled_gradients_match_eager(results, stage):
+    compiled = entry(results, _name("bf16", stage, 2))["value"]["first_grads"]
+    eager = entry(results, _name("bf16-eager", stage, 2))["value"]["first_grads"]
+    assert sorted(compiled) == sorted(eager)
+    for name, want in eager.items():
+        err = ((compiled[name] - want).norm() / want.norm()).item()
+        assert err < MIXED_GRAD_RTOL, f"{name}: normwise relative difference {err:.3g}"
