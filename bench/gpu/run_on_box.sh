@@ -46,6 +46,14 @@ cmake --build build/cuda --target dcplan_python dcplan_cli -j "$(nproc)" > build
 echo "built in $(( $(date +%s) - start )) s"
 export DCPLAN_BUILD_DIR=$PWD/build/cuda PYTHONPATH=$PWD/python
 bench() { "$PY" -m torch.distributed.run --nproc-per-node "${NPROC:-2}" bench/gpu/fsdp_vs_dcplan.py "$@"; }
+# The two benchmark shapes: shape_args comm|compute MODE sets $args (the bench's shape arguments).
+shape_args() {
+  case $1 in
+    comm) args="--batch 1 --seq 1024 --label comm-heavy";;
+    compute) args="--batch 4 --seq 2048 --label compute-heavy";;
+    *) echo "run_on_box.sh $2: expected comm or compute, got '$1'" >&2; exit 2;;
+  esac
+}
 quiet() { grep -v "^\[\|UserWarning\|_warn_once\|^W1\|^\*\*\*\|OMP_NUM_THREADS" || true; }
 
 case "$what" in
@@ -109,7 +117,7 @@ case "$what" in
     ;;
   comm|compute)
     sh=$what
-    case $sh in comm) args="--batch 1 --seq 1024 --label comm-heavy";; compute) args="--batch 4 --seq 2048 --label compute-heavy";; esac
+    shape_args "$sh" "$what"
     P=$OUT/$sh
     mkdir -p "$P"
     echo "== 1. fsdp2, dcplan default, bound"
@@ -141,8 +149,7 @@ case "$what" in
   compiled)
     sh=${1:-comm}
     shift || true
-    case $sh in comm) args="--batch 1 --seq 1024 --label comm-heavy";; compute) args="--batch 4 --seq 2048 --label compute-heavy";;
-      *) echo "run_on_box.sh compiled: expected comm or compute, got '$sh'" >&2; exit 2;; esac
+    shape_args "$sh" "$what"
     P=$OUT/compiled-$sh
     mkdir -p "$P"
     if [ -z "${SKIP_TESTS:-}" ]; then
@@ -161,8 +168,7 @@ case "$what" in
   deepspeed)
     sh=${1:-comm}
     shift || true
-    case $sh in comm) args="--batch 1 --seq 1024 --label comm-heavy";; compute) args="--batch 4 --seq 2048 --label compute-heavy";;
-      *) echo "run_on_box.sh deepspeed: expected comm or compute, got '$sh'" >&2; exit 2;; esac
+    shape_args "$sh" "$what"
     # DeepSpeed 0.19.8 as a pure wheel (DS_BUILD_OPS=0: its ops, DeepCompile's included, are built
     # on first use) and the dependencies the machine lacks, carried in .whl (docs/benchmarks.md).
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

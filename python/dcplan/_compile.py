@@ -179,7 +179,11 @@ class _PlaceGathers(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
-        for wait in [n for n in graph.nodes if n.target is _dc.wait_allgather.default]:
+        waits = [n for n in graph.nodes if n.target is _dc.wait_allgather.default]
+        bwd = _backward_graph_id(graph, waits[0].args[1]) if backward and waits else None
+        # Moving gathers, waits and releases leaves the other nodes in their order: one numbering.
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for wait in waits:
             gather_node = wait.args[0]
             releases = [u for u in wait.users if u.target is _dc.release_param.default]
             if gather_node.target is not _dc.allgather_param.default or len(releases) != 1:
@@ -189,29 +193,25 @@ class _PlaceGathers(CustomGraphPass):
                     f"dcplan compiled replay: wait_allgather of ds_id {wait.args[2]} in graph {wait.args[1]} should "
                     f"follow its allgather_param and have one release_param among its users, got "
                     f"{gather_node.target} and {len(releases)}; leave Inductor's pattern_matcher on")
-            for r in releases:
-                r.replace_all_uses_with(wait)
-            if backward:
-                bwd = _backward_graph_id(graph, gather_node.args[1])
-                for n in (gather_node, wait, *releases):
+            [release] = releases
+            release.replace_all_uses_with(wait)
+            if bwd is not None:
+                for n in (gather_node, wait, release):
                     _set_args(n, (n.args[0], bwd, *n.args[2:]))
-            order = {n: i for i, n in enumerate(graph.nodes)}
             users = _users_of_copy(wait)
+            last = wait
             if users:
                 first = min(users, key=order.__getitem__)
                 first.prepend(gather_node)
                 first.prepend(wait)
                 last = max(users, key=order.__getitem__)
-            else:
-                last = wait
             token = _release_token(last, wait)
-            for r in reversed(releases):
-                _set_args(r, (token, *r.args[1:]))
-                r.meta["val"] = token.meta["val"]  # the op returns its token
-                if last.op == "output":
-                    last.prepend(r)
-                else:
-                    (last if token is wait else token).append(r)
+            _set_args(release, (token, *release.args[1:]))
+            release.meta["val"] = token.meta["val"]  # the op returns its token
+            if last.op == "output":
+                last.prepend(release)
+            else:
+                (last if token is wait else token).append(release)
 
     def uuid(self):
         return _pass_uuid("place-gathers")

@@ -71,7 +71,7 @@ class _Packed:
 class _ShardState:
     """Per-model runtime state behind the hooks; the per-parameter work is _C.ShardHooks'."""
 
-    def __init__(self, stage, pg, param_dtype, fwd_graph, bwd_graph):
+    def __init__(self, stage, pg, param_dtype, fwd_graph, bwd_graph, compiled: bool = False):
         self.stage = stage
         # No reference to pg: dist.destroy_process_group() must be able to free it (and join
         # Gloo's worker threads) while Python is alive, not when the model is collected at exit.
@@ -86,7 +86,7 @@ class _ShardState:
         self.outside: Dict[tuple, torch.Tensor] = {}  # this forward's reads outside the owning module
         self.trainable_infos: List[_ParamInfo] = []
         self.trainable_ids: List[int] = []
-        self.compiled = False  # model.forward runs as torch.compile graphs (_compile)
+        self.compiled = compiled  # model.forward runs as torch.compile graphs (_compile)
         self.eager_read_warned = False  # compiled: a parameter read outside the graphs was reported
         self.hooks = _C.ShardHooks(stage, fwd_graph, bwd_graph, param_dtype, _weak_begin_backward(self))
 
@@ -260,8 +260,7 @@ def shard(
         reduce_dtype = param_dtype
     fwd_graph, bwd_graph = _next_graph_id, _next_graph_id + 1
     _next_graph_id += 2
-    state = _ShardState(stage, pg, param_dtype, fwd_graph, bwd_graph)
-    state.compiled = compile is not False
+    state = _ShardState(stage, pg, param_dtype, fwd_graph, bwd_graph, compiled=compile is not False)
 
     by_param: Dict[int, _ParamInfo] = {}
     owned: Dict[int, Tuple[nn.Module, List[str], List[int]]] = {}  # id(module) -> (module, attrs, ds_ids)
