@@ -12,9 +12,10 @@ namespace dcplan::cli {
 struct InspectPlanOptions {
   std::string trace;        ///< --trace: simulate on this trace for the per-layer table
   std::string chromeTrace;  ///< --chrome-trace: write the predicted timeline here
+  std::string memoryCurve;  ///< --memory-curve: write the simulated memory per op here
 };
 
-/// Adds --trace and --chrome-trace to the inspect subcommand.
+/// Adds --trace, --chrome-trace and --memory-curve to the inspect subcommand.
 void addInspectPlanOptions(CLI::App& cmd, InspectPlanOptions& options);
 
 /// Validates `doc` as a plan and prints its report; throws schemas::InputError

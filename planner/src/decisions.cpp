@@ -249,78 +249,27 @@ const char* issueReasonText(IssueReason r) {
 
 namespace {
 
-/// The memory curve of a graph when every gather happens on use (per op, the most of any
-/// of its runs): what prefetching adds to.
-std::vector<uint64_t> onUseMemory(const Context& c, int32_t g, const std::vector<GatherUse>& uses,
-                                  const std::vector<char>& persistent, uint64_t persistentBytes,
-                                  const std::vector<schemas::PlanBucket>& buckets) {
-  const GraphView& v = c.views[static_cast<size_t>(g)];
-  size_t n = v.issueUs.size();
-  std::vector<int64_t> delta(n + 1, 0);
-  for (const GatherUse& u : uses) {
-    if (persistent[static_cast<size_t>(u.param)]) continue;
-    delta[static_cast<size_t>(u.gatherOp)] += static_cast<int64_t>(u.bytes);
-    delta[static_cast<size_t>(u.releaseOp)] -= static_cast<int64_t>(u.bytes);
-  }
-  std::vector<BucketTiming> timings = bucketTimings(c, g, buckets);
-  const WorkGraph& wg = c.w.graphs[static_cast<size_t>(g)];
-  // Where each bucket launches (its last gradient), for ZeRO-2/3's next-launch rule.
-  std::vector<ptrdiff_t> launches;
-  for (const BucketTiming& t : timings) launches.push_back(t.lastOp);
-  std::sort(launches.begin(), launches.end());
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    const ptrdiff_t first = timings[b].firstOp;
-    const ptrdiff_t last = timings[b].lastOp;
-    ptrdiff_t until;
-    if (c.w.stage < 2) {
-      // ZeRO-1 fills its bucket from the first gradient until the reduction is done.
-      until = std::lower_bound(v.issueUs.begin(), v.issueUs.end(), timings[b].endUs) - v.issueUs.begin();
-      until = std::max<ptrdiff_t>(until, last + 1);
-    } else {
-      // ZeRO-2/3 lay it out at its launch and free it after the next launch (or at the end).
-      auto next = std::upper_bound(launches.begin(), launches.end(), last);
-      until = next == launches.end() ? static_cast<ptrdiff_t>(n) : *next + 1;
-    }
-    delta[static_cast<size_t>(c.w.stage < 2 ? first : last)] += static_cast<int64_t>(buckets[b].bytes);
-    delta[static_cast<size_t>(std::min<ptrdiff_t>(until, static_cast<ptrdiff_t>(n)))] -=
-        static_cast<int64_t>(buckets[b].bytes);
-  }
-  // Persistent copies: in the forward of a step's first micro-step (after an optimizer step,
-  // which makes a trainable one stale) each trainable one is gathered again at its first use
-  // and counts from there; frozen ones and every other run hold them from the start (in
-  // backward conservatively: the runtime ends trainable ones at their last use).
-  std::vector<uint64_t> firstGathered(n + 1, 0);
-  uint64_t heldFromStart = persistentBytes;
-  {
-    std::vector<int32_t> first(c.w.params.size(), -1);
-    std::vector<uint64_t> bytes(c.w.params.size(), 0);
-    for (const GatherUse& u : uses) {
-      const size_t p = static_cast<size_t>(u.param);
-      if (!persistent[p] || !c.w.params[p].requiresGrad) continue;
-      if (first[p] < 0 || u.gatherOp < first[p]) first[p] = u.gatherOp;
-      bytes[p] = u.bytes;
-    }
-    for (size_t p = 0; p < first.size(); ++p) {
-      if (first[p] < 0) continue;
-      firstGathered[static_cast<size_t>(first[p])] += bytes[p];
-      heldFromStart -= std::min(heldFromStart, bytes[p]);
-    }
-  }
-  // Per op, the most of any run of the graph: during the compute before the op (its peak,
-  // with what was held then) and at the op.
-  std::vector<uint64_t> m(n, 0);
-  for (const GraphRun& run : c.w.runs) {
-    if (run.graph != g) continue;
-    const bool fresh = wg.kind == schemas::GraphKind::Forward && run.microStep == 0;
-    uint64_t held = fresh ? heldFromStart : persistentBytes;
-    int64_t live = 0;
-    for (size_t i = 0; i < n; ++i) {
-      const uint64_t before = c.w.baselineBytes + held + static_cast<uint64_t>(std::max<int64_t>(0, live));
-      live += delta[i];
-      if (fresh) held += firstGathered[i];
-      const uint64_t at = c.w.baselineBytes + held + static_cast<uint64_t>(std::max<int64_t>(0, live));
-      m[i] = std::max({m[i], before + run.computePeakBytes[i], at + run.activationBytes[i]});
-    }
+/// The memory curve of every graph when every gather happens on use (per op, the most of any of
+/// its runs, during the compute before the op and at it): what prefetching adds to. It is the
+/// simulator's own curve, so the prefetch pass and the final check use one memory model.
+std::vector<std::vector<uint64_t>> onUseMemory(const Context& c, const std::vector<char>& persistent,
+                                               const BucketSet& buckets) {
+  const Workload& w = c.w;
+  std::vector<std::vector<schemas::PrefetchGroup>> none(w.graphs.size());
+  SimOptions record;
+  record.record = true;
+  const SimResult sim = simulate(w, c.cost, compileSchedule(w, assemble(c, persistent, buckets, none)), record);
+  std::vector<std::vector<uint64_t>> m(w.graphs.size());
+  for (size_t g = 0; g < w.graphs.size(); ++g) m[g].assign(w.graphs[g].ops.size(), 0);
+  for (const MemorySample& s : sim.memory) {
+    if (s.run < 0 || s.seq < 0) continue;
+    const size_t g = static_cast<size_t>(w.runs[static_cast<size_t>(s.run)].graph);
+    const std::vector<WorkOp>& ops = w.graphs[g].ops;
+    auto it = std::lower_bound(ops.begin(), ops.end(), s.seq,
+                               [](const WorkOp& op, int64_t seq) { return op.seq < seq; });
+    if (it == ops.end() || it->seq != s.seq) continue;
+    uint64_t& most = m[g][static_cast<size_t>(it - ops.begin())];
+    most = std::max(most, s.bytes);
   }
   return m;
 }
@@ -333,10 +282,7 @@ PrefetchResult planPrefetch(const Context& c, const std::vector<char>& persisten
   PrefetchResult res;
   res.groups.resize(w.graphs.size());
   auto uses = gatherUses(c, persistent);
-  uint64_t persistentBytes = 0;
-  for (size_t p = 0; p < w.params.size(); ++p) {
-    if (persistent[p]) persistentBytes += w.params[p].gatherBytes;
-  }
+  const std::vector<std::vector<uint64_t>> onUse = onUseMemory(c, persistent, buckets);
   double latency = c.cost.latencyUs(Collective::AllGather);
   for (size_t g = 0; g < w.graphs.size(); ++g) {
     const std::vector<GatherUse>& us = uses[g];
@@ -344,11 +290,14 @@ PrefetchResult planPrefetch(const Context& c, const std::vector<char>& persisten
     const GraphView& v = c.views[g];
     const std::vector<double>& t = v.issueUs;
     const WorkGraph& wg = w.graphs[g];
-    std::vector<uint64_t> mem =
-        onUseMemory(c, static_cast<int32_t>(g), us, persistent, persistentBytes, buckets[g]);
+    std::vector<uint64_t> mem = onUse[g];
     size_t m = us.size();
-    auto memBytes = [&](const GatherUse& u) {
-      return persistent[static_cast<size_t>(u.param)] ? 0 : u.bytes;
+    // What an earlier issue holds longer: the copy and the call's scratch kept until the wait
+    // (as a fused call's, the larger).
+    auto memBytes = [&](const GatherUse& u) -> uint64_t {
+      const WorkParam& p = w.params[static_cast<size_t>(u.param)];
+      if (persistent[static_cast<size_t>(u.param)]) return 0;
+      return p.gatherMemBytes + w.memory.gatherScratchUntilWait(u.bytes, /*coalesced=*/true);
     };
 
     // 1. As late as still finishes in time, on one stream in issue order.

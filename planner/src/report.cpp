@@ -304,4 +304,43 @@ std::string renderChromeTrace(const schemas::Plan& plan, const std::string& plan
   return out;
 }
 
+std::string renderMemoryCurve(const schemas::Plan& plan, const std::string& planName,
+                              const schemas::Trace& trace) {
+  using nlohmann::ordered_json;
+  checkPlanMatchesTrace(plan, trace);
+  Simulated sim = simulatePlan(plan, trace);
+  // Both samples of an op, keyed by (run, seq), in op order.
+  std::map<std::pair<int32_t, int64_t>, std::pair<uint64_t, uint64_t>> ops;  // before, at
+  for (const MemorySample& m : sim.plan.memory) {
+    if (m.run < 0 || m.seq < 0) continue;
+    auto& entry = ops[{m.run, m.seq}];
+    (m.atOp ? entry.second : entry.first) = m.bytes;
+  }
+  ordered_json samples = ordered_json::array();
+  for (const auto& [key, bytes] : ops) {
+    const GraphRun& run = sim.w.runs[static_cast<size_t>(key.first)];
+    const WorkGraph& g = sim.w.graphs[static_cast<size_t>(run.graph)];
+    const auto& events = trace.steps.back().graphs;  // op names: any recorded run of the graph
+    std::string opName;
+    for (const schemas::TraceGraph& tg : events) {
+      if (tg.id == g.id && static_cast<size_t>(key.second) < tg.events.size()) {
+        opName = tg.events[static_cast<size_t>(key.second)].op;
+      }
+    }
+    samples.push_back({{"graph", g.id},
+                       {"kind", schemas::graphKindName(g.kind)},
+                       {"micro_step", run.microStep},
+                       {"pos", key.second},
+                       {"op", opName},
+                       {"before_bytes", bytes.first},
+                       {"at_bytes", bytes.second}});
+  }
+  ordered_json doc;
+  doc["plan"] = planName;
+  doc["trace_step"] = sim.w.traceStep;
+  doc["peak_memory_bytes"] = sim.plan.prediction.peakMemoryBytes;
+  doc["samples"] = std::move(samples);
+  return doc.dump(1) + "\n";
+}
+
 }  // namespace dcplan::planner

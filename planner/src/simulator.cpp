@@ -18,7 +18,7 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
                                   std::to_string(s.persistent[k]) + " is not a parameter of the trace");
     }
     if (!c.persistent[static_cast<size_t>(p)])
-      c.persistentBytes += w.params[static_cast<size_t>(p)].gatherBytes;
+      c.persistentBytes += w.params[static_cast<size_t>(p)].gatherMemBytes;
     c.persistent[static_cast<size_t>(p)] = 1;
   }
   c.graphs.resize(w.graphs.size());
@@ -91,6 +91,8 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
         bucketOfParam[static_cast<size_t>(p)] = static_cast<int32_t>(b);
         bytes += w.params[static_cast<size_t>(p)].gradBytes;
       }
+      cg.bucketParams.emplace_back();
+      for (int64_t id : bk.dsIds) cg.bucketParams.back().push_back(w.paramIndex(id));
       cg.bucketBytes.push_back(bytes);
       cg.bucketSize.push_back(0);
     }
@@ -142,6 +144,7 @@ class Simulation {
   Simulation(const Workload& w, const CostModel& cost, const CompiledSchedule& s, const SimOptions& o)
       : w_(w), cost_(cost), s_(s), record_(o.record), referenceCalls_(o.referenceCalls) {
     allocated_.assign(w.params.size(), 0);
+    callOf_.assign(w.params.size(), -1);
     readyAt_.assign(w.params.size(), 0.0);
     gatherCount_.assign(w.params.size(), 0);
     res_.repeatStallUs.assign(w.params.size(), 0.0);
@@ -156,7 +159,7 @@ class Simulation {
     for (size_t r = 0; r < w_.runs.size(); ++r) runGraph(static_cast<int32_t>(r));
     double start = std::max({t_, reduceFree_, copyFree_, gatherFree_});
     popBuckets(start);
-    sample(start, 0);
+    sample(start, 0, -1, -1, false);
     double stepUs = start + w_.optimizerUs;
     if (referenceCalls_ >= 0) {
       // Only calls beyond the recorded run's cost: where the step is device-bound, fewer
@@ -188,6 +191,7 @@ class Simulation {
     Collective reduceOp = w_.stage >= 2 ? Collective::ReduceScatter : Collective::AllReduce;
     arrived_.assign(cg.bucketSize.size(), 0);
     launched_.assign(cg.bucketSize.size(), 0);
+    deferred_.assign(cg.bucketSize.size(), 0);
     for (size_t i = 0; i < g.ops.size(); ++i) {
       const WorkOp& op = g.ops[i];
       double c = run.computeUs[i];
@@ -196,7 +200,7 @@ class Simulation {
         t_ += c;
       }
       popBuckets(t_);
-      sample(t_, run.computePeakBytes[i]);  // the compute's own peak, before this op changes what is held
+      sample(t_, run.computePeakBytes[i], r, op.seq, false);  // the compute's own peak, before this op changes what is held
       for (int32_t k = cg.groupBegin[i]; k < cg.groupBegin[i + 1]; ++k) {
         gather(cg.groups[static_cast<size_t>(k)], r, op.seq, true);
       }
@@ -207,6 +211,7 @@ class Simulation {
         case OpKind::Wait: {
           size_t p = static_cast<size_t>(op.param);
           if (!allocated_[p]) gatherOne(op.param, r, op.seq);
+          endCallScratch(p);
           if (readyAt_[p] > t_ && gatherCount_[p] > 1) res_.repeatStallUs[p] += readyAt_[p] - t_;
           t_ = std::max(t_, readyAt_[p]);
           break;
@@ -215,7 +220,7 @@ class Simulation {
           size_t p = static_cast<size_t>(op.param);
           if (allocated_[p] && !s_.persistent[p]) {
             allocated_[p] = 0;
-            liveGathered_ -= w_.params[p].gatherBytes;
+            liveGathered_ -= w_.params[p].gatherMemBytes;
           } else if (allocated_[p] && dropsPersistent && op.lastRelease && w_.params[p].requiresGrad) {
             dropPersistent(p);
           }
@@ -226,10 +231,17 @@ class Simulation {
           int32_t b = cg.bucketOfOp[i];
           if (b < 0) break;
           size_t bi = static_cast<size_t>(b);
-          // ZeRO-1's flat bucket is filled as gradients arrive; ZeRO-2/3 keep the gradients
-          // (in the recorded memory) and lay the bucket out at its launch.
-          if (arrived_[bi]++ == 0 && w_.stage < 2) filling_ += cg.bucketBytes[bi];
-          if (arrived_[bi] == cg.bucketSize[bi]) reduce(cg, bi, reduceOp, r, op.seq);
+          // ZeRO-1's flat bucket is filled as gradients arrive; ZeRO-2/3 hold the gradients
+          // until the bucket's launch lays it out (packs it).
+          if (arrived_[bi]++ == 0 && w_.stage < 2) filling_ += w_.memory.allocation(cg.bucketBytes[bi]);
+          if (w_.stage >= 2) {
+            const uint64_t g = w_.params[static_cast<size_t>(op.param)].gradTensorBytes;
+            deferred_[bi] += g;
+            pendingBytes_ += g;
+          }
+          if (arrived_[bi] == cg.bucketSize[bi]) {
+            reduce(cg, bi, reduceOp, r, op.seq, w_.params[static_cast<size_t>(op.param)].gradTensorBytes);
+          }
           break;
         }
         case OpKind::EndBackward:
@@ -249,7 +261,7 @@ class Simulation {
           break;
       }
       popBuckets(t_);
-      sample(t_, run.activationBytes[i]);
+      sample(t_, run.activationBytes[i], r, op.seq, true);
       if (op.kind == OpKind::EndBackward) {  // every reduction drained: no packed input is left
         releaseAfterSample_ += heldInput_;
         heldInput_ = 0;
@@ -262,13 +274,22 @@ class Simulation {
       for (size_t p = 0; p < w_.params.size(); ++p) {
         if (allocated_[p] && s_.persistent[p] && w_.params[p].requiresGrad) dropPersistent(p);
       }
-      sample(t_, 0);
+      sample(t_, 0, r, -1, false);
     }
+  }
+
+  /// The wait on a member completes its gather call: the call's scratch is freed.
+  void endCallScratch(size_t p) {
+    const int32_t call = callOf_[p];
+    if (call < 0) return;
+    callOf_[p] = -1;
+    liveScratch_ -= callScratch_[static_cast<size_t>(call)];
+    callScratch_[static_cast<size_t>(call)] = 0;
   }
 
   void dropPersistent(size_t p) {
     allocated_[p] = 0;
-    livePersistent_ -= w_.params[p].gatherBytes;
+    livePersistent_ -= w_.params[p].gatherMemBytes;
   }
 
   void gatherOne(int32_t p, int32_t r, int64_t seq) {
@@ -285,10 +306,18 @@ class Simulation {
       allocated_[pi] = 1;
       gatherCount_[pi]++;
       bytes += w_.params[pi].gatherBytes;
-      (s_.persistent[pi] ? livePersistent_ : liveGathered_) += w_.params[pi].gatherBytes;
+      (s_.persistent[pi] ? livePersistent_ : liveGathered_) += w_.params[pi].gatherMemBytes;
       members_.push_back(p);
     }
     if (members_.empty()) return;
+    // The call's transient buffers: while it is issued, and until a member is waited on.
+    const bool coalesced = members_.size() > 1;
+    momentary_ += w_.memory.gatherScratchIssued(bytes, coalesced);
+    if (const uint64_t held = w_.memory.gatherScratchUntilWait(bytes, coalesced)) {
+      for (int32_t p : members_) callOf_[static_cast<size_t>(p)] = static_cast<int32_t>(callScratch_.size());
+      callScratch_.push_back(held);
+      liveScratch_ += held;
+    }
     double start = std::max(t_, gatherFree_);
     double dur = cost_.us(Collective::AllGather, bytes);
     gatherFree_ = start + dur;
@@ -304,21 +333,34 @@ class Simulation {
     }
   }
 
-  void reduce(const CompiledSchedule::Graph& cg, size_t b, Collective op, int32_t r, int64_t seq) {
+  /// callerGrad: the bytes of the gradient a reduce_grad launching the bucket was called with.
+  void reduce(const CompiledSchedule::Graph& cg, size_t b, Collective op, int32_t r, int64_t seq,
+              uint64_t callerGrad = 0) {
     launched_[b] = 1;
     uint64_t bytes = cg.bucketBytes[b];
     double start = std::max(t_, reduceFree_);
     double dur = cost_.us(op, bytes);
     reduceFree_ = start + dur;
-    pendingBytes_ += bytes;
+    const uint64_t buffer = w_.memory.allocation(bytes);
     if (w_.stage < 2) {
-      filling_ -= bytes;
-      pending_.emplace_back(reduceFree_, bytes);  // its buffer is reused once the reduction is done
+      pendingBytes_ += buffer;
+      filling_ -= buffer;
+      pending_.emplace_back(reduceFree_, buffer);  // its buffer is reused once the reduction is done
     } else {
-      // A ZeRO-2/3 bucket's packed input lives from its launch until the next launch (the
-      // runtime frees the previous one there, on the host) or the end of the backward.
+      // A ZeRO-2/3 bucket's packed input, the reduce-scatter's scratch and its output live from
+      // the launch until the next launch (the runtime frees the previous bucket there, on the
+      // host) or the end of the backward. The gradients it packs are freed once it is laid out:
+      // while it is, both are held; the gradient of the reduce_grad that launches it stays until
+      // that op returns (its caller holds it).
+      uint64_t held = buffer + w_.memory.reduceScatterScratch(bytes);
+      for (int32_t p : cg.bucketParams[b]) held += w_.params[static_cast<size_t>(p)].gradShardBytes;
+      const uint64_t packed = deferred_[b];
+      momentary_ += std::max(packed + buffer, held + callerGrad) - held;
+      pendingBytes_ += held;
+      pendingBytes_ -= packed;
+      deferred_[b] = 0;
       releaseAfterSample_ += heldInput_;
-      heldInput_ = bytes;
+      heldInput_ = held;
     }
     res_.reduceBusyUs += dur;
     res_.reduceCalls++;
@@ -341,11 +383,12 @@ class Simulation {
     }
   }
 
-  void sample(double now, uint64_t activation) {
-    uint64_t m =
-        w_.baselineBytes + livePersistent_ + activation + liveGathered_ + filling_ + pendingBytes_;
+  void sample(double now, uint64_t activation, int32_t r, int64_t seq, bool atOp) {
+    uint64_t m = w_.baselineBytes + livePersistent_ + activation + liveGathered_ + filling_ + pendingBytes_ +
+                 liveScratch_ + momentary_;
+    momentary_ = 0;  // scratch of a call while it is issued: in the sample right after it only
     peak_ = std::max(peak_, m);
-    if (record_) res_.memory.push_back(MemorySample{now, m});
+    if (record_) res_.memory.push_back(MemorySample{now, m, r, seq, atOp});
   }
 
   void event(Stream s, std::string name, int32_t r, int64_t seq, std::vector<int64_t> ids, uint64_t bytes,
@@ -365,6 +408,11 @@ class Simulation {
   std::vector<int32_t> lastMicroStep_;
   std::vector<int32_t> arrived_;
   std::vector<char> launched_;
+  std::vector<uint64_t> deferred_;  ///< ZeRO-2/3, per bucket: gradients held until its launch
+  std::vector<int32_t> callOf_;     ///< per param: its gather call whose scratch is live, -1: none
+  std::vector<uint64_t> callScratch_;
+  uint64_t liveScratch_ = 0;  ///< scratch of gather calls not waited on yet
+  uint64_t momentary_ = 0;    ///< scratch of calls issued since the last sample
   std::vector<int32_t> members_;
   std::vector<int32_t> one_ = std::vector<int32_t>(1, 0);
   std::deque<std::pair<double, uint64_t>> pending_;  ///< ZeRO-1 buckets in flight: (done at, bytes)

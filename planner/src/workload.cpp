@@ -91,6 +91,7 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
   w.paramDtype = trace.meta.paramDtype;
   w.reduceDtype = trace.meta.reduceDtype;
   w.capacityBytes = trace.memory.capacityBytes;
+  w.memory = RuntimeMemory::of(trace.meta, w.worldSize);
   // Shards and optimizer state are what the baseline holds; they shrink with
   // the number of ranks sharing them.
   w.baselineBytes =
@@ -101,6 +102,10 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
   int gatherSize = dtypeBytes(w.paramDtype, "/meta/param_dtype");
   int reduceSize = dtypeBytes(w.reduceDtype, "/meta/reduce_dtype");
   std::unordered_map<int64_t, uint64_t> recordedGatherBytes;
+  std::unordered_map<int64_t, uint64_t> recordedGradTensorBytes;
+  std::unordered_map<int64_t, uint64_t> recordedGradShardBytes;
+  // The recorded run's own allocator (its world size, its transport).
+  const RuntimeMemory recordedMemory = RuntimeMemory::of(trace.meta, w.traceWorldSize);
   for (const schemas::TraceParam& p : trace.params) {
     WorkParam wp;
     wp.id = p.id;
@@ -109,10 +114,16 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
     uint64_t shard = static_cast<uint64_t>((p.numel + w.worldSize - 1) / w.worldSize);
     wp.gatherBytes = shard * static_cast<uint64_t>(w.worldSize) * static_cast<uint64_t>(gatherSize);
     wp.gradBytes = shard * static_cast<uint64_t>(w.worldSize) * static_cast<uint64_t>(reduceSize);
+    wp.gatherMemBytes = w.memory.allocation(wp.gatherBytes);
+    wp.gradTensorBytes = w.memory.allocation(static_cast<uint64_t>(p.numel) * static_cast<uint64_t>(gatherSize));
+    wp.gradShardBytes = w.memory.allocation(shard * static_cast<uint64_t>(reduceSize));
     wp.requiresGrad = p.requiresGrad;
     w.params.push_back(std::move(wp));
     recordedGatherBytes[p.id] = static_cast<uint64_t>(p.shardNumel) *
                                 static_cast<uint64_t>(w.traceWorldSize) * static_cast<uint64_t>(gatherSize);
+    recordedGradTensorBytes[p.id] = w.params.back().gradTensorBytes;
+    recordedGradShardBytes[p.id] =
+        recordedMemory.allocation(static_cast<uint64_t>(p.shardNumel) * static_cast<uint64_t>(reduceSize));
   }
   std::vector<size_t> order(w.params.size());
   std::iota(order.begin(), order.end(), 0);
@@ -152,6 +163,17 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
   // would take one past kDefaultBucketBytes.
   uint64_t recordedFilling = 0;
   uint64_t recordedHeld = 0;
+  // ZeRO-2/3 hold each gradient from its reduce_grad until its bucket is packed (the next flush).
+  uint64_t recordedDeferred = 0;
+  // ZeRO-2/3: the ids in the recorded run's filling bucket, whose reduce-scatter output (a
+  // shard each) is held with the packed input.
+  std::vector<int64_t> recordedMembers;
+  auto recordedOutputs = [&]() {
+    uint64_t bytes = 0;
+    for (int64_t id : recordedMembers) bytes += recordedGradShardBytes[id];
+    recordedMembers.clear();
+    return bytes;
+  };
   for (size_t stepIndex : micro) {
     const schemas::TraceStep& step = trace.steps[stepIndex];
     std::string stepPtr = "/steps/" + std::to_string(stepIndex);
@@ -208,8 +230,13 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
           }
         }
         run.computeUs.push_back(std::max(0.0, e.computeUs));
-        uint64_t other = trace.memory.baselineBytes + gatheredBytes + recordedHeld;
-        run.activationBytes.push_back(e.memoryBytes > other ? e.memoryBytes - other : 0);
+        const bool defers = w.stage >= 2 && e.op == "reduce_grad" && e.bytes > 0 && !e.dsIds.empty();
+        // The gradient a reduce_grad hands over is the simulator's from this op on (it holds it
+        // in the plan's bucket), so it leaves the activations here.
+        const uint64_t arriving = defers ? recordedGradTensorBytes[e.dsIds[0]] : 0;
+        uint64_t other =
+            trace.memory.baselineBytes + gatheredBytes + recordedHeld + recordedDeferred;
+        run.activationBytes.push_back(e.memoryBytes > other + arriving ? e.memoryBytes - other - arriving : 0);
         // What the recorded run held during the compute before this op is what it held after the
         // op before: the same `other`.
         const uint64_t peak = std::max(e.memoryBytes, e.peakBytes);
@@ -218,7 +245,8 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
         if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
           for (int64_t id : e.dsIds) {
             if (gathered.count(id)) continue;
-            uint64_t b = e.op == "allgather_param" && e.bytes > 0 ? e.bytes : recordedGatherBytes[id];
+            uint64_t b = recordedMemory.allocation(
+                e.op == "allgather_param" && e.bytes > 0 ? e.bytes : recordedGatherBytes[id]);
             gathered[id] = b;
             gatheredBytes += b;
           }
@@ -228,15 +256,23 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
             gatheredBytes -= it->second;
             gathered.erase(it);
           }
-        } else if (w.stage >= 2 && e.op == "reduce_grad" && e.bytes > 0) {
+        } else if (defers) {
           if (flushesBefore(recordedFilling, e.bytes, kDefaultBucketBytes)) {
-            recordedHeld = recordedFilling;  // launched here; the one before is freed here
+            // Launched here: packed (its gradients freed) and held until the next launch; the
+            // one before is freed here. (The reduce-scatter's own scratch is not taken out: the
+            // recorded run may have freed it already; the simulator counts the plan's.)
+            recordedHeld = recordedMemory.allocation(recordedFilling) + recordedOutputs();
             recordedFilling = 0;
+            recordedDeferred = 0;
           }
           recordedFilling += e.bytes;
+          recordedDeferred += arriving;
+          recordedMembers.push_back(e.dsIds[0]);
         } else if (e.op == "end_backward") {
-          recordedFilling = 0;  // flushed, drained and freed
+          recordedMembers.clear();  // the last bucket: flushed, drained and freed
+          recordedFilling = 0;
           recordedHeld = 0;
+          recordedDeferred = 0;
         }
       }
       w.runs.push_back(std::move(run));

@@ -122,7 +122,8 @@ class _StepMarks:
     def __init__(self, device: torch.device):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        self.probe = _C.run_peak_probe(str(device))
+        self.device = str(device)
+        self.probe = _C.run_peak_probe(self.device)
         self.t0 = time.perf_counter_ns()
         self.peak = 0
 
@@ -138,8 +139,8 @@ runtime_device = torch.device("cpu")  # set by dcplan.shard() when it starts the
 
 def _open_log(mine: str) -> None:
     global _marks
-    _C.set_replay_log(mine)
     _marks = _StepMarks(runtime_device)
+    _C.set_replay_log(mine, _marks.device)
 
 
 def mark_step() -> None:

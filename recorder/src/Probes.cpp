@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -44,8 +45,10 @@ class CountingCpuAllocator final : public c10::Allocator {
     void* data = base + kHeader;
     new (base) Header{std::move(block), n, this};
     const uint64_t now = live_.fetch_add(n, std::memory_order_relaxed) + n;
-    uint64_t peak = peak_.load(std::memory_order_relaxed);
-    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    for (std::atomic<uint64_t>& window : peak_) {
+      uint64_t peak = window.load(std::memory_order_relaxed);
+      while (now > peak && !window.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+      }
     }
     return {data, data, &CountingCpuAllocator::release, c10::Device(c10::DeviceType::CPU)};
   }
@@ -56,11 +59,15 @@ class CountingCpuAllocator final : public c10::Allocator {
     default_copy_data(dest, src, count);
   }
 
+  /// Independent peak windows, so that a run's peak and a per-op window can be read at once.
+  enum Window : size_t { kRecordWindow = 0, kRunWindow = 1, kReplayOpWindow = 2, kWindows = 3 };
+
   uint64_t live() const { return live_.load(std::memory_order_relaxed); }
-  /// The most bytes live since the previous call; the next window starts at the bytes live now.
-  uint64_t takePeak() {
+  /// The most bytes live in `window` since its previous call; its next window starts at the bytes
+  /// live now.
+  uint64_t takePeak(Window window) {
     const uint64_t now = live();
-    return std::max(peak_.exchange(now, std::memory_order_relaxed), now);
+    return std::max(peak_[window].exchange(now, std::memory_order_relaxed), now);
   }
 
  private:
@@ -82,7 +89,7 @@ class CountingCpuAllocator final : public c10::Allocator {
 
   c10::Allocator* inner_;
   std::atomic<uint64_t> live_{0};
-  std::atomic<uint64_t> peak_{0};
+  std::array<std::atomic<uint64_t>, kWindows> peak_{};
 };
 
 /// Installed at most once per process and never destroyed: tensors it
@@ -120,9 +127,10 @@ uint64_t hostCapacityBytes() {
 
 class CpuMemoryProbe final : public MemoryProbe {
  public:
-  CpuMemoryProbe() : counter_(countingAllocator()), capacity_(hostCapacityBytes()) {}
+  explicit CpuMemoryProbe(CountingCpuAllocator::Window window)
+      : counter_(countingAllocator()), capacity_(hostCapacityBytes()), window_(window) {}
   uint64_t bytesInUse() override { return counter_ ? counter_->live() : residentBytes(); }
-  uint64_t takePeakBytes() override { return counter_ ? counter_->takePeak() : residentBytes(); }
+  uint64_t takePeakBytes() override { return counter_ ? counter_->takePeak(window_) : residentBytes(); }
   uint64_t capacityBytes() override { return capacity_; }
   std::string describe() override {
     return counter_ ? "bytes of live CPU tensors (counting wrapper around torch's CPU allocator)"
@@ -132,6 +140,7 @@ class CpuMemoryProbe final : public MemoryProbe {
  private:
   CountingCpuAllocator* counter_;
   uint64_t capacity_;
+  CountingCpuAllocator::Window window_;
 };
 
 class DeviceEventTimer final : public DeviceTimer {
@@ -210,8 +219,13 @@ std::unique_ptr<MemoryProbe> makeDeviceAllocatorProbe(c10::Device device) {
   return std::make_unique<DeviceAllocatorProbe>(device, /*resetPeak=*/true);
 }
 
+std::unique_ptr<MemoryProbe> makeReplayOpProbe(c10::Device device) {
+  if (device.is_cpu()) return std::make_unique<CpuMemoryProbe>(CountingCpuAllocator::kReplayOpWindow);
+  return std::make_unique<DeviceAllocatorProbe>(device, /*resetPeak=*/false);
+}
+
 std::unique_ptr<MemoryProbe> makeRunPeakProbe(c10::Device device) {
-  if (device.is_cpu()) return makeCpuMemoryProbe();
+  if (device.is_cpu()) return std::make_unique<CpuMemoryProbe>(CountingCpuAllocator::kRunWindow);
   return std::make_unique<DeviceAllocatorProbe>(device, /*resetPeak=*/false);
 }
 
@@ -229,6 +243,8 @@ DeviceProbes makeProbes(c10::Device device) {
   return p;
 }
 
-std::unique_ptr<MemoryProbe> makeCpuMemoryProbe() { return std::make_unique<CpuMemoryProbe>(); }
+std::unique_ptr<MemoryProbe> makeCpuMemoryProbe() {
+  return std::make_unique<CpuMemoryProbe>(CountingCpuAllocator::kRecordWindow);
+}
 
 }  // namespace dcplan::recorder

@@ -1,5 +1,6 @@
 // dcplan._C: the Python binding of the dc runtime (lifecycle and registration; the ops are torch.ops.dc.*).
 #include "ShardHooks.h"
+#include "dcplan/recorder/Probes.h"
 #include "dcplan/recorder/PythonBindings.h"
 #include "dcplan/replayer/LocalAllReduce.h"
 #include "dcplan/replayer/Plan.h"
@@ -105,8 +106,27 @@ void bindPlan(py::module& m) {
       py::arg("on_mismatch") = "error", py::arg("compiled") = false,
       "Reads plan file path, checks it against the live model (ValueError naming the file, the JSON "
       "pointer and what differs) and makes it the runtime's schedule.");
-  m.def("set_replay_log", &setReplayLog, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
-        "Writes this rank's replay log (JSON lines) to path from now on; '' stops.");
+  m.def(
+      "set_replay_log",
+      [](const std::string& path, const std::optional<std::string>& device) {
+        MemoryGauge gauge;
+        if (device) {
+          std::shared_ptr<dcplan::recorder::MemoryProbe> probe =
+              dcplan::recorder::makeReplayOpProbe(c10::Device(*device));
+          const bool windowPeak = c10::Device(*device).is_cpu();
+          gauge = [probe, windowPeak] {
+            OpMemory m;
+            m.inUse = static_cast<int64_t>(probe->bytesInUse());
+            if (windowPeak) m.peakBefore = static_cast<int64_t>(probe->takePeakBytes());
+            return m;
+          };
+        }
+        setReplayLog(path, std::move(gauge));
+      },
+      py::arg("path"), py::arg("device") = std::nullopt, py::call_guard<py::gil_scoped_release>(),
+      "Writes this rank's replay log (JSON lines) to path from now on; '' stops. With device "
+      "('cpu', 'cuda:N'), each op line carries the memory in use there (and on the CPU the peak "
+      "since the op before).");
   m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
   m.def("log_replay_event", &logReplayEvent, py::arg("json"), py::call_guard<py::gil_scoped_release>(),
         "Appends one JSON object (one line) to this rank's replay log, if one is open.");

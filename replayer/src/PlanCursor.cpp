@@ -171,8 +171,14 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
   curPos_ = pos;
   launching_.clear();
   if (log_) {
+    std::string memory;
+    if (gauge_) {
+      const OpMemory m = gauge_();
+      memory = ",\"mem\":" + std::to_string(m.inUse);
+      if (m.peakBefore >= 0) memory += ",\"peak\":" + std::to_string(m.peakBefore);
+    }
     logLine("{\"ev\":\"op\",\"graph\":" + std::to_string(event.graphId) + ",\"pos\":" + std::to_string(pos) +
-            ",\"op\":" + jsonString(event.op) + ",\"ds_id\":" + std::to_string(event.dsId) + "}");
+            ",\"op\":" + jsonString(event.op) + ",\"ds_id\":" + std::to_string(event.dsId) + memory + "}");
   }
   Planned* g = planned(event.graphId);
   if (g == nullptr) return {};
@@ -322,10 +328,11 @@ std::string PlanCursor::takeDeparture() {
   return departure_;
 }
 
-void PlanCursor::openLog(const std::string& path) {
+void PlanCursor::openLog(const std::string& path, MemoryGauge gauge) {
   flushLog();
   log_.reset();
   logPath_ = path;
+  gauge_ = path.empty() ? MemoryGauge{} : std::move(gauge);
   if (path.empty()) return;
   auto f = std::make_unique<std::ofstream>(path, std::ios::out | std::ios::trunc);
   TORCH_CHECK(f->good(), "replay log: cannot open ", path, " for writing");
@@ -351,6 +358,8 @@ void PlanCursor::takeLogFrom(PlanCursor& other) {
   const std::string path = other.logPath_;
   other.log_.reset();
   other.logPath_.clear();
+  gauge_ = std::move(other.gauge_);
+  other.gauge_ = {};
   if (!path.empty()) {
     // Reopen for appending: what the other cursor wrote stays.
     log_ = std::make_unique<std::ofstream>(path, std::ios::out | std::ios::app);
@@ -521,17 +530,17 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
   return summary;
 }
 
-void setReplayLog(const std::string& path) {
+void setReplayLog(const std::string& path, MemoryGauge gauge) {
   bool haveCursor = false;
   withSchedule([&](SchedulePolicy& s) {
     if (PlanCursor* c = installedCursor(s)) {
-      c->openLog(path);
+      c->openLog(path, std::move(gauge));
       haveCursor = true;
     }
   });
   if (haveCursor || path.empty()) return;
   auto cursor = std::make_unique<PlanCursor>();
-  cursor->openLog(path);
+  cursor->openLog(path, std::move(gauge));
   setSchedule(std::move(cursor));
 }
 

@@ -64,8 +64,9 @@ class PlanCursor final : public SchedulePolicy {
   /// The fallback departure's message, once; "" when none or already taken.
   std::string takeDeparture();
 
-  /// Replay log: JSON lines written to path (truncated); "" stops logging.
-  void openLog(const std::string& path);
+  /// Replay log: JSON lines written to path (truncated); "" stops logging. The gauge, if any,
+  /// is read at each op.
+  void openLog(const std::string& path, MemoryGauge gauge = {});
   void flushLog();
   /// Moves the log (open file and path) from another cursor.
   void takeLogFrom(PlanCursor& other);
@@ -123,6 +124,7 @@ class PlanCursor final : public SchedulePolicy {
 
   std::string logPath_;
   std::unique_ptr<std::ofstream> log_;
+  MemoryGauge gauge_;
 };
 
 }  // namespace dcplan::replayer

@@ -25,4 +25,11 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
 std::string renderChromeTrace(const schemas::Plan& plan, const std::string& planName,
                               const schemas::Trace& trace);
 
+/// The plan's simulated memory, op by op, for comparison with a run's allocation log (the replay
+/// log's `mem` and `peak`, python -m dcplan.check_replay --curve): JSON with one entry per op of
+/// the simulated optimizer step: graph, kind, micro_step, pos (the op's seq), op, `at_bytes` (in
+/// use when the op is issued) and `before_bytes` (the most during the compute before it).
+std::string renderMemoryCurve(const schemas::Plan& plan, const std::string& planName,
+                              const schemas::Trace& trace);
+
 }  // namespace dcplan::planner

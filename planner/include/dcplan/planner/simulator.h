@@ -25,6 +25,7 @@ struct CompiledSchedule {
     std::vector<int32_t> groupBegin;           ///< CSR by op index: groups issued before op i
     std::vector<std::vector<int32_t>> groups;  ///< param indices of each group
     std::vector<int32_t> bucketOfOp;           ///< ReduceGrad op -> bucket, else -1
+    std::vector<std::vector<int32_t>> bucketParams;  ///< param indices of each bucket
     std::vector<int32_t> bucketSize;           ///< members per bucket
     std::vector<uint64_t> bucketBytes;
   };
@@ -55,6 +56,9 @@ struct TimelineEvent {
 struct MemorySample {
   double us = 0;
   uint64_t bytes = 0;
+  int32_t run = -1;   ///< the graph run (-1: the optimizer step)
+  int64_t seq = -1;   ///< the op of that run (-1: after its last op)
+  bool atOp = false;  ///< at the op (its memory_bytes), else during the compute before it (peak_bytes)
 };
 
 /// What happened to one gather call (a prefetch group or an on-demand gather).

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "dcplan/planner/runtime_memory.h"
 #include "dcplan/schemas/trace.h"
 
 namespace dcplan::planner {
@@ -44,6 +45,14 @@ struct WorkParam {
   std::string name;
   uint64_t gatherBytes = 0;  ///< full padded size in the gather dtype, planned world size
   uint64_t gradBytes = 0;    ///< full padded size in the reduce dtype, planned world size
+  /// Memory of the gathered copy (gatherBytes as the allocator hands it out).
+  uint64_t gatherMemBytes = 0;
+  /// Memory of the gradient autograd hands to reduce_grad (numel in the gather dtype), which
+  /// ZeRO-2/3 hold until their bucket is packed.
+  uint64_t gradTensorBytes = 0;
+  /// Memory of the reduced gradient shard (ZeRO-2/3: its slice of the bucket's reduce-scatter
+  /// output, which the runtime adds into the shard's gradient when the reduction completes).
+  uint64_t gradShardBytes = 0;
   bool requiresGrad = true;
 };
 
@@ -59,7 +68,9 @@ struct GraphRun {
   int32_t graph = 0;                      ///< index into Workload::graphs
   int32_t microStep = 0;                  ///< 0-based micro-step of the optimizer step
   std::vector<double> computeUs;          ///< compute before each op
-  std::vector<uint64_t> activationBytes;  ///< memory other than baseline and gathered params
+  /// Memory other than baseline, gathered parameters, bucket inputs and (ZeRO-2/3) gradients
+  /// waiting in a bucket, as the recorded run held them.
+  std::vector<uint64_t> activationBytes;
   /// The most of it during the compute before each op (the trace's peak_bytes; activationBytes
   /// where the trace has none): temporaries that come and go between two ops.
   std::vector<uint64_t> computePeakBytes;
@@ -77,6 +88,7 @@ struct Workload {
   std::string paramDtype;
   std::string reduceDtype;
   uint64_t baselineBytes = 0;  ///< shards and optimizer state, re-scaled to the planned world
+  RuntimeMemory memory;        ///< the transport's transient buffers and allocator rounding
   uint64_t capacityBytes = 0;
   double optimizerUs = 0;
   int64_t traceStep = 0;  ///< index of the recorded step used

@@ -72,6 +72,11 @@ std::unique_ptr<MemoryProbe> makeDeviceAllocatorProbe(c10::Device device);
 /// torch.cuda.max_memory_allocated() keeps its meaning for the job.
 std::unique_ptr<MemoryProbe> makeRunPeakProbe(c10::Device device);
 
+/// What the replay log reads at each op: on the CPU the counting probe with a peak window of its
+/// own (a recording or a run's peak in the same process reads theirs undisturbed); on a device the
+/// allocator's bytes in use (its peak statistic is never reset: takePeakBytes() is the run's peak).
+std::unique_ptr<MemoryProbe> makeReplayOpProbe(c10::Device device);
+
 /// What recording on `device` uses: the host timer and CPU memory probe for the
 /// CPU, device events and the device allocator otherwise, and a host wait for the
 /// device's queued work (empty for the CPU) for the calibration.

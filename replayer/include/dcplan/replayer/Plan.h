@@ -4,6 +4,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -57,10 +58,19 @@ std::string liveSignature(const LiveModel& model);
 /// it the runtime's schedule (keeping an open replay log). Throws PlanError.
 PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch onMismatch);
 
+/// Memory read at each op of the replay log: the bytes in use when the op is issued and, where the
+/// allocator can say without disturbing anyone, the most in use since the previous op (-1: unknown).
+struct OpMemory {
+  int64_t inUse = -1;
+  int64_t peakBefore = -1;
+};
+using MemoryGauge = std::function<OpMemory()>;
+
 /// Writes the replay log of this rank to `path` from now on (JSON lines, see
 /// docs/replay.md); replaces the default schedule by an equivalent one that logs
-/// when no plan is loaded. An empty path stops logging.
-void setReplayLog(const std::string& path);
+/// when no plan is loaded. An empty path stops logging. With a gauge, each op line
+/// carries its memory (the runtime's allocation log).
+void setReplayLog(const std::string& path, MemoryGauge gauge = {});
 /// Writes what the replay log has buffered.
 void flushReplayLog();
 /// Appends one JSON object (one line, no newline) to this rank's replay log, if one is open:
