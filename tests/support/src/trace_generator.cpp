@@ -141,6 +141,9 @@ class GraphWriter {
     end.endUs = std::max(end.startUs, reduceFree_);
     clock_ = end.endUs;
     g.events.push_back(end);
+    // end_backward flushes the last bucket, drains every reduction and frees the buckets.
+    memory_ -= std::min(memory_, deferredGrads_ + heldBucket_);
+    deferredGrads_ = heldBucket_ = fillingBytes_ = 0;
     return g;
   }
 
@@ -193,19 +196,42 @@ class GraphWriter {
     memory_ -= std::min(memory_, bytes);
   }
 
+  // What the runtime holds for its reductions, as a recording of its default schedule sees it
+  // (ZeRO-2/3, the planner's memory model): each gradient from its reduce_grad until its bucket
+  // (100 MB, flushed before a gradient that would pass that) is packed, then the packed bucket
+  // and its reduce-scatter output (a shard) until the next bucket launches or end_backward.
   void reduce(TraceGraph& g, int64_t p) {
     const uint64_t bytes = paddedBytes(p, o_.reduceDtype);
+    const uint64_t grad =
+        static_cast<uint64_t>(model_.params[p].numel) * schemas::dtypeSize(o_.paramDtype).value_or(4);
+    memory_ += grad;  // made by the compute before the op
     OpEvent e = event(g, "reduce_grad", {p}, bytes, o_.reduceDtype, "reduce");
     e.startUs = std::max(clock_, reduceFree_);
     e.endUs = e.startUs + jitter(collectiveUs(o_.cluster, o_.worldSize, bytes));
     reduceFree_ = e.endUs;
     g.events.push_back(e);
+    if (o_.stage < 2) {  // ZeRO-1 copies it into its bucket; the bucket is not modelled here
+      memory_ -= std::min(memory_, grad);
+      return;
+    }
+    constexpr uint64_t kBucketBytes = 100'000'000;
+    if (fillingBytes_ > 0 && fillingBytes_ + bytes > kBucketBytes) {
+      memory_ -= std::min(memory_, heldBucket_ + deferredGrads_);
+      heldBucket_ = fillingBytes_ + fillingBytes_ / static_cast<uint64_t>(o_.worldSize);
+      memory_ += heldBucket_;
+      deferredGrads_ = fillingBytes_ = 0;
+    }
+    fillingBytes_ += bytes;
+    deferredGrads_ += grad;
   }
 
   const GeneratorOptions& o_;
   const Model& model_;
   Random& random_;
   uint64_t memory_;
+  uint64_t fillingBytes_ = 0;   // reduce bytes of the bucket being filled
+  uint64_t deferredGrads_ = 0;  // the gradients it holds
+  uint64_t heldBucket_ = 0;     // the last launched bucket's input and output
   double clock_ = 0;       // host / compute-stream time within the graph
   double compute_ = 0;     // compute since the last op
   double gatherFree_ = 0;  // when the all-gather stream is next free

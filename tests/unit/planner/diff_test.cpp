@@ -36,8 +36,8 @@ TEST(Diff, ScheduleChangesArePinnedByPointer) {
   a.persistent = {0};
   b.graphs[0].prefetch = {{0, {0, 1}}};
   a.graphs[0].prefetch.clear();
-  b.graphs[1].buckets = {{{1}, 100'000, "float32"}, {{0}, 100'000, "float32"}};
-  a.graphs[1].buckets = {{{1, 0}, 200'000, "float32"}};
+  b.graphs[1].buckets = {{{1}, 102'400, "float32"}, {{0}, 102'400, "float32"}};
+  a.graphs[1].buckets = {{{1, 0}, 204'800, "float32"}};
   PlanDiff d = diffPlans(a, b);
   ASSERT_FALSE(d.equal());
   std::vector<std::string> paths;

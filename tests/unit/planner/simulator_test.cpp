@@ -13,6 +13,10 @@ namespace dcplan::planner {
 namespace {
 
 using schemas::GraphKind;
+using test::kTinyBase;
+using test::kTinyGatherUs;
+using test::kTinyParam;
+using test::kTinyShard;
 
 struct Fixture {
   schemas::Trace trace = test::tinyTrace();
@@ -35,14 +39,36 @@ struct Fixture {
 TEST(Simulator, GatherOnUseExposesEveryGatherAndTheReduceTail) {
   Fixture f;
   SimResult r = f.run(f.onUse());
-  double rs = f.cost.us(Collective::ReduceScatter, 200'000);
+  double rs = f.cost.us(Collective::ReduceScatter, 2 * kTinyParam);
   EXPECT_NEAR(r.computeUs, 3000, 1e-9);
-  EXPECT_NEAR(r.prediction.stepUs, 4 * 110 + 3000 + rs + 50, 1e-6);
-  EXPECT_NEAR(r.prediction.exposedCommUs, 4 * 110 + rs, 1e-6);
+  EXPECT_NEAR(r.prediction.stepUs, 4 * kTinyGatherUs + 3000 + rs + 50, 1e-6);
+  EXPECT_NEAR(r.prediction.exposedCommUs, 4 * kTinyGatherUs + rs, 1e-6);
   EXPECT_EQ(r.gatherCalls, 4);
   EXPECT_EQ(r.reduceCalls, 1);
-  // Backward: param 0 gathered while the (unreduced) bucket of both gradients lives.
-  EXPECT_EQ(r.prediction.peakMemoryBytes, 1'000'000u + 100'000 + 200'000);
+  // Backward, at reduce_grad of 0, which launches the bucket: gathered 0, both gradients and the
+  // bucket they are packed into (then the gradients are freed: its output, two shards, is less).
+  EXPECT_EQ(r.prediction.peakMemoryBytes, kTinyBase + kTinyParam + 2 * kTinyParam + 2 * kTinyParam);
+}
+
+TEST(Simulator, MemoryCurveFollowsTheRuntimesAllocations) {
+  // The simulated memory at each backward op, against what the runtime holds after it.
+  Fixture f;
+  SimResult r = f.run(f.onUse(), true);
+  std::vector<uint64_t> at;
+  for (const MemorySample& m : r.memory) {
+    if (m.atOp && m.run == 1) at.push_back(m.bytes - kTinyBase);
+  }
+  const uint64_t p = kTinyParam, held = 2 * kTinyParam + 2 * kTinyShard;  // bucket input and output
+  EXPECT_EQ(at, (std::vector<uint64_t>{
+                    p,              // gathered 1
+                    p,              // waited
+                    p + p,          // its gradient, held for the bucket
+                    p,              // released 1
+                    p + p,          // gathered 0
+                    p + p,          // waited
+                    p + 2 * p + 2 * p,  // launch: gathered 0, both gradients and their packed bucket
+                    held,           // released 0; the gradients freed, the bucket's input and output held
+                    held}));        // end_backward: held until it returns
 }
 
 TEST(Simulator, CollectivesBeyondTheRecordedRunCostHostTime) {
@@ -73,7 +99,7 @@ TEST(Simulator, PrefetchHidesTheSecondGather) {
   s.graphs[0].prefetch = {{0, {0}}, {0, {1}}};  // two calls at graph start
   SimResult r = f.run(s);
   SimResult base = f.run(f.onUse());
-  EXPECT_NEAR(base.prediction.stepUs - r.prediction.stepUs, 110, 1e-6);
+  EXPECT_NEAR(base.prediction.stepUs - r.prediction.stepUs, kTinyGatherUs, 1e-6);
   EXPECT_EQ(r.gatherCalls, 4);
   // Both parameters are gathered together in the forward now.
   EXPECT_EQ(r.prediction.peakMemoryBytes, base.prediction.peakMemoryBytes);
@@ -86,7 +112,7 @@ TEST(Simulator, FusedGroupIsOneCallThatEndsTogether) {
   SimResult r = f.run(s, true);
   EXPECT_EQ(r.gatherCalls, 3);
   ASSERT_FALSE(r.gathers.empty());
-  EXPECT_NEAR(r.gathers[0].endUs, f.cost.us(Collective::AllGather, 200'000), 1e-9);
+  EXPECT_NEAR(r.gathers[0].endUs, f.cost.us(Collective::AllGather, 2 * kTinyParam), 1e-9);
   EXPECT_EQ(r.gathers[0].params.size(), 2u);
 }
 
@@ -95,12 +121,14 @@ TEST(Simulator, BucketReducesWhenItsLastGradientIsReady) {
   SimResult one = f.run(f.onUse({{1, 0}}));
   SimResult two = f.run(f.onUse({{1}, {0}}));
   // Two buckets: the first overlaps the second half of backward; the tail is one small reduce.
-  EXPECT_NEAR(two.prediction.stepUs, 4 * 110 + 3000 + 110 + 50, 1e-6);
+  EXPECT_NEAR(two.prediction.stepUs, 4 * kTinyGatherUs + 3000 + kTinyGatherUs + 50, 1e-6);
   EXPECT_LT(two.prediction.stepUs, one.prediction.stepUs);
   EXPECT_EQ(two.reduceCalls, 2);
-  // The first bucket's packed input lives until the second launches (the runtime frees it
-  // there): at that launch, both inputs and gathered 0 (released after its gradient).
-  EXPECT_EQ(two.prediction.peakMemoryBytes, 1'000'000u + 100'000 + 100'000 + 100'000);
+  // The first bucket's packed input and output live until the second launches (the runtime
+  // frees them there): at that launch, gathered 0, the first bucket, the second's input and
+  // output, and gradient 0, which reduce_grad's caller holds until it returns.
+  EXPECT_EQ(two.prediction.peakMemoryBytes,
+            kTinyBase + kTinyParam + (kTinyParam + kTinyShard) + (kTinyParam + kTinyShard) + kTinyParam);
 }
 
 TEST(Simulator, PersistentParameterIsGatheredOncePerStepAndCountsAllStep) {
@@ -110,10 +138,10 @@ TEST(Simulator, PersistentParameterIsGatheredOncePerStepAndCountsAllStep) {
   SimResult r = f.run(s);
   EXPECT_EQ(r.gatherCalls, 3);
   SimResult base = f.run(f.onUse());
-  EXPECT_NEAR(base.prediction.stepUs - r.prediction.stepUs, 110, 1e-6);
-  // In backward: persistent 0 and the bucket, laid out at its launch after gradient 0
-  // (gathered 1 is released by then).
-  EXPECT_EQ(r.prediction.peakMemoryBytes, 1'000'000u + 100'000 + 200'000);
+  EXPECT_NEAR(base.prediction.stepUs - r.prediction.stepUs, kTinyGatherUs, 1e-6);
+  // In backward, at the bucket's launch: persistent 0, both gradients and the bucket they are
+  // packed into (gathered 1 is released by then).
+  EXPECT_EQ(r.prediction.peakMemoryBytes, kTinyBase + kTinyParam + 4 * kTinyParam);
 }
 
 TEST(Simulator, PersistentCopyEndsAtItsLastBackwardUseBeforeTheStep) {
@@ -122,14 +150,14 @@ TEST(Simulator, PersistentCopyEndsAtItsLastBackwardUseBeforeTheStep) {
   Fixture f;
   Schedule s = f.onUse();
   s.persistent = {1};
-  EXPECT_EQ(f.run(s).prediction.peakMemoryBytes, 1'000'000u + 100'000 + 200'000);
-  // With two micro-steps the first backward keeps it for the next forward: there it meets
-  // gathered 0 and the bucket.
+  EXPECT_EQ(f.run(s).prediction.peakMemoryBytes, kTinyBase + kTinyParam + 4 * kTinyParam);
+  // With two micro-steps the first backward keeps it: at its launch it meets gathered 0 and the
+  // bucket too.
   schemas::Trace t = test::tinyTrace();
   t.meta.gradAccumSteps = 2;
   Workload w = makeWorkload(t);
   SimResult acc = simulate(w, f.cost, compileSchedule(w, s), SimOptions{});
-  EXPECT_EQ(acc.prediction.peakMemoryBytes, 1'000'000u + 100'000 + 100'000 + 200'000);
+  EXPECT_EQ(acc.prediction.peakMemoryBytes, kTinyBase + 2 * kTinyParam + 4 * kTinyParam);
 }
 
 TEST(Simulator, TimelineCoversStreamsAndOptimizer) {
@@ -197,14 +225,14 @@ TEST(Simulator, APeakBetweenTwoOpsCountsWithWhatWasHeldThen) {
   schemas::Trace t = test::tinyTrace();
   schemas::OpEvent& release = t.steps[0].graphs[0].events[2];
   ASSERT_EQ(release.op, "release_param");
-  release.peakBytes = release.memoryBytes + 400'000;
+  release.peakBytes = release.memoryBytes + 600'000;
   Workload w = makeWorkload(t);
   EXPECT_EQ(w.runs[0].activationBytes[2], 0u);
-  EXPECT_EQ(w.runs[0].computePeakBytes[2], 400'000u);
+  EXPECT_EQ(w.runs[0].computePeakBytes[2], 600'000u);
   EXPECT_EQ(w.runs[0].computePeakBytes[1], w.runs[0].activationBytes[1]);  // no peak recorded: at the op
   Fixture f;
   SimResult r = simulate(w, f.cost, compileSchedule(w, f.onUse()), SimOptions{});
-  EXPECT_EQ(r.prediction.peakMemoryBytes, 1'000'000u + 100'000 + 400'000);
+  EXPECT_EQ(r.prediction.peakMemoryBytes, kTinyBase + kTinyParam + 600'000);
 }
 
 TEST(Simulator, TheRecordedRunsOwnBucketInputIsNotActivation) {
@@ -213,16 +241,19 @@ TEST(Simulator, TheRecordedRunsOwnBucketInputIsNotActivation) {
   // in its recorded memory, and the simulator adds the plan's own buckets instead.
   schemas::Trace t = test::tinyTrace();
   auto& bwd = t.steps[0].graphs[1].events;
+  // The bucket of gradient 1 (reduce dtype, padded) is 60 MB; its output, a shard, 30 MB.
   bwd[2].bytes = bwd[6].bytes = 60'000'000;
-  for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes += 60'000'000;
+  for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes += 60'000'000 + 30'000'000 - kTinyParam;
+  t.params[1].shardNumel = 7'500'000;  // so that the output shard is 30 MB in fp32
   Workload w = makeWorkload(t);
   const GraphRun& run = w.runs[1];
   EXPECT_EQ(run.activationBytes[6], 0u);
   EXPECT_EQ(run.activationBytes[7], 0u);
   EXPECT_EQ(run.activationBytes[8], 0u);
-  // ZeRO-1 buckets live otherwise; there the recorded memory is taken as it is.
+  // ZeRO-1 buckets live otherwise; there the recorded memory is taken as it is, gradients
+  // included (the recorded 2 gradients less the one gathered copy is one kTinyParam).
   t.meta.stage = 1;
-  EXPECT_EQ(makeWorkload(t).runs[1].activationBytes[7], 60'000'000u);
+  EXPECT_EQ(makeWorkload(t).runs[1].activationBytes[7], 60'000'000u + 30'000'000 + kTinyParam);
 }
 
 TEST(Simulator, GraphRunsMustRepeatTheSameOps) {
@@ -241,7 +272,7 @@ TEST(Simulator, DefaultScheduleIsGatherOnUseWithOneBucketSize) {
   EXPECT_TRUE(d.graphs[0].prefetch.empty());
   ASSERT_EQ(d.graphs[1].buckets.size(), 1u);
   EXPECT_EQ(d.graphs[1].buckets[0].dsIds, (std::vector<int64_t>{1, 0}));
-  EXPECT_EQ(d.graphs[1].buckets[0].bytes, 200'000u);
+  EXPECT_EQ(d.graphs[1].buckets[0].bytes, 2 * kTinyParam);
 }
 
 }  // namespace

@@ -8,11 +8,19 @@
 
 namespace dcplan::planner::test {
 
-/// Two parameters of 100,000 gathered bytes each on 2 ranks; all-gather and
+/// Sizes of the tiny trace: multiples of the CUDA caching allocator's 512-byte blocks, so that
+/// what the memory model counts is these numbers exactly.
+inline constexpr uint64_t kTinyBase = 1'000'000;   ///< baseline bytes
+inline constexpr uint64_t kTinyParam = 102'400;    ///< a gathered parameter, and its gradient
+inline constexpr uint64_t kTinyShard = 51'200;     ///< a shard of it (2 ranks)
+inline constexpr double kTinyGatherUs = 112.4;     ///< one parameter's all-gather or reduce-scatter
+
+/// Two parameters of 102,400 gathered bytes each (fp32) on 2 NCCL ranks; all-gather and
 /// reduce-scatter take 10 us + 1 us per 1,000 bytes at the measured sizes.
 /// Forward: gather 0, 500 us compute, release 0, gather 1, 500 us, release 1.
 /// Backward: gather 1, 1000 us, reduce 1, release 1, gather 0, 1000 us, reduce 0,
-/// release 0, end_backward. Optimizer 50 us. Memory recorded = baseline + gathered.
+/// release 0, end_backward. Optimizer 50 us. Memory recorded = baseline + gathered + the
+/// gradients the runtime holds in its (default, 100 MB) bucket until end_backward flushes it.
 inline schemas::Trace tinyTrace() {
   using schemas::OpEvent;
   schemas::Trace t;
@@ -25,18 +33,18 @@ inline schemas::Trace tinyTrace() {
   t.meta.paramDtype = "float32";
   t.meta.reduceDtype = "float32";
   t.memory.capacityBytes = 1'000'000'000;
-  t.memory.baselineBytes = 1'000'000;
+  t.memory.baselineBytes = kTinyBase;
   for (int64_t id : {0, 1}) {
     schemas::TraceParam p;
     p.id = id;
     p.name = "layer" + std::to_string(id) + ".weight";
-    p.shape = {250, 100};
+    p.shape = {256, 100};
     p.dtype = "float32";
-    p.numel = 25'000;
-    p.shardNumel = 12'500;
+    p.numel = 25'600;
+    p.shardNumel = 12'800;
     t.params.push_back(p);
   }
-  for (uint64_t b : {10'000ull, 100'000ull, 1'000'000ull}) {
+  for (uint64_t b : {10'240ull, 102'400ull, 1'024'000ull}) {
     double us = 10 + static_cast<double>(b) / 1000;
     t.calibration.allGather.push_back({b, us});
     t.calibration.reduceScatter.push_back({b, us});
@@ -48,7 +56,7 @@ inline schemas::Trace tinyTrace() {
     e.seq = seq;
     e.op = std::move(op);
     e.dsIds = std::move(ids);
-    e.bytes = e.dsIds.empty() ? 0 : 100'000;
+    e.bytes = e.dsIds.empty() ? 0 : kTinyParam;
     e.dtype = e.dsIds.empty() ? "" : "float32";
     e.stream = "compute";
     e.computeUs = compute;
@@ -58,19 +66,20 @@ inline schemas::Trace tinyTrace() {
   };
   schemas::TraceGraph fwd{0, schemas::GraphKind::Forward, {}};
   fwd.events = {
-      ev(0, "allgather_param", {0}, 0, base),           ev(1, "wait_allgather", {0}, 0, base + 100'000),
-      ev(2, "release_param", {0}, 500, base + 100'000), ev(3, "allgather_param", {1}, 0, base),
-      ev(4, "wait_allgather", {1}, 0, base + 100'000),  ev(5, "release_param", {1}, 500, base + 100'000)};
+      ev(0, "allgather_param", {0}, 0, base),         ev(1, "wait_allgather", {0}, 0, base + kTinyParam),
+      ev(2, "release_param", {0}, 500, base + kTinyParam), ev(3, "allgather_param", {1}, 0, base),
+      ev(4, "wait_allgather", {1}, 0, base + kTinyParam),  ev(5, "release_param", {1}, 500, base + kTinyParam)};
+  const uint64_t grad = kTinyParam;
   schemas::TraceGraph bwd{1, schemas::GraphKind::Backward, {}};
   bwd.events = {ev(0, "allgather_param", {1}, 0, base),
-                ev(1, "wait_allgather", {1}, 0, base + 100'000),
-                ev(2, "reduce_grad", {1}, 1000, base + 100'000),
-                ev(3, "release_param", {1}, 0, base + 100'000),
-                ev(4, "allgather_param", {0}, 0, base),
-                ev(5, "wait_allgather", {0}, 0, base + 100'000),
-                ev(6, "reduce_grad", {0}, 1000, base + 100'000),
-                ev(7, "release_param", {0}, 0, base + 100'000),
-                ev(8, "end_backward", {}, 0, base)};
+                ev(1, "wait_allgather", {1}, 0, base + kTinyParam),
+                ev(2, "reduce_grad", {1}, 1000, base + kTinyParam + grad),
+                ev(3, "release_param", {1}, 0, base + kTinyParam + grad),
+                ev(4, "allgather_param", {0}, 0, base + grad),
+                ev(5, "wait_allgather", {0}, 0, base + kTinyParam + grad),
+                ev(6, "reduce_grad", {0}, 1000, base + kTinyParam + 2 * grad),
+                ev(7, "release_param", {0}, 0, base + kTinyParam + 2 * grad),
+                ev(8, "end_backward", {}, 0, base + 2 * grad)};
   double clock = 0;
   for (auto* g : {&fwd, &bwd}) {
     clock = 0;

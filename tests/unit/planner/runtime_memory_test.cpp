@@ -1,0 +1,58 @@
+// The transports' memory rules (measured on Gloo ranks against the counting CPU allocator; NCCL's
+// from the CUDA caching allocator's block size and the runtime's in-place gathers).
+#include <gtest/gtest.h>
+
+#include "dcplan/planner/runtime_memory.h"
+
+namespace dcplan::planner {
+namespace {
+
+schemas::TraceMeta meta(const char* backend, const char* device, const char* paramDtype) {
+  schemas::TraceMeta m;
+  m.backend = backend;
+  m.device = device;
+  m.paramDtype = paramDtype;
+  return m;
+}
+
+TEST(RuntimeMemory, TheTransportComesFromTheBackendOrTheDevice) {
+  EXPECT_EQ(RuntimeMemory::of(meta("gloo", "cpu", "float32"), 2).transport, RuntimeMemory::Transport::Gloo);
+  EXPECT_EQ(RuntimeMemory::of(meta("nccl", "NVIDIA H200", "float32"), 2).transport,
+            RuntimeMemory::Transport::Nccl);
+  EXPECT_EQ(RuntimeMemory::of(meta("", "cpu", "float32"), 2).transport, RuntimeMemory::Transport::Gloo);
+  EXPECT_EQ(RuntimeMemory::of(meta("", "NVIDIA H200", "float32"), 2).transport, RuntimeMemory::Transport::Nccl);
+  EXPECT_FALSE(RuntimeMemory::of(meta("nccl", "x", "float32"), 2).castsShards);
+  EXPECT_TRUE(RuntimeMemory::of(meta("nccl", "x", "bfloat16"), 2).castsShards);
+}
+
+TEST(RuntimeMemory, CudaBlocksAreRoundedTo512BytesAndCpuBytesAreExact) {
+  const RuntimeMemory nccl = RuntimeMemory::of(meta("nccl", "x", "float32"), 2);
+  EXPECT_EQ(nccl.allocation(0), 0u);
+  EXPECT_EQ(nccl.allocation(1), 512u);
+  EXPECT_EQ(nccl.allocation(512), 512u);
+  EXPECT_EQ(nccl.allocation(100'000), 100'352u);
+  EXPECT_EQ(RuntimeMemory::of(meta("gloo", "cpu", "float32"), 2).allocation(100'000), 100'000u);
+}
+
+TEST(RuntimeMemory, GlooHoldsAFlatCopyOfEachGatherUntilItsWait) {
+  const RuntimeMemory gloo = RuntimeMemory::of(meta("gloo", "cpu", "float32"), 4);
+  EXPECT_EQ(gloo.gatherScratchIssued(4'000, false), 0u);
+  EXPECT_EQ(gloo.gatherScratchUntilWait(4'000, false), 4'000u);
+  // A coalesced call also holds the concatenated shards and its own [world, total] output.
+  EXPECT_EQ(gloo.gatherScratchUntilWait(4'000, true), 4'000u + 4'000 + 1'000);
+  // Gloo's reduce-scatter reduces the other ranks' rows through (world - 1) shards.
+  EXPECT_EQ(gloo.reduceScatterScratch(4'000), 3'000u);
+}
+
+TEST(RuntimeMemory, NcclGathersInPlaceAndCastsShardsOnlyWhileIssuing) {
+  const RuntimeMemory fp32 = RuntimeMemory::of(meta("nccl", "x", "float32"), 4);
+  EXPECT_EQ(fp32.gatherScratchIssued(4'000, true), 0u);
+  EXPECT_EQ(fp32.gatherScratchUntilWait(4'000, true), 0u);
+  EXPECT_EQ(fp32.reduceScatterScratch(4'000), 0u);
+  const RuntimeMemory bf16 = RuntimeMemory::of(meta("nccl", "x", "bfloat16"), 4);
+  EXPECT_EQ(bf16.gatherScratchIssued(4'000, false), 1'000u);  // the shards cast to bf16
+  EXPECT_EQ(bf16.gatherScratchUntilWait(4'000, false), 0u);
+}
+
+}  // namespace
+}  // namespace dcplan::planner
