@@ -2,7 +2,6 @@
 #include "dcplan/planner/simulator.h"
 
 #include <algorithm>
-#include <deque>
 #include <stdexcept>
 #include <string>
 
@@ -145,6 +144,7 @@ class Simulation {
       : w_(w), cost_(cost), s_(s), record_(o.record), referenceCalls_(o.referenceCalls) {
     allocated_.assign(w.params.size(), 0);
     callOf_.assign(w.params.size(), -1);
+    hasShardGrad_.assign(w.params.size(), 0);
     readyAt_.assign(w.params.size(), 0.0);
     gatherCount_.assign(w.params.size(), 0);
     res_.repeatStallUs.assign(w.params.size(), 0.0);
@@ -158,7 +158,6 @@ class Simulation {
   SimResult run() {
     for (size_t r = 0; r < w_.runs.size(); ++r) runGraph(static_cast<int32_t>(r));
     double start = std::max({t_, reduceFree_, copyFree_, gatherFree_});
-    popBuckets(start);
     sample(start, 0, -1, -1, false);
     double stepUs = start + w_.optimizerUs;
     if (referenceCalls_ >= 0) {
@@ -199,7 +198,6 @@ class Simulation {
         if (record_) event(Stream::Compute, "compute", r, op.seq, {}, 0, t_, t_ + c);
         t_ += c;
       }
-      popBuckets(t_);
       sample(t_, run.computePeakBytes[i], r, op.seq, false);  // the compute's own peak, before this op changes what is held
       for (int32_t k = cg.groupBegin[i]; k < cg.groupBegin[i + 1]; ++k) {
         gather(cg.groups[static_cast<size_t>(k)], r, op.seq, true);
@@ -260,7 +258,6 @@ class Simulation {
         case OpKind::Other:
           break;
       }
-      popBuckets(t_);
       sample(t_, run.activationBytes[i], r, op.seq, true);
       if (op.kind == OpKind::EndBackward) {  // every reduction drained: no packed input is left
         releaseAfterSample_ += heldInput_;
@@ -342,26 +339,41 @@ class Simulation {
     double dur = cost_.us(op, bytes);
     reduceFree_ = start + dur;
     const uint64_t buffer = w_.memory.allocation(bytes);
+    // A parameter's first reduction of the optimizer step has no gradient to add to: ZeRO-2/3
+    // make its slice of the reduce-scatter output the shard's gradient (which keeps the output
+    // until the optimizer step), ZeRO-1 a new shard-sized one. Later reductions add into it.
+    uint64_t outputs = 0, newShards = 0;
+    for (int32_t p : cg.bucketParams[b]) {
+      const uint64_t shard = w_.params[static_cast<size_t>(p)].gradShardBytes;
+      if (hasShardGrad_[static_cast<size_t>(p)]) {
+        outputs += shard;
+      } else {
+        hasShardGrad_[static_cast<size_t>(p)] = 1;
+        newShards += shard;
+      }
+    }
+    shardGrads_ += newShards;
+    // The bucket lives from its launch until the next launch (the runtime frees the previous
+    // bucket there, on the host) or the end of the backward: ZeRO-1's flat buffer, which it
+    // filled since its first gradient and all-reduces in place; ZeRO-2/3's packed input, the
+    // reduce-scatter's scratch and its output.
+    uint64_t held = buffer;
     if (w_.stage < 2) {
-      pendingBytes_ += buffer;
       filling_ -= buffer;
-      pending_.emplace_back(reduceFree_, buffer);  // its buffer is reused once the reduction is done
     } else {
-      // A ZeRO-2/3 bucket's packed input, the reduce-scatter's scratch and its output live from
-      // the launch until the next launch (the runtime frees the previous bucket there, on the
-      // host) or the end of the backward. The gradients it packs are freed once it is laid out:
-      // while it is, both are held; the gradient of the reduce_grad that launches it stays until
-      // that op returns (its caller holds it).
-      uint64_t held = buffer + w_.memory.reduceScatterScratch(bytes);
-      for (int32_t p : cg.bucketParams[b]) held += w_.params[static_cast<size_t>(p)].gradShardBytes;
+      held += w_.memory.reduceScatterScratch(bytes) + outputs;
+      // The gradients it packs are freed once it is laid out: while it is, both are held; the
+      // gradient of the reduce_grad that launches it stays until that op returns (its caller
+      // holds it).
       const uint64_t packed = deferred_[b];
-      momentary_ += std::max(packed + buffer, held + callerGrad) - held;
-      pendingBytes_ += held;
+      const uint64_t added = held + newShards;
+      momentary_ += std::max(packed + buffer, added + callerGrad) - added;
       pendingBytes_ -= packed;
       deferred_[b] = 0;
-      releaseAfterSample_ += heldInput_;
-      heldInput_ = held;
     }
+    pendingBytes_ += held;
+    releaseAfterSample_ += heldInput_;
+    heldInput_ = held;
     res_.reduceBusyUs += dur;
     res_.reduceCalls++;
     if (record_) {
@@ -376,16 +388,10 @@ class Simulation {
     }
   }
 
-  void popBuckets(double now) {
-    while (!pending_.empty() && pending_.front().first <= now) {
-      pendingBytes_ -= pending_.front().second;
-      pending_.pop_front();
-    }
-  }
 
   void sample(double now, uint64_t activation, int32_t r, int64_t seq, bool atOp) {
     uint64_t m = w_.baselineBytes + livePersistent_ + activation + liveGathered_ + filling_ + pendingBytes_ +
-                 liveScratch_ + momentary_;
+                 liveScratch_ + momentary_ + shardGrads_;
     momentary_ = 0;  // scratch of a call while it is issued: in the sample right after it only
     peak_ = std::max(peak_, m);
     if (record_) res_.memory.push_back(MemorySample{now, m, r, seq, atOp});
@@ -411,13 +417,14 @@ class Simulation {
   std::vector<uint64_t> deferred_;  ///< ZeRO-2/3, per bucket: gradients held until its launch
   std::vector<int32_t> callOf_;     ///< per param: its gather call whose scratch is live, -1: none
   std::vector<uint64_t> callScratch_;
+  std::vector<char> hasShardGrad_;  ///< ZeRO-2/3, per param: its gradient shard exists this step
+  uint64_t shardGrads_ = 0;         ///< ZeRO-2/3: the gradient shards this step's reductions made
   uint64_t liveScratch_ = 0;  ///< scratch of gather calls not waited on yet
   uint64_t momentary_ = 0;    ///< scratch of calls issued since the last sample
   std::vector<int32_t> members_;
   std::vector<int32_t> one_ = std::vector<int32_t>(1, 0);
-  std::deque<std::pair<double, uint64_t>> pending_;  ///< ZeRO-1 buckets in flight: (done at, bytes)
-  uint64_t heldInput_ = 0;           ///< ZeRO-2/3: the packed input of the last bucket launched
-  uint64_t releaseAfterSample_ = 0;  ///< ZeRO-2/3: inputs freed once this op's memory is sampled
+  uint64_t heldInput_ = 0;           ///< the last bucket launched (and, ZeRO-2/3, its output)
+  uint64_t releaseAfterSample_ = 0;  ///< bytes freed once this op's memory is sampled
   uint64_t pendingBytes_ = 0;
   uint64_t filling_ = 0;
   uint64_t liveGathered_ = 0;

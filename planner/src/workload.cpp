@@ -38,6 +38,133 @@ int dtypeBytes(const std::string& dtype, const char* pointer) {
   return *size;
 }
 
+/// What the recorded run's runtime held besides activations, op by op: gathered copies, gradients
+/// waiting in a bucket, launched buckets and gradient shards. A trace is recorded without a plan:
+/// gather on use and the default buckets, flushed when the next gradient would take one past
+/// kDefaultBucketBytes. Its activations are its recorded memory less these (the simulator adds
+/// the plan's own). Sizes are the recorded run's: its world size, its transport's allocator.
+class RecordedHoldings {
+ public:
+  RecordedHoldings(const Workload& w, const schemas::Trace& trace)
+      : stage_(w.stage), memory_(RuntimeMemory::of(trace.meta, w.traceWorldSize)) {
+    const uint64_t gatherSize = static_cast<uint64_t>(schemas::dtypeSize(w.paramDtype).value_or(4));
+    const uint64_t reduceSize = static_cast<uint64_t>(schemas::dtypeSize(w.reduceDtype).value_or(4));
+    const uint64_t ranks = static_cast<uint64_t>(w.traceWorldSize);
+    for (const schemas::TraceParam& p : trace.params) {
+      const uint64_t shard = static_cast<uint64_t>(p.shardNumel);
+      Sizes& z = sizes_[p.id];
+      z.gathered = shard * ranks * gatherSize;
+      z.gradient = memory_.allocation(static_cast<uint64_t>(p.numel) * gatherSize);
+      z.gradShard = memory_.allocation(shard * reduceSize);
+    }
+    // ZeRO-1's flat bucket buffer: the configured size, in the reduce dtype's [world, cols] layout.
+    const uint64_t cols = std::max<uint64_t>(1, kDefaultBucketBytes / (reduceSize * ranks));
+    flatBufferBytes_ = memory_.allocation(cols * reduceSize * ranks);
+  }
+
+  /// Bytes held (besides baseline and activations) before the next op.
+  uint64_t heldBytes() const { return gatheredBytes_ + held_ + deferred_ + shardGrads_ + flat_; }
+
+  /// ZeRO-2/3: the gradient a reduce_grad hands over (in its memory_bytes already).
+  uint64_t arrivingBytes(const schemas::OpEvent& e) const {
+    return defers(e) ? sizes_.at(e.dsIds[0]).gradient : 0;
+  }
+
+  /// Updates what is held after op e of a micro-step (sync: the one the optimizer step follows).
+  void after(const schemas::OpEvent& e, bool sync) {
+    if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
+      for (int64_t id : e.dsIds) {
+        if (gathered_.count(id)) continue;
+        const uint64_t b = memory_.allocation(e.op == "allgather_param" && e.bytes > 0 ? e.bytes
+                                                                                       : sizes_.at(id).gathered);
+        gathered_[id] = b;
+        gatheredBytes_ += b;
+      }
+    } else if (e.op == "release_param" && !e.dsIds.empty() && stage_ == 3) {
+      // (ZeRO-1/2 keep every gathered copy until the optimizer step.)
+      auto it = gathered_.find(e.dsIds[0]);
+      if (it != gathered_.end()) {
+        gatheredBytes_ -= it->second;
+        gathered_.erase(it);
+      }
+    } else if (defers(e)) {
+      if (flushesBefore(filling_, e.bytes, kDefaultBucketBytes)) {
+        // Launched here: packed (its gradients freed) and held with its output until the next
+        // launch; the one before is freed here. (The reduce-scatter's own scratch is not taken
+        // out: the recorded run may have freed it already; the simulator counts the plan's.)
+        held_ = memory_.allocation(filling_) + launch();
+        filling_ = 0;
+        deferred_ = 0;
+      }
+      filling_ += e.bytes;
+      deferred_ += sizes_.at(e.dsIds[0]).gradient;
+      members_.push_back(e.dsIds[0]);
+    } else if (stage_ < 2 && sync && e.op == "reduce_grad" && e.bytes > 0 && !e.dsIds.empty()) {
+      // ZeRO-1 copies the gradient into a flat buffer of the configured size, allocated at the
+      // first gradient of each of its two buffers and kept until end_backward.
+      if (flushesBefore(filling_, e.bytes, kDefaultBucketBytes)) {
+        launch();
+        filling_ = 0;
+        current_ = 1 - current_;
+      }
+      if (!allocated_[current_]) {
+        allocated_[current_] = true;
+        flat_ += flatBufferBytes_;
+      }
+      filling_ += e.bytes;
+      members_.push_back(e.dsIds[0]);
+    } else if (e.op == "end_backward") {
+      launch();  // the last bucket: flushed, drained and freed, its gradient shards made
+      filling_ = held_ = deferred_ = flat_ = 0;
+      allocated_[0] = allocated_[1] = false;
+    }
+  }
+
+ private:
+  struct Sizes {
+    uint64_t gathered = 0;   ///< padded, gather dtype
+    uint64_t gradient = 0;   ///< as autograd hands it to reduce_grad
+    uint64_t gradShard = 0;  ///< a reduced shard
+  };
+
+  bool defers(const schemas::OpEvent& e) const {
+    return stage_ >= 2 && e.op == "reduce_grad" && e.bytes > 0 && !e.dsIds.empty();
+  }
+
+  /// The bucket's gradients are reduced: a parameter's first reduction of the optimizer step
+  /// makes its gradient shard, which stays; returns the later ones' outputs (ZeRO-2/3: held
+  /// with the packed input).
+  uint64_t launch() {
+    uint64_t outputs = 0;
+    for (int64_t id : members_) {
+      if (hasShardGrad_[id]) {
+        outputs += sizes_.at(id).gradShard;
+      } else {
+        hasShardGrad_[id] = 1;
+        shardGrads_ += sizes_.at(id).gradShard;
+      }
+    }
+    members_.clear();
+    return stage_ >= 2 ? outputs : 0;
+  }
+
+  int64_t stage_;
+  RuntimeMemory memory_;
+  std::unordered_map<int64_t, Sizes> sizes_;
+  std::unordered_map<int64_t, uint64_t> gathered_;
+  uint64_t gatheredBytes_ = 0;
+  uint64_t filling_ = 0;   ///< reduce bytes of the bucket being filled
+  uint64_t held_ = 0;      ///< ZeRO-2/3: the last launched bucket, until the next launch
+  uint64_t deferred_ = 0;  ///< ZeRO-2/3: gradients held until their bucket is packed
+  std::vector<int64_t> members_;
+  std::unordered_map<int64_t, char> hasShardGrad_;
+  uint64_t shardGrads_ = 0;
+  uint64_t flatBufferBytes_ = 0;  ///< ZeRO-1
+  uint64_t flat_ = 0;
+  bool allocated_[2] = {false, false};
+  int current_ = 0;
+};
+
 }  // namespace
 
 int32_t Workload::paramIndex(int64_t id) const {
@@ -101,11 +228,6 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
 
   int gatherSize = dtypeBytes(w.paramDtype, "/meta/param_dtype");
   int reduceSize = dtypeBytes(w.reduceDtype, "/meta/reduce_dtype");
-  std::unordered_map<int64_t, uint64_t> recordedGatherBytes;
-  std::unordered_map<int64_t, uint64_t> recordedGradTensorBytes;
-  std::unordered_map<int64_t, uint64_t> recordedGradShardBytes;
-  // The recorded run's own allocator (its world size, its transport).
-  const RuntimeMemory recordedMemory = RuntimeMemory::of(trace.meta, w.traceWorldSize);
   for (const schemas::TraceParam& p : trace.params) {
     WorkParam wp;
     wp.id = p.id;
@@ -119,11 +241,6 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
     wp.gradShardBytes = w.memory.allocation(shard * static_cast<uint64_t>(reduceSize));
     wp.requiresGrad = p.requiresGrad;
     w.params.push_back(std::move(wp));
-    recordedGatherBytes[p.id] = static_cast<uint64_t>(p.shardNumel) *
-                                static_cast<uint64_t>(w.traceWorldSize) * static_cast<uint64_t>(gatherSize);
-    recordedGradTensorBytes[p.id] = w.params.back().gradTensorBytes;
-    recordedGradShardBytes[p.id] =
-        recordedMemory.allocation(static_cast<uint64_t>(p.shardNumel) * static_cast<uint64_t>(reduceSize));
   }
   std::vector<size_t> order(w.params.size());
   std::iota(order.begin(), order.end(), 0);
@@ -154,27 +271,10 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
   w.traceStep = trace.steps[end].index;
   w.optimizerUs = trace.steps[end].optimizerUs;
   std::unordered_map<int64_t, int32_t> runsOfGraph;
-  // What the recorded gather-on-use run had gathered, to take out of its memory.
-  std::unordered_map<int64_t, uint64_t> gathered;
-  uint64_t gatheredBytes = 0;
-  // ZeRO-2/3: the recorded run's own packed bucket input, held from its launch to the next
-  // launch or end_backward, is in its recorded memory too (the simulator adds the plan's). A
-  // trace is recorded without a plan: the default buckets, flushed when the next gradient
-  // would take one past kDefaultBucketBytes.
-  uint64_t recordedFilling = 0;
-  uint64_t recordedHeld = 0;
-  // ZeRO-2/3 hold each gradient from its reduce_grad until its bucket is packed (the next flush).
-  uint64_t recordedDeferred = 0;
-  // ZeRO-2/3: the ids in the recorded run's filling bucket, whose reduce-scatter output (a
-  // shard each) is held with the packed input.
-  std::vector<int64_t> recordedMembers;
-  auto recordedOutputs = [&]() {
-    uint64_t bytes = 0;
-    for (int64_t id : recordedMembers) bytes += recordedGradShardBytes[id];
-    recordedMembers.clear();
-    return bytes;
-  };
-  for (size_t stepIndex : micro) {
+  RecordedHoldings recorded(w, trace);
+  for (size_t m = 0; m < micro.size(); ++m) {
+    const size_t stepIndex = micro[m];
+    const bool sync = m + 1 == micro.size();  // the micro-step the optimizer step follows
     const schemas::TraceStep& step = trace.steps[stepIndex];
     std::string stepPtr = "/steps/" + std::to_string(stepIndex);
     for (size_t gi = 0; gi < step.graphs.size(); ++gi) {
@@ -230,50 +330,16 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
           }
         }
         run.computeUs.push_back(std::max(0.0, e.computeUs));
-        const bool defers = w.stage >= 2 && e.op == "reduce_grad" && e.bytes > 0 && !e.dsIds.empty();
-        // The gradient a reduce_grad hands over is the simulator's from this op on (it holds it
-        // in the plan's bucket), so it leaves the activations here.
-        const uint64_t arriving = defers ? recordedGradTensorBytes[e.dsIds[0]] : 0;
-        uint64_t other =
-            trace.memory.baselineBytes + gatheredBytes + recordedHeld + recordedDeferred;
+        // What the recorded run held besides activations, before this op; a reduce_grad's gradient
+        // is the simulator's from this op on (it holds it in the plan's bucket).
+        const uint64_t other = trace.memory.baselineBytes + recorded.heldBytes();
+        const uint64_t arriving = recorded.arrivingBytes(e);
         run.activationBytes.push_back(e.memoryBytes > other + arriving ? e.memoryBytes - other - arriving : 0);
         // What the recorded run held during the compute before this op is what it held after the
         // op before: the same `other`.
         const uint64_t peak = std::max(e.memoryBytes, e.peakBytes);
         run.computePeakBytes.push_back(peak > other ? peak - other : 0);
-        // Update what the recorded run held after this op.
-        if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
-          for (int64_t id : e.dsIds) {
-            if (gathered.count(id)) continue;
-            uint64_t b = recordedMemory.allocation(
-                e.op == "allgather_param" && e.bytes > 0 ? e.bytes : recordedGatherBytes[id]);
-            gathered[id] = b;
-            gatheredBytes += b;
-          }
-        } else if (e.op == "release_param" && !e.dsIds.empty()) {
-          auto it = gathered.find(e.dsIds[0]);
-          if (it != gathered.end()) {
-            gatheredBytes -= it->second;
-            gathered.erase(it);
-          }
-        } else if (defers) {
-          if (flushesBefore(recordedFilling, e.bytes, kDefaultBucketBytes)) {
-            // Launched here: packed (its gradients freed) and held until the next launch; the
-            // one before is freed here. (The reduce-scatter's own scratch is not taken out: the
-            // recorded run may have freed it already; the simulator counts the plan's.)
-            recordedHeld = recordedMemory.allocation(recordedFilling) + recordedOutputs();
-            recordedFilling = 0;
-            recordedDeferred = 0;
-          }
-          recordedFilling += e.bytes;
-          recordedDeferred += arriving;
-          recordedMembers.push_back(e.dsIds[0]);
-        } else if (e.op == "end_backward") {
-          recordedMembers.clear();  // the last bucket: flushed, drained and freed
-          recordedFilling = 0;
-          recordedHeld = 0;
-          recordedDeferred = 0;
-        }
+        recorded.after(e, sync);
       }
       w.runs.push_back(std::move(run));
     }

@@ -339,33 +339,110 @@ def prediction_report(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
     return lines
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """python -m dcplan.check_replay PLAN LOG...: whether each rank's replay log followed PLAN, and its
-    prediction against what each rank measured; exit 1 if a log departs or a peak exceeds the budget."""
-    import sys
+def last_step_ops(events: List[Dict]) -> Dict[tuple, Dict]:
+    """The op lines of a replay log's last complete optimizer step, by (graph, micro_step, pos)."""
+    execs = executions(events)
+    steps = sorted({ex["step"] for ex in execs})
+    if len(steps) < 2:
+        return {}
+    last = steps[-2]  # the final step may be cut short by the end of the run
+    micro: Dict[int, int] = {}
+    out: Dict[tuple, Dict] = {}
+    for ex in execs:
+        if ex["step"] != last:
+            continue
+        m = micro.get(ex["graph"], 0)
+        micro[ex["graph"]] = m + 1
+        for e in ex["events"]:
+            if e["ev"] == "op":
+                out[(ex["graph"], m, e["pos"])] = e
+    return out
 
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) < 2:
-        print("usage: python -m dcplan.check_replay PLAN REPLAY_LOG...", file=sys.stderr)
-        return 2
+
+def curve_comparison(curve: Dict, events: List[Dict]) -> Dict:
+    """The simulated memory of each op (``dcplan inspect PLAN --trace TRACE --memory-curve``)
+    against the runtime's allocation log (the replay log's ``mem`` and, on CPU ranks, ``peak``) over
+    the log's last complete optimizer step.
+
+    Each op's measured window is the most memory in use from the previous op's issue to its own
+    (``peak``; where the log has none, the bytes in use at its issue). Its prediction is the most
+    the simulator holds over the same span: at the two ops before it (each after its own
+    allocations; for a step's first ops, the previous step's last) and during the compute before it
+    (for a step's first op, the optimizer step's). Returns ``ops`` (graph, micro_step, pos, op,
+    predicted, measured), ``predicted_peak`` and ``measured_peak`` over the compared ops."""
+    logged = last_step_ops(events)
+    rows = []
+    samples = curve["samples"]
+    for k, s in enumerate(samples):
+        e = logged.get((s["graph"], s["micro_step"], s["pos"]))
+        if e is None or "mem" not in e:
+            continue
+        window = [s["before_bytes"]] + [samples[j]["at_bytes"] for j in (k - 1, k - 2)]  # j < 0: the step before
+        measured_bytes = e.get("peak", e["mem"])
+        rows.append((s["graph"], s["micro_step"], s["pos"], s["op"], max(window), measured_bytes))
+    return {"ops": rows,
+            "predicted_peak": max((r[4] for r in rows), default=None),
+            "measured_peak": max((r[5] for r in rows), default=None)}
+
+
+def curve_report(name: str, comparison: Dict, show: int = 5) -> List[str]:
+    """Lines of curve_comparison: the peaks, and the ops the prediction misses most."""
+    rows = comparison["ops"]
+    if not rows:
+        return [f"  {os.path.basename(name)}: no op with memory in the log's last complete step "
+                "(logs of dcplan before 0.2 carry none)"]
+    pred, meas = comparison["predicted_peak"], comparison["measured_peak"]
+    lines = [f"  {os.path.basename(name)}: {len(rows)} ops, peak predicted {_mib(pred)}, measured {_mib(meas)} "
+             f"({100 * (meas / pred - 1):+.1f}%)"]
+    under = sorted((r for r in rows if r[5] > r[4]), key=lambda r: r[4] - r[5])[:show]
+    for g, m, pos, op, p, mb in under:
+        lines.append(f"    graph {g} micro-step {m} pos {pos} {op}: measured {_mib(mb)}, predicted {_mib(p)} "
+                     f"({(mb - p) / 2**10:+.0f} KiB)")
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """python -m dcplan.check_replay PLAN LOG... [--curve CURVE]: whether each rank's replay log
+    followed PLAN, and its prediction against what each rank measured; exit 1 if a log departs or a
+    peak exceeds the budget."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dcplan.check_replay",
+        description="Did each rank follow the plan, and how did its prediction hold? Exit 0: followed "
+                    "and within the budget; 1: a departure or a peak over the budget; 2: usage.")
+    parser.add_argument("plan", help="the plan the run loaded")
+    parser.add_argument("logs", nargs="+", metavar="REPLAY_LOG", help="the ranks' replay logs (DCPLAN_REPLAY_LOG)")
+    parser.add_argument("--curve", metavar="CURVE",
+                        help="the plan's simulated memory per op (dcplan inspect PLAN --trace TRACE "
+                             "--memory-curve CURVE): compared op by op with each log's allocation log")
+    args = parser.parse_args(argv)
     failed = False
     runs: Dict[str, Dict] = {}
-    for path in args[1:]:
+    logs: Dict[str, List[Dict]] = {}
+    for path in args.logs:
         with open(path) as f:
             events = [json.loads(line) for line in f if line.strip()]
+        logs[path] = events
         runs[path] = measured(events)
-        diffs = replay_differences(args[0], events)
+        diffs = replay_differences(args.plan, events)
         ops = sum(e["ev"] == "op" for e in events)
         groups = sum(e["ev"] == "prefetch" for e in events)
         flushes = sum(e["ev"] == "flush" for e in events)
         if diffs:
             failed = True
-            print(f"{path}: departs from {args[0]} ({len(diffs)} differences)")
+            print(f"{path}: departs from {args.plan} ({len(diffs)} differences)")
             for d in diffs[:20]:
                 print(f"  {d}")
         else:
-            print(f"{path}: follows {args[0]} ({ops} ops, {groups} planned prefetches, {flushes} bucket flushes)")
-    with open(args[0]) as f:
+            print(f"{path}: follows {args.plan} ({ops} ops, {groups} planned prefetches, {flushes} bucket flushes)")
+    with open(args.plan) as f:
         report = prediction_report(json.load(f), runs)
     print("\n".join(report))
+    if args.curve:
+        with open(args.curve) as f:
+            curve = json.load(f)
+        print(f"memory per op ({args.curve}) against each rank's allocation log, last complete step:")
+        for path, events in logs.items():
+            print("\n".join(curve_report(path, curve_comparison(curve, events))))
     return 1 if failed or any(line.startswith("OVER BUDGET") for line in report) else 0

@@ -93,7 +93,14 @@ void Executor::putInBucket(Param& p, const at::Tensor& gradFlat) {
   if (bucket->rankMajor()) {
     bucket->defer(p.id_, p.shardNumel_, gradFlat);
   } else {
-    at::Tensor region = bucket->allocate(p.id_, p.shardNumel_);  // [ws, shardNumel]
+    // A planned bucket is allocated at its size (the planner's memory model), not the capacity.
+    int64_t sizeCols = 0;
+    if (bucket->empty()) {
+      if (const std::vector<int64_t>* ids = rt_.schedule_->plannedBucket(graphId_, p.id_)) {
+        for (int64_t id : *ids) sizeCols += rt_.registry_->get("reduce_grad", id).shardNumel_;
+      }
+    }
+    at::Tensor region = bucket->allocate(p.id_, p.shardNumel_, sizeCols);  // [ws, shardNumel]
     // Row r gets elements [r*s, (r+1)*s) of the gradient; the tail past numel is
     // zero, so no collective reads past the gradient.
     const int64_t s = p.shardNumel_;
@@ -183,8 +190,9 @@ void Executor::complete(ReduceBucket& bucket) {
   // While the reduction or the accumulation (ZeRO-1 reads the all-reduced buffer itself) may
   // still read the buffer (on a GPU), the next fill gets a fresh one; the allocator keeps this
   // memory until their stream is done with it.
-  // A rank-major bucket packs a buffer of just its size at every flush.
-  if (bucket.rankMajor() || !accumulated->isCompleted()) bucket.releaseMemory();
+  // A rank-major bucket packs a buffer of just its size at every flush; a planned flat bucket
+  // was allocated at its own size, which the next one may not share.
+  if (bucket.rankMajor() || bucket.plannedSize() || !accumulated->isCompleted()) bucket.releaseMemory();
   accumulations_.push_back(std::move(accumulated));
 }
 

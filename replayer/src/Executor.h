@@ -118,8 +118,9 @@ class ReduceBucket {
   ReduceBucket(const ReduceBucket&) = delete;
   ReduceBucket& operator=(const ReduceBucket&) = delete;
 
-  /// Reserves cols columns for gradient dsId; returns its [worldSize, cols] region.
-  at::Tensor allocate(int64_t dsId, int64_t cols);
+  /// Reserves cols columns for gradient dsId; returns its [worldSize, cols] region. An empty
+  /// bucket allocates sizeCols columns (0: its configured capacity), at least cols.
+  at::Tensor allocate(int64_t dsId, int64_t cols, int64_t sizeCols = 0);
   /// Rank-major: keeps gradient dsId (flat, cols per rank once padded) as it is until
   /// pack(), instead of copying it into the buffer now (one launch per bucket, not per
   /// gradient; no buffer while the bucket fills).
@@ -128,6 +129,8 @@ class ReduceBucket {
   /// each gradient's r-th slice, zero padded.
   void pack();
   bool rankMajor() const { return rankMajor_; }
+  /// Whether the buffer was allocated at a planned bucket's size (until releaseMemory()).
+  bool plannedSize() const { return plannedSize_; }
   at::Tensor region(const ReduceTask& task) const;
   /// What the collective works on: [worldSize, usedCols] (rank-major) or the
   /// used prefix of the flat buffer.
@@ -146,7 +149,7 @@ class ReduceBucket {
   at::Tensor output_;
 
  private:
-  void reserveCols(int64_t cols);
+  void reserveCols(int64_t cols, int64_t sizeCols);
 
   at::ScalarType dtype_;
   c10::Device device_;
@@ -154,6 +157,7 @@ class ReduceBucket {
   bool rankMajor_;
   int64_t capacityCols_;
   int64_t configuredCols_;  ///< capacityCols_ before a large gradient grew it
+  bool plannedSize_ = false;
   int64_t usedCols_ = 0;
   at::Tensor buffer_;
   std::vector<ReduceTask> tasks_;

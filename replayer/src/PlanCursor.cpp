@@ -250,6 +250,14 @@ bool PlanCursor::flushAfter(int64_t graphId, int64_t dsId) {
   return ++r.arrived[b] == static_cast<int64_t>(g->plan.buckets[b].size());
 }
 
+const std::vector<int64_t>* PlanCursor::plannedBucket(int64_t graphId, int64_t dsId) {
+  if (!active()) return nullptr;
+  Planned* g = planned(graphId);
+  if (g == nullptr) return nullptr;
+  auto it = g->bucketOf.find(dsId);
+  return it == g->bucketOf.end() ? nullptr : &g->plan.buckets[it->second];
+}
+
 void PlanCursor::onFlush(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes) {
   if (!log_) return;
   logLine("{\"ev\":\"flush\",\"graph\":" + std::to_string(graphId) + ",\"pos\":" + std::to_string(curPos_) +

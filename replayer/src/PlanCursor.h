@@ -52,6 +52,7 @@ class PlanCursor final : public SchedulePolicy {
   bool keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll) override;
   bool flushBefore(int64_t graphId, int64_t pendingBytes, int64_t nextBytes, int64_t bucketBytes) override;
   bool flushAfter(int64_t graphId, int64_t dsId) override;
+  const std::vector<int64_t>* plannedBucket(int64_t graphId, int64_t dsId) override;
   void onFlush(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes) override;
   void onGraphEnd(int64_t graphId) override;
   void onStartForward() override;

@@ -16,8 +16,12 @@ ReduceBucket::ReduceBucket(at::ScalarType dtype, c10::Device device, int worldSi
   configuredCols_ = capacityCols_;
 }
 
-void ReduceBucket::reserveCols(int64_t cols) {
+void ReduceBucket::reserveCols(int64_t cols, int64_t sizeCols) {
   if (buffer_.defined() && usedCols_ + cols <= capacityCols_) return;
+  if (!buffer_.defined() && sizeCols > 0) {  // a planned bucket's own size
+    capacityCols_ = sizeCols;
+    plannedSize_ = true;
+  }
   const int64_t newCap = std::max(capacityCols_, usedCols_ + cols);
   at::Tensor fresh = at::empty({worldSize_ * newCap}, at::TensorOptions().dtype(dtype_).device(device_));
   if (buffer_.defined() && usedCols_ > 0) {
@@ -33,9 +37,9 @@ void ReduceBucket::reserveCols(int64_t cols) {
   capacityCols_ = newCap;
 }
 
-at::Tensor ReduceBucket::allocate(int64_t dsId, int64_t cols) {
+at::Tensor ReduceBucket::allocate(int64_t dsId, int64_t cols, int64_t sizeCols) {
   TORCH_INTERNAL_ASSERT(pending_ == nullptr, "filling a bucket whose reduction is in flight");
-  reserveCols(cols);
+  reserveCols(cols, sizeCols);
   tasks_.push_back(ReduceTask{dsId, usedCols_, cols});
   usedCols_ += cols;
   return region(tasks_.back());
@@ -81,6 +85,7 @@ void ReduceBucket::releaseMemory() {
   TORCH_INTERNAL_ASSERT(empty() && !pending_, "releasing a bucket that holds gradients");
   buffer_ = at::Tensor();
   capacityCols_ = configuredCols_;
+  plannedSize_ = false;
 }
 
 void ReduceBucket::reset() {

@@ -250,10 +250,27 @@ TEST(Simulator, TheRecordedRunsOwnBucketInputIsNotActivation) {
   EXPECT_EQ(run.activationBytes[6], 0u);
   EXPECT_EQ(run.activationBytes[7], 0u);
   EXPECT_EQ(run.activationBytes[8], 0u);
-  // ZeRO-1 buckets live otherwise; there the recorded memory is taken as it is, gradients
-  // included (the recorded 2 gradients less the one gathered copy is one kTinyParam).
+}
+
+TEST(Simulator, TheRecordedRunsZero1FlatBuffersAreNotActivation) {
+  // ZeRO-1 without a plan copies gradients into flat buffers of the configured 100 MB, allocated
+  // at the first gradient of each of its two buffers and kept until end_backward; every
+  // gathered copy is kept too. The recorded memory holds them; the activations do not.
+  schemas::Trace t = test::tinyTrace();
   t.meta.stage = 1;
-  EXPECT_EQ(makeWorkload(t).runs[1].activationBytes[7], 60'000'000u + 30'000'000 + kTinyParam);
+  auto& bwd = t.steps[0].graphs[1].events;
+  bwd[2].bytes = bwd[6].bytes = 60'000'000;  // the second flushes the first and fills the other buffer
+  for (size_t i = 3; i < bwd.size(); ++i) bwd[i].memoryBytes += 100'000'000;
+  for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes += 100'000'000;
+  // The recorded gradients are copied into the buffer, not held: take them out of the trace.
+  for (size_t i = 3; i < bwd.size(); ++i) bwd[i].memoryBytes -= kTinyParam;
+  for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes -= kTinyParam;
+  // ZeRO-1 keeps the gathered copies: the recorded run's releases free nothing.
+  bwd[4].memoryBytes += kTinyParam;
+  bwd[8].memoryBytes += 2 * kTinyParam;
+  Workload w = makeWorkload(t);
+  for (size_t i = 3; i < 8; ++i) EXPECT_EQ(w.runs[1].activationBytes[i], 0u) << i;
+  // After end_backward the buffers are gone, the gradient shards (60 MB / 2 ranks each) stay.
 }
 
 TEST(Simulator, GraphRunsMustRepeatTheSameOps) {

@@ -51,7 +51,8 @@ struct WorkParam {
   /// ZeRO-2/3 hold until their bucket is packed.
   uint64_t gradTensorBytes = 0;
   /// Memory of the reduced gradient shard (ZeRO-2/3: its slice of the bucket's reduce-scatter
-  /// output, which the runtime adds into the shard's gradient when the reduction completes).
+  /// output; at the parameter's first reduction of an optimizer step that slice becomes the
+  /// shard's gradient, later ones are added into it).
   uint64_t gradShardBytes = 0;
   bool requiresGrad = true;
 };

@@ -53,6 +53,9 @@ class SchedulePolicy {
                                 bool planned) {}
   /// Whether the bucket must be flushed right after the gradient of dsId went in.
   virtual bool flushAfter(int64_t graphId, int64_t dsId) { return false; }
+  /// The planned bucket the gradient of dsId goes into (its ds_ids), so that a flat bucket is
+  /// allocated at its planned size; nullptr without one (the configured size then).
+  virtual const std::vector<int64_t>* plannedBucket(int64_t graphId, int64_t dsId) { return nullptr; }
   /// A bucket's reduction is launched: its gradients in bucket order and its bytes.
   virtual void onFlush(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes) {}
   /// start_forward() / start_backward() was called.
