@@ -3,7 +3,7 @@
 #   bash bench/gpu/run_on_box.sh tests               # GPU tests + plan replay tests on NCCL
 #   bash bench/gpu/run_on_box.sh bench [args]         # fsdp_vs_dcplan.py with these arguments only
 #   bash bench/gpu/run_on_box.sh train [args]         # transformers Llama with a checkpoint; pip install .
-#   bash bench/gpu/run_on_box.sh predict [budget]     # record, plan, replay, check_replay: predicted vs measured
+#   bash bench/gpu/run_on_box.sh predict [budget]     # record, plan at $BUDGETS, replay, check_replay --curve
 #   bash bench/gpu/run_on_box.sh compiled comm|compute [args]  # compiled replay: GPU tests, then a
 #       trace of the compiled model, its plan, and fsdp2, fsdp2-compiled, dcplan, dcplan-compiled
 #       (default schedule and the plan) and the bound in one process, interleaved over rounds
@@ -92,10 +92,12 @@ case "$what" in
       examples/train_llama.py --device cuda --steps 3 2>&1 | quiet | tail -3
     ;;
   predict)
-    # dcplan.check_replay on GPUs: examples/train_llama.py at the reference size (hidden 2048,
-    # 16 layers, $BATCH x $SEQ tokens per GPU, default 1x1024, bf16 gathers, fp32 reduce)
-    # recorded, planned (--memory-budget "$1" if given; "auto": 97% of the unconstrained plan's
-    # predicted peak) and replayed with a replay log; predicted against measured.
+    # The memory model and check_replay on GPUs: examples/train_llama.py at the reference size
+    # (hidden 2048, 16 layers, $BATCH x $SEQ tokens per GPU, default 1x1024, bf16 gathers, fp32
+    # reduce) recorded, then planned and replayed with a replay log for each of $BUDGETS (default
+    # "default 0.97 1.0 1.05": the default schedule, and budgets at those fractions of its
+    # predicted peak; or "$1", one budget); check_replay --curve compares each plan's prediction,
+    # op by op, with every rank's allocation log. Ends with a table of all plans.
     P=$OUT/predict
     mkdir -p "$P"
     gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
@@ -104,16 +106,26 @@ case "$what" in
        --reduce-dtype float32)
     build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 8 \
       2>&1 | quiet | tail -4
-    budget=${1:-}
-    if [ "$budget" = auto ]; then
-      build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/unconstrained.json" > /dev/null
-      budget=$("$PY" -c "import json,sys; print(int(0.97 * json.load(open(sys.argv[1]))['predicted']['peak_memory_bytes']))" \
-        "$P/unconstrained.json")
-    fi
-    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/plan.json" ${budget:+--memory-budget "$budget"} | tail -6
-    DCPLAN_PLAN="$P/plan.json" DCPLAN_REPLAY_LOG="$P/replay.{rank}.jsonl" "$PY" "${T[@]}" --steps 12 2>&1 | quiet \
-      | tail -3
-    "$PY" -m dcplan.check_replay "$P/plan.json" "$P"/replay.*.jsonl || true
+    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/default.json" --strategy default > /dev/null
+    default_peak=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['predicted']['peak_memory_bytes'])" \
+      "$P/default.json")
+    for b in ${1:-${BUDGETS:-default 0.97 1.0 1.05}}; do
+      case $b in
+        default) name=default;;
+        0.*|1.*) name=budget-$b; budget=$("$PY" -c "print(int($b * $default_peak))")
+           build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/$name.json" --memory-budget "$budget" > /dev/null \
+             || { echo "$name: refused"; continue; };;
+        *) name=budget-$b; build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/$name.json" --memory-budget "$b" \
+             > /dev/null || { echo "$name: refused"; continue; };;
+      esac
+      build/cuda/bin/dcplan inspect "$P/$name.json" --trace "$P/trace.json" --memory-curve "$P/$name.curve.json" \
+        > /dev/null
+      DCPLAN_PLAN="$P/$name.json" DCPLAN_REPLAY_LOG="$P/$name.{rank}.jsonl" "$PY" "${T[@]}" --steps 12 2>&1 | quiet \
+        | tail -1
+      "$PY" -m dcplan.check_replay "$P/$name.json" "$P/$name".[0-9]*.jsonl --curve "$P/$name.curve.json" \
+        > "$P/$name.check" || true
+      echo "== $name"; grep -v "^  graph\|follows" "$P/$name.check" | head -12
+    done
     ;;
   comm|compute)
     sh=$what

@@ -181,6 +181,7 @@ class Search {
       uint64_t act = 0;
       for (const GraphRun& r : w_.runs) act = std::max(act, r.mostActivationBytes());
       throw std::invalid_argument("memory budget " + formatBytes(c_.limit) +
+                                  " (after 0.1% kept for allocations the model does not see)"
                                   " is below what any schedule needs: at least " + formatBytes(least) +
                                   " with every gather on use (baseline " + formatBytes(w_.baselineBytes) +
                                   ", activations up to " + formatBytes(act) + ")");
@@ -444,9 +445,11 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   Workload w = makeWorkload(trace, req.worldSize);
   CostModel cost(trace.calibration, w.traceWorldSize,
                  CostModelOptions{w.worldSize, req.bandwidthGBps, std::nullopt});
-  uint64_t limit = req.memoryBudgetBytes ? *req.memoryBudgetBytes
-                   : w.capacityBytes > 0 ? w.capacityBytes
-                                         : std::numeric_limits<uint64_t>::max();
+  const uint64_t given = req.memoryBudgetBytes ? *req.memoryBudgetBytes
+                         : w.capacityBytes > 0 ? w.capacityBytes
+                                               : std::numeric_limits<uint64_t>::max();
+  const bool unlimited = given == std::numeric_limits<uint64_t>::max();
+  const uint64_t limit = unlimited ? given : plannedLimit(given);
   Search search(w, cost, limit, progress);
   const Context& c = search.context();
   PlanResult result;
@@ -473,7 +476,9 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     result.warnings.push_back("the " + std::string(strategyName(req.strategy)) +
                               " schedule is predicted to peak at " +
                               formatBytes(chosen.sim.prediction.peakMemoryBytes) +
-                              ", over the memory limit of " + formatBytes(limit));
+                              ", over the memory limit of " + formatBytes(limit) +
+                              (unlimited ? std::string() : " (" + formatBytes(given) +
+                                  " less 0.1% for allocations the model does not see)"));
   }
 
   schemas::Plan& plan = result.plan;
@@ -511,9 +516,10 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
                            : w.capacityBytes > 0 ? "device capacity"
                                                  : "unlimited";
     ex.line("memory limit: " +
-            (limit == std::numeric_limits<uint64_t>::max() ? std::string("none") : formatBytes(limit)) +
-            " (" + limitWhy + "); baseline " + formatBytes(w.baselineBytes) + ", activations up to " +
-            formatBytes(act));
+            (unlimited ? std::string("none (") + limitWhy + ")"
+                       : formatBytes(limit) + " (" + limitWhy + " " + formatBytes(given) +
+                             " less 0.1% for allocations the model does not see)") +
+            "; baseline " + formatBytes(w.baselineBytes) + ", activations up to " + formatBytes(act));
     ex.line("cost model:");
     for (const std::string& s : cost.describe()) ex.line("  " + s);
     ex.line("default schedule: " + predictionLine(def.sim.prediction));

@@ -70,9 +70,10 @@ from ._clip import clip_grad_norm_, install_warning as _install_clip_warning  # 
 _install_clip_warning()
 from ._state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,  # noqa: E402
                           set_model_state_dict, set_optimizer_state_dict)
-from ._plan import PlanDepartureWarning, read_replay_log, replay_differences, replay_log  # noqa: E402
+from ._plan import (  # noqa: E402
+    PlanDepartureWarning, curve_comparison, read_replay_log, replay_differences, replay_log)
 
 __all__ = ["shard", "init", "full_parameters", "shutdown", "clip_grad_norm_", "ShmFallbackWarning"]
 __all__ += ["StateDictOptions", "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
             "set_optimizer_state_dict"]
-__all__ += ["replay_log", "read_replay_log", "replay_differences", "PlanDepartureWarning"]
+__all__ += ["replay_log", "read_replay_log", "replay_differences", "curve_comparison", "PlanDepartureWarning"]

@@ -132,12 +132,16 @@ ncclDataType_t ncclTypeOf(const char* op, at::ScalarType t) {
 class EventHandle final : public CommHandle {
  public:
   EventHandle(std::shared_ptr<CudaEvent> done, c10::DeviceIndex device, bool hostWait,
-              std::vector<at::Tensor> usedByWaiter = {}, std::optional<c10::cuda::CUDAStream> stream = {})
-      : done_(std::move(done)),
-        device_(device),
-        hostWait_(hostWait),
-        usedByWaiter_(std::move(usedByWaiter)),
-        stream_(stream) {}
+              const std::vector<at::Tensor>& usedByWaiter = {}, std::optional<c10::cuda::CUDAStream> stream = {})
+      : done_(std::move(done)), device_(device), hostWait_(hostWait), stream_(stream) {
+    // Weak: a fused gather's handle lives until its last member is waited on, and must not keep
+    // the members released before that alive (the whole group's memory would stay until then).
+    // A buffer freed before its wait was allocated on the collective's stream, which the
+    // allocator reuses it on only after the collective (stream order).
+    for (const at::Tensor& t : usedByWaiter) {
+      if (t.numel() > 0) usedByWaiter_.push_back(t.storage().getWeakStorageImpl());
+    }
+  }
 
   /// The side stream the work ran on (absent for a host-side wait).
   const std::optional<c10::cuda::CUDAStream>& stream() const { return stream_; }
@@ -150,8 +154,10 @@ class EventHandle final : public CommHandle {
     }
     const c10::cuda::CUDAStream waiter = c10::cuda::getCurrentCUDAStream(device_);
     done_->block(waiter.stream());
-    for (const at::Tensor& t : usedByWaiter_) {
-      if (t.numel() > 0) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), waiter);
+    for (const auto& weak : usedByWaiter_) {
+      if (auto storage = weak.lock()) {
+        c10::cuda::CUDACachingAllocator::recordStream(storage->data_ptr(), waiter);
+      }
     }
   }
   bool isCompleted() override {
@@ -167,7 +173,7 @@ class EventHandle final : public CommHandle {
   std::shared_ptr<CudaEvent> done_;
   c10::DeviceIndex device_;
   bool hostWait_;
-  std::vector<at::Tensor> usedByWaiter_;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> usedByWaiter_;
   std::optional<c10::cuda::CUDAStream> stream_;
 };
 

@@ -168,9 +168,30 @@ TEST(PlannerProperties, PersistenceFitsWhereTheOptimizerStepSetsThePeak) {
   first.peakBytes = first.memoryBytes + 2'000'000;
   const uint64_t floor = plan(t, Strategy::Default, std::nullopt).plan.predicted.peakMemoryBytes;
   EXPECT_EQ(floor, first.peakBytes);
-  PlanResult r = plan(t, Strategy::Optimized, floor);
+  // The budget that leaves the floor after the reserve for what the model does not see.
+  const uint64_t budget = floor + floor / 999 + 1;
+  ASSERT_GE(plannedLimit(budget), floor);
+  PlanResult r = plan(t, Strategy::Optimized, budget);
   EXPECT_FALSE(r.plan.persistent.empty());
   EXPECT_LE(r.plan.predicted.peakMemoryBytes, floor);
+  // The floor itself as the budget leaves less than the floor: refused.
+  EXPECT_THROW(plan(t, Strategy::Optimized, floor), std::invalid_argument);
+}
+
+TEST(PlannerProperties, PlansKeepAReserveForWhatTheModelDoesNotSee) {
+  EXPECT_EQ(plannedLimit(1'000'000), 999'000u);
+  EXPECT_EQ(plannedLimit(0), 0u);
+  testing::GeneratorOptions o;
+  o.model.layers = 2;
+  o.worldSize = 4;
+  o.steps = 1;
+  schemas::Trace t = testing::generateTrace(o);
+  const uint64_t peak = plan(t, Strategy::Default, std::nullopt).plan.predicted.peakMemoryBytes;
+  for (double f : {1.01, 1.05, 1.2}) {
+    const auto budget = static_cast<uint64_t>(static_cast<double>(peak) * f);
+    PlanResult r = plan(t, Strategy::Optimized, budget);
+    EXPECT_LE(r.plan.predicted.peakMemoryBytes, plannedLimit(budget)) << f;
+  }
 }
 
 TEST(PlannerProperties, WhatIfWorldSizeAndBandwidth) {
