@@ -181,7 +181,7 @@ class Search {
       uint64_t act = 0;
       for (const GraphRun& r : w_.runs) act = std::max(act, r.mostActivationBytes());
       throw std::invalid_argument("memory budget " + formatBytes(c_.limit) +
-                                  " (after 0.1% kept for allocations the model does not see)"
+                                  " (after " + kUnseenReserveText + " kept for allocations the model does not see)" +
                                   " is below what any schedule needs: at least " + formatBytes(least) +
                                   " with every gather on use (baseline " + formatBytes(w_.baselineBytes) +
                                   ", activations up to " + formatBytes(act) + ")");
@@ -478,7 +478,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
                               formatBytes(chosen.sim.prediction.peakMemoryBytes) +
                               ", over the memory limit of " + formatBytes(limit) +
                               (unlimited ? std::string() : " (" + formatBytes(given) +
-                                  " less 0.1% for allocations the model does not see)"));
+                                  " less " + kUnseenReserveText + " for allocations the model does not see)"));
   }
 
   schemas::Plan& plan = result.plan;
@@ -518,7 +518,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     ex.line("memory limit: " +
             (unlimited ? std::string("none (") + limitWhy + ")"
                        : formatBytes(limit) + " (" + limitWhy + " " + formatBytes(given) +
-                             " less 0.1% for allocations the model does not see)") +
+                             " less " + kUnseenReserveText + " for allocations the model does not see)") +
             "; baseline " + formatBytes(w.baselineBytes) + ", activations up to " + formatBytes(act));
     ex.line("cost model:");
     for (const std::string& s : cost.describe()) ex.line("  " + s);

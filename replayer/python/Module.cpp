@@ -10,6 +10,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -111,9 +112,14 @@ void bindPlan(py::module& m) {
       [](const std::string& path, const std::optional<std::string>& device) {
         MemoryGauge gauge;
         if (device) {
+          // DCPLAN_REPLAY_LOG_PEAKS=1 on a GPU: per-op peaks too, from the allocator's peak
+          // statistic, reset at every op (torch.cuda.max_memory_allocated() then covers one op).
+          const char* peaks = std::getenv("DCPLAN_REPLAY_LOG_PEAKS");
+          const bool devicePeaks = !c10::Device(*device).is_cpu() && peaks != nullptr && std::string(peaks) == "1";
           std::shared_ptr<dcplan::recorder::MemoryProbe> probe =
-              dcplan::recorder::makeReplayOpProbe(c10::Device(*device));
-          const bool windowPeak = c10::Device(*device).is_cpu();
+              devicePeaks ? dcplan::recorder::makeDeviceAllocatorProbe(c10::Device(*device))
+                          : dcplan::recorder::makeReplayOpProbe(c10::Device(*device));
+          const bool windowPeak = c10::Device(*device).is_cpu() || devicePeaks;
           gauge = [probe, windowPeak] {
             OpMemory m;
             m.inUse = static_cast<int64_t>(probe->bytesInUse());
