@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 import pytest
+from mp_harness import dcplan_binary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "train_llama.py")
@@ -37,14 +38,6 @@ CONFIGS = {
     "zero3-bf16-accum2": ["--stage", "3", "--param-dtype", "bfloat16", "--grad-accum", "2"],
     "zero2": ["--stage", "2"],
 }
-
-
-def dcplan_binary():
-    build = os.environ.get("DCPLAN_BUILD_DIR")
-    path = os.path.join(build, "bin", "dcplan") if build else None
-    if not path or not os.path.exists(path):
-        pytest.skip("the dcplan CLI is not built (DCPLAN_BUILD_DIR/bin/dcplan)")
-    return path
 
 
 def train(*args):

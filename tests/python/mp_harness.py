@@ -12,6 +12,15 @@ import torch
 import torch.multiprocessing as mp
 
 
+def dcplan_binary() -> str:
+    """The built dcplan CLI ($DCPLAN_BUILD_DIR/bin/dcplan); skips (with the reason) without one."""
+    build = os.environ.get("DCPLAN_BUILD_DIR")
+    path = os.path.join(build, "bin", "dcplan") if build else None
+    if not path or not os.path.exists(path):
+        pytest.skip("the dcplan CLI is not built (DCPLAN_BUILD_DIR/bin/dcplan)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def dcplan_module():
     """The dcplan package; skips (with the reason) when its extension was not built."""

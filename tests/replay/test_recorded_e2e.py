@@ -5,20 +5,13 @@ import subprocess
 import sys
 
 import pytest
+from mp_harness import dcplan_binary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "Inputs", "train_tiny.py")
 STEPS = 6
 
 pytestmark = pytest.mark.multiprocess
-
-
-def dcplan_binary():
-    build = os.environ.get("DCPLAN_BUILD_DIR")
-    path = os.path.join(build, "bin", "dcplan") if build else None
-    if not path or not os.path.exists(path):
-        pytest.skip("the dcplan CLI is not built (DCPLAN_BUILD_DIR/bin/dcplan)")
-    return path
 
 
 def torchrun(*args):
