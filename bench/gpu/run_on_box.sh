@@ -148,8 +148,9 @@ case "$what" in
       plans="$plans,$P/optimized-fsdp2-memory.json"
     else
       # Below the least any schedule needs (the optimizer step's, say): plan for what the
-      # planner predicts for the default schedule (gather on use) instead.
-      own=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['predicted_default']['peak_memory_bytes'])" \
+      # planner predicts for the default schedule (gather on use) instead, plus the 0.5% the
+      # planner keeps back (kUnseenReserveShare).
+      own=$("$PY" -c "import json,sys; print(int(json.load(open(sys.argv[1]))['predicted_default']['peak_memory_bytes'] / 0.995) + 1)" \
         "$P/optimized.json")
       echo "== 3b. plan for the default schedule's predicted peak instead ($own bytes)"
       build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/optimized-default-memory.json" --memory-budget "$own" 2>&1 \

@@ -297,7 +297,7 @@ PrefetchResult planPrefetch(const Context& c, const std::vector<char>& persisten
     auto memBytes = [&](const GatherUse& u) -> uint64_t {
       const WorkParam& p = w.params[static_cast<size_t>(u.param)];
       if (persistent[static_cast<size_t>(u.param)]) return 0;
-      return p.gatherMemBytes + w.memory.gatherScratchUntilWait(u.bytes, /*coalesced=*/true);
+      return p.mem.gathered + w.memory.gatherScratchUntilWait(u.bytes, /*coalesced=*/true);
     };
 
     // 1. As late as still finishes in time, on one stream in issue order.

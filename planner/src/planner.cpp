@@ -89,10 +89,17 @@ const Mode kModes[] = {{FuseMode::Split, 0, "one call per gather"},
 /// Predicted step times this close to the fastest count as a tie (see Search::choose).
 constexpr double kCallTieShare = 0.01;
 
+/// "GIVEN less 0.5% for allocations the model does not see": how a limit was reduced.
+std::string reserveNote(uint64_t given) {
+  return formatBytes(given) + " less " + formatFixed(100 * kUnseenReserveShare, 1) +
+         "% for allocations the model does not see";
+}
+
 class Search {
  public:
-  Search(const Workload& w, const CostModel& cost, uint64_t limit, const ProgressFn& progress)
-      : w_(w), cost_(cost), c_(makeContext(w, cost, limit)), progress_(progress) {
+  /// limitNote: where the limit comes from, for messages ("--memory-budget 1.00 GiB less 0.5% ...").
+  Search(const Workload& w, const CostModel& cost, uint64_t limit, std::string limitNote, const ProgressFn& progress)
+      : w_(w), cost_(cost), c_(makeContext(w, cost, limit)), limitNote_(std::move(limitNote)), progress_(progress) {
     // The default schedule is the recorded run: its collectives are the reference of every
     // other candidate's launch charge (recordedCalls), so it is simulated first, once.
     default_ = evaluate("default", stagePersistent(w_),
@@ -180,9 +187,8 @@ class Search {
       for (const Candidate& k : all) least = std::min(least, k.sim.prediction.peakMemoryBytes);
       uint64_t act = 0;
       for (const GraphRun& r : w_.runs) act = std::max(act, r.mostActivationBytes());
-      throw std::invalid_argument("memory budget " + formatBytes(c_.limit) +
-                                  " (after " + kUnseenReserveText + " kept for allocations the model does not see)" +
-                                  " is below what any schedule needs: at least " + formatBytes(least) +
+      throw std::invalid_argument("memory limit " + formatBytes(c_.limit) + " (" + limitNote_ +
+                                  ") is below what any schedule needs: at least " + formatBytes(least) +
                                   " with every gather on use (baseline " + formatBytes(w_.baselineBytes) +
                                   ", activations up to " + formatBytes(act) + ")");
     }
@@ -335,6 +341,7 @@ class Search {
   const Workload& w_;
   const CostModel& cost_;
   Context c_;
+  std::string limitNote_;
   const ProgressFn& progress_;
   Candidate default_;
   int64_t referenceCalls_ = -1;  ///< until default_ is simulated: no launch charge
@@ -450,7 +457,11 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
                                                : std::numeric_limits<uint64_t>::max();
   const bool unlimited = given == std::numeric_limits<uint64_t>::max();
   const uint64_t limit = unlimited ? given : plannedLimit(given);
-  Search search(w, cost, limit, progress);
+  const std::string limitWhy = req.memoryBudgetBytes ? "--memory-budget"
+                               : w.capacityBytes > 0 ? "device capacity"
+                                                     : "unlimited";
+  const std::string limitNote = unlimited ? limitWhy : limitWhy + " " + reserveNote(given);
+  Search search(w, cost, limit, limitNote, progress);
   const Context& c = search.context();
   PlanResult result;
 
@@ -476,9 +487,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     result.warnings.push_back("the " + std::string(strategyName(req.strategy)) +
                               " schedule is predicted to peak at " +
                               formatBytes(chosen.sim.prediction.peakMemoryBytes) +
-                              ", over the memory limit of " + formatBytes(limit) +
-                              (unlimited ? std::string() : " (" + formatBytes(given) +
-                                  " less " + kUnseenReserveText + " for allocations the model does not see)"));
+                              ", over the memory limit of " + formatBytes(limit) + " (" + limitNote + ")");
   }
 
   schemas::Plan& plan = result.plan;
@@ -512,13 +521,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
                                : ""));
     uint64_t act = 0;
     for (const GraphRun& r : w.runs) act = std::max(act, r.mostActivationBytes());
-    std::string limitWhy = req.memoryBudgetBytes ? "--memory-budget"
-                           : w.capacityBytes > 0 ? "device capacity"
-                                                 : "unlimited";
-    ex.line("memory limit: " +
-            (unlimited ? std::string("none (") + limitWhy + ")"
-                       : formatBytes(limit) + " (" + limitWhy + " " + formatBytes(given) +
-                             " less " + kUnseenReserveText + " for allocations the model does not see)") +
+    ex.line("memory limit: " + (unlimited ? std::string("none") : formatBytes(limit)) + " (" + limitNote + ")" +
             "; baseline " + formatBytes(w.baselineBytes) + ", activations up to " + formatBytes(act));
     ex.line("cost model:");
     for (const std::string& s : cost.describe()) ex.line("  " + s);

@@ -1,6 +1,8 @@
 // The runtime's transient buffers and allocator rounding, per transport.
 #include "dcplan/planner/runtime_memory.h"
 
+#include "dcplan/schemas/dtype.h"
+
 namespace dcplan::planner {
 
 namespace {
@@ -12,9 +14,40 @@ RuntimeMemory RuntimeMemory::of(const schemas::TraceMeta& meta, int64_t worldSiz
   const bool gloo = meta.backend == "gloo" || (meta.backend.empty() && meta.device == "cpu");
   m.transport = gloo ? Transport::Gloo : Transport::Nccl;
   m.worldSize = worldSize > 0 ? worldSize : 1;
+  m.stage = meta.stage;
   // dcplan's shards are fp32; a gather in any other dtype casts them first.
   m.castsShards = !meta.paramDtype.empty() && meta.paramDtype != "float32";
+  m.gatherSize = static_cast<uint64_t>(schemas::dtypeSize(meta.paramDtype).value_or(4));
+  m.reduceSize = static_cast<uint64_t>(schemas::dtypeSize(meta.reduceDtype).value_or(4));
   return m;
+}
+
+ParamMemory RuntimeMemory::param(int64_t numel) const {
+  const uint64_t ranks = static_cast<uint64_t>(worldSize);
+  const uint64_t shard = (static_cast<uint64_t>(numel) + ranks - 1) / ranks;
+  ParamMemory p;
+  p.gathered = allocation(shard * ranks * gatherSize);
+  p.gradient = allocation(static_cast<uint64_t>(numel) * gatherSize);
+  p.output = allocation(shard * reduceSize);
+  p.shardGrad = allocation(shard * 4);
+  return p;
+}
+
+ReducedMemory RuntimeMemory::reduced(const ParamMemory& p, bool first) const {
+  ReducedMemory r;
+  if (stage < 2) {
+    r.kept = first ? p.shardGrad : 0;
+    return r;
+  }
+  if (!first) {
+    r.held = p.output;
+  } else if (reduceSize == 4) {
+    r.kept = p.output;
+  } else {
+    r.kept = p.shardGrad;
+    r.held = p.output;
+  }
+  return r;
 }
 
 uint64_t RuntimeMemory::allocation(uint64_t bytes) const {
@@ -24,13 +57,17 @@ uint64_t RuntimeMemory::allocation(uint64_t bytes) const {
 
 uint64_t RuntimeMemory::gatherScratchIssued(uint64_t callBytes, bool coalesced) const {
   const uint64_t shards = callBytes / static_cast<uint64_t>(worldSize);
-  return castsShards ? shards : 0;
+  // (Gloo's single gather holds its cast shard until the wait: gatherScratchUntilWait.)
+  if (transport == Transport::Gloo && !coalesced) return 0;
+  return castsShards ? allocation(shards) : 0;
 }
 
 uint64_t RuntimeMemory::gatherScratchUntilWait(uint64_t callBytes, bool coalesced) const {
   if (transport != Transport::Gloo) return 0;
   const uint64_t shards = callBytes / static_cast<uint64_t>(worldSize);
-  return callBytes + (coalesced ? callBytes + shards : 0);
+  // A single gather's work also holds its input: the cast shard (a fused call frees the casts
+  // once they are concatenated).
+  return callBytes + (coalesced ? callBytes + shards : (castsShards ? shards : 0));
 }
 
 uint64_t RuntimeMemory::reduceScatterScratch(uint64_t bucketBytes) const {

@@ -17,7 +17,7 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
                                   std::to_string(s.persistent[k]) + " is not a parameter of the trace");
     }
     if (!c.persistent[static_cast<size_t>(p)])
-      c.persistentBytes += w.params[static_cast<size_t>(p)].gatherMemBytes;
+      c.persistentBytes += w.params[static_cast<size_t>(p)].mem.gathered;
     c.persistent[static_cast<size_t>(p)] = 1;
   }
   c.graphs.resize(w.graphs.size());
@@ -218,7 +218,7 @@ class Simulation {
           size_t p = static_cast<size_t>(op.param);
           if (allocated_[p] && !s_.persistent[p]) {
             allocated_[p] = 0;
-            liveGathered_ -= w_.params[p].gatherMemBytes;
+            liveGathered_ -= w_.params[p].mem.gathered;
           } else if (allocated_[p] && dropsPersistent && op.lastRelease && w_.params[p].requiresGrad) {
             dropPersistent(p);
           }
@@ -233,12 +233,12 @@ class Simulation {
           // until the bucket's launch lays it out (packs it).
           if (arrived_[bi]++ == 0 && w_.stage < 2) filling_ += w_.memory.allocation(cg.bucketBytes[bi]);
           if (w_.stage >= 2) {
-            const uint64_t g = w_.params[static_cast<size_t>(op.param)].gradTensorBytes;
+            const uint64_t g = w_.params[static_cast<size_t>(op.param)].mem.gradient;
             deferred_[bi] += g;
             pendingBytes_ += g;
           }
           if (arrived_[bi] == cg.bucketSize[bi]) {
-            reduce(cg, bi, reduceOp, r, op.seq, w_.params[static_cast<size_t>(op.param)].gradTensorBytes);
+            reduce(cg, bi, reduceOp, r, op.seq, w_.params[static_cast<size_t>(op.param)].mem.gradient);
           }
           break;
         }
@@ -286,7 +286,7 @@ class Simulation {
 
   void dropPersistent(size_t p) {
     allocated_[p] = 0;
-    livePersistent_ -= w_.params[p].gatherMemBytes;
+    livePersistent_ -= w_.params[p].mem.gathered;
   }
 
   void gatherOne(int32_t p, int32_t r, int64_t seq) {
@@ -303,7 +303,7 @@ class Simulation {
       allocated_[pi] = 1;
       gatherCount_[pi]++;
       bytes += w_.params[pi].gatherBytes;
-      (s_.persistent[pi] ? livePersistent_ : liveGathered_) += w_.params[pi].gatherMemBytes;
+      (s_.persistent[pi] ? livePersistent_ : liveGathered_) += w_.params[pi].mem.gathered;
       members_.push_back(p);
     }
     if (members_.empty()) return;
@@ -339,18 +339,15 @@ class Simulation {
     double dur = cost_.us(op, bytes);
     reduceFree_ = start + dur;
     const uint64_t buffer = w_.memory.allocation(bytes);
-    // A parameter's first reduction of the optimizer step has no gradient to add to: ZeRO-2/3
-    // make its slice of the reduce-scatter output the shard's gradient (which keeps the output
-    // until the optimizer step), ZeRO-1 a new shard-sized one. Later reductions add into it.
+    // What each reduction leaves (RuntimeMemory::reduced): output slices held with the bucket,
+    // and at a parameter's first reduction of the optimizer step its shard's gradient, kept.
     uint64_t outputs = 0, newShards = 0;
     for (int32_t p : cg.bucketParams[b]) {
-      const uint64_t shard = w_.params[static_cast<size_t>(p)].gradShardBytes;
-      if (hasShardGrad_[static_cast<size_t>(p)]) {
-        outputs += shard;
-      } else {
-        hasShardGrad_[static_cast<size_t>(p)] = 1;
-        newShards += shard;
-      }
+      const size_t pi = static_cast<size_t>(p);
+      const ReducedMemory left = w_.memory.reduced(w_.params[pi].mem, !hasShardGrad_[pi]);
+      hasShardGrad_[pi] = 1;
+      outputs += left.held;
+      newShards += left.kept;
     }
     shardGrads_ += newShards;
     // The bucket lives from its launch until the next launch (the runtime frees the previous

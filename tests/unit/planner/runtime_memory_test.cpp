@@ -42,6 +42,37 @@ TEST(RuntimeMemory, GlooHoldsAFlatCopyOfEachGatherUntilItsWait) {
   EXPECT_EQ(gloo.gatherScratchUntilWait(4'000, true), 4'000u + 4'000 + 1'000);
   // Gloo's reduce-scatter reduces the other ranks' rows through (world - 1) shards.
   EXPECT_EQ(gloo.reduceScatterScratch(4'000), 3'000u);
+  // A single gather's work holds its cast shard too; a fused call frees the casts once concatenated.
+  const RuntimeMemory bf16 = RuntimeMemory::of(meta("gloo", "cpu", "bfloat16"), 4);
+  EXPECT_EQ(bf16.gatherScratchUntilWait(4'000, false), 4'000u + 1'000);
+  EXPECT_EQ(bf16.gatherScratchIssued(4'000, false), 0u);
+  EXPECT_EQ(bf16.gatherScratchIssued(4'000, true), 1'000u);
+}
+
+TEST(RuntimeMemory, AReductionLeavesAShardGradientOnceAStep) {
+  schemas::TraceMeta m = meta("nccl", "x", "bfloat16");
+  m.stage = 3;
+  m.reduceDtype = "float32";
+  const RuntimeMemory fp32 = RuntimeMemory::of(m, 2);
+  const ParamMemory p = fp32.param(10'000);  // shards of 5,000 elements
+  EXPECT_EQ(p.gathered, 20'480u);            // 10,000 bf16, in 512-byte blocks
+  EXPECT_EQ(p.output, 20'480u);              // 5,000 fp32
+  // fp32 reduction: the output slice becomes the gradient the first time, then is added into it.
+  EXPECT_EQ(fp32.reduced(p, true).kept, p.output);
+  EXPECT_EQ(fp32.reduced(p, true).held, 0u);
+  EXPECT_EQ(fp32.reduced(p, false).kept, 0u);
+  EXPECT_EQ(fp32.reduced(p, false).held, p.output);
+  // bf16 reduction: a new fp32 shard the first time, the bf16 output held with the bucket.
+  m.reduceDtype = "bfloat16";
+  const RuntimeMemory bf16 = RuntimeMemory::of(m, 2);
+  const ParamMemory q = bf16.param(10'000);
+  EXPECT_EQ(bf16.reduced(q, true).kept, q.shardGrad);
+  EXPECT_EQ(bf16.reduced(q, true).held, q.output);
+  EXPECT_EQ(q.shardGrad, 2 * q.output);
+  // ZeRO-1 all-reduces in place: only the new fp32 shard.
+  m.stage = 1;
+  EXPECT_EQ(RuntimeMemory::of(m, 2).reduced(q, true).kept, q.shardGrad);
+  EXPECT_EQ(RuntimeMemory::of(m, 2).reduced(q, true).held, 0u);
 }
 
 TEST(RuntimeMemory, NcclGathersInPlaceAndCastsShardsOnlyWhileIssuing) {
@@ -50,7 +81,7 @@ TEST(RuntimeMemory, NcclGathersInPlaceAndCastsShardsOnlyWhileIssuing) {
   EXPECT_EQ(fp32.gatherScratchUntilWait(4'000, true), 0u);
   EXPECT_EQ(fp32.reduceScatterScratch(4'000), 0u);
   const RuntimeMemory bf16 = RuntimeMemory::of(meta("nccl", "x", "bfloat16"), 4);
-  EXPECT_EQ(bf16.gatherScratchIssued(4'000, false), 1'000u);  // the shards cast to bf16
+  EXPECT_EQ(bf16.gatherScratchIssued(4'000, false), 1'024u);  // the shards cast to bf16, in 512-byte blocks
   EXPECT_EQ(bf16.gatherScratchUntilWait(4'000, false), 0u);
 }
 

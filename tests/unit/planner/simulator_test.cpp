@@ -236,41 +236,50 @@ TEST(Simulator, APeakBetweenTwoOpsCountsWithWhatWasHeldThen) {
 }
 
 TEST(Simulator, TheRecordedRunsOwnBucketInputIsNotActivation) {
-  // Two 60 MB gradients: the recorded run (default 100 MB buckets) flushes the first bucket at
-  // the second gradient's reduce_grad and holds its packed input until end_backward; that is
-  // in its recorded memory, and the simulator adds the plan's own buckets instead.
+  // Two 60 MB gradients (reduce bytes): the recorded run (default 100 MB buckets) flushes the
+  // first bucket at the second gradient's reduce_grad: its gradient is freed, its packed input
+  // held until end_backward, and its output slice (fp32) becomes the shard's gradient. That is
+  // in the recorded memory, with 12,345 bytes of activations; only those are activations.
   schemas::Trace t = test::tinyTrace();
   auto& bwd = t.steps[0].graphs[1].events;
-  // The bucket of gradient 1 (reduce dtype, padded) is 60 MB; its output, a shard, 30 MB.
   bwd[2].bytes = bwd[6].bytes = 60'000'000;
-  for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes += 60'000'000 + 30'000'000 - kTinyParam;
-  t.params[1].shardNumel = 7'500'000;  // so that the output shard is 30 MB in fp32
+  const RuntimeMemory nccl = RuntimeMemory::of(t.meta, 2);
+  const uint64_t shardGrad = nccl.param(t.params[1].numel).output;
+  const uint64_t input = nccl.allocation(60'000'000);  // in 512-byte blocks
+  for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes += input + shardGrad - kTinyParam + 12'345;
   Workload w = makeWorkload(t);
   const GraphRun& run = w.runs[1];
   EXPECT_EQ(run.activationBytes[6], 0u);
-  EXPECT_EQ(run.activationBytes[7], 0u);
-  EXPECT_EQ(run.activationBytes[8], 0u);
+  EXPECT_EQ(run.activationBytes[7], 12'345u);
+  EXPECT_EQ(run.activationBytes[8], 12'345u);
 }
 
 TEST(Simulator, TheRecordedRunsZero1FlatBuffersAreNotActivation) {
   // ZeRO-1 without a plan copies gradients into flat buffers of the configured 100 MB, allocated
   // at the first gradient of each of its two buffers and kept until end_backward; every
-  // gathered copy is kept too. The recorded memory holds them; the activations do not.
+  // gathered copy is kept too; the first bucket's reduction makes its parameter's fp32 shard
+  // gradient. The recorded memory holds them and 12,345 bytes of activations.
   schemas::Trace t = test::tinyTrace();
   t.meta.stage = 1;
   auto& bwd = t.steps[0].graphs[1].events;
   bwd[2].bytes = bwd[6].bytes = 60'000'000;  // the second flushes the first and fills the other buffer
-  for (size_t i = 3; i < bwd.size(); ++i) bwd[i].memoryBytes += 100'000'000;
-  for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes += 100'000'000;
+  const RuntimeMemory nccl = RuntimeMemory::of(t.meta, 2);
+  const uint64_t shardGrad = nccl.param(t.params[1].numel).shardGrad;
+  const uint64_t buffer = nccl.allocation(100'000'000);  // the configured 100 MB, in 512-byte blocks
+  for (size_t i = 3; i < bwd.size(); ++i) bwd[i].memoryBytes += buffer + 12'345;
+  for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes += buffer + shardGrad;
   // The recorded gradients are copied into the buffer, not held: take them out of the trace.
   for (size_t i = 3; i < bwd.size(); ++i) bwd[i].memoryBytes -= kTinyParam;
   for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes -= kTinyParam;
-  // ZeRO-1 keeps the gathered copies: the recorded run's releases free nothing.
-  bwd[4].memoryBytes += kTinyParam;
-  bwd[8].memoryBytes += 2 * kTinyParam;
+  // ZeRO-1 keeps both gathered copies from the forward on (the tiny trace has one at most).
+  for (size_t i = 0; i < bwd.size(); ++i) {
+    const bool oneGathered = (i >= 1 && i <= 3) || (i >= 5 && i <= 7);
+    bwd[i].memoryBytes += oneGathered ? kTinyParam : 2 * kTinyParam;
+  }
   Workload w = makeWorkload(t);
-  for (size_t i = 3; i < 8; ++i) EXPECT_EQ(w.runs[1].activationBytes[i], 0u) << i;
-  // After end_backward the buffers are gone, the gradient shards (60 MB / 2 ranks each) stay.
+  // At reduce_grad 0 (op 6) the gradient handed over is still autograd's: ZeRO-1 copies it into
+  // the bucket during the op, so at its issue it is activation memory.
+  for (size_t i = 3; i < 8; ++i) EXPECT_EQ(w.runs[1].activationBytes[i], 12'345u + (i == 6 ? kTinyParam : 0)) << i;
 }
 
 TEST(Simulator, GraphRunsMustRepeatTheSameOps) {

@@ -37,8 +37,6 @@ inline constexpr double kReferencePersistShare = 0.5;
 inline constexpr double kUnseenReserveShare = 0.005;
 
 /// What schedules are planned against for a memory limit: the limit less kUnseenReserveShare.
-/// "0.5%": kUnseenReserveShare as messages and --explain write it.
-inline constexpr const char* kUnseenReserveText = "0.5%";
 inline uint64_t plannedLimit(uint64_t limit) {
   return limit - static_cast<uint64_t>(static_cast<double>(limit) * kUnseenReserveShare);
 }

@@ -10,15 +10,44 @@ namespace dcplan::planner {
 
 /// The transient buffers of the runtime's collectives and the allocator's rounding, as measured
 /// against the runtime's allocation log (the replay log's per-op memory, tests/replay).
+/// What the runtime allocates for one parameter (RuntimeMemory::param).
+struct ParamMemory {
+  uint64_t gathered = 0;   ///< the gathered copy: padded, gather dtype
+  uint64_t gradient = 0;   ///< autograd's gradient handed to reduce_grad: numel, gather dtype
+  uint64_t output = 0;     ///< ZeRO-2/3: its slice of a reduce-scatter output: a shard, reduce dtype
+  uint64_t shardGrad = 0;  ///< the shard's gradient: a shard in fp32, the shards' dtype
+};
+
+/// What one reduction of a parameter leaves behind.
+struct ReducedMemory {
+  uint64_t held = 0;  ///< with its bucket, until the next launch or end_backward
+  uint64_t kept = 0;  ///< until the optimizer step: the shard's new gradient
+};
+
 struct RuntimeMemory {
   enum class Transport { Gloo, Nccl };
 
   Transport transport = Transport::Nccl;
   int64_t worldSize = 1;
+  int64_t stage = 3;
   bool castsShards = false;  ///< gathers in another dtype than the fp32 shards: a cast copy each
+  uint64_t gatherSize = 4;   ///< bytes per element gathered
+  uint64_t reduceSize = 4;   ///< bytes per element reduced
 
-  /// The rules of the trace's transport (meta.backend; without one, meta.device "cpu" is Gloo).
+  /// The rules of the trace's transport (meta.backend; without one, meta.device "cpu" is Gloo),
+  /// stage and dtypes, on worldSize ranks.
   static RuntimeMemory of(const schemas::TraceMeta& meta, int64_t worldSize);
+
+  /// The sizes of what the runtime allocates for a parameter of numel elements (shards of
+  /// ceil(numel / worldSize), padded), allocator rounding included.
+  ParamMemory param(int64_t numel) const;
+
+  /// What a reduction of p leaves; first: its first in the optimizer step (the shard has no
+  /// gradient yet). ZeRO-2/3: later reductions add the output into the shard's gradient, and the
+  /// output is held with the bucket; the first makes the output slice itself the gradient when it
+  /// is fp32 (kept: it keeps the whole output alive), else a new fp32 shard (kept) next to the
+  /// output (held). ZeRO-1 all-reduces in place: the first makes a new fp32 shard.
+  ReducedMemory reduced(const ParamMemory& p, bool first) const;
 
   /// Bytes an allocation of `bytes` takes: the CUDA caching allocator rounds every block up to
   /// 512 bytes; the CPU allocator is counted by the bytes asked for.
@@ -27,14 +56,16 @@ struct RuntimeMemory {
   /// Scratch of one gather call of `callBytes` (the gathered size of its members) while it is
   /// issued (counted in the memory right after the op that issues it): the shards cast to the
   /// gather dtype (a shard's size each) when castsShards. On NCCL the host frees them once the
-  /// kernels are queued, and the caching allocator's statistics count them as freed then; Gloo's
-  /// work holds them until it is done.
+  /// kernels are queued, and the caching allocator's statistics count them as freed then; a
+  /// fused Gloo call frees them once concatenated (a single Gloo gather's work holds its cast
+  /// shard until the wait: gatherScratchUntilWait).
   uint64_t gatherScratchIssued(uint64_t callBytes, bool coalesced) const;
   /// Scratch of a gather call held until one of its members is waited on. Gloo: its allgather
   /// gathers into a flat buffer of the call's size, which its work holds until the wait releases
-  /// the work; a call of several members (allGatherCoalesced) also holds their concatenated
-  /// shards and a [world, total] output of the runtime's own, which the wait scatters into the
-  /// parameters. NCCL: nothing (each member gathers in place).
+  /// the work, with its input (a single gather's cast shard); a call of several members
+  /// (allGatherCoalesced) holds their concatenated shards and a [world, total] output of the
+  /// runtime's own, which the wait scatters into the parameters. NCCL: nothing (each member
+  /// gathers in place).
   uint64_t gatherScratchUntilWait(uint64_t callBytes, bool coalesced) const;
 
   /// Scratch of a bucket's reduce-scatter (ZeRO-2/3) of `bucketBytes`: Gloo reduces the rows of

@@ -45,15 +45,7 @@ struct WorkParam {
   std::string name;
   uint64_t gatherBytes = 0;  ///< full padded size in the gather dtype, planned world size
   uint64_t gradBytes = 0;    ///< full padded size in the reduce dtype, planned world size
-  /// Memory of the gathered copy (gatherBytes as the allocator hands it out).
-  uint64_t gatherMemBytes = 0;
-  /// Memory of the gradient autograd hands to reduce_grad (numel in the gather dtype), which
-  /// ZeRO-2/3 hold until their bucket is packed.
-  uint64_t gradTensorBytes = 0;
-  /// Memory of the reduced gradient shard (ZeRO-2/3: its slice of the bucket's reduce-scatter
-  /// output; at the parameter's first reduction of an optimizer step that slice becomes the
-  /// shard's gradient, later ones are added into it).
-  uint64_t gradShardBytes = 0;
+  ParamMemory mem;  ///< what the runtime allocates for it, on the planned world size
   bool requiresGrad = true;
 };
 
