@@ -96,14 +96,15 @@ case "$what" in
     # (hidden 2048, 16 layers, $BATCH x $SEQ tokens per GPU, default 1x1024, bf16 gathers, fp32
     # reduce) recorded, then planned and replayed with a replay log for each of $BUDGETS (default
     # "default 0.97 1.0 1.05": the default schedule, and budgets at those fractions of its
-    # predicted peak; or "$1", one budget); check_replay --curve compares each plan's prediction,
+    # predicted peak; or "$1", one budget; $PREDICT_ARGS: more arguments of the example, e.g.
+    # --compile); check_replay --curve compares each plan's prediction,
     # op by op, with every rank's allocation log. Ends with a table of all plans.
     P=$OUT/predict
     mkdir -p "$P"
     gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
     T=(-m torch.distributed.run --nproc-per-node "$gpus" examples/train_llama.py --device cuda --hidden 2048
        --layers 16 --heads 16 --vocab 32000 --seq "${SEQ:-1024}" --batch "${BATCH:-1}" --param-dtype bfloat16
-       --reduce-dtype float32)
+       --reduce-dtype float32 ${PREDICT_ARGS:-})  # PREDICT_ARGS=--compile: the compiled replay
     build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 8 \
       2>&1 | quiet | tail -4
     build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/default.json" --strategy default > /dev/null
