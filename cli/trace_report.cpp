@@ -57,6 +57,12 @@ void printTraceSummary(std::ostream& out, const std::string& file, const Trace& 
       << percent(s.computeUs, total) << ") + exposed communication " << formatMs(s.exposedCommUs) << " ("
       << percent(s.exposedCommUs, total) << ") + optimizer " << formatMs(s.optimizerUs) << " ("
       << percent(s.optimizerUs, total) << ")\n";
+  if (s.hostTimes) {
+    // The host's side of the same step: which of the two the step waited for.
+    const double host = s.hostComputeUs + s.issueUs + s.optimizerHostUs;
+    out << "host time per step: " << formatMs(host) << " = issuing compute " << formatMs(s.hostComputeUs)
+        << " + inside dc ops " << formatMs(s.issueUs) << " + optimizer " << formatMs(s.optimizerHostUs) << "\n";
+  }
   if (!s.slowest.empty()) {
     out << "\nslowest communication ops:\n"
         << "  step  graph    seq  op                     time       bytes  parameter\n";

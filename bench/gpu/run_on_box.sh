@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CUDA path, runs the GPU tests and the FSDP2 comparison on a 2-GPU machine.
 #   bash bench/gpu/run_on_box.sh tests               # GPU tests + plan replay tests on NCCL
+#   bash bench/gpu/run_on_box.sh build               # only build (a fresh machine has no build)
 #   bash bench/gpu/run_on_box.sh bench [args]         # fsdp_vs_dcplan.py with these arguments only
 #   bash bench/gpu/run_on_box.sh train [args]         # transformers Llama with a checkpoint; pip install .
 #   bash bench/gpu/run_on_box.sh predict [budget]     # record, plan at $BUDGETS, replay, check_replay --curve
@@ -57,6 +58,7 @@ shape_args() {
 quiet() { grep -v "^\[\|UserWarning\|_warn_once\|^W1\|^\*\*\*\|OMP_NUM_THREADS" || true; }
 
 case "$what" in
+  build) ;;
   tests)
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -5 || true
     # The plan replay cases of tests/replay on 2 GPUs (NCCL transport).
@@ -125,7 +127,14 @@ case "$what" in
         | tail -1
       "$PY" -m dcplan.check_replay "$P/$name.json" "$P/$name".[0-9]*.jsonl --curve "$P/$name.curve.json" \
         > "$P/$name.check" || true
-      echo "== $name"; grep -v "^  graph\|follows" "$P/$name.check" | head -12
+      # The replay log's own host work lies inside a logged step: time the plan again without it
+      # (rank 0's step lines, median of steps 4-11).
+      DCPLAN_PLAN="$P/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step " > "$P/$name.steps" || true
+      "$PY" -c "import json,sys,statistics as st; ms=[float(l.split()[-2]) for l in open(sys.argv[1])][4:];
+pred=json.load(open(sys.argv[2]))['predicted']['step_us']/1e3
+print(f'  without the log: {st.median(ms):.3f} ms ({100*(st.median(ms)/pred-1):+.0f}% against the predicted {pred:.3f} ms; median of {len(ms)} steps, rank 0)')" \
+        "$P/$name.steps" "$P/$name.json" >> "$P/$name.check" || true
+      echo "== $name"; grep -v "^  graph\|follows" "$P/$name.check" | head -14
     done
     ;;
   comm|compute)
@@ -201,6 +210,6 @@ case "$what" in
     done
     "$PY" bench/gpu/fsdp_vs_dcplan.py --merge "$P"/round*.json | tee "$P/merged.log"
     ;;
-  *) echo "run_on_box.sh: expected tests, bench, train, predict, compiled, deepspeed, comm or compute, got '$what'" >&2; exit 2 ;;
+  *) echo "run_on_box.sh: expected build, tests, bench, train, predict, compiled, deepspeed, comm or compute, got '$what'" >&2; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - start )) s"

@@ -48,10 +48,13 @@ Context makeContext(const Workload& w, const CostModel& cost, uint64_t limit) {
       seen[static_cast<size_t>(run.graph)] = 1;
       v.graph = run.graph;
       v.run = static_cast<int32_t>(r);
+      // When each op is reached: the compute before it, or with a host lane the longer of
+      // its device and host time, plus the ops' own host time.
       double t = 0;
-      for (double u : run.computeUs) {
-        t += u;
+      for (size_t i = 0; i < run.computeUs.size(); ++i) {
+        t += w.hostLane ? std::max(run.computeUs[i], run.hostUs[i]) : run.computeUs[i];
         v.issueUs.push_back(t);
+        if (w.hostLane) t += run.issueUs[i];
       }
     }
   }

@@ -62,6 +62,7 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
   SimOptions withLaunches{true};
   withLaunches.referenceCalls = d.gatherCalls + d.reduceCalls;  // = recordedCalls(w, cost)
+  withLaunches.referenceCallsAtOp = &d.callsAtOp;
   SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), withLaunches);
   return Simulated{std::move(w), std::move(p), std::move(d)};
 }
@@ -153,6 +154,13 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
   const schemas::Prediction& again = sim.plan.prediction;
   s << "  simulated on " << traceName << ": step " << formatMs(again.stepUs) << ", exposed comm "
     << formatMs(again.exposedCommUs) << ", peak " << formatBytes(again.peakMemoryBytes) << "\n";
+  if (w.hostLane) {
+    const bool hostBound = sim.plan.hostUs >= again.stepUs - 1.0;  // within 1 us: the host ends the step
+    s << "  host lane: the host issues the step in " << formatMs(sim.plan.hostUs) << "; "
+      << (hostBound ? "host-bound (the device waits for the host)" : "the device bounds the step") << "\n";
+  } else {
+    s << "  host lane: none (the trace has no host times; the step is simulated on the device's times)\n";
+  }
 
   // Per layer: gathers per step, how far ahead they were issued, persistence, buckets.
   struct Layer {

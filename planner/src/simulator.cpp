@@ -141,7 +141,12 @@ namespace {
 class Simulation {
  public:
   Simulation(const Workload& w, const CostModel& cost, const CompiledSchedule& s, const SimOptions& o)
-      : w_(w), cost_(cost), s_(s), record_(o.record), referenceCalls_(o.referenceCalls) {
+      : w_(w),
+        cost_(cost),
+        s_(s),
+        record_(o.record),
+        referenceCalls_(o.referenceCalls),
+        referenceCallsAtOp_(w.hostLane ? o.referenceCallsAtOp : nullptr) {
     allocated_.assign(w.params.size(), 0);
     callOf_.assign(w.params.size(), -1);
     hasShardGrad_.assign(w.params.size(), 0);
@@ -160,7 +165,15 @@ class Simulation {
     double start = std::max({t_, reduceFree_, copyFree_, gatherFree_});
     sample(start, 0, -1, -1, false);
     double stepUs = start + w_.optimizerUs;
-    if (referenceCalls_ >= 0) {
+    if (w_.hostLane) {
+      if (w_.waitsBlockHost) h_ = std::max(h_, start);  // the host runs the optimizer itself
+      h_ += w_.optimizerHostUs;
+      res_.hostUs = h_;
+      stepUs = std::max(stepUs, h_);
+    }
+    if (referenceCallsAtOp_) {
+      res_.launchDeltaUs = launchChargedUs_;  // on the host lane already
+    } else if (referenceCalls_ >= 0) {
       // Only calls beyond the recorded run's cost: where the step is device-bound, fewer
       // launches save no time, and the trace does not say which it is.
       const int64_t extra = res_.gatherCalls + res_.reduceCalls - referenceCalls_;
@@ -171,7 +184,7 @@ class Simulation {
     }
     res_.computeUs = w_.computeUs();
     res_.optimizerUs = w_.optimizerUs;
-    res_.prediction.stepUs = stepUs + res_.launchDeltaUs;
+    res_.prediction.stepUs = stepUs + (referenceCallsAtOp_ ? 0.0 : res_.launchDeltaUs);
     res_.prediction.exposedCommUs = std::max(0.0, stepUs - res_.computeUs - res_.optimizerUs);
     res_.prediction.peakMemoryBytes = peak_;
     return std::move(res_);
@@ -193,11 +206,15 @@ class Simulation {
     deferred_.assign(cg.bucketSize.size(), 0);
     for (size_t i = 0; i < g.ops.size(); ++i) {
       const WorkOp& op = g.ops[i];
-      double c = run.computeUs[i];
-      if (c > 0) {
-        if (record_) event(Stream::Compute, "compute", r, op.seq, {}, 0, t_, t_ + c);
-        t_ += c;
+      const double c = run.computeUs[i];
+      double end = t_ + c;
+      if (w_.hostLane) {  // the device runs the stretch once the host has issued it
+        h_ += run.hostUs[i];
+        end = std::max(end, h_);
       }
+      if (c > 0 && record_) event(Stream::Compute, "compute", r, op.seq, {}, 0, end - c, end);
+      t_ = end;
+      const int64_t callsBefore = res_.gatherCalls + res_.reduceCalls;
       sample(t_, run.computePeakBytes[i], r, op.seq, false);  // the compute's own peak, before this op changes what is held
       for (int32_t k = cg.groupBegin[i]; k < cg.groupBegin[i + 1]; ++k) {
         gather(cg.groups[static_cast<size_t>(k)], r, op.seq, true);
@@ -212,6 +229,7 @@ class Simulation {
           endCallScratch(p);
           if (readyAt_[p] > t_ && gatherCount_[p] > 1) res_.repeatStallUs[p] += readyAt_[p] - t_;
           t_ = std::max(t_, readyAt_[p]);
+          if (w_.waitsBlockHost) h_ = std::max(h_, t_);
           break;
         }
         case OpKind::Release: {
@@ -254,10 +272,15 @@ class Simulation {
         }
         case OpKind::CopyWait:
           t_ = std::max(t_, copyFree_);
+          if (w_.waitsBlockHost) h_ = std::max(h_, t_);
           break;
         case OpKind::Other:
           break;
       }
+      const int32_t calls = static_cast<int32_t>(res_.gatherCalls + res_.reduceCalls - callsBefore);
+      res_.callsAtOp.push_back(calls);
+      if (w_.hostLane) h_ += issueUs(op, run.issueUs[i], calls);
+      ++opIndex_;
       sample(t_, run.activationBytes[i], r, op.seq, true);
       if (op.kind == OpKind::EndBackward) {  // every reduction drained: no packed input is left
         releaseAfterSample_ += heldInput_;
@@ -273,6 +296,18 @@ class Simulation {
       }
       sample(t_, 0, r, -1, false);
     }
+  }
+
+  /// Host time of an op: as recorded, plus the launch cost of each collective it issues beyond
+  /// those the recorded run issued there (less for each fewer). A wait that blocks the host was
+  /// recorded with its stall, which the simulation makes again: only its stall is charged.
+  double issueUs(const WorkOp& op, double recorded, int32_t calls) {
+    if (w_.waitsBlockHost && (op.kind == OpKind::Wait || op.kind == OpKind::CopyWait)) recorded = 0;
+    if (!referenceCallsAtOp_ || opIndex_ >= referenceCallsAtOp_->size()) return recorded;
+    const int32_t extra = calls - (*referenceCallsAtOp_)[opIndex_];
+    const double charged = std::max(-recorded, cost_.launchUs() * extra);  // an op takes no less than 0
+    launchChargedUs_ += charged;
+    return recorded + charged;
   }
 
   /// The wait on a member completes its gather call: the call's scratch is freed.
@@ -404,6 +439,9 @@ class Simulation {
   const CompiledSchedule& s_;
   bool record_;
   int64_t referenceCalls_;
+  const std::vector<int32_t>* referenceCallsAtOp_;
+  size_t opIndex_ = 0;           ///< the op in progress, counted over the step's runs
+  double launchChargedUs_ = 0;   ///< host lane: launch time charged beyond the recorded run's
   SimResult res_;
   std::vector<char> allocated_;
   std::vector<double> readyAt_;
@@ -427,7 +465,8 @@ class Simulation {
   uint64_t liveGathered_ = 0;
   uint64_t livePersistent_ = 0;  ///< persistent copies gathered and not yet dropped
   uint64_t peak_ = 0;
-  double t_ = 0;
+  double t_ = 0;  ///< the compute stream
+  double h_ = 0;  ///< the host (Workload::hostLane)
   double gatherFree_ = 0;
   double reduceFree_ = 0;
   double copyFree_ = 0;

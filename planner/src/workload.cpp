@@ -256,6 +256,16 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
   while (static_cast<int64_t>(micro.size()) < w.gradAccumSteps) micro.insert(micro.begin(), micro.front());
   w.traceStep = trace.steps[end].index;
   w.optimizerUs = trace.steps[end].optimizerUs;
+  w.waitsBlockHost = w.memory.transport == RuntimeMemory::Transport::Gloo;
+  // The host lane needs every op's host times; one missing (an older recorder, a merged rank
+  // without them) and the step is simulated on the device's lane alone.
+  w.hostLane = trace.steps[end].optimizerHostUs.has_value();
+  for (size_t m : micro) {
+    for (const schemas::TraceGraph& tg : trace.steps[m].graphs) {
+      for (const schemas::OpEvent& e : tg.events) w.hostLane = w.hostLane && e.hostUs && e.issueUs;
+    }
+  }
+  w.optimizerHostUs = w.hostLane ? *trace.steps[end].optimizerHostUs : 0;
   std::unordered_map<int64_t, int32_t> runsOfGraph;
   RecordedHoldings recorded(w, trace);
   for (size_t m = 0; m < micro.size(); ++m) {
@@ -316,6 +326,10 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
           }
         }
         run.computeUs.push_back(std::max(0.0, e.computeUs));
+        if (w.hostLane) {
+          run.hostUs.push_back(*e.hostUs);
+          run.issueUs.push_back(*e.issueUs);
+        }
         // What the recorded run held besides activations, before this op; a reduce_grad's gradient
         // is the simulator's from this op on (it holds it in the plan's bucket).
         const uint64_t other = trace.memory.baselineBytes + recorded.heldBytes();

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <nlohmann/json.hpp>
 
 #ifndef DCPLAN_VERSION
@@ -57,6 +58,17 @@ Stream streamOf(const std::string& op) {
   return Stream::Compute;  // waits, releases, end_backward, free_tensors
 }
 
+HostTime hostClock() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+/// Microseconds between two host readings (0 when either is missing).
+double hostUs(HostTime from, HostTime to) {
+  if (from == 0 || to == 0) return 0;
+  return std::max(0.0, static_cast<double>(to - from) / 1000.0);
+}
+
 int64_t elementSize(const std::string& dtype) {
   if (dtype == "float64" || dtype == "int64") return 8;
   if (dtype == "float32" || dtype == "int32") return 4;
@@ -105,6 +117,7 @@ void Recorder::writeProgress() {
 }
 
 void Recorder::onStartForward() {
+  const HostTime hostNow = hostClock();  // the optimizer's host time ends here, the step's starts below
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (finished_ || done_) return;
   const TimePoint now = timer_->mark(Stream::Compute);
@@ -112,7 +125,10 @@ void Recorder::onStartForward() {
     ++microInStep_;
     const bool endsStep = current_.sync && current_.sawEndBackward;
     if (recording_) {
-      if (endsStep) current_.optimizerUs = std::max(timer_->elapsedUs(current_.endBackward, now), 1e-3);
+      if (endsStep) {
+        current_.optimizerUs = std::max(timer_->elapsedUs(current_.endBackward, now), 1e-3);
+        current_.optimizerHostUs = hostUs(current_.hostEndBackward, hostNow);
+      }
       recorded_.push_back(std::move(current_));
     }
     if (endsStep) {
@@ -126,7 +142,6 @@ void Recorder::onStartForward() {
     }
   }
   current_ = MicroStep{};
-  current_.start = now;
   haveMicro_ = true;
   const int64_t recordUntil = config_.warmup + config_.steps;
   if (optimizerStepsSeen_ >= recordUntil) {
@@ -143,6 +158,9 @@ void Recorder::onStartForward() {
     if (optimizerStepsSeen_ == 0) memory_->takePeakBytes();
     writeProgress();  // "0 N ws": recording has started on this rank
   }
+  // The step starts after the recorder's work at its boundary, on both clocks.
+  current_.start = timer_->mark(Stream::Compute);
+  current_.hostStart = hostClock();
 }
 
 void Recorder::onStartBackward(bool update, bool sync) {
@@ -151,6 +169,7 @@ void Recorder::onStartBackward(bool update, bool sync) {
 }
 
 void Recorder::onOpBegin(const replayer::OpEvent& event) {
+  const HostTime called = hostClock();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (!recording_ || finished_ || event.graphId < 0) return;
   // The op starts now: what the recorder does below lies inside the op's span, not in the
@@ -180,11 +199,14 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   raw.memory = memory_->bytesInUse();
   raw.peak = std::max(raw.peak, raw.memory);
   raw.begin = begin;
+  raw.hostCall = called;
   current_.events.push_back(std::move(raw));
   currentEvent_ = static_cast<int64_t>(current_.events.size()) - 1;
+  current_.events.back().hostBegin = hostClock();
 }
 
 void Recorder::onOpEnd(const replayer::OpEvent& event) {
+  const HostTime returning = hostClock();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (finished_ || done_ || event.graphId < 0) return;
   const std::string_view op(event.op);
@@ -195,14 +217,18 @@ void Recorder::onOpEnd(const replayer::OpEvent& event) {
   // the end mark, so that its own time stays inside the op.
   memory_->takePeakBytes();
   const TimePoint now = timer_->mark(Stream::Compute);
+  const HostTime resumed = hostClock();
   if (op == "end_backward") {
     // Step boundaries count in the warm-up too.
     current_.sawEndBackward = true;
     current_.endBackward = now;
+    current_.hostEndBackward = resumed;
   }
   if (!recording_ || currentEvent_ < 0) return;
   RawEvent& raw = current_.events[static_cast<size_t>(currentEvent_)];
   raw.end = now;
+  raw.hostEnd = returning;
+  raw.hostResume = resumed;
   if (op == "reduce_grad") {
     // Added after its own op ran: a bucket flushed by this op carried the earlier gradients only.
     current_.pendingReduce.push_back(static_cast<size_t>(currentEvent_));
@@ -297,6 +323,7 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
     schemas::TraceStep out;
     out.index = index;
     out.optimizerUs = step.optimizerUs;
+    if (step.optimizerUs > 0) out.optimizerHostUs = step.optimizerHostUs;
     // Graphs in the order their first op came; each graph's events in issue order.
     std::vector<int64_t> order;
     std::map<int64_t, std::vector<size_t>> byGraph;
@@ -310,12 +337,14 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
     // the one before it ended, so its first compute_us holds the loss and the
     // backward compute before its first op.
     TimePoint origin = step.start;
+    HostTime hostOrigin = step.hostStart;
     for (int64_t g : order) {
       const auto& [kind, model] = graphs[g];
       schemas::TraceGraph graph;
       graph.id = g;
       graph.kind = kind;
       TimePoint prevEnd = origin;
+      HostTime hostPrevEnd = hostOrigin;
       // Every collective of a graph is complete by its last op (end_backward
       // drains the buckets); one never seen complete ends there at the latest.
       TimePoint graphEnd = origin;
@@ -336,6 +365,8 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
         e.memoryBytes = raw.memory;
         e.peakBytes = raw.peak;
         e.computeUs = std::max(0.0, timer_->elapsedUs(prevEnd, raw.begin));
+        e.hostUs = hostUs(hostPrevEnd, raw.hostCall);
+        e.issueUs = hostUs(raw.hostBegin, raw.hostEnd);
         double start = timer_->elapsedUs(origin, raw.begin);
         double end = timer_->elapsedUs(origin, raw.end);
         if (stream != Stream::Compute) {
@@ -383,9 +414,11 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
         e.startUs = start;
         e.endUs = end;
         prevEnd = raw.end;
+        hostPrevEnd = raw.hostResume;
         graph.events.push_back(std::move(e));
       }
       origin = prevEnd;
+      hostOrigin = hostPrevEnd;
       out.graphs.push_back(std::move(graph));
     }
     if (out.graphs.empty()) continue;

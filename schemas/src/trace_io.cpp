@@ -211,6 +211,7 @@ class TraceValidator {
         step.index = *index;
       }
       step.optimizerUs = r.number("optimizer_us", 0).value_or(0);
+      step.optimizerHostUs = r.number("optimizer_host_us", 0, P::Optional);
       if (auto* graphs = r.array("graphs")) {
         if (graphs->empty()) diags_.add(ptr + "/graphs", "expected at least one graph");
         std::set<int64_t> ids;
@@ -300,6 +301,8 @@ class TraceValidator {
     ev.computeUs = r.number("compute_us", 0).value_or(0);
     ev.memoryBytes = r.bytes("memory_bytes").value_or(0);
     ev.peakBytes = r.bytes("peak_bytes", P::Optional).value_or(0);
+    ev.hostUs = r.number("host_us", 0, P::Optional);
+    ev.issueUs = r.number("issue_us", 0, P::Optional);
     if (ev.peakBytes != 0 && ev.peakBytes < ev.memoryBytes) {
       diags_.add(ptr + "/peak_bytes", "peak_bytes (" + std::to_string(ev.peakBytes) +
                                           ") is below memory_bytes (" + std::to_string(ev.memoryBytes) +
@@ -414,11 +417,16 @@ std::string writeTrace(const Trace& t) {
         ev["compute_us"] = e.computeUs;
         ev["memory_bytes"] = e.memoryBytes;
         if (e.peakBytes != 0) ev["peak_bytes"] = e.peakBytes;
+        if (e.hostUs) ev["host_us"] = *e.hostUs;
+        if (e.issueUs) ev["issue_us"] = *e.issueUs;
         events.push_back(std::move(ev));
       }
       graphs.push_back({{"id", g.id}, {"kind", graphKindName(g.kind)}, {"events", std::move(events)}});
     }
-    steps.push_back({{"index", s.index}, {"optimizer_us", s.optimizerUs}, {"graphs", std::move(graphs)}});
+    ordered_json step{{"index", s.index}, {"optimizer_us", s.optimizerUs}};
+    if (s.optimizerHostUs) step["optimizer_host_us"] = *s.optimizerHostUs;
+    step["graphs"] = std::move(graphs);
+    steps.push_back(std::move(step));
   }
 
   ordered_json doc{

@@ -2,6 +2,7 @@
 #include "dcplan/schemas/trace_merge.h"
 
 #include <algorithm>
+#include <optional>
 #include <map>
 
 #include "dcplan/schemas/io.h"
@@ -88,6 +89,12 @@ void checkAgreement(const RankTrace& base, const RankTrace& r) {
   }
 }
 
+/// The slower rank's host time; absent when a rank did not record it (an older recorder).
+std::optional<double> slowest(std::optional<double> a, std::optional<double> b) {
+  if (!a || !b) return std::nullopt;
+  return std::max(*a, *b);
+}
+
 void mergeCurve(std::vector<CalibrationPoint>& into, const std::vector<CalibrationPoint>& other) {
   if (into.size() != other.size()) return;  // measured at other sizes: keep rank 0's
   for (size_t i = 0; i < into.size(); ++i) {
@@ -139,6 +146,7 @@ Trace mergeRankTraces(const std::vector<RankTrace>& input) {
     for (size_t s = 0; s < merged.steps.size(); ++s) {
       TraceStep& ms = merged.steps[s];
       ms.optimizerUs = std::max(ms.optimizerUs, t.steps[s].optimizerUs);
+      ms.optimizerHostUs = slowest(ms.optimizerHostUs, t.steps[s].optimizerHostUs);
       for (size_t g = 0; g < ms.graphs.size(); ++g) {
         for (size_t e = 0; e < ms.graphs[g].events.size(); ++e) {
           OpEvent& m = ms.graphs[g].events[e];
@@ -148,6 +156,8 @@ Trace mergeRankTraces(const std::vector<RankTrace>& input) {
           m.computeUs = std::max(m.computeUs, o.computeUs);
           m.memoryBytes = std::max(m.memoryBytes, o.memoryBytes);
           m.peakBytes = std::max(m.peakBytes, o.peakBytes);
+          m.hostUs = slowest(m.hostUs, o.hostUs);
+          m.issueUs = slowest(m.issueUs, o.issueUs);
         }
       }
     }

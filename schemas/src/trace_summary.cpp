@@ -23,10 +23,13 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
   std::map<int64_t, GraphSummary> byGraph;
   std::vector<SlowOp> comm;
   int64_t optimizerSteps = 0;
+  s.hostTimes = !trace.steps.empty();
   for (const auto& step : trace.steps) {
     if (step.optimizerUs > 0) {
       s.optimizerUs += step.optimizerUs;
       ++optimizerSteps;
+      s.hostTimes = s.hostTimes && step.optimizerHostUs;
+      s.optimizerHostUs += step.optimizerHostUs.value_or(0);
     }
     for (const auto& g : step.graphs) {
       GraphSummary& gs = byGraph[g.id];
@@ -36,6 +39,9 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
         const double us = e.endUs - e.startUs;
         ++gs.ops;
         gs.computeUs += e.computeUs;
+        s.hostTimes = s.hostTimes && e.hostUs && e.issueUs;
+        s.hostComputeUs += e.hostUs.value_or(0);
+        s.issueUs += e.issueUs.value_or(0);
         s.peakMemoryBytes = std::max({s.peakMemoryBytes, e.memoryBytes, e.peakBytes});
         if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
           gs.gathers += static_cast<int64_t>(e.dsIds.size());
@@ -69,7 +75,12 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
     s.exposedCommUs += gs.exposedCommUs;
     s.graphs.push_back(gs);
   }
-  if (optimizerSteps > 0) s.optimizerUs /= static_cast<double>(optimizerSteps);
+  s.hostComputeUs /= steps;
+  s.issueUs /= steps;
+  if (optimizerSteps > 0) {
+    s.optimizerUs /= static_cast<double>(optimizerSteps);
+    s.optimizerHostUs /= static_cast<double>(optimizerSteps);
+  }
   // Longest first; ties in trace order so the output is deterministic.
   std::stable_sort(comm.begin(), comm.end(), [](const SlowOp& a, const SlowOp& b) { return a.us > b.us; });
   if (comm.size() > topOps) comm.resize(topOps);

@@ -111,6 +111,30 @@ def test_trace_content_matches_the_run(recorded):
     assert sequences[0] == sequences[1] == sequences[2]
 
 
+def test_trace_has_host_times_and_the_planner_a_host_lane(recorded, dcplan_ok, tmp_path):
+    trace_path = recorded[0]
+    t = json.loads(trace_path.read_text())
+    for s in t["steps"]:
+        assert s["optimizer_host_us"] > 0
+        for g in s["graphs"]:
+            for e in g["events"]:
+                # CPU ranks: one clock. The host's times are read inside the recorder's own work,
+                # the device's marks outside it (which the device then runs through): so the
+                # host's intervals lie within the device's (2 ns of rounding aside).
+                # (The merge keeps each field's slowest rank: still within.)
+                assert 0 <= e["host_us"] <= e["compute_us"] + 0.002, e
+                assert e["issue_us"] >= 0, e
+    plan = tmp_path / "plan.json"
+    p = subprocess.run([dcplan_ok, "plan", str(trace_path), "-o", str(plan)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    i = subprocess.run([dcplan_ok, "inspect", str(plan), "--trace", str(trace_path)], capture_output=True,
+                       text=True)
+    assert i.returncode == 0, i.stderr
+    assert "host lane: the host issues the step in" in i.stdout
+    s = subprocess.run([dcplan_ok, "inspect", str(trace_path)], capture_output=True, text=True)
+    assert "host time per step:" in s.stdout and "inside dc ops" in s.stdout
+
+
 def losses_of(tmp_path, name, args, **extra):
     losses = tmp_path / f"{name}.json"
     r = subprocess.run(torchrun(*args, "--losses", str(losses)), capture_output=True, text=True,

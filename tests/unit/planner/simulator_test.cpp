@@ -93,6 +93,109 @@ TEST(Simulator, CollectivesBeyondTheRecordedRunCostHostTime) {
               two.prediction.stepUs, 1e-9);
 }
 
+/// The tiny trace with host times: each stretch of compute takes `hostShare` of its device time
+/// on the host, each op `issueUs` (waits `waitIssueUs`), the optimizer `optimizerHostUs`; the
+/// device's own compute is scaled by `deviceShare`.
+schemas::Trace withHostTimes(double deviceShare, double hostShare, double issueUs, double optimizerHostUs,
+                             double waitIssueUs = -1) {
+  schemas::Trace t = test::tinyTrace();
+  for (schemas::TraceStep& step : t.steps) {
+    step.optimizerHostUs = optimizerHostUs;
+    for (schemas::TraceGraph& g : step.graphs) {
+      for (schemas::OpEvent& e : g.events) {
+        e.hostUs = hostShare * e.computeUs;
+        e.computeUs *= deviceShare;
+        e.issueUs = e.op == "wait_allgather" && waitIssueUs >= 0 ? waitIssueUs : issueUs;
+      }
+    }
+  }
+  return t;
+}
+
+SimResult simulateTrace(const schemas::Trace& t, const Schedule& s, const SimOptions& o = {}) {
+  Workload w = makeWorkload(t);
+  return simulate(w, CostModel{t.calibration, 2}, compileSchedule(w, s), o);
+}
+
+TEST(SimulatorHostLane, AHostFasterThanTheDeviceChangesNothing) {
+  Fixture f;
+  const schemas::Trace t = withHostTimes(1.0, 0.5, 1.0, 10.0);
+  ASSERT_TRUE(makeWorkload(t).hostLane);
+  SimResult lane = simulateTrace(t, f.onUse());
+  SimResult device = f.run(f.onUse());
+  EXPECT_NEAR(lane.prediction.stepUs, device.prediction.stepUs, 1e-9);
+  EXPECT_NEAR(lane.prediction.exposedCommUs, device.prediction.exposedCommUs, 1e-9);
+  // 1,500 us of compute, 15 ops and the optimizer on the host: well inside the device's step.
+  EXPECT_NEAR(lane.hostUs, 1500 + 15 * 1.0 + 10, 1e-9);
+}
+
+TEST(SimulatorHostLane, AHostBoundStepIsTheHostsTimeAndHidesTheGathers) {
+  Fixture f;
+  // The device computes in a fifth of the host's time; every op costs the host 20 us.
+  const schemas::Trace t = withHostTimes(0.2, 1.0, 20.0, 300.0);
+  SimResult r = simulateTrace(t, f.onUse());
+  const double host = 3000 + 15 * 20.0 + 300;
+  EXPECT_NEAR(r.hostUs, host, 1e-9);
+  EXPECT_NEAR(r.prediction.stepUs, host, 1e-9);  // the device waits for the host, not for gathers
+  // Without the host times the same device times expose every gather.
+  schemas::Trace deviceOnly = t;
+  deviceOnly.steps[0].optimizerHostUs.reset();
+  SimResult d = simulateTrace(deviceOnly, f.onUse());
+  EXPECT_FALSE(makeWorkload(deviceOnly).hostLane);
+  EXPECT_NEAR(d.prediction.stepUs, 4 * kTinyGatherUs + 600 + f.cost.us(Collective::ReduceScatter, 2 * kTinyParam) + 50,
+              1e-6);
+}
+
+TEST(SimulatorHostLane, CollectivesAreChargedWhereTheyAreIssued) {
+  Fixture f;
+  // Every op's recorded host time (50, 45 us) is above the launch cost it may be spared.
+  const schemas::Trace hostBound = withHostTimes(0.2, 1.0, 50.0, 300.0);
+  const schemas::Trace deviceBound = withHostTimes(1.0, 0.2, 45.0, 10.0);
+  for (const schemas::Trace* t : {&hostBound, &deviceBound}) {
+    const bool hostBoundStep = t == &hostBound;
+    SimResult recorded = simulateTrace(*t, f.onUse(), SimOptions{});
+    SimOptions o;
+    o.referenceCalls = recorded.gatherCalls + recorded.reduceCalls;
+    o.referenceCallsAtOp = &recorded.callsAtOp;
+    ASSERT_EQ(recorded.callsAtOp.size(), 15u);
+    EXPECT_EQ(recorded.callsAtOp[0], 1);   // gather 0
+    EXPECT_EQ(recorded.callsAtOp[12], 1);  // reduce_grad 0 launches the bucket
+    // The recorded schedule again: charged nothing.
+    EXPECT_NEAR(simulateTrace(*t, f.onUse(), o).prediction.stepUs, recorded.prediction.stepUs, 1e-9);
+    // One fused forward prefetch of both: gather 1 at position 3 launches nothing, one call less.
+    Schedule fused = f.onUse();
+    fused.graphs[0].prefetch = {{0, {0, 1}}};
+    SimResult r = simulateTrace(*t, fused, o);
+    EXPECT_NEAR(r.launchDeltaUs, -kDefaultLaunchUs, 1e-9);
+    // A bucket per gradient: reduce_grad 1 launches one more.
+    SimResult two = simulateTrace(*t, f.onUse({{1}, {0}}), o);
+    EXPECT_NEAR(two.launchDeltaUs, kDefaultLaunchUs, 1e-9);
+    if (hostBoundStep) {  // the host's time is the step's: a call less is 40 us less, one more 40 more
+      EXPECT_NEAR(r.prediction.stepUs, recorded.prediction.stepUs - kDefaultLaunchUs, 1e-9);
+      EXPECT_NEAR(two.prediction.stepUs, recorded.prediction.stepUs + kDefaultLaunchUs, 1e-9);
+    } else {  // the device's: the host's launches are hidden
+      EXPECT_NEAR(two.hostUs - recorded.hostUs, kDefaultLaunchUs, 1e-9);
+      EXPECT_LT(two.hostUs, two.prediction.stepUs);
+    }
+  }
+}
+
+TEST(SimulatorHostLane, OnGlooAWaitBlocksTheHostAndItsRecordedStallIsNotCountedTwice) {
+  // CPU ranks: the host is the compute (host_us = compute_us) and a wait blocks it; the wait's
+  // recorded time (100 us, its stall) is what the simulation makes again, not host work.
+  Fixture f;
+  schemas::Trace t = withHostTimes(1.0, 1.0, 0.0, 50.0, 100.0);
+  t.meta.backend = "gloo";
+  schemas::Trace deviceOnly = t;
+  deviceOnly.steps[0].optimizerHostUs.reset();
+  SimResult lane = simulateTrace(t, f.onUse());
+  EXPECT_NEAR(lane.prediction.stepUs, simulateTrace(deviceOnly, f.onUse()).prediction.stepUs, 1e-9);
+  EXPECT_NEAR(lane.hostUs, lane.prediction.stepUs, 1e-9);  // the host waited for every gather
+  // On NCCL the same 100 us are the host's own work at each of the 4 waits, and it never blocks.
+  t.meta.backend = "nccl";
+  EXPECT_NEAR(simulateTrace(t, f.onUse()).hostUs, 3000 + 4 * 100.0 + 50, 1e-9);
+}
+
 TEST(Simulator, PrefetchHidesTheSecondGather) {
   Fixture f;
   Schedule s = f.onUse();

@@ -55,6 +55,26 @@ TEST(RoundTrip, GeneratedTracesSurviveWriteParseWrite) {
   }
 }
 
+TEST(RoundTrip, HostTimesStayAbsentOrPresent) {
+  Trace trace = readTrace(kInputs / "minimal.trace.json");
+  ASSERT_FALSE(trace.steps.front().optimizerHostUs);  // an older trace: no host lane
+  const std::string before = writeTrace(trace);
+  EXPECT_EQ(before.find("host_us"), std::string::npos);
+  trace.steps.front().optimizerHostUs = 12.5;
+  OpEvent& e = trace.steps.front().graphs.front().events.front();
+  e.hostUs = 3.25;
+  e.issueUs = 0;  // present and zero is not absent
+  const std::string text = writeTrace(trace);
+  Trace parsed;
+  auto diags = validateTrace(parseJson(text, "with host times"), parsed);
+  ASSERT_TRUE(diags.empty()) << diags.front().str();
+  EXPECT_EQ(parsed.steps.front().optimizerHostUs, 12.5);
+  EXPECT_EQ(parsed.steps.front().graphs.front().events.front().hostUs, 3.25);
+  EXPECT_EQ(parsed.steps.front().graphs.front().events.front().issueUs, 0.0);
+  EXPECT_FALSE(parsed.steps.front().graphs.front().events.back().hostUs);
+  EXPECT_EQ(writeTrace(parsed), text);
+}
+
 TEST(RoundTrip, OptionalPlanFieldsStayAbsentOrPresent) {
   Plan plan = readPlan(kInputs / "minimal.plan.json");
   plan.options.memoryBudgetBytes.reset();

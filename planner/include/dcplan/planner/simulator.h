@@ -78,9 +78,16 @@ struct SimResult {
   double reduceBusyUs = 0;
   int64_t gatherCalls = 0;
   int64_t reduceCalls = 0;
-  /// Host time of the collectives issued beyond the recorded run's, included in
-  /// prediction.stepUs (SimOptions::referenceCalls).
+  /// Host time of the collectives issued beyond the recorded run's (SimOptions::referenceCalls):
+  /// added to prediction.stepUs without a host lane; with one (Workload::hostLane), charged on
+  /// the host lane op by op (referenceCallsAtOp) and negative where the schedule issues fewer.
   double launchDeltaUs = 0;
+  /// The host lane's end: when the host has issued the whole step, optimizer included (0
+  /// without a host lane). prediction.stepUs above it: the device bounds the step.
+  double hostUs = 0;
+  /// Collectives issued at each op of the step (runs in order, ops in order): the reference
+  /// of a host lane's launch charge (SimOptions::referenceCallsAtOp).
+  std::vector<int32_t> callsAtOp;
   /// Compute stalled at waits for each parameter's gathers after its first one
   /// in the step, by param index: what keeping it gathered could save.
   std::vector<double> repeatStallUs;
@@ -94,10 +101,16 @@ struct SimOptions {
   /// Collectives the recorded run issued (that of the default schedule, whose host cost the
   /// recorded compute holds); -1: no launch cost. Each call more adds cost.launchUs().
   int64_t referenceCalls = -1;
+  /// With a host lane: the recorded run's collectives at each op (SimResult::callsAtOp of the
+  /// default schedule); an op is charged cost.launchUs() per call more (or less) than it issued.
+  const std::vector<int32_t>* referenceCallsAtOp = nullptr;
 };
 
 /// Runs one optimizer step. Rules: the compute stream runs the recorded compute
-/// between ops and blocks at a wait until its gather is done; gathers run one at
+/// between ops and blocks at a wait until its gather is done; with a host lane
+/// (Workload::hostLane) the host issues each stretch of compute in its recorded host time
+/// and each op in its issue time, and the device runs a stretch no earlier than the host
+/// issued it (on Gloo the host is the compute and blocks in waits); gathers run one at
 /// a time on the all-gather stream in issue order, a fused group as one call;
 /// a bucket is reduced on the reduce stream once its last gradient is ready
 /// (end_backward flushes partial buckets); the optimizer starts when compute and

@@ -68,6 +68,10 @@ struct GraphRun {
   /// where the trace has none): temporaries that come and go between two ops.
   std::vector<uint64_t> computePeakBytes;
   std::vector<double> copyUs;             ///< recorded duration of each CopyStart op
+  /// The host's lane (Workload::hostLane only, else empty): host time of the compute before
+  /// each op, and of each op itself as the recorded schedule issued it.
+  std::vector<double> hostUs;
+  std::vector<double> issueUs;
 
   /// The most activation memory of the run, at an op or between two.
   uint64_t mostActivationBytes() const;
@@ -84,6 +88,13 @@ struct Workload {
   RuntimeMemory memory;        ///< the transport's transient buffers and allocator rounding
   uint64_t capacityBytes = 0;
   double optimizerUs = 0;
+  /// The trace has host times for every op of the step (host_us, issue_us, optimizer_host_us):
+  /// the simulator runs a host lane beside the device's, so a host-bound step is predicted so.
+  bool hostLane = false;
+  double optimizerHostUs = 0;
+  /// The host blocks in a wait (Gloo on CPU ranks: the compute is the host); on a GPU a wait
+  /// only holds the compute stream back.
+  bool waitsBlockHost = false;
   int64_t traceStep = 0;  ///< index of the recorded step used
   std::vector<WorkParam> params;
   std::vector<WorkGraph> graphs;  ///< distinct graph ids, in first-run order

@@ -28,6 +28,10 @@ struct RecorderConfig {
   CalibrationOptions calibration;
 };
 
+/// The host's steady clock in nanoseconds: beside each device mark, so that a trace tells the
+/// host's time from the device's (a host-bound step is one whose host time is the longer).
+using HostTime = int64_t;
+
 /// One sharded model: its graphs and parameter table (one per dcplan.shard()).
 struct ModelInfo {
   int64_t stage = 3;
@@ -93,6 +97,13 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     c10::ScalarType dtype = c10::ScalarType::Undefined;
     TimePoint begin = 0;
     TimePoint end = 0;
+    // The host's clock around the recorder's own work, which lies in neither host time:
+    // host_us runs from the previous op's hostResume to hostCall, issue_us from hostBegin
+    // to hostEnd (a replay runs without that work).
+    HostTime hostCall = 0;    // onOpBegin entered
+    HostTime hostBegin = 0;   // onOpBegin returns: the op's own work starts
+    HostTime hostEnd = 0;     // onOpEnd entered: the op's own work is done
+    HostTime hostResume = 0;  // onOpEnd returns
     uint64_t memory = 0;
     uint64_t peak = 0;  // the most in use since the previous op
     int64_t collective = -1;  // index into collectives_
@@ -106,10 +117,13 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   };
   struct MicroStep {
     TimePoint start = 0;
+    HostTime hostStart = 0;
     bool sync = false;
     bool sawEndBackward = false;
     TimePoint endBackward = 0;
+    HostTime hostEndBackward = 0;
     double optimizerUs = 0;
+    double optimizerHostUs = 0;
     std::vector<RawEvent> events;
     std::vector<size_t> pendingReduce;  // reduce_grad events not yet carried by a collective
   };

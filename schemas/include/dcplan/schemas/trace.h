@@ -80,6 +80,11 @@ struct OpEvent {
   double computeUs = 0;           ///< compute time since the previous op of the graph
   uint64_t memoryBytes = 0;       ///< device memory in use when the op was issued
   uint64_t peakBytes = 0;         ///< the most in use since the previous op (0: not recorded)
+  /// Host time of the compute before the op: from the previous op's return (the step's or the
+  /// graph's start for its first op) to this op's call. Absent in older traces.
+  std::optional<double> hostUs;
+  /// Host time inside the op, from its call to its return. Absent in older traces.
+  std::optional<double> issueUs;
 };
 
 enum class GraphKind { Forward, Backward };
@@ -95,6 +100,8 @@ struct TraceStep {
   int64_t index = 0;
   std::vector<TraceGraph> graphs;
   double optimizerUs = 0;  ///< optimizer step time after the last backward
+  /// Host time from end_backward's return to the next step's start (absent in older traces).
+  std::optional<double> optimizerHostUs;
 };
 
 struct Trace {

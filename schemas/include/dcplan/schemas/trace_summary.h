@@ -45,6 +45,12 @@ struct TraceSummary {
   double computeUs = 0;              ///< per step
   double exposedCommUs = 0;          ///< per step
   double optimizerUs = 0;            ///< per optimizer step, averaged over the steps that ran it
+  /// The host's side (every event has host_us and issue_us, every optimizer step
+  /// optimizer_host_us): per step, like computeUs and optimizerUs.
+  bool hostTimes = false;
+  double hostComputeUs = 0;  ///< host_us: issuing the model's compute
+  double issueUs = 0;        ///< issue_us: inside the dc ops
+  double optimizerHostUs = 0;
   std::vector<SlowOp> slowest;       ///< communication ops, longest first
 };
 
