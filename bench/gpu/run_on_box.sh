@@ -4,7 +4,8 @@
 #   bash bench/gpu/run_on_box.sh build               # only build (a fresh machine has no build)
 #   bash bench/gpu/run_on_box.sh bench [args]         # fsdp_vs_dcplan.py with these arguments only
 #   bash bench/gpu/run_on_box.sh train [args]         # transformers Llama with a checkpoint; pip install .
-#   bash bench/gpu/run_on_box.sh predict [budget]     # record, plan at $BUDGETS, replay, check_replay --curve
+#   bash bench/gpu/run_on_box.sh predict [budget]     # record, plan at $BUDGETS, replay, check_replay --curve;
+#       $ROUNDS: timed again without the replay log, interleaved
 #   bash bench/gpu/run_on_box.sh compiled comm|compute [args]  # compiled replay: GPU tests, then a
 #       trace of the compiled model, its plan, and fsdp2, fsdp2-compiled, dcplan, dcplan-compiled
 #       (default schedule and the plan) and the bound in one process, interleaved over rounds
@@ -135,6 +136,22 @@ pred=json.load(open(sys.argv[2]))['predicted']['step_us']/1e3
 print(f'  without the log: {st.median(ms):.3f} ms ({100*(st.median(ms)/pred-1):+.0f}% against the predicted {pred:.3f} ms; median of {len(ms)} steps, rank 0)')" \
         "$P/$name.steps" "$P/$name.json" >> "$P/$name.check" || true
       echo "== $name"; grep -v "^  graph\|follows" "$P/$name.check" | head -14
+      names="${names:-} $name"
+    done
+    # $ROUNDS > 1: the plans again without the log, interleaved (one machine's host drifts from
+    # run to run), then each plan's predicted step against the median of its rounds.
+    for r in $(seq 2 "${ROUNDS:-1}"); do
+      for name in $names; do
+        DCPLAN_PLAN="$P/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step " > "$P/$name.steps.$r" || true
+      done
+    done
+    echo "== predicted against measured without the log, ${ROUNDS:-1} round(s) interleaved"
+    for name in $names; do
+      "$PY" -c "import json,sys,glob,statistics as st
+rounds=[st.median([float(l.split()[-2]) for l in open(f)][4:]) for f in sorted(glob.glob(sys.argv[1]+'.steps*'))]
+pred=json.load(open(sys.argv[2]))['predicted']['step_us']/1e3; m=st.median(rounds)
+print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m/pred-1):+.0f}%), rounds', ' '.join(f'{x:.1f}' for x in rounds))" \
+        "$P/$name" "$P/$name.json" "$name" || true
     done
     ;;
   comm|compute)

@@ -74,16 +74,17 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
       worldSize_(options.worldSize > 0 ? options.worldSize : traceWorldSize),
       h2dGBps_(calibration.h2dGBps),
       d2hGBps_(calibration.d2hGBps) {
+  if (options.launchUs) {
+    if (!(*options.launchUs >= 0)) throw std::invalid_argument("launch overhead should be >= 0 us");
+    launchUs_ = *options.launchUs;
+    launchMeasured_ = options.launchMeasured;
+  }
   if (worldSize_ <= 1) return;  // nothing to communicate
   if (traceWorldSize_ <= 1) {
     throw std::invalid_argument(
         "the trace was recorded on 1 rank and has no usable communication "
         "calibration; record on 2 or more ranks to plan for " +
         std::to_string(worldSize_));
-  }
-  if (options.launchUs) {
-    if (!(*options.launchUs >= 0)) throw std::invalid_argument("launch overhead should be >= 0 us");
-    launchUs_ = *options.launchUs;
   }
   double traceRing = ringFactor(traceWorldSize_);
   allGather_ = buildCurve(calibration.allGather, traceRing);
@@ -162,8 +163,12 @@ double CostModel::copyUs(uint64_t bytes, bool hostToDevice) const {
 
 std::vector<std::string> CostModel::describe() const {
   std::vector<std::string> out;
+  const std::string launch = "issuing a collective: " + formatFixed(launchUs(), 1) +
+                             " us of host time per call beyond those of the recorded run" +
+                             (launchMeasured_ ? " (measured: the trace's gathers against its releases)" : "");
   if (worldSize_ <= 1) {
     out.push_back("1 rank: no communication");
+    if (launchMeasured_) out.push_back(launch);
     return out;
   }
   for (Collective c : {Collective::AllGather, Collective::ReduceScatter, Collective::AllReduce}) {
@@ -171,8 +176,7 @@ std::vector<std::string> CostModel::describe() const {
                   formatFixed(busGBps(c), 1) + " GB/s, 64 MiB in " + formatFixed(us(c, 64ull << 20), 1) +
                   " us");
   }
-  out.push_back("issuing a collective: " + formatFixed(launchUs_, 1) +
-                " us of host time per call beyond those of the recorded run");
+  out.push_back(launch);
   return out;
 }
 

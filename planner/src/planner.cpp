@@ -441,6 +441,12 @@ class Explainer {
 
 }  // namespace
 
+CostModelOptions costOptions(const Workload& w, std::optional<double> bandwidthGBps) {
+  CostModelOptions o{w.worldSize, bandwidthGBps, measuredLaunchUs(w)};
+  o.launchMeasured = o.launchUs.has_value();
+  return o;
+}
+
 Schedule defaultSchedule(const Workload& w) {
   // Costs do not enter the default schedule; a 1-rank model suffices.
   schemas::Calibration none;
@@ -453,8 +459,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   if (req.worldSize < 0)
     throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
   Workload w = makeWorkload(trace, req.worldSize);
-  CostModel cost(trace.calibration, w.traceWorldSize,
-                 CostModelOptions{w.worldSize, req.bandwidthGBps, std::nullopt});
+  CostModel cost(trace.calibration, w.traceWorldSize, costOptions(w, req.bandwidthGBps));
   const uint64_t given = req.memoryBudgetBytes ? *req.memoryBudgetBytes
                          : w.capacityBytes > 0 ? w.capacityBytes
                                                : std::numeric_limits<uint64_t>::max();

@@ -57,8 +57,7 @@ struct Simulated {
 
 Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   Workload w = makeWorkload(trace, plan.source.worldSize);
-  CostModel cost(trace.calibration, w.traceWorldSize,
-                 CostModelOptions{plan.source.worldSize, plan.options.bandwidthGBps, std::nullopt});
+  CostModel cost(trace.calibration, w.traceWorldSize, costOptions(w, plan.options.bandwidthGBps));
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
   SimOptions withLaunches{true};
   withLaunches.referenceCalls = d.gatherCalls + d.reduceCalls;  // = recordedCalls(w, cost)

@@ -197,6 +197,32 @@ std::vector<int32_t> gathersPerStep(const Workload& w) {
   return count;
 }
 
+std::optional<double> measuredLaunchUs(const Workload& w) {
+  if (!w.hostLane) return std::nullopt;
+  // The recorded run is the default schedule: a parameter not held is gathered at its
+  // allgather_param; ZeRO-1/2 keep every copy, so only a step's first gather of it launches.
+  std::vector<double> launched, released;
+  std::vector<char> held(w.params.size(), 0);
+  for (const GraphRun& run : w.runs) {
+    const std::vector<WorkOp>& ops = w.graphs[static_cast<size_t>(run.graph)].ops;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i].kind == OpKind::Release) {
+        released.push_back(run.issueUs[i]);
+        if (w.stage == 3) held[static_cast<size_t>(ops[i].param)] = 0;
+      } else if (ops[i].kind == OpKind::AllGather && !held[static_cast<size_t>(ops[i].param)]) {
+        held[static_cast<size_t>(ops[i].param)] = 1;
+        launched.push_back(run.issueUs[i]);
+      }
+    }
+  }
+  if (launched.empty() || released.empty()) return std::nullopt;
+  auto median = [](std::vector<double>& v) {
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  return std::max(0.0, median(launched) - median(released));
+}
+
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
   Workload w;
   w.traceWorldSize = std::max<int64_t>(1, trace.meta.worldSize);

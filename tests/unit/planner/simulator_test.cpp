@@ -180,6 +180,31 @@ TEST(SimulatorHostLane, CollectivesAreChargedWhereTheyAreIssued) {
   }
 }
 
+TEST(SimulatorHostLane, TheLaunchCostIsMeasuredFromTheTracesGathersAndReleases) {
+  schemas::Trace t = withHostTimes(1.0, 1.0, 5.0, 10.0);
+  EXPECT_EQ(measuredLaunchUs(makeWorkload(t)), 0.0);  // gathers cost what releases cost
+  for (schemas::OpEvent& e : t.steps[0].graphs[0].events) {
+    if (e.op == "allgather_param") e.issueUs = e.dsIds[0] == 0 ? 50.0 : 70.0;
+  }
+  for (schemas::OpEvent& e : t.steps[0].graphs[1].events) {
+    if (e.op == "allgather_param") e.issueUs = 60.0;
+  }
+  // Medians: gathers 60 (50, 60, 60, 70), releases 5.
+  const Workload w = makeWorkload(t);
+  EXPECT_EQ(measuredLaunchUs(w), 55.0);
+  const CostModelOptions o = costOptions(w, std::nullopt);
+  EXPECT_TRUE(o.launchMeasured);
+  EXPECT_EQ(CostModel(t.calibration, 2, o).launchUs(), 55.0);
+  // On one rank too: the runtime still copies and casts for each gather call.
+  t.meta.worldSize = 1;
+  EXPECT_EQ(CostModel(t.calibration, 1, costOptions(makeWorkload(t), std::nullopt)).launchUs(), 55.0);
+  EXPECT_EQ(CostModel(t.calibration, 1).launchUs(), 0.0);  // the default is a collective's
+  // Without host times there is nothing to measure.
+  t.steps[0].optimizerHostUs.reset();
+  EXPECT_FALSE(measuredLaunchUs(makeWorkload(t)));
+  EXPECT_FALSE(costOptions(makeWorkload(t), std::nullopt).launchMeasured);
+}
+
 TEST(SimulatorHostLane, OnGlooAWaitBlocksTheHostAndItsRecordedStallIsNotCountedTwice) {
   // CPU ranks: the host is the compute (host_us = compute_us) and a wait blocks it; the wait's
   // recorded time (100 us, its stall) is what the simulation makes again, not host work.

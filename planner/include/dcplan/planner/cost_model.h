@@ -27,6 +27,9 @@ struct CostModelOptions {
   int64_t worldSize = 0;                   ///< 0: the trace's world size
   std::optional<double> busBandwidthGBps;  ///< large-message bus bandwidth; absent: as calibrated
   std::optional<double> launchUs;          ///< host time per collective; absent: kDefaultLaunchUs
+  /// launchUs was measured from the trace's host times (measuredLaunchUs): it holds on one
+  /// rank too, where the runtime still copies and casts what a gather would move.
+  bool launchMeasured = false;
 };
 
 /// Time of a collective as a function of its full (unsharded) message size.
@@ -51,8 +54,8 @@ class CostModel {
   double latencyUs(Collective c) const;
   /// Bus bandwidth of large messages after re-scaling, GB/s (0 when unknown).
   double busGBps(Collective c) const;
-  /// Host time to issue one collective (see kDefaultLaunchUs); 0 with one rank.
-  double launchUs() const { return worldSize_ <= 1 ? 0 : launchUs_; }
+  /// Host time to issue one collective (see kDefaultLaunchUs); with one rank 0 unless measured.
+  double launchUs() const { return worldSize_ <= 1 && !launchMeasured_ ? 0 : launchUs_; }
   /// Host<->device copy time; 0 when the trace has no copy rate.
   double copyUs(uint64_t bytes, bool hostToDevice) const;
 
@@ -85,6 +88,7 @@ class CostModel {
   Curve reduceScatter_;
   Curve allReduce_;
   double launchUs_ = kDefaultLaunchUs;
+  bool launchMeasured_ = false;
   std::optional<double> h2dGBps_;
   std::optional<double> d2hGBps_;
 };

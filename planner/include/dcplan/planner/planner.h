@@ -64,6 +64,10 @@ using ProgressFn = std::function<void(const std::string&)>;
 /// cannot be met by any schedule (the message says what would fit).
 PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& request, const ProgressFn& progress = {});
 
+/// The cost model's settings for planning `workload` at its planned world size: the launch cost
+/// measured from the trace when it has host times (measuredLaunchUs), else the default.
+CostModelOptions costOptions(const Workload& workload, std::optional<double> bandwidthGBps);
+
 /// Gather on use, kDefaultBucketBytes buckets along gradient-ready order, no
 /// persistence (every parameter persistent for stages 1 and 2).
 Schedule defaultSchedule(const Workload& workload);

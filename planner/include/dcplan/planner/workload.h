@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -116,6 +117,12 @@ struct Workload {
 /// trace element (JSON pointer) when the trace cannot be planned: graphs of one
 /// id whose runs differ, an op on an unknown parameter, no steps.
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0);
+
+/// The host time of one gather call, from a trace with host times (Workload::hostLane): the
+/// median issue_us of the recorded run's allgather_param that launched a gather, less the median
+/// of its release_param (an op of the same dispatch that moves nothing). nullopt without host
+/// times or without both kinds of op.
+std::optional<double> measuredLaunchUs(const Workload& workload);
 
 /// How many gathers each parameter costs per optimizer step when every gather
 /// happens on use (by param index): what persistence would save, plus one.
