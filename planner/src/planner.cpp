@@ -107,7 +107,6 @@ class Search {
                         greedyBuckets(c_, kDefaultBucketBytes), "greedy, " + formatBytes(kDefaultBucketBytes),
                         {}, "on use");
     referenceCalls_ = default_.sim.gatherCalls + default_.sim.reduceCalls;
-    referenceCallsAtOp_ = default_.sim.callsAtOp;
   }
 
   const Context& context() const { return c_; }
@@ -130,7 +129,7 @@ class Search {
     k.schedule = assemble(c_, k.persist.persistent, k.buckets, k.prefetch.groups);
     SimOptions sim;
     sim.referenceCalls = referenceCalls_;
-    if (referenceCalls_ >= 0) sim.referenceCallsAtOp = &referenceCallsAtOp_;
+    if (referenceCalls_ >= 0) sim.reference = &default_.sim;
     k.sim = simulate(w_, cost_, compileSchedule(w_, k.schedule), sim);
     k.feasible = k.sim.prediction.peakMemoryBytes <= c_.limit;
     return k;
@@ -347,7 +346,6 @@ class Search {
   const ProgressFn& progress_;
   Candidate default_;
   int64_t referenceCalls_ = -1;  ///< until default_ is simulated: no launch charge
-  std::vector<int32_t> referenceCallsAtOp_;  ///< the default schedule's, op by op (host lane)
 };
 
 schemas::Prediction rounded(const schemas::Prediction& p) {

@@ -61,7 +61,7 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
   SimOptions withLaunches{true};
   withLaunches.referenceCalls = d.gatherCalls + d.reduceCalls;  // = recordedCalls(w, cost)
-  withLaunches.referenceCallsAtOp = &d.callsAtOp;
+  withLaunches.reference = &d;
   SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), withLaunches);
   return Simulated{std::move(w), std::move(p), std::move(d)};
 }

@@ -146,7 +146,8 @@ class Simulation {
         s_(s),
         record_(o.record),
         referenceCalls_(o.referenceCalls),
-        referenceCallsAtOp_(w.hostLane ? o.referenceCallsAtOp : nullptr) {
+        reference_(w.hostLane ? o.reference : nullptr),
+        referenceCallsAtOp_(reference_ ? &reference_->callsAtOp : nullptr) {
     allocated_.assign(w.params.size(), 0);
     callOf_.assign(w.params.size(), -1);
     hasShardGrad_.assign(w.params.size(), 0);
@@ -163,11 +164,22 @@ class Simulation {
   SimResult run() {
     for (size_t r = 0; r < w_.runs.size(); ++r) runGraph(static_cast<int32_t>(r));
     double start = std::max({t_, reduceFree_, copyFree_, gatherFree_});
+    const double behind = w_.hostLane ? std::max(0.0, start - h_) : 0.0;  // the device, at the backward's end
+    if (w_.hostLane) start = std::max(start, h_);  // the optimizer's kernels come after the backward's
     sample(start, 0, -1, -1, false);
     double stepUs = start + w_.optimizerUs;
     if (w_.hostLane) {
-      if (w_.waitsBlockHost) h_ = std::max(h_, start);  // the host runs the optimizer itself
-      h_ += w_.optimizerHostUs;
+      double after = w_.optimizerHostUs;
+      if (w_.waitsBlockHost) {
+        h_ = start;  // the host runs the optimizer itself, once the reductions are done
+      } else if (reference_) {
+        after = std::max(0.0, after - reference_->optimizerWaitUs);  // its own time, not the wait
+      }
+      // The most of the host's time after the backward that can have been waiting for the
+      // device: how far the device was behind, less however long the host ran on after the
+      // device's end (a recording ends each step on the device no earlier than on the host).
+      res_.optimizerWaitUs = std::max(0.0, behind - std::max(0.0, h_ + w_.optimizerHostUs - stepUs));
+      h_ += after;
       res_.hostUs = h_;
       stepUs = std::max(stepUs, h_);
     }
@@ -262,6 +274,7 @@ class Simulation {
         }
         case OpKind::EndBackward:
           if (reduces) flush(cg, reduceOp, r, op.seq);
+          if (w_.waitsBlockHost) h_ = std::max(h_, reduceFree_);  // Gloo: it drains them on the host
           break;
         case OpKind::CopyStart: {
           double start = std::max(t_, copyFree_);
@@ -302,7 +315,9 @@ class Simulation {
   /// those the recorded run issued there (less for each fewer). A wait that blocks the host was
   /// recorded with its stall, which the simulation makes again: only its stall is charged.
   double issueUs(const WorkOp& op, double recorded, int32_t calls) {
-    if (w_.waitsBlockHost && (op.kind == OpKind::Wait || op.kind == OpKind::CopyWait)) recorded = 0;
+    if (w_.waitsBlockHost &&
+        (op.kind == OpKind::Wait || op.kind == OpKind::CopyWait || op.kind == OpKind::EndBackward))
+      recorded = 0;
     if (!referenceCallsAtOp_ || opIndex_ >= referenceCallsAtOp_->size()) return recorded;
     const int32_t extra = calls - (*referenceCallsAtOp_)[opIndex_];
     const double charged = std::max(-recorded, cost_.launchUs() * extra);  // an op takes no less than 0
@@ -439,6 +454,7 @@ class Simulation {
   const CompiledSchedule& s_;
   bool record_;
   int64_t referenceCalls_;
+  const SimResult* reference_;
   const std::vector<int32_t>* referenceCallsAtOp_;
   size_t opIndex_ = 0;           ///< the op in progress, counted over the step's runs
   double launchChargedUs_ = 0;   ///< host lane: launch time charged beyond the recorded run's

@@ -156,7 +156,7 @@ TEST(SimulatorHostLane, CollectivesAreChargedWhereTheyAreIssued) {
     SimResult recorded = simulateTrace(*t, f.onUse(), SimOptions{});
     SimOptions o;
     o.referenceCalls = recorded.gatherCalls + recorded.reduceCalls;
-    o.referenceCallsAtOp = &recorded.callsAtOp;
+    o.reference = &recorded;
     ASSERT_EQ(recorded.callsAtOp.size(), 15u);
     EXPECT_EQ(recorded.callsAtOp[0], 1);   // gather 0
     EXPECT_EQ(recorded.callsAtOp[12], 1);  // reduce_grad 0 launches the bucket
@@ -174,10 +174,41 @@ TEST(SimulatorHostLane, CollectivesAreChargedWhereTheyAreIssued) {
       EXPECT_NEAR(r.prediction.stepUs, recorded.prediction.stepUs - kDefaultLaunchUs, 1e-9);
       EXPECT_NEAR(two.prediction.stepUs, recorded.prediction.stepUs + kDefaultLaunchUs, 1e-9);
     } else {  // the device's: the host's launches are hidden
-      EXPECT_NEAR(two.hostUs - recorded.hostUs, kDefaultLaunchUs, 1e-9);
+      EXPECT_NEAR(two.hostUs - simulateTrace(*t, f.onUse(), o).hostUs, kDefaultLaunchUs, 1e-9);
       EXPECT_LT(two.hostUs, two.prediction.stepUs);
+      EXPECT_NEAR(two.prediction.stepUs, simulateTrace(*t, f.onUse({{1}, {0}})).prediction.stepUs, 1e-9);
+      EXPECT_NEAR(r.prediction.stepUs, simulateTrace(*t, fused).prediction.stepUs, 1e-9);
     }
   }
+}
+
+TEST(SimulatorHostLane, TheHostsWaitForTheDeviceAfterTheBackwardIsNotHostWork) {
+  // Device-bound, and the script synchronises after the optimizer: the recorded host time after
+  // the backward holds the wait for the device (the backward's tail) and 30 us of its own.
+  Fixture f;
+  schemas::Trace t = withHostTimes(1.0, 0.2, 1.0, 0.0);
+  schemas::Trace deviceOnly = t;
+  deviceOnly.steps[0].optimizerHostUs.reset();
+  const SimResult d = simulateTrace(deviceOnly, f.onUse());
+  SimResult probe = simulateTrace(t, f.onUse());
+  const double wait = probe.optimizerWaitUs;
+  ASSERT_GT(wait, 2000);  // 600 us of host compute against 3,000 us of device compute
+  t.steps[0].optimizerHostUs = wait + 30;
+  const SimResult recorded = simulateTrace(t, f.onUse());
+  EXPECT_NEAR(recorded.prediction.stepUs, d.prediction.stepUs, 1e-9);  // the device's 50 us ends it
+  EXPECT_NEAR(recorded.hostUs, d.prediction.stepUs - 50 + 30, 1e-9);
+  // A plan that hides the gathers ends with the device, not at the recorded host's end.
+  Schedule s = f.onUse();
+  s.graphs[0].prefetch = {{0, {0}}, {0, {1}}};  // the second gather of each graph hidden
+  s.graphs[1].prefetch = {{0, {1}}, {0, {0}}};
+  SimOptions o;
+  o.referenceCalls = recorded.gatherCalls + recorded.reduceCalls;
+  o.reference = &recorded;
+  const double faster = simulateTrace(deviceOnly, s).prediction.stepUs;
+  ASSERT_LT(faster, d.prediction.stepUs - 100);
+  EXPECT_NEAR(simulateTrace(t, s, o).prediction.stepUs, faster, 1e-9);
+  // Without the reference the recorded wait would hold it at the recorded step.
+  EXPECT_NEAR(simulateTrace(t, s).prediction.stepUs, recorded.prediction.stepUs - 50 + 30 + 0, 1e-6);
 }
 
 TEST(SimulatorHostLane, TheLaunchCostIsMeasuredFromTheTracesGathersAndReleases) {

@@ -86,8 +86,12 @@ struct SimResult {
   /// without a host lane). prediction.stepUs above it: the device bounds the step.
   double hostUs = 0;
   /// Collectives issued at each op of the step (runs in order, ops in order): the reference
-  /// of a host lane's launch charge (SimOptions::referenceCallsAtOp).
+  /// of a host lane's launch charge (SimOptions::reference).
   std::vector<int32_t> callsAtOp;
+  /// Host lane: how far the device was behind the host when the backward ended. Where the
+  /// script synchronises between steps (most do, to read the loss), the recorded
+  /// optimizer_host_us holds waiting that long for the device (SimOptions::reference).
+  double optimizerWaitUs = 0;
   /// Compute stalled at waits for each parameter's gathers after its first one
   /// in the step, by param index: what keeping it gathered could save.
   std::vector<double> repeatStallUs;
@@ -101,9 +105,12 @@ struct SimOptions {
   /// Collectives the recorded run issued (that of the default schedule, whose host cost the
   /// recorded compute holds); -1: no launch cost. Each call more adds cost.launchUs().
   int64_t referenceCalls = -1;
-  /// With a host lane: the recorded run's collectives at each op (SimResult::callsAtOp of the
-  /// default schedule); an op is charged cost.launchUs() per call more (or less) than it issued.
-  const std::vector<int32_t>* referenceCallsAtOp = nullptr;
+  /// With a host lane: the simulation of the recorded run (the default schedule). An op is
+  /// charged cost.launchUs() per call more (or less) than that run issued at it
+  /// (SimResult::callsAtOp), and the host's time after the backward is taken less the wait for
+  /// the device that run implies (SimResult::optimizerWaitUs): the device's own, not the
+  /// recorded run's, then decides when the step ends.
+  const SimResult* reference = nullptr;
 };
 
 /// Runs one optimizer step. Rules: the compute stream runs the recorded compute
