@@ -146,8 +146,7 @@ class Simulation {
         s_(s),
         record_(o.record),
         referenceCalls_(o.referenceCalls),
-        reference_(w.hostLane ? o.reference : nullptr),
-        referenceCallsAtOp_(reference_ ? &reference_->callsAtOp : nullptr) {
+        reference_(w.hostLane ? o.reference : nullptr) {
     allocated_.assign(w.params.size(), 0);
     callOf_.assign(w.params.size(), -1);
     hasShardGrad_.assign(w.params.size(), 0);
@@ -183,7 +182,7 @@ class Simulation {
       res_.hostUs = h_;
       stepUs = std::max(stepUs, h_);
     }
-    if (referenceCallsAtOp_) {
+    if (reference_) {
       res_.launchDeltaUs = launchChargedUs_;  // on the host lane already
     } else if (referenceCalls_ >= 0) {
       // Only calls beyond the recorded run's cost: where the step is device-bound, fewer
@@ -196,7 +195,7 @@ class Simulation {
     }
     res_.computeUs = w_.computeUs();
     res_.optimizerUs = w_.optimizerUs;
-    res_.prediction.stepUs = stepUs + (referenceCallsAtOp_ ? 0.0 : res_.launchDeltaUs);
+    res_.prediction.stepUs = stepUs + (reference_ ? 0.0 : res_.launchDeltaUs);
     res_.prediction.exposedCommUs = std::max(0.0, stepUs - res_.computeUs - res_.optimizerUs);
     res_.prediction.peakMemoryBytes = peak_;
     return std::move(res_);
@@ -312,14 +311,15 @@ class Simulation {
   }
 
   /// Host time of an op: as recorded, plus the launch cost of each collective it issues beyond
-  /// those the recorded run issued there (less for each fewer). A wait that blocks the host was
-  /// recorded with its stall, which the simulation makes again: only its stall is charged.
+  /// those the recorded run issued there (less for each fewer). An op that blocks the host (on
+  /// Gloo: a wait, end_backward) was recorded with its stall, which the simulation makes again:
+  /// only the simulated stall counts.
   double issueUs(const WorkOp& op, double recorded, int32_t calls) {
     if (w_.waitsBlockHost &&
         (op.kind == OpKind::Wait || op.kind == OpKind::CopyWait || op.kind == OpKind::EndBackward))
       recorded = 0;
-    if (!referenceCallsAtOp_ || opIndex_ >= referenceCallsAtOp_->size()) return recorded;
-    const int32_t extra = calls - (*referenceCallsAtOp_)[opIndex_];
+    if (!reference_ || opIndex_ >= reference_->callsAtOp.size()) return recorded;
+    const int32_t extra = calls - reference_->callsAtOp[opIndex_];
     const double charged = std::max(-recorded, cost_.launchUs() * extra);  // an op takes no less than 0
     launchChargedUs_ += charged;
     return recorded + charged;
@@ -454,8 +454,7 @@ class Simulation {
   const CompiledSchedule& s_;
   bool record_;
   int64_t referenceCalls_;
-  const SimResult* reference_;
-  const std::vector<int32_t>* referenceCallsAtOp_;
+  const SimResult* reference_;  ///< the recorded run's simulation (host lane only)
   size_t opIndex_ = 0;           ///< the op in progress, counted over the step's runs
   double launchChargedUs_ = 0;   ///< host lane: launch time charged beyond the recorded run's
   SimResult res_;

@@ -80,7 +80,7 @@ struct SimResult {
   int64_t reduceCalls = 0;
   /// Host time of the collectives issued beyond the recorded run's (SimOptions::referenceCalls):
   /// added to prediction.stepUs without a host lane; with one (Workload::hostLane), charged on
-  /// the host lane op by op (referenceCallsAtOp) and negative where the schedule issues fewer.
+  /// the host lane op by op (SimOptions::reference) and negative where the schedule issues fewer.
   double launchDeltaUs = 0;
   /// The host lane's end: when the host has issued the whole step, optimizer included (0
   /// without a host lane). prediction.stepUs above it: the device bounds the step.
