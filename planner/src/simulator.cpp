@@ -153,6 +153,9 @@ class Simulation {
     readyAt_.assign(w.params.size(), 0.0);
     gatherCount_.assign(w.params.size(), 0);
     res_.repeatStallUs.assign(w.params.size(), 0.0);
+    size_t ops = 0;  // callsAtOp gets one entry per op: sized once, for the search's many runs
+    for (const GraphRun& r : w.runs) ops += w.graphs[static_cast<size_t>(r.graph)].ops.size();
+    res_.callsAtOp.reserve(ops);
     lastMicroStep_.assign(w.graphs.size(), 0);
     for (const GraphRun& r : w.runs) {
       lastMicroStep_[static_cast<size_t>(r.graph)] =

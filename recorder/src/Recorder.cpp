@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #ifndef DCPLAN_VERSION
@@ -63,9 +64,10 @@ HostTime hostClock() {
       .count();
 }
 
-/// Microseconds between two host readings (0 when either is missing).
-double hostUs(HostTime from, HostTime to) {
-  if (from == 0 || to == 0) return 0;
+/// Microseconds between two host readings; none when either is missing (an op whose end was
+/// never seen), so that the field is left out and the planner does without a host lane.
+std::optional<double> hostUs(HostTime from, HostTime to) {
+  if (from == 0 || to == 0) return std::nullopt;
   return std::max(0.0, static_cast<double>(to - from) / 1000.0);
 }
 

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -123,7 +124,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     TimePoint endBackward = 0;
     HostTime hostEndBackward = 0;
     double optimizerUs = 0;
-    double optimizerHostUs = 0;
+    std::optional<double> optimizerHostUs;  // none when a host reading is missing
     std::vector<RawEvent> events;
     std::vector<size_t> pendingReduce;  // reduce_grad events not yet carried by a collective
   };
