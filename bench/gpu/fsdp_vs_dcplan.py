@@ -67,7 +67,8 @@ def parse_args():
                    help="run the modes this many times in turn (A B C A B C ...) and report each mode's median")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="fsdp2,dcplan,bound",
-                   help="comma-separated: fsdp2, fsdp2-compiled, dcplan, dcplan-compiled, bound")
+                   help="comma-separated: fsdp2, fsdp2-compiled, dcplan, dcplan-compiled, dcplan-graphed, "
+                        "dcplan-compiled-graphed (the whole step in a CUDA graph: dcplan.graphed_step), bound")
     p.add_argument("--plan", help="dcplan: replay this plan (default schedule without); several: comma-separated, "
                    "one dcplan run each (dcplan:<file name> in the table)")
     p.add_argument("--compiled-plan", help="dcplan-compiled: replay these plans (comma-separated; "
@@ -109,8 +110,9 @@ class Bench:
         return self.tl.Llama(a.vocab, a.hidden, a.layers, a.heads, a.kv_heads or a.heads, self.ffn, a.seq,
                              False).to(self.device)
 
-    def run(self, model, opt, mode, update=None):
-        """update(loss): backward and optimizer step (default: loss.backward(), opt.step(), zero_grad)."""
+    def run(self, model, opt, mode, update=None, train_step=None):
+        """update(loss): backward and optimizer step (default: loss.backward(), opt.step(), zero_grad);
+        train_step(x, y) -> loss: the whole step instead (a graphed step)."""
         a = self.args
         losses = []
 
@@ -121,6 +123,9 @@ class Bench:
 
         def step(i):
             x, y = self.batches[i]
+            if train_step is not None:
+                losses.append(train_step(x, y).clone())  # a graph's output: overwritten by the next call
+                return
             logits = model(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             (update or default_update)(loss)
@@ -137,7 +142,7 @@ class Bench:
         elapsed = time.perf_counter() - t0
         self.run_peak = torch.cuda.max_memory_allocated(self.device)  # before the phases reset it
         # By phase only where forward, backward and step are the plain calls (not DeepSpeed's engine).
-        self.phase_peaks = self.peaks_by_phase(model, opt, mode) if update is None else None
+        self.phase_peaks = self.peaks_by_phase(model, opt, mode) if update is None and train_step is None else None
         self.breakdown = self.profile(step, mode) if a.profile_steps else None
         if a.host_profile_steps:
             self.host_profile(step, mode)
@@ -358,7 +363,9 @@ class Bench:
         del engine, model, opt
         return out
 
-    def dcplan(self, plan=None, compiled=False):
+    def dcplan(self, plan=None, compiled=False, graphed=False):
+        """graphed: the whole step captured in a CUDA graph (dcplan.graphed_step, two warm-up calls
+        and the capture within --warmup), with a capturable AdamW."""
         import dcplan
 
         self.fresh()
@@ -371,8 +378,22 @@ class Bench:
             kw["plan"] = plan
         model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                              compile=compiled, **kw)
-        opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
-        step, losses = self.run(model, opt, "dcplan-compiled" if compiled else "dcplan")
+        opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01, capturable=graphed)
+        mode = ("dcplan-compiled" if compiled else "dcplan") + ("-graphed" if graphed else "")
+        train_step = None
+        if graphed:
+            if self.args.warmup < 3:
+                sys.exit("fsdp_vs_dcplan: graphed modes need --warmup >= 3 (two warm-up calls, then the capture)")
+
+            def one_step(x, y):
+                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss.detach()
+
+            train_step = dcplan.graphed_step(one_step, warmup=2)
+        step, losses = self.run(model, opt, mode, train_step=train_step)
         out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
                "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks}
         if plan:
@@ -381,7 +402,9 @@ class Bench:
             out["predicted_step_s"] = doc["predicted"]["step_us"] * 1e-6
             out["predicted_peak_bytes"] = doc["predicted"]["peak_memory_bytes"]
             out["plan"] = plan
-        del model, opt
+        if train_step is not None:
+            train_step.close()
+        del model, opt, train_step
         dcplan.shutdown()
         return out
 
@@ -516,10 +539,15 @@ def main():
                 for plan in args.plan.split(","):
                     name = "dcplan:" + os.path.basename(plan).removesuffix(".json")
                     runs.setdefault(name, []).append(bench.dcplan(plan))
-            elif mode == "dcplan-compiled":
+            elif mode in ("dcplan-compiled", "dcplan-compiled-graphed"):
                 for plan in [None] + (args.compiled_plan.split(",") if args.compiled_plan else []):
                     name = mode + (":" + os.path.basename(plan).removesuffix(".json") if plan else "")
-                    runs.setdefault(name, []).append(bench.dcplan(plan, compiled=True))
+                    runs.setdefault(name, []).append(
+                        bench.dcplan(plan, compiled=True, graphed=mode.endswith("-graphed")))
+            elif mode == "dcplan-graphed":
+                for plan in [None] + (args.plan.split(",") if args.plan else []):
+                    name = mode + (":" + os.path.basename(plan).removesuffix(".json") if plan else "")
+                    runs.setdefault(name, []).append(bench.dcplan(plan, graphed=True))
             elif mode == "fsdp2-compiled":
                 runs.setdefault(mode, []).append(bench.fsdp2(compiled=True))
             elif mode in ("deepspeed", "deepcompile"):

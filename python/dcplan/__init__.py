@@ -65,6 +65,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 from ._shard import full_parameters, init, shard, shutdown  # noqa: E402
 from ._shm import ShmFallbackWarning  # noqa: E402
+from ._graphed import GraphedStep, graphed_step  # noqa: E402
 from ._clip import clip_grad_norm_, install_warning as _install_clip_warning  # noqa: E402
 
 _install_clip_warning()
@@ -73,7 +74,8 @@ from ._state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_
 from ._plan import (  # noqa: E402
     PlanDepartureWarning, curve_comparison, read_replay_log, replay_differences, replay_log)
 
-__all__ = ["shard", "init", "full_parameters", "shutdown", "clip_grad_norm_", "ShmFallbackWarning"]
+__all__ = ["shard", "init", "full_parameters", "shutdown", "clip_grad_norm_", "ShmFallbackWarning", "graphed_step",
+           "GraphedStep"]
 __all__ += ["StateDictOptions", "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
             "set_optimizer_state_dict"]
 __all__ += ["replay_log", "read_replay_log", "replay_differences", "curve_comparison", "PlanDepartureWarning"]

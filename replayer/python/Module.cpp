@@ -285,6 +285,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("clear_all_gathered_params", &clearAllGatheredParams, Release());
   m.def("gathered_param_ids", &gatheredParamIds, Release(),
         "Ids holding a gathered copy (valid or in flight), ascending.");
+  m.def("begin_capture", &beginCapture, Release(),
+        "CUDA graph capture of a step (dcplan.graphed_step): the transport's streams join the capture.");
+  m.def("end_capture", &endCapture, Release(), "Before the capture ends: the capture rejoins the transport's streams.");
+  m.def("release_capture", &releaseCapture, Release(),
+        "The captured graph no longer replays the steps: eager steps may run again.");
   m.def(
       "start_op_log",
       [] {

@@ -85,8 +85,14 @@ class ParamRegistry {
   /// Drops the gathered copy (after its gather completes).
   void dropGathered(Param& p);
   /// Waits (on the host) until released copies not yet used up by the device hold at most
-  /// maxReleaseLagBytes (before allocating another gathered copy).
+  /// maxReleaseLagBytes (before allocating another gathered copy). Not under CUDA graph
+  /// capture: a replayed graph runs on the device alone, with no host running ahead of it.
   void boundReleaseLag();
+  /// Forgets the releases tracked so far, which the caller saw completed (before a capture).
+  void forgetReleases() {
+    released_.clear();
+    releasedBytes_ = 0;
+  }
   void offload(Param& p);
   void reload(Param& p);
 

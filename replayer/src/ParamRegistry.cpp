@@ -53,6 +53,7 @@ Param& ParamRegistry::get(const char* op, int64_t dsId) {
 }
 
 void ParamRegistry::boundReleaseLag() {
+  if (transport_.capturing()) return;
   while (!released_.empty() &&
          (releasedBytes_ > maxReleaseLagBytes_ || released_.front().first->isCompleted())) {
     released_.front().first->synchronize();
@@ -118,7 +119,7 @@ void ParamRegistry::dropGathered(Param& p) {
     p.gatherHandle_->wait();  // the buffer must outlive the collective writing it
     p.gatherHandle_.reset();
   }
-  if (p.gatheredBuffer_.defined() && maxReleaseLagBytes_ >= 0) {
+  if (p.gatheredBuffer_.defined() && maxReleaseLagBytes_ >= 0 && !transport_.capturing()) {
     CommHandlePtr used = transport_.markCaller();
     if (!used->isCompleted()) {
       const int64_t bytes =

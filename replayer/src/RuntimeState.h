@@ -33,6 +33,10 @@ struct RuntimeState {
   bool inBackward_ = false;
   int64_t opInPass_ = 0;
   OpPlace place_;  // the op running now (collectives launched now are its)
+  // CUDA graph capture (begin_capture .. end_capture), and whether a captured graph replays the
+  // steps (from begin_capture to release_capture): eager steps must not run meanwhile.
+  bool capturing_ = false;
+  bool captured_ = false;
   // The first collective that failed (the ranks are out of step from there): later ops refuse.
   std::string failure_;
 };

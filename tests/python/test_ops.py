@@ -539,3 +539,27 @@ def test_clip_grad_norm_on_one_rank_and_the_warning_for_torchs(dcplan_module, gr
     with pytest.raises(ValueError, match="norm_type should be > 0 or inf, got -1.0"):
         dcplan_module.clip_grad_norm_(sharded, 1.0, norm_type=-1)
     dcplan_module.shutdown()
+
+
+# ------------------------------------------------------------------ CUDA graph capture (dcplan.graphed_step)
+
+
+def test_capture_is_refused_on_a_host_transport(C):
+    with pytest.raises(RuntimeError, match=r"begin_capture: a CUDA graph captures only work queued on a GPU "
+                                           r"\(the NCCL transport\); this runtime uses the gloo transport"):
+        C.begin_capture()
+    # Refused before anything changed: eager steps still run, and there is nothing to end.
+    C.start_forward()
+    with pytest.raises(RuntimeError, match=r"end_capture: no capture under way \(begin_capture first\)"):
+        C.end_capture()
+    C.release_capture()  # nothing captured: a no-op
+
+
+def test_capture_is_refused_while_ops_are_observed(C):
+    C.start_op_log()
+    try:
+        with pytest.raises(RuntimeError, match=r"begin_capture: an op observer is set .*record or log without "
+                                               r"dcplan.graphed_step"):
+            C.begin_capture()
+    finally:
+        C.stop_op_log()

@@ -6,6 +6,7 @@
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <array>
 #include <memory>
 #include <string>
 
@@ -54,6 +55,8 @@ class StreamSet {
   c10::cuda::CUDAStream reduceScatter;
   c10::cuda::CUDAStream offload;
   c10::cuda::CUDAStream reload;
+
+  std::array<c10::cuda::CUDAStream, 4> all() const { return {allGather, reduceScatter, offload, reload}; }
 
  private:
   explicit StreamSet(c10::DeviceIndex device);

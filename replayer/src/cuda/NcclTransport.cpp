@@ -7,6 +7,10 @@
 // memory (the host is then the reader). Tensors used on a side stream are recorded on it
 // (recordStream), so the caching allocator does not hand their memory out again before the
 // side stream is done with them.
+//
+// Under CUDA graph capture (beginCapture .. endCapture) the side streams join the caller's
+// capture, collectives are not watched (an event recorded in a capture cannot be queried), and
+// handles never report completion: nothing queries or blocks the host on captured work.
 #include "cuda/NcclComm.h"
 #include "cuda/NcclWatchdog.h"
 #include "dcplan/replayer/Transport.h"
@@ -14,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -128,12 +133,14 @@ ncclDataType_t ncclTypeOf(const char* op, at::ScalarType t) {
 /// The end of work on a side stream. wait(): the caller's current stream waits for it
 /// (or, with hostWait, the host does: the destination is host memory). Buffers allocated on
 /// the side stream (gather outputs) are recorded on the waiting stream, so that their memory
-/// is not reused before the work that stream queues on them has run.
+/// is not reused before the work that stream queues on them has run. A handle of captured work
+/// (captured) is a node of a CUDA graph: it never reports completion, and a host wait on it is
+/// refused.
 class EventHandle final : public CommHandle {
  public:
-  EventHandle(std::shared_ptr<CudaEvent> done, c10::DeviceIndex device, bool hostWait,
+  EventHandle(std::shared_ptr<CudaEvent> done, c10::DeviceIndex device, bool hostWait, bool captured,
               const std::vector<at::Tensor>& usedByWaiter = {}, std::optional<c10::cuda::CUDAStream> stream = {})
-      : done_(std::move(done)), device_(device), hostWait_(hostWait), stream_(stream) {
+      : done_(std::move(done)), device_(device), hostWait_(hostWait), captured_(captured), stream_(stream) {
     // Weak: a fused gather's handle lives until its last member is waited on, and must not keep
     // the members released before that alive (the whole group's memory would stay until then).
     // A buffer freed before its wait was allocated on the collective's stream, which the
@@ -149,6 +156,7 @@ class EventHandle final : public CommHandle {
   void wait() override {
     c10::cuda::CUDAGuard guard(device_);
     if (hostWait_) {
+      refuseHostWait("a copy into host memory (offload)");
       done_->synchronize();
       return;
     }
@@ -161,18 +169,26 @@ class EventHandle final : public CommHandle {
     }
   }
   bool isCompleted() override {
+    if (captured_) return false;
     c10::cuda::CUDAGuard guard(device_);
     return done_->query();
   }
   void synchronize() override {
+    refuseHostWait("a host wait on a collective");
     c10::cuda::CUDAGuard guard(device_);
     done_->synchronize();
   }
 
  private:
+  void refuseHostWait(const char* what) const {
+    TORCH_CHECK(!captured_, what, " cannot be captured in a CUDA graph: the host would wait for work that "
+                "runs only when the graph is replayed (dcplan.graphed_step; docs/compiled.md)");
+  }
+
   std::shared_ptr<CudaEvent> done_;
   c10::DeviceIndex device_;
   bool hostWait_;
+  bool captured_;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> usedByWaiter_;
   std::optional<c10::cuda::CUDAStream> stream_;
 };
@@ -302,8 +318,8 @@ class NcclTransport final : public Transport {
     }
     std::shared_ptr<CudaEvent> done = CudaEvent::create(device_);
     done->record(stream.stream());
-    watchdog_->watch("gatherShards", done);
-    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/false, outputs);
+    if (!capturing_) watchdog_->watch("gatherShards", done);
+    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/false, capturing_, outputs);
   }
 
   CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) override {
@@ -338,7 +354,7 @@ class NcclTransport final : public Transport {
     c10::cuda::CUDAGuard guard(device_);
     auto mark = CudaEvent::create(device_);
     mark->record(c10::cuda::getCurrentCUDAStream(device_).stream());
-    return std::make_shared<EventHandle>(std::move(mark), device_, /*hostWait=*/false);
+    return std::make_shared<EventHandle>(std::move(mark), device_, /*hostWait=*/false, capturing_);
   }
 
   // Gradient accumulation after a reduction runs on the reduction's stream, so backward's
@@ -356,7 +372,7 @@ class NcclTransport final : public Transport {
     }
     auto end = CudaEvent::create(device_);
     end->record(side.stream());
-    return std::make_shared<EventHandle>(std::move(end), device_, /*hostWait=*/false,
+    return std::make_shared<EventHandle>(std::move(end), device_, /*hostWait=*/false, capturing_,
                                          std::vector<at::Tensor>{}, side);
   }
 
@@ -379,10 +395,36 @@ class NcclTransport final : public Transport {
     }
     auto done = CudaEvent::create(device_);
     done->record(stream.stream());
-    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/kind == CopyKind::Offload);
+    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/kind == CopyKind::Offload,
+                                         capturing_);
   }
 
  private:
+  void beginCapture() override {
+    c10::cuda::CUDAGuard guard(device_);
+    TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::Active,
+                "begin_capture: the current stream of cuda:", int(device_), " is not capturing a CUDA graph");
+    TORCH_CHECK(!capturing_, "begin_capture: a capture is already under way");
+    // Each side stream waits for the capturing stream, which makes it part of the capture: its
+    // work becomes graph nodes and its allocations come from the graph's memory pool.
+    for (const c10::cuda::CUDAStream& side : streams_->all()) waitForCaller(side);
+    capturing_ = true;
+  }
+
+  void endCapture() override {
+    TORCH_CHECK(capturing_, "end_capture: no capture under way (begin_capture first)");
+    c10::cuda::CUDAGuard guard(device_);
+    const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_).stream();
+    for (const c10::cuda::CUDAStream& side : streams_->all()) {
+      auto last = CudaEvent::create(device_);
+      last->record(side.stream());
+      last->block(caller);
+    }
+    capturing_ = false;
+  }
+
+  bool capturing() const override { return capturing_; }
+
   void checkDevice(const char* op, const at::Tensor& t) const {
     TORCH_CHECK(t.is_cuda() && t.device().index() == device_, op, ": tensor should be on cuda:", int(device_),
                 " (the device of the NCCL communicator), got ", t.device());
@@ -420,8 +462,8 @@ class NcclTransport final : public Transport {
     body(side.stream());
     std::shared_ptr<CudaEvent> done = CudaEvent::create(device_);
     done->record(side.stream());
-    watchdog_->watch(op, done);
-    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/false,
+    if (!capturing_) watchdog_->watch(op, done);
+    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/false, capturing_,
                                          std::vector<at::Tensor>{}, side);
   }
 
@@ -429,6 +471,7 @@ class NcclTransport final : public Transport {
   std::unique_ptr<StreamSet> streams_;
   c10::DeviceIndex device_;
   std::unique_ptr<CudaEvent> shardsWritten_;  // recorded by shardsWritten() on the caller's stream
+  bool capturing_ = false;                    // between beginCapture and endCapture
   std::unique_ptr<NcclWatchdog> watchdog_;    // last: stopped first, after the destructor's stream syncs
 };
 

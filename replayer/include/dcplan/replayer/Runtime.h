@@ -83,6 +83,15 @@ void clearAllGatheredParams();
 /// Ids currently holding a gathered copy (valid or in flight), ascending.
 std::vector<int64_t> gatheredParamIds();
 
+/// CUDA graph capture of whole steps (python/dcplan/_graphed.py). beginCapture, once the
+/// caller's stream captures and the device has finished all earlier work: the transport's
+/// streams join the capture. endCapture, before the capture ends. From beginCapture on, the
+/// graph replays the steps: an eager step is refused until releaseCapture, which also drops
+/// the gathered copies the capture left (they live in the graph's memory).
+void beginCapture();
+void endCapture();
+void releaseCapture();
+
 void setObserver(std::shared_ptr<OpObserver> observer);
 void setSchedule(std::unique_ptr<SchedulePolicy> schedule);
 /// Calls fn with the schedule in use, under the runtime's lock (fn must not call the runtime).

@@ -83,6 +83,16 @@ class Transport {
   /// destination by the host, a device one by the caller's stream. The default copies
   /// synchronously; a device transport copies on its offload / reload stream.
   virtual CommHandlePtr copyAsync(const at::Tensor& dst, const at::Tensor& src, CopyKind kind);
+
+  /// CUDA graph capture of the caller's stream (dcplan.graphed_step, docs/compiled.md).
+  /// beginCapture, once the caller's stream captures: the transport's own streams join the
+  /// capture, so that their collectives, and the buffers allocated on them, belong to the graph.
+  /// endCapture, before the capture ends: the caller's stream waits for them (a capture must
+  /// end on every stream it forked to). In between, handles never report completion and
+  /// nothing may block the host. The default refuses: a host transport has nothing to capture.
+  virtual void beginCapture();
+  virtual void endCapture() {}
+  virtual bool capturing() const { return false; }
 };
 
 /// A Transport over a c10d ProcessGroup, looked up by its registered group

@@ -1,0 +1,182 @@
+"""A whole training step captured as one CUDA graph: ``dcplan.graphed_step``.
+
+A plan fixes every decision of a step (which parameter is gathered when, which bucket
+reduces where), so one step's device work is the same as the next's. The first calls of a
+graphed step run it as written (warm-up: Inductor compiles, the optimizer creates its state,
+the allocator settles); the next call captures it once into a CUDA graph, and from then on
+every call copies its tensor arguments into the captured inputs and replays the graph: the
+host issues one launch per step instead of every kernel, hook and collective.
+
+What a step may do is what a CUDA graph allows (docs/compiled.md, "CUDA graphs"): the same
+shapes every call, no host synchronisation (``.item()``, printing a tensor, a host wait of
+dcplan such as ``dcplan.clip_grad_norm_``'s), a capturable optimizer (``capturable=True``;
+a learning rate that changes must be a tensor), and no recording or replay log.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, List, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import _C
+
+
+_REUSE_SETTING = "graph_capture_record_stream_reuse"
+
+
+def _reuse_freed_blocks(on: bool) -> bool:
+    """Whether the caching allocator may reuse, within a capture, a block freed while other
+    streams used it (a gathered copy: written on the gather stream, read on the compute stream),
+    once the graph orders those uses before the new allocation. Without it such blocks are kept
+    until the capture ends, and a captured step would hold every gathered copy at once. Returns
+    whether the setting was applied (torch releases without it: False)."""
+    if on and _REUSE_SETTING in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return False  # the user's own choice stands
+    try:
+        torch.cuda.memory._set_allocator_settings(f"{_REUSE_SETTING}:{on}")
+    except (RuntimeError, AttributeError) as e:
+        if on:
+            warnings.warn(f"dcplan.graphed_step: this torch ({torch.__version__}) has no allocator setting "
+                          f"{_REUSE_SETTING} ({e}); the captured step keeps every gathered copy until the step ends",
+                          RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
+class StaticArgs:
+    """The tensors of a step's arguments, held at fixed addresses: a CUDA graph reads its
+    inputs from the memory it was captured with. Other values are part of the capture and
+    must not change."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        leaves, self._spec = pytree.tree_flatten((args, kwargs))
+        self._leaves: List[Any] = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+                                   for leaf in leaves]
+
+    def args(self):
+        return pytree.tree_unflatten(self._leaves, self._spec)
+
+    def load(self, args: tuple, kwargs: dict) -> None:
+        """Copies the tensors of a call into the captured inputs, after checking that the call
+        matches the captured one (structure, shapes, dtypes, devices, other values)."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._spec:
+            raise ValueError(f"dcplan.graphed_step: the arguments' structure differs from the captured call's: "
+                             f"got {spec}, captured {self._spec}")
+        for i, (new, old) in enumerate(zip(leaves, self._leaves)):
+            if isinstance(old, torch.Tensor):
+                if not isinstance(new, torch.Tensor):
+                    raise ValueError(f"dcplan.graphed_step: argument leaf {i} should be a tensor, as captured, "
+                                     f"got {type(new).__name__}")
+                if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
+                    raise ValueError(
+                        f"dcplan.graphed_step: argument leaf {i} should be a {old.dtype} tensor of shape "
+                        f"{tuple(old.shape)} on {old.device}, as captured (a CUDA graph has static shapes), got "
+                        f"{new.dtype} {tuple(new.shape)} on {new.device}")
+            elif new is not old and new != old:
+                raise ValueError(f"dcplan.graphed_step: argument leaf {i} is {new!r}, captured as {old!r}: values "
+                                 "other than tensors are part of the captured graph and cannot change")
+        for new, old in zip(leaves, self._leaves):
+            if isinstance(old, torch.Tensor):
+                old.copy_(new)
+
+
+class GraphedStep:
+    """``step = dcplan.graphed_step(train_step, warmup=2)``: ``step(*args)`` runs
+    ``train_step(*args)``, as written for the first ``warmup`` calls, captured in a CUDA graph
+    by the next, replayed from then on. Returns what ``train_step`` returns; after capture those
+    are the graph's output tensors, overwritten by the next call (clone what you keep)."""
+
+    def __init__(self, fn: Callable, warmup: int = 2, pool: Optional[tuple] = None):
+        if not callable(fn):
+            raise TypeError(f"dcplan.graphed_step: fn should be callable, got {type(fn).__name__}")
+        if not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"dcplan.graphed_step: warmup should be an int >= 1 (at least one step must run "
+                             f"before capture: compilation and the optimizer's state), got {warmup!r}")
+        self._fn = fn
+        self._warmup = warmup
+        self._pool = pool
+        self._calls = 0
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._inputs: Optional[StaticArgs] = None
+        self._outputs: Any = None
+        self._side = None
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def __call__(self, *args, **kwargs):
+        if self._graph is None and self._calls < self._warmup:
+            self._calls += 1
+            return self._run_warmup(args, kwargs)
+        if self._graph is None:
+            self._capture(args, kwargs)
+        self._inputs.load(args, kwargs)
+        self._graph.replay()
+        self._calls += 1
+        return self._outputs
+
+    def _run_warmup(self, args, kwargs):
+        if not torch.cuda.is_available():
+            raise RuntimeError("dcplan.graphed_step: CUDA graphs need a GPU; torch.cuda is not available")
+        # As torch's whole-network capture does: warm-up on a side stream, so that state created
+        # lazily (optimizer state, cuBLAS workspaces) does not sit in the capturing stream's queue.
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            out = self._fn(*args, **kwargs)
+        torch.cuda.current_stream().wait_stream(self._side)
+        return out
+
+    def _capture(self, args, kwargs) -> None:
+        self._inputs = StaticArgs(args, kwargs)
+        static_args, static_kwargs = self._inputs.args()
+        torch.cuda.synchronize()  # begin_capture takes every earlier collective as complete
+        graph = torch.cuda.CUDAGraph()
+        reuse = _reuse_freed_blocks(True)
+        try:
+            # thread_local: the runtime's watchdog thread keeps querying its (uncaptured) events.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                _C.begin_capture()
+                try:
+                    outputs = self._fn(*static_args, **static_kwargs)
+                finally:
+                    _C.end_capture()
+        except Exception as e:
+            if reuse:
+                _reuse_freed_blocks(False)
+            raise RuntimeError(
+                f"dcplan.graphed_step: capturing the step failed: {e}\nA captured step must run the same shapes "
+                "every call and must not synchronise the host (.item(), printing a tensor, dcplan.clip_grad_norm_), "
+                "its optimizer must be capturable (capturable=True), and nothing may record it "
+                "(docs/compiled.md, 'CUDA graphs')") from e
+        if reuse:
+            _reuse_freed_blocks(False)
+        self._graph = graph
+        self._outputs = outputs
+
+    def close(self) -> None:
+        """Drops the graph: the model may run outside it again (eagerly, or in a new graphed step)."""
+        if self._graph is None:
+            return
+        torch.cuda.synchronize()
+        self._graph = None
+        self._outputs = None
+        self._inputs = None
+        _C.release_capture()
+
+
+def graphed_step(fn: Callable, warmup: int = 2, pool: Optional[tuple] = None) -> GraphedStep:
+    """A training step of dcplan-sharded models captured as one CUDA graph (GraphedStep).
+
+    fn runs one whole step (forward, backward, optimizer step, ``zero_grad``) on its
+    arguments and returns what the caller reads afterwards (the loss as a tensor). Its first
+    ``warmup`` calls run as written; the next is captured and then replayed. pool: a memory
+    pool shared with other graphs (``torch.cuda.graph_pool_handle()``).
+    """
+    return GraphedStep(fn, warmup=warmup, pool=pool)
