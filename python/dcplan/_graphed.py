@@ -35,8 +35,10 @@ def _reuse_freed_blocks(on: bool) -> bool:
     whether the setting was applied (torch releases without it: False)."""
     if on and _REUSE_SETTING in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         return False  # the user's own choice stands
+    # torch 2.11 deprecates the torch.cuda spelling for the accelerator one.
+    apply = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     try:
-        torch.cuda.memory._set_allocator_settings(f"{_REUSE_SETTING}:{on}")
+        apply(f"{_REUSE_SETTING}:{on}")
     except (RuntimeError, AttributeError) as e:
         if on:
             warnings.warn(f"dcplan.graphed_step: this torch ({torch.__version__}) has no allocator setting "

@@ -44,7 +44,7 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
     host_ops = None
     data = cc.data(accum, "cuda")
     for s in range(STEPS):
-        micro = [(idx[mine], tgt[mine]) for idx, tgt in data[s]]
+        micro = [(idx[mine], tgt[mine]) for idx, tgt in data[s % len(data)]]  # cc.data has cc.STEPS batches
         if graphed and s == LOGGED:
             dcplan._C.start_op_log()
         losses.append(run(micro).item())
