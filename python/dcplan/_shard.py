@@ -481,13 +481,9 @@ def _make_root_pre_hook(state: _ShardState):
         state.forward_depth += 1
         if state.forward_depth > 1:
             return
-        try:
-            state.hooks.refresh()  # stale copies go before a planned prefetch could find them held
-            _plan.mark_step()
-            _C.start_forward()  # refused while a CUDA graph replays the steps (dcplan.graphed_step)
-        except BaseException:
-            state.forward_depth -= 1  # no forward began: the next call starts one
-            raise
+        state.hooks.refresh()  # stale copies go before a planned prefetch could find them held
+        _plan.mark_step()
+        _C.start_forward()
         if _record.active():
             _record.after_start_forward()  # ends the process once every step is recorded
         if state.stage == 3 and not state.compiled:  # compiled: the partitioner re-gathers

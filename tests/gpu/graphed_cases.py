@@ -57,6 +57,7 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
             model(data[0][0][0][mine])
         except RuntimeError as e:
             refused = str(e)
+        assert model._dcplan.forward_depth == 0  # the refused forward left no forward open
         run.close()
     # One eager step after the graph (after close() in the graphed run).
     losses.append(step([(idx[mine], tgt[mine]) for idx, tgt in data[0]]).item())
