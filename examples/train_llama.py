@@ -129,6 +129,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="compiled replay: forward and backward as torch.compile graphs with the dc ops inside "
                         "(dcplan.shard(compile=True)); with --no-shard, torch.compile on the model")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture the whole step (forward, backward, optimizer) in one CUDA graph after two "
+                        "warm-up steps and replay it (dcplan.graphed_step; GPU only)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -146,6 +149,8 @@ def parse_args(argv=None):
                    help="with --no-shard: train the global batch of a run on this many ranks")
     p.add_argument("--losses", metavar="FILE", help="write the per-step losses to FILE as JSON")
     args = p.parse_args(argv)
+    if args.cuda_graph and (args.no_shard or args.device == "cpu"):
+        p.error("--cuda-graph captures a dcplan-sharded step on a GPU: not with --no-shard or --device cpu")
     if args.hidden % args.heads:
         p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
     kv = args.kv_heads or args.heads
@@ -196,7 +201,8 @@ def main(argv=None) -> int:
 
         model = dcplan.shard(model, stage=args.stage, param_dtype=param_dtype if param_dtype != torch.float32
                              else None, reduce_dtype=getattr(torch, args.reduce_dtype), compile=args.compile)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # A captured step's optimizer keeps its step count on the GPU (capturable).
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, capturable=args.cuda_graph)
     if args.compile and args.no_shard:
         model = torch.compile(model)
 
@@ -204,17 +210,10 @@ def main(argv=None) -> int:
         mode = "single process (no dcplan)" if args.no_shard else f"dcplan ZeRO-{args.stage} on {world} ranks"
         print(f"train_llama: {n_params / 1e6:.2f}M parameters, {args.layers} layers, hidden {args.hidden}, "
               f"{mode}, {device.type}, {args.param_dtype}", flush=True)
-    losses = []
-    for step in range(args.steps):
-        start = time.perf_counter()
+    def train_step(micro_batches):
+        """One optimizer step over the micro-batches; returns this rank's loss (a tensor)."""
         step_loss = torch.zeros((), device=device)
-        for micro in range(args.grad_accum):
-            inputs, targets = synthetic_batch(step, micro, args.batch * ranks_in_batch, args.seq, args.vocab,
-                                              args.seed)
-            if not args.no_shard:
-                inputs = inputs[rank * args.batch:(rank + 1) * args.batch]
-                targets = targets[rank * args.batch:(rank + 1) * args.batch]
-            inputs, targets = inputs.to(device), targets.to(device)
+        for micro, (inputs, targets) in enumerate(micro_batches):
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(micro == args.grad_accum - 1)
             logits = model(inputs)
@@ -223,6 +222,25 @@ def main(argv=None) -> int:
             step_loss += loss.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return step_loss
+
+    run_step = train_step
+    if args.cuda_graph:
+        import dcplan
+
+        run_step = dcplan.graphed_step(train_step, warmup=2)
+    losses = []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        micro_batches = []
+        for micro in range(args.grad_accum):
+            inputs, targets = synthetic_batch(step, micro, args.batch * ranks_in_batch, args.seq, args.vocab,
+                                              args.seed)
+            if not args.no_shard:
+                inputs = inputs[rank * args.batch:(rank + 1) * args.batch]
+                targets = targets[rank * args.batch:(rank + 1) * args.batch]
+            micro_batches.append((inputs.to(device), targets.to(device)))
+        step_loss = run_step(micro_batches).clone()  # a graph's output is overwritten by the next replay
         if distributed:  # the mean over ranks is the global batch's loss
             dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
         if use_cuda:

@@ -140,13 +140,14 @@ class Bench:
             step(i)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        trained = [float(v) for v in torch.stack(losses).cpu()]  # the steps below train on: not reported
         self.run_peak = torch.cuda.max_memory_allocated(self.device)  # before the phases reset it
         # By phase only where forward, backward and step are the plain calls (not DeepSpeed's engine).
         self.phase_peaks = self.peaks_by_phase(model, opt, mode) if update is None and train_step is None else None
         self.breakdown = self.profile(step, mode) if a.profile_steps else None
         if a.host_profile_steps:
             self.host_profile(step, mode)
-        return elapsed / a.steps, [float(v) for v in torch.stack(losses).cpu()]
+        return elapsed / a.steps, trained
 
     def peaks_by_phase(self, model, opt, mode):
         """Peak memory (GiB, this rank) within forward, backward and the optimizer step of one more

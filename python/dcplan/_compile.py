@@ -273,7 +273,8 @@ def compile_forward(model: nn.Module, settings) -> None:
     model.forward = torch.compile(model.forward, backend="inductor", options=options, **kwargs)
 
 
-# CUDA graphs replay the device work they captured, not the dc ops' host state (docs/compiled.md).
+# CUDA graphs of a region replay its device work, not the dc ops' host state (dcplan.graphed_step
+# captures the whole step instead; docs/compiled.md).
 _REFUSED_OPTIONS = ("triton.cudagraphs", "triton.cudagraph_trees")
 
 
@@ -288,8 +289,8 @@ def check_settings(settings) -> None:
     unknown = sorted(set(settings) - known)
     if "mode" in unknown:
         raise ValueError("dcplan.shard: compile: 'mode' is not supported (its CUDA graphs, 'reduce-overhead', "
-                         "cannot replay the dc ops' host state; docs/compiled.md); pass Inductor settings in "
-                         "'options'")
+                         "cannot replay the dc ops' host state; capture the whole step with dcplan.graphed_step "
+                         "instead: docs/compiled.md); pass Inductor settings in 'options'")
     if unknown:
         raise ValueError(f"dcplan.shard: compile: unknown torch.compile arguments {unknown}; expected some of "
                          f"{sorted(known)}")
@@ -305,4 +306,5 @@ def check_settings(settings) -> None:
     cuda_graphs = sorted(k for k in _REFUSED_OPTIONS if options.get(k))
     if cuda_graphs:
         raise ValueError(f"dcplan.shard: compile: options {cuda_graphs} (CUDA graphs) are not supported: a "
-                         "captured graph cannot replay the dc ops' host state (docs/compiled.md)")
+                         "captured region cannot replay the dc ops' host state; capture the whole step with "
+                         "dcplan.graphed_step instead (docs/compiled.md)")
