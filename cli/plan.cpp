@@ -21,6 +21,7 @@ struct PlanCliOptions {
   int64_t worldSize = 0;
   std::string bandwidth;
   bool explain = false;
+  bool cudaGraph = false;
 };
 
 void runPlan(const PlanCliOptions& o) {
@@ -39,6 +40,7 @@ void runPlan(const PlanCliOptions& o) {
   req.worldSize = o.worldSize;
   req.traceName = std::filesystem::path(o.trace).filename().string();
   req.explain = o.explain;
+  req.cudaGraph = o.cudaGraph;
 
   schemas::Trace trace = schemas::readTrace(o.trace);
   // Progress only when planning is slow enough for someone to wonder.
@@ -76,6 +78,9 @@ void setupPlan(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--bandwidth", o->bandwidth, "plan for this bus bandwidth, GB/s (default: as calibrated)");
   cmd->add_flag("--explain", o->explain, "print why each decision was taken");
+  cmd->add_flag("--cuda-graph", o->cudaGraph,
+                "plan and predict for a step replayed as one CUDA graph (dcplan.graphed_step): the device's own "
+                "times, recorded on a GPU, without the host's");
   cmd->callback([o] { runPlan(*o); });
 }
 

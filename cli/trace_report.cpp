@@ -63,6 +63,12 @@ void printTraceSummary(std::ostream& out, const std::string& file, const Trace& 
     out << "host time per step: " << formatMs(host) << " = issuing compute " << formatMs(s.hostComputeUs)
         << " + inside dc ops " << formatMs(s.issueUs) << " + optimizer " << formatMs(s.optimizerHostUs) << "\n";
   }
+  if (s.deviceTimes) {
+    // The device-lead step's: what a step replayed as one CUDA graph runs (dcplan plan --cuda-graph).
+    out << "device's own time per step: " << formatMs(s.deviceComputeUs + s.optimizerDeviceUs) << " = compute "
+        << formatMs(s.deviceComputeUs) << " + optimizer " << formatMs(s.optimizerDeviceUs)
+        << " (with the step queued ahead: what a CUDA graph's replay runs)\n";
+  }
   if (!s.slowest.empty()) {
     out << "\nslowest communication ops:\n"
         << "  step  graph    seq  op                     time       bytes  parameter\n";

@@ -192,6 +192,8 @@ PlanDiff diffPlans(const schemas::Plan& a, const schemas::Plan& b, double tolera
          optNumber(b.options.bandwidthGBps));
   d.exact("/options/grad_accum_steps", "options.grad_accum_steps",
           static_cast<double>(a.options.gradAccumSteps), static_cast<double>(b.options.gradAccumSteps));
+  d.text("/options/cuda_graph", "options.cuda_graph", a.options.cudaGraph ? "true" : "false",
+         b.options.cudaGraph ? "true" : "false");
   // Provenance: the same schedule from a re-recorded trace or a newer dcplan is the same plan.
   d.text("/source/trace_digest", "source.trace_digest", a.source.traceDigest, b.source.traceDigest, true);
   d.text("/source/trace", "source.trace", a.source.trace, b.source.trace, true);

@@ -21,6 +21,7 @@ namespace dcplan::planner {
 
 using namespace detail;
 using schemas::formatBytes;
+using schemas::formatMs;
 
 const char* strategyName(Strategy s) {
   switch (s) {
@@ -441,6 +442,8 @@ class Explainer {
 
 CostModelOptions costOptions(const Workload& w, std::optional<double> bandwidthGBps) {
   CostModelOptions o{w.worldSize, bandwidthGBps, measuredLaunchUs(w)};
+  // A CUDA graph's replay issues its collectives without the host.
+  if (w.cudaGraph) o.launchUs = 0.0;
   o.launchMeasured = o.launchUs.has_value();
   return o;
 }
@@ -456,7 +459,7 @@ Schedule defaultSchedule(const Workload& w) {
 PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const ProgressFn& progress) {
   if (req.worldSize < 0)
     throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
-  Workload w = makeWorkload(trace, req.worldSize);
+  Workload w = makeWorkload(trace, req.worldSize, req.cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
   CostModel cost(trace.calibration, w.traceWorldSize, costOptions(w, req.bandwidthGBps));
   const uint64_t given = req.memoryBudgetBytes ? *req.memoryBudgetBytes
                          : w.capacityBytes > 0 ? w.capacityBytes
@@ -508,6 +511,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   plan.options.memoryBudgetBytes = req.memoryBudgetBytes;
   plan.options.bandwidthGBps = req.bandwidthGBps;
   plan.options.gradAccumSteps = w.gradAccumSteps;
+  plan.options.cudaGraph = w.cudaGraph;
   plan.persistent = chosen.schedule.persistent;
   plan.graphs = chosen.schedule.graphs;
   plan.predicted = rounded(chosen.sim.prediction);
@@ -525,6 +529,10 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
             std::to_string(w.gradAccumSteps) +
             (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)"
                                : ""));
+    if (w.cudaGraph) {
+      ex.line("replay: one CUDA graph per step (--cuda-graph): the device's own compute (device_us) and optimizer "
+              "(" + formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
+    }
     uint64_t act = 0;
     for (const GraphRun& r : w.runs) act = std::max(act, r.mostActivationBytes());
     ex.line("memory limit: " + (unlimited ? std::string("none") : formatBytes(limit)) + " (" + limitNote + ")" +

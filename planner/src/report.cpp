@@ -56,7 +56,8 @@ struct Simulated {
 };
 
 Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
-  Workload w = makeWorkload(trace, plan.source.worldSize);
+  Workload w = makeWorkload(trace, plan.source.worldSize,
+                            plan.options.cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
   CostModel cost(trace.calibration, w.traceWorldSize, costOptions(w, plan.options.bandwidthGBps));
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
   SimOptions withLaunches{true};
@@ -153,7 +154,9 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
   const schemas::Prediction& again = sim.plan.prediction;
   s << "  simulated on " << traceName << ": step " << formatMs(again.stepUs) << ", exposed comm "
     << formatMs(again.exposedCommUs) << ", peak " << formatBytes(again.peakMemoryBytes) << "\n";
-  if (w.hostLane) {
+  if (w.cudaGraph) {
+    s << "  host lane: none (planned for a CUDA graph's replay: the device's own times)\n";
+  } else if (w.hostLane) {
     const bool hostBound = sim.plan.hostUs >= again.stepUs - 1.0;  // within 1 us: the host ends the step
     s << "  host lane: the host issues the step in " << formatMs(sim.plan.hostUs) << "; "
       << (hostBound ? "host-bound (the device waits for the host)" : "the device bounds the step") << "\n";

@@ -223,7 +223,7 @@ std::optional<double> measuredLaunchUs(const Workload& w) {
   return std::max(0.0, median(launched) - median(released));
 }
 
-Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
+Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay) {
   Workload w;
   w.traceWorldSize = std::max<int64_t>(1, trace.meta.worldSize);
   w.worldSize = worldSize > 0 ? worldSize : w.traceWorldSize;
@@ -292,6 +292,28 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
     }
   }
   w.optimizerHostUs = w.hostLane ? *trace.steps[end].optimizerHostUs : 0;
+  if (replay == StepReplay::CudaGraph) {
+    // A graph replays the step without the host: the device's own times, no host lane.
+    w.cudaGraph = true;
+    w.hostLane = false;
+    w.optimizerHostUs = 0;
+    const std::string lacks = ": a plan for a CUDA graph (--cuda-graph) needs the device's own times, which the "
+                              "recorder measures on a GPU in the last warm-up step (DCPLAN_RECORD_WARMUP of at "
+                              "least 2; docs/recording.md); this trace has none";
+    if (!trace.steps[end].optimizerDeviceUs)
+      throw std::invalid_argument("/steps/" + std::to_string(end) + "/optimizer_device_us" + lacks);
+    w.optimizerUs = *trace.steps[end].optimizerDeviceUs;
+    for (size_t m : micro) {
+      for (size_t g = 0; g < trace.steps[m].graphs.size(); ++g) {
+        const auto& events = trace.steps[m].graphs[g].events;
+        for (size_t e = 0; e < events.size(); ++e) {
+          if (!events[e].deviceUs)
+            throw std::invalid_argument("/steps/" + std::to_string(m) + "/graphs/" + std::to_string(g) + "/events/" +
+                                        std::to_string(e) + "/device_us" + lacks);
+        }
+      }
+    }
+  }
   std::unordered_map<int64_t, int32_t> runsOfGraph;
   RecordedHoldings recorded(w, trace);
   for (size_t m = 0; m < micro.size(); ++m) {
@@ -351,7 +373,7 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize) {
                                         "; a plan needs every run of a graph to issue the same ops");
           }
         }
-        run.computeUs.push_back(std::max(0.0, e.computeUs));
+        run.computeUs.push_back(std::max(0.0, w.cudaGraph ? *e.deviceUs : e.computeUs));
         if (w.hostLane) {
           run.hostUs.push_back(*e.hostUs);
           run.issueUs.push_back(*e.issueUs);

@@ -10,7 +10,10 @@ host issues one launch per step instead of every kernel, hook and collective.
 What a step may do is what a CUDA graph allows (docs/compiled.md, "CUDA graphs"): the same
 shapes every call, no host synchronisation (``.item()``, printing a tensor, a host wait of
 dcplan such as ``dcplan.clip_grad_norm_``'s), a capturable optimizer (``capturable=True``;
-a learning rate that changes must be a tensor), and no recording or replay log.
+a learning rate that changes must be a tensor), and no replay log. While ``dcplan record``
+records the script, the step runs as written and is not captured: the recorder observes every
+op, and its device-lead step measures the device's own times, which ``dcplan plan --cuda-graph``
+plans a graphed step with.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C
+from . import _C, _record
 
 
 _REUSE_SETTING = "graph_capture_record_stream_reuse"
@@ -112,6 +115,10 @@ class GraphedStep:
         return self._graph is not None
 
     def __call__(self, *args, **kwargs):
+        if self._graph is None and _record.active():
+            # The recorder observes every op, which a capture cannot: the step runs as written until
+            # the trace is written (the process then ends, unless DCPLAN_RECORD_EXIT=0).
+            return self._run_warmup(args, kwargs)
         if self._graph is None and self._calls < self._warmup:
             self._calls += 1
             return self._run_warmup(args, kwargs)

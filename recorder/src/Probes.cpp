@@ -1,6 +1,8 @@
 // Host timer and CPU memory probe: the recorder's time and memory on CPU runs.
 #include "dcplan/recorder/Probes.h"
 
+#include "dcplan/replayer/DeviceSleep.h"
+
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -168,6 +170,8 @@ class DeviceEventTimer final : public DeviceTimer {
                               device_.index()) *
            1000.0;
   }
+  bool queueLead(double us) override { return replayer::queueDeviceSleep(device_, us); }
+  void drain() override { impl_->synchronizeDevice(device_.index()); }
 
  private:
   c10::Device device_;

@@ -71,6 +71,11 @@ std::optional<double> hostUs(HostTime from, HostTime to) {
   return std::max(0.0, static_cast<double>(to - from) / 1000.0);
 }
 
+/// The device-lead step's busy work: twice the host's time for the micro-step before, plus 5 ms,
+/// so that the device stays behind a host that runs a little slower; at most 2 s (a first warm-up
+/// step that compiled took the host far longer than a step).
+double leadUsFor(double hostSpanUs) { return std::min(2.0 * hostSpanUs + 5000.0, 2e6); }
+
 int64_t elementSize(const std::string& dtype) {
   if (dtype == "float64" || dtype == "int64") return 8;
   if (dtype == "float32" || dtype == "int32") return 4;
@@ -123,15 +128,21 @@ void Recorder::onStartForward() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (finished_ || done_) return;
   const TimePoint now = timer_->mark(Stream::Compute);
+  const double lastSpanUs = haveMicro_ ? hostUs(current_.hostStart, hostNow).value_or(0) : 0;
+  bool drain = false;
   if (haveMicro_) {
     ++microInStep_;
     const bool endsStep = current_.sync && current_.sawEndBackward;
+    if (observing() && endsStep) {
+      current_.optimizerUs = std::max(timer_->elapsedUs(current_.endBackward, now), 1e-3);
+      current_.optimizerHostUs = hostUs(current_.hostEndBackward, hostNow);
+    }
     if (recording_) {
-      if (endsStep) {
-        current_.optimizerUs = std::max(timer_->elapsedUs(current_.endBackward, now), 1e-3);
-        current_.optimizerHostUs = hostUs(current_.hostEndBackward, hostNow);
-      }
       recorded_.push_back(std::move(current_));
+    } else if (current_.led) {
+      current_.hostSpanUs = lastSpanUs;
+      led_.push_back(std::move(current_));
+      drain = endsStep;  // the recorded steps start with the device caught up, as the script runs them
     }
     if (endsStep) {
       ++optimizerStepsSeen_;
@@ -144,6 +155,7 @@ void Recorder::onStartForward() {
     }
   }
   current_ = MicroStep{};
+  current_.micro = microInStep_;
   haveMicro_ = true;
   const int64_t recordUntil = config_.warmup + config_.steps;
   if (optimizerStepsSeen_ >= recordUntil) {
@@ -160,6 +172,12 @@ void Recorder::onStartForward() {
     if (optimizerStepsSeen_ == 0) memory_->takePeakBytes();
     writeProgress();  // "0 N ws": recording has started on this rank
   }
+  if (drain) timer_->drain();
+  if (!recording_ && config_.warmup >= 2 && optimizerStepsSeen_ == config_.warmup - 1) {
+    // The last warm-up step is the device-lead step (a first one may still compile).
+    current_.leadStart = timer_->mark(Stream::Compute);
+    current_.led = timer_->queueLead(leadUsFor(lastSpanUs));
+  }
   // The step starts after the recorder's work at its boundary, on both clocks.
   current_.start = timer_->mark(Stream::Compute);
   current_.hostStart = hostClock();
@@ -173,7 +191,7 @@ void Recorder::onStartBackward(bool update, bool sync) {
 void Recorder::onOpBegin(const replayer::OpEvent& event) {
   const HostTime called = hostClock();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (!recording_ || finished_ || event.graphId < 0) return;
+  if (!observing() || finished_ || event.graphId < 0) return;
   // The op starts now: what the recorder does below lies inside the op's span, not in the
   // compute before it (a host-bound GPU would idle through it, and the planner would count
   // the recorder's bookkeeping as model compute).
@@ -213,7 +231,7 @@ void Recorder::onOpEnd(const replayer::OpEvent& event) {
   if (finished_ || done_ || event.graphId < 0) return;
   const std::string_view op(event.op);
   // A mark may cost a device event: only for what is recorded, and step boundaries.
-  if (op != "end_backward" && (!recording_ || currentEvent_ < 0)) return;
+  if (op != "end_backward" && (!observing() || currentEvent_ < 0)) return;
   // The next op's peak is that of the compute after this op (what the runtime allocated for a
   // while inside an op, a bucket's packed gradients, the planner models itself); taken before
   // the end mark, so that its own time stays inside the op.
@@ -226,7 +244,7 @@ void Recorder::onOpEnd(const replayer::OpEvent& event) {
     current_.endBackward = now;
     current_.hostEndBackward = resumed;
   }
-  if (!recording_ || currentEvent_ < 0) return;
+  if (!observing() || currentEvent_ < 0) return;
   RawEvent& raw = current_.events[static_cast<size_t>(currentEvent_)];
   raw.end = now;
   raw.hostEnd = returning;
@@ -288,6 +306,43 @@ int64_t Recorder::recordedSteps() const {
   return recordedSteps_;
 }
 
+std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const std::set<int64_t>& registered) {
+  std::vector<double> before(step.events.size(), 0.0);
+  std::vector<int64_t> order;
+  std::map<int64_t, std::vector<size_t>> byGraph;
+  for (size_t i = 0; i < step.events.size(); ++i) {
+    const int64_t g = step.events[i].graphId;
+    if (!registered.count(g)) continue;
+    if (!byGraph.count(g)) order.push_back(g);
+    byGraph[g].push_back(i);
+  }
+  TimePoint prevEnd = step.start;
+  for (int64_t g : order) {
+    for (size_t i : byGraph[g]) {
+      before[i] = std::max(0.0, timer_->elapsedUs(prevEnd, step.events[i].begin));
+      prevEnd = step.events[i].end;
+    }
+  }
+  return before;
+}
+
+std::vector<std::vector<double>> Recorder::deviceComputeUs(const std::set<int64_t>& registered) {
+  std::vector<std::vector<double>> ledBefore;
+  for (const MicroStep& l : led_) {
+    // The device never waited for the host if the host issued the whole micro-step within the
+    // busy work queued ahead of it.
+    const double leadUs = timer_->elapsedUs(l.leadStart, l.start);
+    if (!(l.hostSpanUs <= leadUs)) {
+      TORCH_WARN("record: the device-lead step's lead (", leadUs / 1e3, " ms) was shorter than the host's time for "
+                 "its micro-step ", l.micro, " (", l.hostSpanUs / 1e3, " ms): the device may have waited for the "
+                 "host, so the trace has no device_us (plan --cuda-graph needs them)");
+      return {};
+    }
+    ledBefore.push_back(computeBeforeUs(l, registered));
+  }
+  return ledBefore;
+}
+
 schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   TORCH_CHECK(!models_.empty(), "record: no model was registered (dcplan.shard() registers one)");
@@ -319,6 +374,9 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
   }
   t.calibration = calibration;
 
+  std::set<int64_t> registered;
+  for (const auto& [id, g] : graphs) registered.insert(id);
+  const std::vector<std::vector<double>> ledBefore = deviceComputeUs(registered);
   const int64_t ws = transport_->worldSize();
   int64_t index = 0;
   for (const MicroStep& step : recorded_) {
@@ -326,6 +384,22 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
     out.index = index;
     out.optimizerUs = step.optimizerUs;
     if (step.optimizerUs > 0) out.optimizerHostUs = step.optimizerHostUs;
+    const std::vector<double> before = computeBeforeUs(step, registered);
+    // The device-lead micro-step at the same position, where it issued the same ops.
+    const MicroStep* led = static_cast<size_t>(step.micro) < ledBefore.size() ? &led_[step.micro] : nullptr;
+    if (led && led->events.size() == step.events.size()) {
+      for (size_t i = 0; i < step.events.size() && led; ++i) {
+        const RawEvent& a = step.events[i];
+        const RawEvent& b = led->events[i];
+        if (std::string_view(a.op) != b.op || a.graphId != b.graphId || a.dsId != b.dsId) led = nullptr;
+      }
+    } else {
+      led = nullptr;
+    }
+    if (led && step.optimizerUs > 0) {
+      if (led->optimizerUs > 0) out.optimizerDeviceUs = led->optimizerUs;
+      else led = nullptr;  // the lead step's optimizer step ended at another micro-step
+    }
     // Graphs in the order their first op came; each graph's events in issue order.
     std::vector<int64_t> order;
     std::map<int64_t, std::vector<size_t>> byGraph;
@@ -366,7 +440,8 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
         e.stream = streamName(stream);
         e.memoryBytes = raw.memory;
         e.peakBytes = raw.peak;
-        e.computeUs = std::max(0.0, timer_->elapsedUs(prevEnd, raw.begin));
+        e.computeUs = before[i];
+        if (led) e.deviceUs = ledBefore[static_cast<size_t>(step.micro)][i];
         e.hostUs = hostUs(hostPrevEnd, raw.hostCall);
         e.issueUs = hostUs(raw.hostBegin, raw.hostEnd);
         double start = timer_->elapsedUs(origin, raw.begin);
@@ -451,6 +526,7 @@ fs::path Recorder::finish() {
   schemas::writeFileAtomically(tracePath(), text);
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   recorded_.clear();
+  led_.clear();
   collectives_.clear();
   inFlight_.clear();
   return tracePath();

@@ -89,6 +89,7 @@ class PlanValidator {
     o.memoryBudgetBytes = r.bytes("memory_budget_bytes", P::Optional);
     o.bandwidthGBps = r.positiveNumber("bandwidth_gbps", P::Optional);
     o.gradAccumSteps = r.integer("grad_accum_steps", 1).value_or(1);
+    o.cudaGraph = r.boolean("cuda_graph", P::Optional).value_or(false);
     r.rejectUnknownFields();
   }
 
@@ -210,6 +211,7 @@ std::string writePlan(const Plan& plan) {
   if (plan.options.memoryBudgetBytes) options["memory_budget_bytes"] = *plan.options.memoryBudgetBytes;
   if (plan.options.bandwidthGBps) options["bandwidth_gbps"] = *plan.options.bandwidthGBps;
   options["grad_accum_steps"] = plan.options.gradAccumSteps;
+  if (plan.options.cudaGraph) options["cuda_graph"] = true;
 
   ordered_json graphs = ordered_json::array();
   for (const auto& g : plan.graphs) {

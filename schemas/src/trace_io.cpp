@@ -212,6 +212,7 @@ class TraceValidator {
       }
       step.optimizerUs = r.number("optimizer_us", 0).value_or(0);
       step.optimizerHostUs = r.number("optimizer_host_us", 0, P::Optional);
+      step.optimizerDeviceUs = r.number("optimizer_device_us", 0, P::Optional);
       if (auto* graphs = r.array("graphs")) {
         if (graphs->empty()) diags_.add(ptr + "/graphs", "expected at least one graph");
         std::set<int64_t> ids;
@@ -303,6 +304,7 @@ class TraceValidator {
     ev.peakBytes = r.bytes("peak_bytes", P::Optional).value_or(0);
     ev.hostUs = r.number("host_us", 0, P::Optional);
     ev.issueUs = r.number("issue_us", 0, P::Optional);
+    ev.deviceUs = r.number("device_us", 0, P::Optional);
     if (ev.peakBytes != 0 && ev.peakBytes < ev.memoryBytes) {
       diags_.add(ptr + "/peak_bytes", "peak_bytes (" + std::to_string(ev.peakBytes) +
                                           ") is below memory_bytes (" + std::to_string(ev.memoryBytes) +
@@ -419,12 +421,14 @@ std::string writeTrace(const Trace& t) {
         if (e.peakBytes != 0) ev["peak_bytes"] = e.peakBytes;
         if (e.hostUs) ev["host_us"] = *e.hostUs;
         if (e.issueUs) ev["issue_us"] = *e.issueUs;
+        if (e.deviceUs) ev["device_us"] = *e.deviceUs;
         events.push_back(std::move(ev));
       }
       graphs.push_back({{"id", g.id}, {"kind", graphKindName(g.kind)}, {"events", std::move(events)}});
     }
     ordered_json step{{"index", s.index}, {"optimizer_us", s.optimizerUs}};
     if (s.optimizerHostUs) step["optimizer_host_us"] = *s.optimizerHostUs;
+    if (s.optimizerDeviceUs) step["optimizer_device_us"] = *s.optimizerDeviceUs;
     step["graphs"] = std::move(graphs);
     steps.push_back(std::move(step));
   }

@@ -89,7 +89,8 @@ void checkAgreement(const RankTrace& base, const RankTrace& r) {
   }
 }
 
-/// The slower rank's host time; absent when a rank did not record it (an older recorder).
+/// The slower rank's time (host or device lead); absent when a rank did not record it (an older
+/// recorder, a rank without a device lead).
 std::optional<double> slowest(std::optional<double> a, std::optional<double> b) {
   if (!a || !b) return std::nullopt;
   return std::max(*a, *b);
@@ -147,6 +148,7 @@ Trace mergeRankTraces(const std::vector<RankTrace>& input) {
       TraceStep& ms = merged.steps[s];
       ms.optimizerUs = std::max(ms.optimizerUs, t.steps[s].optimizerUs);
       ms.optimizerHostUs = slowest(ms.optimizerHostUs, t.steps[s].optimizerHostUs);
+      ms.optimizerDeviceUs = slowest(ms.optimizerDeviceUs, t.steps[s].optimizerDeviceUs);
       for (size_t g = 0; g < ms.graphs.size(); ++g) {
         for (size_t e = 0; e < ms.graphs[g].events.size(); ++e) {
           OpEvent& m = ms.graphs[g].events[e];
@@ -158,6 +160,7 @@ Trace mergeRankTraces(const std::vector<RankTrace>& input) {
           m.peakBytes = std::max(m.peakBytes, o.peakBytes);
           m.hostUs = slowest(m.hostUs, o.hostUs);
           m.issueUs = slowest(m.issueUs, o.issueUs);
+          m.deviceUs = slowest(m.deviceUs, o.deviceUs);
         }
       }
     }

@@ -24,12 +24,15 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
   std::vector<SlowOp> comm;
   int64_t optimizerSteps = 0;
   s.hostTimes = !trace.steps.empty();
+  s.deviceTimes = !trace.steps.empty();
   for (const auto& step : trace.steps) {
     if (step.optimizerUs > 0) {
       s.optimizerUs += step.optimizerUs;
       ++optimizerSteps;
       s.hostTimes = s.hostTimes && step.optimizerHostUs;
       s.optimizerHostUs += step.optimizerHostUs.value_or(0);
+      s.deviceTimes = s.deviceTimes && step.optimizerDeviceUs;
+      s.optimizerDeviceUs += step.optimizerDeviceUs.value_or(0);
     }
     for (const auto& g : step.graphs) {
       GraphSummary& gs = byGraph[g.id];
@@ -42,6 +45,8 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
         s.hostTimes = s.hostTimes && e.hostUs && e.issueUs;
         s.hostComputeUs += e.hostUs.value_or(0);
         s.issueUs += e.issueUs.value_or(0);
+        s.deviceTimes = s.deviceTimes && e.deviceUs;
+        s.deviceComputeUs += e.deviceUs.value_or(0);
         s.peakMemoryBytes = std::max({s.peakMemoryBytes, e.memoryBytes, e.peakBytes});
         if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
           gs.gathers += static_cast<int64_t>(e.dsIds.size());
@@ -77,9 +82,11 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
   }
   s.hostComputeUs /= steps;
   s.issueUs /= steps;
+  s.deviceComputeUs /= steps;
   if (optimizerSteps > 0) {
     s.optimizerUs /= static_cast<double>(optimizerSteps);
     s.optimizerHostUs /= static_cast<double>(optimizerSteps);
+    s.optimizerDeviceUs /= static_cast<double>(optimizerSteps);
   }
   // Longest first; ties in trace order so the output is deterministic.
   std::stable_sort(comm.begin(), comm.end(), [](const SlowOp& a, const SlowOp& b) { return a.us > b.us; });

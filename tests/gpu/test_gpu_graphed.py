@@ -44,3 +44,49 @@ def test_graphed_step_trains_like_the_plain_step(results, variant, stage, accum)
     # An eager forward while the graph replays the steps is refused, naming the way out.
     assert "captured in a CUDA graph (dcplan.graphed_step)" in graphed["refused"]
     assert "close()" in graphed["refused"]
+
+
+def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_graph(dcplan_module, tmp_path):
+    """dcplan record of a script using graphed_step: the step runs uncaptured while recorded, the
+    last warm-up step runs with the device behind the host (device-lead step), and the trace has
+    device_us and optimizer_device_us; plan --cuda-graph plans with them, and the graphed step
+    replays the plan."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mp_harness import dcplan_binary
+
+    require_gpus(dcplan_module, 1)
+    cli = dcplan_binary()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+              os.path.join(root, "examples", "train_llama.py"), "--device", "cuda", "--cuda-graph",
+              "--layers", "2", "--hidden", "256", "--steps", "8"]
+    trace, plan = tmp_path / "trace.json", tmp_path / "plan.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+    subprocess.run([cli, "record", "-o", str(trace), "--steps", "2", "--warmup", "2", "--timeout", "240", "--",
+                    *script], check=True, env=env, cwd=tmp_path)
+    t = json.loads(trace.read_text())
+    events = [e for s in t["steps"] for g in s["graphs"] for e in g["events"]]
+    assert events and all("device_us" in e for e in events)
+    assert all("optimizer_device_us" in s for s in t["steps"] if s["optimizer_us"] > 0)
+    # A model this small is host-bound: the device's own compute is well below what the recorded
+    # steps measured on the device, which also held its waits for the host.
+    device = sum(e["device_us"] for e in events)
+    recorded = sum(e["compute_us"] for e in events)
+    assert device < 0.8 * recorded, (device, recorded)
+    out = subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--cuda-graph", "--explain"], check=True,
+                         env=env, capture_output=True, text=True).stdout
+    assert "replay: one CUDA graph per step (--cuda-graph)" in out
+    p = json.loads(plan.read_text())
+    assert p["options"]["cuda_graph"] is True
+    # The graph's prediction: the device's own compute and optimizer, without the host's time.
+    eager = subprocess.run([cli, "plan", str(trace), "-o", str(tmp_path / "eager.json")], check=True, env=env,
+                           capture_output=True, text=True)
+    assert eager.returncode == 0
+    assert p["predicted"]["step_us"] < json.loads((tmp_path / "eager.json").read_text())["predicted"]["step_us"]
+    run = subprocess.run(script, env=dict(env, DCPLAN_PLAN=str(plan)), cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step   7" in run.stdout

@@ -23,12 +23,27 @@ using replayer::CommHandlePtr;
 using replayer::OpEvent;
 using replayer::Transport;
 
-/// Time stands still until the test moves it; points are microseconds.
+/// Time stands still until the test moves it; points are microseconds. A lead puts every later
+/// mark that much (times leadShare: a device that ran the busy work faster) behind the test's
+/// clock, as a device behind its host.
 class ScriptedTimer final : public DeviceTimer {
  public:
   explicit ScriptedTimer(double* now) : now_(now) {}
-  TimePoint mark(Stream) override { return static_cast<TimePoint>(*now_ * 1000.0); }
+  TimePoint mark(Stream) override { return static_cast<TimePoint>((*now_ + behindUs) * 1000.0); }
   double elapsedUs(TimePoint from, TimePoint to) override { return static_cast<double>(to - from) / 1000.0; }
+  bool queueLead(double us) override {
+    if (!canLead) return false;
+    leads.push_back(us);
+    behindUs += us * leadShare;
+    return true;
+  }
+  void drain() override { ++drains; }
+
+  bool canLead = true;
+  double leadShare = 1.0;
+  double behindUs = 0;
+  std::vector<double> leads;
+  int drains = 0;
 
  private:
   double* now_;
@@ -109,7 +124,9 @@ class RecorderTest : public ::testing::Test {
     c.steps = steps;
     c.warmup = warmup;
     c.calibration.budgetSeconds = 0.01;
-    auto rec = std::make_shared<Recorder>(c, std::make_unique<ScriptedTimer>(&now),
+    auto owned = std::make_unique<ScriptedTimer>(&now);
+    timer = owned.get();
+    auto rec = std::make_shared<Recorder>(c, std::move(owned),
                                           std::make_unique<ScriptedMemory>(&memory, &peak, &now, &readUs));
     local = std::make_shared<LocalTransport>();
     local->ws = ws;
@@ -139,31 +156,32 @@ class RecorderTest : public ::testing::Test {
 
   /// A ZeRO-3 micro-step starting at t0: forward gathers w (launched at +2, the
   /// host waits from +3 to +8), backward reduces w and b in one bucket that
-  /// end_backward launches at +35 and waits for until +40.
-  void microStep(Recorder& rec, double t0, bool sync) {
+  /// end_backward launches at +35 and waits for until +40; `scale` stretches every time.
+  void microStep(Recorder& rec, double t0, bool sync, double scale = 1.0) {
+    auto at = [&](double dt) { return t0 + scale * dt; };
     now = t0;
     rec.onStartForward();
     CommHandlePtr gather;
     op(
-        rec, "allgather_param", 0, 0, t0 + 1, 2,
+        rec, "allgather_param", 0, 0, at(1), 2 * scale,
         [&] {
-          now = t0 + 2;
+          now = at(2);
           gather = timed->allGather(at::empty({10}), at::empty({10 / local->ws}));
         },
         40);
-    op(rec, "wait_allgather", 0, 0, t0 + 3, 5, [&] {
-      now = t0 + 8;
+    op(rec, "wait_allgather", 0, 0, at(3), 5 * scale, [&] {
+      now = at(8);
       gather->wait();
     });
-    op(rec, "release_param", 0, 0, t0 + 10, 1);
-    now = t0 + 20;
+    op(rec, "release_param", 0, 0, at(10), 1 * scale);
+    now = at(20);
     rec.onStartBackward(true, sync);
-    op(rec, "reduce_grad", 1, 0, t0 + 20, 1);
-    op(rec, "reduce_grad", 1, 1, t0 + 22, 1);
-    op(rec, "end_backward", 1, -1, t0 + 30, 10, [&] {
-      now = t0 + 35;
+    op(rec, "reduce_grad", 1, 0, at(20), 1 * scale);
+    op(rec, "reduce_grad", 1, 1, at(22), 1 * scale);
+    op(rec, "end_backward", 1, -1, at(30), 10 * scale, [&] {
+      now = at(35);
       CommHandlePtr reduce = timed->reduceScatter(at::empty({7}), at::empty({local->ws, 7}));
-      now = t0 + 40;
+      now = at(40);
       reduce->wait();
     });
   }
@@ -188,6 +206,7 @@ class RecorderTest : public ::testing::Test {
   }
 
   std::filesystem::path dir;
+  ScriptedTimer* timer = nullptr;
   double now = 0;
   uint64_t memory = 1000;
   uint64_t peak = 0;
@@ -294,6 +313,64 @@ TEST_F(RecorderTest, PeaksBetweenOpsAreKeptAndTheProbesTimeIsNotCompute) {
   EXPECT_EQ(t.steps[0].graphs[1].events[0].peakBytes, 7000u);
   schemas::Trace check = validRoundTrip(t);
   EXPECT_EQ(check.steps[0].graphs[0].events[0].peakBytes, 9000u);  // and it round-trips
+}
+
+TEST_F(RecorderTest, TheLastWarmupStepLeadsTheDeviceAndGivesTheDevicesOwnTimes) {
+  auto rec = make(/*steps=*/2, /*warmup=*/2);
+  microStep(*rec, 0, true);  // warm-up
+  EXPECT_TRUE(timer->leads.empty());
+  // The last warm-up step runs behind a lead; its device ran every stretch in half the time.
+  microStep(*rec, 100, true, 0.5);
+  ASSERT_EQ(timer->leads.size(), 1u);
+  EXPECT_GE(timer->leads[0], 5000.0);  // twice the host's time for the step before, plus 5 ms
+  EXPECT_EQ(timer->drains, 0);
+  microStep(*rec, 200, true);  // recorded; the device caught up before it started
+  EXPECT_EQ(timer->drains, 1);
+  microStep(*rec, 300, true);
+  EXPECT_EQ(timer->leads.size(), 1u);  // recorded steps never lead
+  schemas::Trace t = validRoundTrip(finish(*rec, 357));
+  ASSERT_EQ(t.steps.size(), 2u);
+  for (const auto& step : t.steps) {
+    // end_backward ended at 120 of the led step, whose optimizer ran until the next start (200).
+    EXPECT_DOUBLE_EQ(step.optimizerDeviceUs.value_or(-1), 200.0 - 120.0);
+    for (const auto& g : step.graphs) {
+      for (const auto& e : g.events) {
+        ASSERT_TRUE(e.deviceUs.has_value()) << e.op;
+        EXPECT_DOUBLE_EQ(*e.deviceUs, 0.5 * e.computeUs) << e.op << " " << e.seq;
+      }
+    }
+  }
+  EXPECT_DOUBLE_EQ(t.steps[0].optimizerUs, 300.0 - 240.0);  // the recorded steps' own
+  EXPECT_DOUBLE_EQ(*t.steps[0].graphs[0].events[2].deviceUs, 0.5 * (10.0 - 8.0));
+}
+
+TEST_F(RecorderTest, NoDeviceTimesWithoutALeadOrWhereTheHostOutranIt) {
+  {  // one warm-up step: it may still compile, so none leads
+    auto rec = make(/*steps=*/1, /*warmup=*/1);
+    microStep(*rec, 0, true);
+    microStep(*rec, 100, true);
+    schemas::Trace t = finish(*rec, 157);
+    EXPECT_TRUE(timer->leads.empty());
+    EXPECT_FALSE(t.steps[0].optimizerDeviceUs);
+    EXPECT_FALSE(t.steps[0].graphs[0].events[0].deviceUs);
+  }
+  {  // the host's clock cannot lead (CPU ranks)
+    auto rec = make(/*steps=*/1, /*warmup=*/2);
+    timer->canLead = false;
+    for (double t0 : {0.0, 100.0, 200.0}) microStep(*rec, t0, true);
+    schemas::Trace t = finish(*rec, 257);
+    EXPECT_EQ(timer->drains, 0);
+    EXPECT_FALSE(t.steps[0].graphs[0].events[0].deviceUs);
+  }
+  {  // the device ran the lead in far less than the host's time for the step: it waited for the host
+    auto rec = make(/*steps=*/1, /*warmup=*/2);
+    timer->leadShare = 1e-9;
+    for (double t0 : {0.0, 100.0, 200.0}) microStep(*rec, t0, true);
+    schemas::Trace t = finish(*rec, 257);
+    EXPECT_EQ(timer->leads.size(), 1u);
+    EXPECT_FALSE(t.steps[0].optimizerDeviceUs);
+    EXPECT_FALSE(t.steps[0].graphs[1].events[0].deviceUs);
+  }
 }
 
 TEST_F(RecorderTest, GradientAccumulationGivesMicroStepsAndOneOptimizerTime) {

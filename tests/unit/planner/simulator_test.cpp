@@ -6,6 +6,9 @@
 #include "dcplan/planner/planner.h"
 #include "dcplan/planner/simulator.h"
 #include "dcplan/planner/workload.h"
+#include "dcplan/schemas/io.h"
+
+#include <nlohmann/json.hpp>
 #include "dcplan/testing/trace_generator.h"
 #include "tiny_trace.h"
 
@@ -144,6 +147,64 @@ TEST(SimulatorHostLane, AHostBoundStepIsTheHostsTimeAndHidesTheGathers) {
   EXPECT_FALSE(makeWorkload(deviceOnly).hostLane);
   EXPECT_NEAR(d.prediction.stepUs, 4 * kTinyGatherUs + 600 + f.cost.us(Collective::ReduceScatter, 2 * kTinyParam) + 50,
               1e-6);
+}
+
+/// A host-bound trace (the host takes the device's recorded time, 20 us per op) whose device-lead
+/// step measured the device's own compute at `deviceShare` of it and the optimizer at 30 us.
+schemas::Trace withDeviceTimes(double deviceShare) {
+  schemas::Trace t = withHostTimes(1.0, 1.0, 20.0, 300.0);
+  for (schemas::TraceStep& step : t.steps) {
+    step.optimizerDeviceUs = 30.0;
+    for (schemas::TraceGraph& g : step.graphs) {
+      for (schemas::OpEvent& e : g.events) e.deviceUs = deviceShare * e.computeUs;
+    }
+  }
+  return t;
+}
+
+TEST(SimulatorCudaGraph, AGraphRunsOnTheDevicesOwnTimesWithoutTheHost) {
+  Fixture f;
+  const schemas::Trace t = withDeviceTimes(0.2);
+  const Workload w = makeWorkload(t, 0, StepReplay::CudaGraph);
+  EXPECT_TRUE(w.cudaGraph);
+  EXPECT_FALSE(w.hostLane);
+  EXPECT_NEAR(w.computeUs(), 600, 1e-9);
+  EXPECT_NEAR(w.optimizerUs, 30, 1e-9);
+  const CostModel cost{t.calibration, 2, costOptions(w, std::nullopt)};
+  EXPECT_EQ(cost.launchUs(), 0.0);  // the graph issues its collectives without the host
+  SimResult r = simulate(w, cost, compileSchedule(w, f.onUse()));
+  // The device's compute, every gather exposed (gather on use) and the reduce tail: the host's
+  // 3,600 us of issuing are gone.
+  EXPECT_NEAR(r.prediction.stepUs,
+              4 * kTinyGatherUs + 600 + cost.us(Collective::ReduceScatter, 2 * kTinyParam) + 30, 1e-6);
+  EXPECT_EQ(r.hostUs, 0.0);
+  // The same trace replayed by the hooks takes at least the host's time.
+  EXPECT_GE(simulateTrace(t, f.onUse()).prediction.stepUs, 3000 + 15 * 20.0 + 300);
+}
+
+TEST(SimulatorCudaGraph, APlanForTheGraphSaysSoAndNeedsTheDevicesTimes) {
+  PlanRequest req;
+  req.cudaGraph = true;
+  const schemas::Plan graph = makePlan(withDeviceTimes(0.2), req).plan;
+  EXPECT_TRUE(graph.options.cudaGraph);
+  const schemas::Plan hooks = makePlan(withDeviceTimes(0.2), PlanRequest{}).plan;
+  EXPECT_FALSE(hooks.options.cudaGraph);
+  EXPECT_LT(graph.predicted.stepUs, 0.5 * hooks.predicted.stepUs);
+  schemas::Plan back;
+  ASSERT_TRUE(schemas::validatePlan(schemas::parseJson(schemas::writePlan(graph), "p"), back).empty());
+  EXPECT_TRUE(back.options.cudaGraph);
+  // One event without device_us, named by its pointer.
+  schemas::Trace missing = withDeviceTimes(0.2);
+  missing.steps[0].graphs[1].events[2].deviceUs.reset();
+  try {
+    makePlan(missing, req);
+    FAIL() << "planned without device_us";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("/steps/0/graphs/1/events/2/device_us: a plan for a CUDA graph"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(makePlan(missing, PlanRequest{}));  // the hooks' plan does not need them
 }
 
 TEST(SimulatorHostLane, CollectivesAreChargedWhereTheyAreIssued) {

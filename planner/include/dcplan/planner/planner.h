@@ -48,6 +48,7 @@ struct PlanRequest {
   std::optional<double> bandwidthGBps;        ///< what-if bus bandwidth
   std::string traceName;                      ///< recorded in plan.source.trace
   bool explain = false;                       ///< fill PlanResult::explanation
+  bool cudaGraph = false;                     ///< for dcplan.graphed_step (StepReplay::CudaGraph)
 };
 
 struct PlanResult {
@@ -65,7 +66,8 @@ using ProgressFn = std::function<void(const std::string&)>;
 PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& request, const ProgressFn& progress = {});
 
 /// The cost model's settings for planning `workload` at its planned world size: the launch cost
-/// measured from the trace when it has host times (measuredLaunchUs), else the default.
+/// measured from the trace when it has host times (measuredLaunchUs), else the default; none for
+/// a CUDA graph's replay.
 CostModelOptions costOptions(const Workload& workload, std::optional<double> bandwidthGBps);
 
 /// Gather on use, kDefaultBucketBytes buckets along gradient-ready order, no

@@ -96,6 +96,9 @@ struct Workload {
   /// The host blocks in a wait (Gloo on CPU ranks: the compute is the host); on a GPU a wait
   /// only holds the compute stream back.
   bool waitsBlockHost = false;
+  /// Planned for a step replayed as one CUDA graph (StepReplay::CudaGraph): compute and optimizer
+  /// times are the device's own (device_us), the host issues nothing, no host lane.
+  bool cudaGraph = false;
   int64_t traceStep = 0;  ///< index of the recorded step used
   std::vector<WorkParam> params;
   std::vector<WorkGraph> graphs;  ///< distinct graph ids, in first-run order
@@ -112,11 +115,18 @@ struct Workload {
   std::vector<int32_t> sortedIdx_;
 };
 
+/// How the planned step will be replayed, which decides the times it is planned with.
+enum class StepReplay {
+  Issued,     ///< the host issues every op each step (hooks, compiled graphs): recorded times
+  CudaGraph,  ///< one CUDA graph (dcplan.graphed_step): the device's own times (device_us)
+};
+
 /// Builds the planner's view from the last recorded step of `trace`, for
 /// `worldSize` ranks (0: as recorded). Throws std::invalid_argument naming the
 /// trace element (JSON pointer) when the trace cannot be planned: graphs of one
-/// id whose runs differ, an op on an unknown parameter, no steps.
-Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0);
+/// id whose runs differ, an op on an unknown parameter, no steps, and for a CUDA
+/// graph an op or optimizer step without the device's own time.
+Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0, StepReplay replay = StepReplay::Issued);
 
 /// The host time of one gather call, from a trace with host times (Workload::hostLane): the
 /// median issue_us of the recorded run's allgather_param that launched a gather, less the median

@@ -29,6 +29,11 @@ class DeviceTimer {
   virtual TimePoint mark(Stream stream) = 0;
   /// Microseconds from `from` to `to` (negative when `to` is earlier).
   virtual double elapsedUs(TimePoint from, TimePoint to) = 0;
+  /// Queues at least `us` of busy work where marks are taken, so that the device runs that far
+  /// behind the host (the device-lead step); false where it cannot (the host's clock).
+  virtual bool queueLead(double us) { return false; }
+  /// Waits until everything queued so far has run (after a device-lead step).
+  virtual void drain() {}
 };
 
 /// Memory in use, as the trace's memory_bytes and baseline_bytes report it.

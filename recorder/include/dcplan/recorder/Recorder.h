@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,13 @@ struct ModelInfo {
 /// optimizer steps are not recorded, the next `steps` are, each micro-step as
 /// one trace step. Events are kept in memory as raw time points and turned
 /// into the trace only by buildTrace(), after the last step.
+///
+/// Device-lead step: with a warm-up of at least 2 on a device whose timer can lead
+/// (DeviceTimer::queueLead), the micro-steps of the last warm-up step start behind busy work
+/// longer than the host's time for a step, so that the device runs them without ever waiting
+/// for the host. Their compute between ops, paired with the recorded micro-steps by position,
+/// is the trace's device_us and optimizer_device_us: the device's own time, which a step
+/// replayed as one CUDA graph runs. Where the host took longer than the lead, there is none.
 ///
 /// Sequence: an event's seq is its index among the ops of its graph id within
 /// the micro-step, counting only the ops the runtime's entry points report
@@ -117,6 +125,10 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     std::vector<size_t> events;  // indices into the micro-step's events, in issue order
   };
   struct MicroStep {
+    int64_t micro = 0;  // position within its optimizer step
+    bool led = false;   // a device-lead micro-step (its events give device_us)
+    TimePoint leadStart = 0;
+    double hostSpanUs = 0;  // led: host time from its start to the next micro-step's
     TimePoint start = 0;
     HostTime hostStart = 0;
     bool sync = false;
@@ -130,6 +142,15 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   };
 
   void writeProgress();
+  /// Ops are observed: a recorded or a device-lead micro-step.
+  bool observing() const { return recording_ || current_.led; }
+  /// The compute before each event of `step` (by index; 0 for events of unregistered graphs):
+  /// from the previous op of its graph, the first graph's first op from the step's start, a
+  /// later graph's from where the graph before it ended.
+  std::vector<double> computeBeforeUs(const MicroStep& step, const std::set<int64_t>& registered);
+  /// The device-lead step's compute before each event of every recorded micro-step (empty for
+  /// a micro-step without it), and the optimizer's; warns where the lead did not hold.
+  std::vector<std::vector<double>> deviceComputeUs(const std::set<int64_t>& registered);
 
   RecorderConfig config_;
   std::unique_ptr<DeviceTimer> timer_;
@@ -148,6 +169,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   bool haveMicro_ = false;
   MicroStep current_;  // the micro-step in progress (events only when recording_)
   std::deque<MicroStep> recorded_;
+  std::vector<MicroStep> led_;  // the device-lead step's micro-steps, in order
   std::vector<Collective> collectives_;
   std::vector<std::pair<int64_t, std::weak_ptr<replayer::CommHandle>>> inFlight_;
   int64_t currentEvent_ = -1;  // the op between onOpBegin and onOpEnd, index into current_.events

@@ -28,6 +28,9 @@ struct PlanOptions {
   std::optional<uint64_t> memoryBudgetBytes;  ///< absent: unconstrained
   std::optional<double> bandwidthGBps;        ///< what-if bus bandwidth; absent: as calibrated
   int64_t gradAccumSteps = 1;
+  /// Planned and predicted for a step replayed as one CUDA graph (dcplan.graphed_step): the
+  /// device's own times (device_us), no host lane, no host cost per collective.
+  bool cudaGraph = false;
 };
 
 /// Gathers launched together (one prefetch_params_fused) before the op at `position`.

@@ -85,6 +85,11 @@ struct OpEvent {
   std::optional<double> hostUs;
   /// Host time inside the op, from its call to its return. Absent in older traces.
   std::optional<double> issueUs;
+  /// The compute before the op as the device runs it with the step queued ahead of it, so that
+  /// it never waits for the host (the recorder's device-lead step, docs/recording.md): what a
+  /// step replayed as one CUDA graph takes. compute_us of a host-bound step also holds the
+  /// device's idle. Absent on CPU ranks and in older traces.
+  std::optional<double> deviceUs;
 };
 
 enum class GraphKind { Forward, Backward };
@@ -102,6 +107,8 @@ struct TraceStep {
   double optimizerUs = 0;  ///< optimizer step time after the last backward
   /// Host time from end_backward's return to the next step's start (absent in older traces).
   std::optional<double> optimizerHostUs;
+  /// optimizer_us as the device runs it with the step queued ahead (see OpEvent::deviceUs).
+  std::optional<double> optimizerDeviceUs;
 };
 
 struct Trace {

@@ -51,6 +51,11 @@ struct TraceSummary {
   double hostComputeUs = 0;  ///< host_us: issuing the model's compute
   double issueUs = 0;        ///< issue_us: inside the dc ops
   double optimizerHostUs = 0;
+  /// The device's own times (every event has device_us, every optimizer step
+  /// optimizer_device_us): what a step replayed as one CUDA graph takes, per step.
+  bool deviceTimes = false;
+  double deviceComputeUs = 0;
+  double optimizerDeviceUs = 0;
   std::vector<SlowOp> slowest;       ///< communication ops, longest first
 };
 
