@@ -142,7 +142,8 @@ void runRecord(const RecordOptions& o) {
   ChildProcess child(o.command, env);
   std::deque<std::string> lastLines;
   auto onLine = [&](const std::string& line) {
-    if (o.verbose) std::cerr << line << "\n";
+    // The recorder's own warnings (a trace without device_us, say) are shown without -v too.
+    if (o.verbose || line.find("Warning: record: ") != std::string::npos) std::cerr << line << "\n";
     lastLines.push_back(line);
     if (lastLines.size() > kLastLines) lastLines.pop_front();
   };

@@ -252,6 +252,9 @@ def main(argv=None) -> int:
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump({"losses": losses}, f)
+    if rank == 0 and use_cuda:
+        print(f"peak memory: {torch.cuda.max_memory_allocated()} bytes (torch.cuda.max_memory_allocated, rank 0)",
+              flush=True)
     if distributed:
         # Every rank done with every collective before any tears down its process group:
         # a rank that exits while a peer's Gloo threads still talk to it can abort the peer.

@@ -5,10 +5,15 @@
 #   bash bench/gpu/run_on_box.sh bench [args]         # fsdp_vs_dcplan.py with these arguments only
 #   bash bench/gpu/run_on_box.sh train [args]         # transformers Llama with a checkpoint; pip install .
 #   bash bench/gpu/run_on_box.sh predict [budget]     # record, plan at $BUDGETS, replay, check_replay --curve;
-#       $ROUNDS: timed again without the replay log, interleaved
+#       $ROUNDS: timed again without the replay log, interleaved; GRAPHED=1: the step in one CUDA graph
+#       (--cuda-graph: recorded uncaptured, planned with the device's own times, replayed captured)
 #   bash bench/gpu/run_on_box.sh compiled comm|compute [args]  # compiled replay: GPU tests, then a
 #       trace of the compiled model, its plan, and fsdp2, fsdp2-compiled, dcplan, dcplan-compiled
 #       (default schedule and the plan) and the bound in one process, interleaved over rounds
+#   bash bench/gpu/run_on_box.sh graphed comm|compute [args]  # a step in one CUDA graph, predicted against
+#       measured: the bench's model recorded with $GMODE (dcplan-graphed or dcplan-compiled-graphed), planned
+#       for the hooks (hooks.json) and with --cuda-graph (graph.json), both replayed plainly and graphed in
+#       one process, interleaved over $ROUNDS rounds, with the bound
 #   bash bench/gpu/run_on_box.sh deepspeed comm|compute [args]  # DeepSpeed ZeRO-3 eager and DeepCompile
 #       (wheels from .whl, carried) against $MODES (default fsdp2,dcplan-compiled,bound; $PLAN: a
 #       compiled plan), separate processes in turn over $ROUNDS rounds, merged into one table
@@ -102,36 +107,44 @@ case "$what" in
     # predicted peak; or "$1", one budget; $PREDICT_ARGS: more arguments of the example, e.g.
     # --compile); check_replay --curve compares each plan's prediction,
     # op by op, with every rank's allocation log. Ends with a table of all plans.
+    # GRAPHED=1: the example's --cuda-graph and plans with --cuda-graph; a replay log cannot watch a
+    # captured step, so each plan is only timed, with the peak the run reports.
     P=$OUT/predict
     mkdir -p "$P"
     gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
+    graphed=${GRAPHED:-0}
+    plan_args=(); [ "$graphed" = 1 ] && plan_args=(--cuda-graph)
     T=(-m torch.distributed.run --nproc-per-node "$gpus" examples/train_llama.py --device cuda --hidden 2048
        --layers 16 --heads 16 --vocab 32000 --seq "${SEQ:-1024}" --batch "${BATCH:-1}" --param-dtype bfloat16
-       --reduce-dtype float32 ${PREDICT_ARGS:-})  # PREDICT_ARGS=--compile: the compiled replay
+       --reduce-dtype float32 ${PREDICT_ARGS:-} "${plan_args[@]}")  # PREDICT_ARGS=--compile: the compiled replay
     build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 8 \
-      2>&1 | quiet | tail -4
-    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/default.json" --strategy default > /dev/null
+      2>&1 | tee "$P/record.log" | quiet | tail -4
+    grep -h "Warning: record" "$P/record.log" | sort -u || true
+    build/cuda/bin/dcplan inspect "$P/trace.json" | grep "per step:" || true
+    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/default.json" --strategy default "${plan_args[@]}" > /dev/null
     default_peak=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['predicted']['peak_memory_bytes'])" \
       "$P/default.json")
     for b in ${1:-${BUDGETS:-default 0.97 1.0 1.05}}; do
       case $b in
         default) name=default;;
         0.*|1.*) name=budget-$b; budget=$("$PY" -c "print(int($b * $default_peak))")
-           build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/$name.json" --memory-budget "$budget" > /dev/null \
+           build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/$name.json" --memory-budget "$budget" "${plan_args[@]}" > /dev/null \
              || { echo "$name: refused"; continue; };;
         *) name=budget-$b; build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/$name.json" --memory-budget "$b" \
-             > /dev/null || { echo "$name: refused"; continue; };;
+             "${plan_args[@]}" > /dev/null || { echo "$name: refused"; continue; };;
       esac
       build/cuda/bin/dcplan inspect "$P/$name.json" --trace "$P/trace.json" --memory-curve "$P/$name.curve.json" \
         > /dev/null
-      DCPLAN_PLAN="$P/$name.json" DCPLAN_REPLAY_LOG="$P/$name.{rank}.jsonl" "$PY" "${T[@]}" --steps 12 2>&1 | quiet \
-        | tail -1
-      "$PY" -m dcplan.check_replay "$P/$name.json" "$P/$name".[0-9]*.jsonl --curve "$P/$name.curve.json" \
-        > "$P/$name.check" || true
+      if [ "$graphed" != 1 ]; then
+        DCPLAN_PLAN="$P/$name.json" DCPLAN_REPLAY_LOG="$P/$name.{rank}.jsonl" "$PY" "${T[@]}" --steps 12 2>&1 | quiet \
+          | tail -1
+        "$PY" -m dcplan.check_replay "$P/$name.json" "$P/$name".[0-9]*.jsonl --curve "$P/$name.curve.json" \
+          > "$P/$name.check" || true
+      fi
       # The replay log's own host work lies inside a logged step: time the plan again without it
       # (rank 0's step lines, median of steps 4-11).
-      DCPLAN_PLAN="$P/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step " > "$P/$name.steps" || true
-      "$PY" -c "import json,sys,statistics as st; ms=[float(l.split()[-2]) for l in open(sys.argv[1])][4:];
+      DCPLAN_PLAN="$P/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step \|^peak memory" > "$P/$name.steps" || true
+      "$PY" -c "import json,sys,statistics as st; ms=[float(l.split()[-2]) for l in open(sys.argv[1]) if l.startswith('step')][4:];
 pred=json.load(open(sys.argv[2]))['predicted']['step_us']/1e3
 print(f'  without the log: {st.median(ms):.3f} ms ({100*(st.median(ms)/pred-1):+.0f}% against the predicted {pred:.3f} ms; median of {len(ms)} steps, rank 0)')" \
         "$P/$name.steps" "$P/$name.json" >> "$P/$name.check" || true
@@ -142,17 +155,40 @@ print(f'  without the log: {st.median(ms):.3f} ms ({100*(st.median(ms)/pred-1):+
     # run to run), then each plan's predicted step against the median of its rounds.
     for r in $(seq 2 "${ROUNDS:-1}"); do
       for name in $names; do
-        DCPLAN_PLAN="$P/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step " > "$P/$name.steps.$r" || true
+        DCPLAN_PLAN="$P/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step \|^peak memory" > "$P/$name.steps.$r" || true
       done
     done
     echo "== predicted against measured without the log, ${ROUNDS:-1} round(s) interleaved"
     for name in $names; do
       "$PY" -c "import json,sys,glob,statistics as st
-rounds=[st.median([float(l.split()[-2]) for l in open(f)][4:]) for f in sorted(glob.glob(sys.argv[1]+'.steps*'))]
-pred=json.load(open(sys.argv[2]))['predicted']['step_us']/1e3; m=st.median(rounds)
-print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m/pred-1):+.0f}%), rounds', ' '.join(f'{x:.1f}' for x in rounds))" \
+files=sorted(glob.glob(sys.argv[1]+'.steps*'))
+rounds=[st.median([float(l.split()[-2]) for l in open(f) if l.startswith('step')][4:]) for f in files]
+peaks=[int(l.split()[2]) for f in files for l in open(f) if l.startswith('peak memory')]
+plan=json.load(open(sys.argv[2]))['predicted']; pred=plan['step_us']/1e3; m=st.median(rounds)
+peak=f', peak predicted {plan[\"peak_memory_bytes\"]/2**30:.2f} GiB, measured {max(peaks)/2**30:.2f} GiB ({100*(max(peaks)/plan[\"peak_memory_bytes\"]-1):+.1f}%)' if peaks else ''
+print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m/pred-1):+.1f}%), rounds', ' '.join(f'{x:.1f}' for x in rounds) + peak)" \
         "$P/$name" "$P/$name.json" "$name" || true
     done
+    ;;
+  graphed)
+    sh=${1:-comm}
+    shift || true
+    shape_args "$sh" "$what"
+    mode=${GMODE:-dcplan-graphed}
+    plain=${mode%-graphed}
+    planflag=--plan
+    [ "$mode" = dcplan-compiled-graphed ] && planflag=--compiled-plan
+    P=$OUT/graphed-$sh
+    mkdir -p "$P"
+    echo "== record ($mode: the step runs uncaptured while recorded)"
+    build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 2 --timeout 400 -- "$PY" -m torch.distributed.run \
+      --nproc-per-node "${NPROC:-2}" bench/gpu/fsdp_vs_dcplan.py --modes "$mode" $args --warmup 3 --steps 10 2>&1 \
+      | tee "$P/record.log" | grep "per step:\|Warning: record\|error" || true
+    echo "== plan for the hooks, and for the graph"
+    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/hooks.json" > /dev/null
+    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/graph.json" --cuda-graph --explain | grep "^replay\|^predicted"
+    bench $args --modes "$plain,$mode,bound" "$planflag" "$P/hooks.json,$P/graph.json" --warmup 8 --steps 20 \
+      --rounds "${ROUNDS:-2}" --profile-steps 3 --json "$P/modes.json" "$@" 2>&1 | tee "$P/modes.log" | quiet
     ;;
   comm|compute)
     sh=$what
@@ -227,6 +263,6 @@ print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m
     done
     "$PY" bench/gpu/fsdp_vs_dcplan.py --merge "$P"/round*.json | tee "$P/merged.log"
     ;;
-  *) echo "run_on_box.sh: expected build, tests, bench, train, predict, compiled, deepspeed, comm or compute, got '$what'" >&2; exit 2 ;;
+  *) echo "run_on_box.sh: expected build, tests, bench, train, predict, graphed, compiled, deepspeed, comm or compute, got '$what'" >&2; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - start )) s"

@@ -79,7 +79,21 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
     launchUs_ = *options.launchUs;
     launchMeasured_ = options.launchMeasured;
   }
-  if (worldSize_ <= 1) return;  // nothing to communicate
+  if (worldSize_ <= 1) {
+    // One rank still issues every gather and reduce: the transport copies the shard into the
+    // gathered buffer (the gradient into the shard's) on its own stream, behind and before an event
+    // on the compute stream. A trace recorded on one rank timed exactly those calls; one recorded on
+    // more has nothing to go by, and they are taken as free.
+    if (traceWorldSize_ == 1) {
+      allGather_ = buildCurve(calibration.allGather, 1.0);
+      reduceScatter_ = buildCurve(calibration.reduceScatter, 1.0);
+      allReduce_ = buildCurve(calibration.allReduce, 1.0);
+      oneRankCopies_ = !allGather_.bytes.empty();
+      if (oneRankCopies_) standInMissingCurves();
+      for (Curve* c : {&allGather_, &reduceScatter_, &allReduce_}) c->plannedBusGBps = c->calibratedBusGBps;
+    }
+    return;
+  }
   if (traceWorldSize_ <= 1) {
     throw std::invalid_argument(
         "the trace was recorded on 1 rank and has no usable communication "
@@ -93,6 +107,19 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
   }
   reduceScatter_ = buildCurve(calibration.reduceScatter, traceRing);
   allReduce_ = buildCurve(calibration.allReduce, 2 * traceRing);
+  standInMissingCurves();
+  double busScale = ringFactor(worldSize_) / traceRing;
+  for (Curve* c : {&allGather_, &reduceScatter_, &allReduce_}) {
+    c->scale = busScale;
+    if (options.busBandwidthGBps && c->calibratedBusGBps > 0) {
+      c->scale *= c->calibratedBusGBps / *options.busBandwidthGBps;
+    }
+    c->plannedBusGBps = options.busBandwidthGBps && c->calibratedBusGBps > 0 ? *options.busBandwidthGBps
+                                                                             : c->calibratedBusGBps;
+  }
+}
+
+void CostModel::standInMissingCurves() {
   // A ring reduce-scatter moves what an all-gather moves, and an all-reduce is
   // both: stand-ins when a curve was not measured.
   if (reduceScatter_.bytes.empty()) reduceScatter_ = allGather_;
@@ -102,15 +129,6 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
     for (double& l : allReduce_.logUs) l += std::log(2.0);
     allReduce_.latencyUs *= 2;
     allReduce_.tailBytesPerUs /= 2;
-  }
-  double busScale = ringFactor(worldSize_) / traceRing;
-  for (Curve* c : {&allGather_, &reduceScatter_, &allReduce_}) {
-    c->scale = busScale;
-    if (options.busBandwidthGBps && c->calibratedBusGBps > 0) {
-      c->scale *= c->calibratedBusGBps / *options.busBandwidthGBps;
-    }
-    c->plannedBusGBps = options.busBandwidthGBps && c->calibratedBusGBps > 0 ? *options.busBandwidthGBps
-                                                                             : c->calibratedBusGBps;
   }
 }
 
@@ -142,17 +160,19 @@ const CostModel::Curve& CostModel::curve(Collective c) const {
 }
 
 double CostModel::us(Collective which, uint64_t fullBytes) const {
-  if (worldSize_ <= 1 || fullBytes == 0) return 0;
+  if ((worldSize_ <= 1 && !oneRankCopies_) || fullBytes == 0) return 0;
   const Curve& c = curve(which);
   double raw = rawUs(c, static_cast<double>(fullBytes));
   double lat = std::min(c.latencyUs, raw);
   return lat + (raw - lat) * c.scale;
 }
 
-double CostModel::latencyUs(Collective which) const { return worldSize_ <= 1 ? 0 : curve(which).latencyUs; }
+double CostModel::latencyUs(Collective which) const {
+  return worldSize_ <= 1 && !oneRankCopies_ ? 0 : curve(which).latencyUs;
+}
 
 double CostModel::busGBps(Collective which) const {
-  return worldSize_ <= 1 ? 0 : curve(which).plannedBusGBps;
+  return worldSize_ <= 1 && !oneRankCopies_ ? 0 : curve(which).plannedBusGBps;
 }
 
 double CostModel::copyUs(uint64_t bytes, bool hostToDevice) const {
@@ -166,11 +186,12 @@ std::vector<std::string> CostModel::describe() const {
   const std::string launch = "issuing a collective: " + formatFixed(launchUs(), 1) +
                              " us of host time per call beyond those of the recorded run" +
                              (launchMeasured_ ? " (measured: the trace's gathers against its releases)" : "");
-  if (worldSize_ <= 1) {
+  if (worldSize_ <= 1 && !oneRankCopies_) {
     out.push_back("1 rank: no communication");
     if (launchMeasured_) out.push_back(launch);
     return out;
   }
+  if (worldSize_ <= 1) out.push_back("1 rank: each gather and reduce is a copy on the transport's stream, as calibrated");
   for (Collective c : {Collective::AllGather, Collective::ReduceScatter, Collective::AllReduce}) {
     out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) + " us, bus " +
                   formatFixed(busGBps(c), 1) + " GB/s, 64 MiB in " + formatFixed(us(c, 64ull << 20), 1) +

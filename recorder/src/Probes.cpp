@@ -172,6 +172,7 @@ class DeviceEventTimer final : public DeviceTimer {
   }
   bool queueLead(double us) override { return replayer::queueDeviceSleep(device_, us); }
   void drain() override { impl_->synchronizeDevice(device_.index()); }
+  bool reached(TimePoint point) override { return impl_->queryEvent(events_.at(static_cast<size_t>(point))); }
 
  private:
   c10::Device device_;

@@ -76,6 +76,10 @@ std::optional<double> hostUs(HostTime from, HostTime to) {
 /// step that compiled took the host far longer than a step).
 double leadUsFor(double hostSpanUs) { return std::min(2.0 * hostSpanUs + 5000.0, 2e6); }
 
+/// Busy work before each op of the device-lead step: more than the host takes for an op and the
+/// compute after it, so that the device stays behind wherever the host is the slower.
+constexpr double kOpLeadUs = 1000.0;
+
 int64_t elementSize(const std::string& dtype) {
   if (dtype == "float64" || dtype == "int64") return 8;
   if (dtype == "float32" || dtype == "int32") return 4;
@@ -140,7 +144,6 @@ void Recorder::onStartForward() {
     if (recording_) {
       recorded_.push_back(std::move(current_));
     } else if (current_.led) {
-      current_.hostSpanUs = lastSpanUs;
       led_.push_back(std::move(current_));
       drain = endsStep;  // the recorded steps start with the device caught up, as the script runs them
     }
@@ -175,11 +178,12 @@ void Recorder::onStartForward() {
   if (drain) timer_->drain();
   if (!recording_ && config_.warmup >= 2 && optimizerStepsSeen_ == config_.warmup - 1) {
     // The last warm-up step is the device-lead step (a first one may still compile).
-    current_.leadStart = timer_->mark(Stream::Compute);
-    current_.led = timer_->queueLead(leadUsFor(lastSpanUs));
+    current_.leadUs = leadUsFor(lastSpanUs);
+    current_.led = timer_->queueLead(current_.leadUs);
   }
   // The step starts after the recorder's work at its boundary, on both clocks.
   current_.start = timer_->mark(Stream::Compute);
+  current_.lastMark = current_.start;
   current_.hostStart = hostClock();
 }
 
@@ -195,6 +199,13 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   // The op starts now: what the recorder does below lies inside the op's span, not in the
   // compute before it (a host-bound GPU would idle through it, and the planner would count
   // the recorder's bookkeeping as model compute).
+  TimePoint stretchEnd = -1;
+  if (current_.led) {
+    if (current_.caughtUpAt < 0 && timer_->reached(current_.lastMark))
+      current_.caughtUpAt = static_cast<int64_t>(current_.events.size());
+    stretchEnd = timer_->mark(Stream::Compute);
+    timer_->queueLead(kOpLeadUs);
+  }
   const TimePoint begin = timer_->mark(Stream::Compute);
   // Collectives that finished since the last op: their end is now at the latest.
   if (!inFlight_.empty()) {
@@ -219,6 +230,7 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   raw.memory = memory_->bytesInUse();
   raw.peak = std::max(raw.peak, raw.memory);
   raw.begin = begin;
+  raw.stretchEnd = stretchEnd;
   raw.hostCall = called;
   current_.events.push_back(std::move(raw));
   currentEvent_ = static_cast<int64_t>(current_.events.size()) - 1;
@@ -243,10 +255,17 @@ void Recorder::onOpEnd(const replayer::OpEvent& event) {
     current_.sawEndBackward = true;
     current_.endBackward = now;
     current_.hostEndBackward = resumed;
+    if (current_.led && timer_->queueLead(current_.leadUs)) {
+      // The optimizer's device time starts after this busy work, more than the host took for a whole
+      // step. (Whether the device caught up cannot be asked at the next step's start: scripts that
+      // read the loss have waited for the device there.)
+      current_.endBackward = timer_->mark(Stream::Compute);
+    }
   }
   if (!observing() || currentEvent_ < 0) return;
   RawEvent& raw = current_.events[static_cast<size_t>(currentEvent_)];
   raw.end = now;
+  current_.lastMark = now;
   raw.hostEnd = returning;
   raw.hostResume = resumed;
   if (op == "reduce_grad") {
@@ -319,7 +338,8 @@ std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const std::
   TimePoint prevEnd = step.start;
   for (int64_t g : order) {
     for (size_t i : byGraph[g]) {
-      before[i] = std::max(0.0, timer_->elapsedUs(prevEnd, step.events[i].begin));
+      const RawEvent& e = step.events[i];
+      before[i] = std::max(0.0, timer_->elapsedUs(prevEnd, e.stretchEnd >= 0 ? e.stretchEnd : e.begin));
       prevEnd = step.events[i].end;
     }
   }
@@ -329,12 +349,9 @@ std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const std::
 std::vector<std::vector<double>> Recorder::deviceComputeUs(const std::set<int64_t>& registered) {
   std::vector<std::vector<double>> ledBefore;
   for (const MicroStep& l : led_) {
-    // The device never waited for the host if the host issued the whole micro-step within the
-    // busy work queued ahead of it.
-    const double leadUs = timer_->elapsedUs(l.leadStart, l.start);
-    if (!(l.hostSpanUs <= leadUs)) {
-      TORCH_WARN("record: the device-lead step's lead (", leadUs / 1e3, " ms) was shorter than the host's time for "
-                 "its micro-step ", l.micro, " (", l.hostSpanUs / 1e3, " ms): the device may have waited for the "
+    if (l.caughtUpAt >= 0) {
+      TORCH_WARN("record: in the device-lead step the device caught up with the host at op ", l.caughtUpAt,
+                 " of micro-step ", l.micro, " (the busy work queued ahead ran out): its times hold waits for the "
                  "host, so the trace has no device_us (plan --cuda-graph needs them)");
       return {};
     }

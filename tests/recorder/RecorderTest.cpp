@@ -24,8 +24,7 @@ using replayer::OpEvent;
 using replayer::Transport;
 
 /// Time stands still until the test moves it; points are microseconds. A lead puts every later
-/// mark that much (times leadShare: a device that ran the busy work faster) behind the test's
-/// clock, as a device behind its host.
+/// mark that much behind the test's clock, as a device behind its host.
 class ScriptedTimer final : public DeviceTimer {
  public:
   explicit ScriptedTimer(double* now) : now_(now) {}
@@ -34,13 +33,14 @@ class ScriptedTimer final : public DeviceTimer {
   bool queueLead(double us) override {
     if (!canLead) return false;
     leads.push_back(us);
-    behindUs += us * leadShare;
+    behindUs += us;
     return true;
   }
   void drain() override { ++drains; }
+  bool reached(TimePoint) override { return caughtUp; }
 
   bool canLead = true;
-  double leadShare = 1.0;
+  bool caughtUp = false;  // the device ran out of work: it has reached every mark
   double behindUs = 0;
   std::vector<double> leads;
   int drains = 0;
@@ -321,13 +321,16 @@ TEST_F(RecorderTest, TheLastWarmupStepLeadsTheDeviceAndGivesTheDevicesOwnTimes) 
   EXPECT_TRUE(timer->leads.empty());
   // The last warm-up step runs behind a lead; its device ran every stretch in half the time.
   microStep(*rec, 100, true, 0.5);
-  ASSERT_EQ(timer->leads.size(), 1u);
+  // Busy work at the start, before each of the 6 ops, and after the backward (the start's again).
+  ASSERT_EQ(timer->leads.size(), 8u);
   EXPECT_GE(timer->leads[0], 5000.0);  // twice the host's time for the step before, plus 5 ms
+  for (size_t i = 1; i < 7; ++i) EXPECT_EQ(timer->leads[i], 1000.0);
+  EXPECT_EQ(timer->leads[7], timer->leads[0]);
   EXPECT_EQ(timer->drains, 0);
   microStep(*rec, 200, true);  // recorded; the device caught up before it started
   EXPECT_EQ(timer->drains, 1);
   microStep(*rec, 300, true);
-  EXPECT_EQ(timer->leads.size(), 1u);  // recorded steps never lead
+  EXPECT_EQ(timer->leads.size(), 8u);  // recorded steps never lead
   schemas::Trace t = validRoundTrip(finish(*rec, 357));
   ASSERT_EQ(t.steps.size(), 2u);
   for (const auto& step : t.steps) {
@@ -362,12 +365,15 @@ TEST_F(RecorderTest, NoDeviceTimesWithoutALeadOrWhereTheHostOutranIt) {
     EXPECT_EQ(timer->drains, 0);
     EXPECT_FALSE(t.steps[0].graphs[0].events[0].deviceUs);
   }
-  {  // the device ran the lead in far less than the host's time for the step: it waited for the host
+  {  // the device caught up with the host during the led step: its times hold waits for the host
     auto rec = make(/*steps=*/1, /*warmup=*/2);
-    timer->leadShare = 1e-9;
-    for (double t0 : {0.0, 100.0, 200.0}) microStep(*rec, t0, true);
+    microStep(*rec, 0.0, true);
+    timer->caughtUp = true;
+    microStep(*rec, 100.0, true);
+    timer->caughtUp = false;
+    microStep(*rec, 200.0, true);
     schemas::Trace t = finish(*rec, 257);
-    EXPECT_EQ(timer->leads.size(), 1u);
+    EXPECT_EQ(timer->leads.size(), 8u);
     EXPECT_FALSE(t.steps[0].optimizerDeviceUs);
     EXPECT_FALSE(t.steps[0].graphs[1].events[0].deviceUs);
   }

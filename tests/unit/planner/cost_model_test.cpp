@@ -81,6 +81,23 @@ TEST(CostModel, RefusesWhatItCannotKnow) {
   EXPECT_NO_THROW(CostModel(empty, 1));
 }
 
+TEST(CostModel, OneRankTimesTheCopiesItCalibratedOnOneRankOnly) {
+  // On one rank the runtime still issues each gather and reduce (a copy on the transport's
+  // stream); a one-rank trace timed them.
+  const schemas::Calibration c = linearCalibration(20, 100e3);
+  CostModel one(c, 1);
+  EXPECT_NEAR(one.us(Collective::AllGather, 1 << 20), 20 + (1 << 20) / 100e3, 1e-6);
+  EXPECT_NEAR(one.us(Collective::ReduceScatter, 1 << 20), 20 + (1 << 20) / 100e3, 1e-6);  // as all-gather
+  EXPECT_NEAR(one.latencyUs(Collective::AllGather), 20, 1e-6);
+  EXPECT_EQ(one.us(Collective::AllGather, 0), 0);
+  // Planning one rank from a trace of eight: nothing was timed at one rank, the calls are free.
+  CostModel fromEight(c, 8, {1, std::nullopt, std::nullopt});
+  EXPECT_EQ(fromEight.us(Collective::AllGather, 1 << 20), 0);
+  EXPECT_EQ(fromEight.latencyUs(Collective::AllGather), 0);
+  // A one-rank trace without a calibration: free as before.
+  EXPECT_EQ(CostModel(schemas::Calibration{}, 1).us(Collective::AllGather, 1 << 20), 0);
+}
+
 TEST(CostModel, CopyRate) {
   schemas::Calibration c = linearCalibration(20, 100e3);
   c.h2dGBps = 50;

@@ -38,7 +38,8 @@ struct CostModelOptions {
 /// points, so that both the latency-bound and the bandwidth-bound ends keep their
 /// shape. Below the smallest point the time falls linearly to the latency
 /// intercept of the first two points; above the largest it grows with the
-/// marginal bandwidth of the last segment. A different world size scales the
+/// marginal bandwidth of the last segment. On one rank a trace recorded on one rank gives the
+/// curves of the transport's copies, unscaled. A different world size scales the
 /// bandwidth term by the ring bus factor ((N-1)/N against the traced one); a
 /// different bus bandwidth scales it by calibrated/asked. The latency term is
 /// kept: it is dominated by launch and synchronisation cost, not by ring length.
@@ -49,7 +50,8 @@ class CostModel {
   CostModel(const schemas::Calibration& calibration, int64_t traceWorldSize,
             const CostModelOptions& options = {});
 
-  /// Microseconds for one call moving `fullBytes`; 0 when the world has one rank.
+  /// Microseconds for one call moving `fullBytes`. One rank: the calibrated copy where the trace
+  /// was recorded on one rank (the runtime still issues the call), else 0.
   double us(Collective c, uint64_t fullBytes) const;
   double latencyUs(Collective c) const;
   /// Bus bandwidth of large messages after re-scaling, GB/s (0 when unknown).
@@ -80,6 +82,8 @@ class CostModel {
 
   static Curve buildCurve(const std::vector<schemas::CalibrationPoint>& points, double traceBusFactor);
   static double rawUs(const Curve& curve, double bytes);
+  /// Curves not measured, from the all-gather's (which must be there).
+  void standInMissingCurves();
   const Curve& curve(Collective c) const;
 
   int64_t traceWorldSize_;
@@ -89,6 +93,7 @@ class CostModel {
   Curve allReduce_;
   double launchUs_ = kDefaultLaunchUs;
   bool launchMeasured_ = false;
+  bool oneRankCopies_ = false;  ///< one rank, from a one-rank trace: the calibrated copies
   std::optional<double> h2dGBps_;
   std::optional<double> d2hGBps_;
 };

@@ -34,6 +34,10 @@ class DeviceTimer {
   virtual bool queueLead(double us) { return false; }
   /// Waits until everything queued so far has run (after a device-lead step).
   virtual void drain() {}
+  /// The device has run everything queued up to `point`, without waiting (the host's clock: it
+  /// has). In a device-lead step, a mark the device has reached when the host issues the next
+  /// op means the device caught up with the host.
+  virtual bool reached(TimePoint point) { return true; }
 };
 
 /// Memory in use, as the trace's memory_bytes and baseline_bytes report it.

@@ -55,10 +55,14 @@ struct ModelInfo {
 ///
 /// Device-lead step: with a warm-up of at least 2 on a device whose timer can lead
 /// (DeviceTimer::queueLead), the micro-steps of the last warm-up step start behind busy work
-/// longer than the host's time for a step, so that the device runs them without ever waiting
-/// for the host. Their compute between ops, paired with the recorded micro-steps by position,
+/// longer than the host's time for a step, and more is queued before each op and after the
+/// backward, between two marks that take it out of the times (the launch queue holds only so
+/// many kernels: one lead at the start runs out where the host issues slower than the device
+/// runs), so that the device runs the step without ever waiting for the host. Their compute
+/// between ops, paired with the recorded micro-steps by position,
 /// is the trace's device_us and optimizer_device_us: the device's own time, which a step
-/// replayed as one CUDA graph runs. Where the host took longer than the lead, there is none.
+/// replayed as one CUDA graph runs. Where the device caught up with the host anyway (a mark it
+/// had reached when the host issued the next op), there is none.
 ///
 /// Sequence: an event's seq is its index among the ops of its graph id within
 /// the micro-step, counting only the ops the runtime's entry points report
@@ -106,6 +110,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     c10::ScalarType dtype = c10::ScalarType::Undefined;
     TimePoint begin = 0;
     TimePoint end = 0;
+    TimePoint stretchEnd = -1;  // led: the mark before the busy work queued at the op, where the compute before it ends
     // The host's clock around the recorder's own work, which lies in neither host time:
     // host_us runs from the previous op's hostResume to hostCall, issue_us from hostBegin
     // to hostEnd (a replay runs without that work).
@@ -127,8 +132,9 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   struct MicroStep {
     int64_t micro = 0;  // position within its optimizer step
     bool led = false;   // a device-lead micro-step (its events give device_us)
-    TimePoint leadStart = 0;
-    double hostSpanUs = 0;  // led: host time from its start to the next micro-step's
+    double leadUs = 0;           // led: the busy work queued at its start
+    TimePoint lastMark = 0;      // led: the latest mark, start or an op's end
+    int64_t caughtUpAt = -1;     // led: the op at which the device had run all it was given
     TimePoint start = 0;
     HostTime hostStart = 0;
     bool sync = false;
