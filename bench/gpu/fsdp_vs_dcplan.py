@@ -53,6 +53,9 @@ from example_model import load_train_llama  # noqa: E402
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="example", choices=("example", "transformers"),
+                   help="example: train_llama's Llama (fused qkv and gate/up); transformers: a LlamaForCausalLM "
+                        "built from a config of the same sizes (random init, sdpa attention, untied head)")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--heads", type=int, default=16)
@@ -88,6 +91,21 @@ def parse_args():
     return p.parse_args()
 
 
+class LogitsOf(torch.nn.Module):
+    """A transformers causal LM as the bench calls its models: token ids in, logits out."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def layers(self):  # the decoder blocks, which FSDP2 shards one by one (not a second registration)
+        return self.lm.model.layers
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids, use_cache=False).logits
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -107,6 +125,14 @@ class Bench:
     def model(self):
         a = self.args
         torch.manual_seed(0)
+        if a.model == "transformers":
+            import transformers as tf
+
+            config = tf.LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=self.ffn,
+                                    num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                                    num_key_value_heads=a.kv_heads or a.heads, max_position_embeddings=a.seq,
+                                    tie_word_embeddings=False, attn_implementation="sdpa")
+            return LogitsOf(tf.LlamaForCausalLM(config)).to(self.device)
         return self.tl.Llama(a.vocab, a.hidden, a.layers, a.heads, a.kv_heads or a.heads, self.ffn, a.seq,
                              False).to(self.device)
 
@@ -464,7 +490,8 @@ def report(results, meta):
     a = argparse.Namespace(**meta["args"])
     world = meta["world"]
     tokens = a.batch * a.seq * world
-    print(f"{a.label or 'shape'}: {meta['params'] / 1e6:.0f}M parameters, hidden {a.hidden}, {a.layers} layers, "
+    model = "transformers LlamaForCausalLM, " if getattr(a, "model", "example") == "transformers" else ""
+    print(f"{a.label or 'shape'}: {model}{meta['params'] / 1e6:.0f}M parameters, hidden {a.hidden}, {a.layers} layers, "
           f"{a.batch}x{a.seq} tokens per GPU, {world} GPUs ({meta['device']}), torch {meta['torch']}")
     bound = results.get("bound", {}).get("step_s")
     width = max(8, *(len(m) for m in results))
