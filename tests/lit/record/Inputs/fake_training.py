@@ -4,6 +4,7 @@ of docs/recording.md (DCPLAN_RECORD, progress files, rank traces) without torch.
 
 fake_training.py MODE [--world-size N]
   ok            record the steps, write one trace per rank, exit 0
+  warn          like ok, with a warning of the recorder among its output
   diverge       like ok, but rank 1 reduces another parameter at one position
   missing-rank  like ok, but the last rank writes no trace
   fail          print a traceback-like message and exit 3
@@ -51,6 +52,9 @@ def main():
         if args.mode == "hang":
             while True:
                 time.sleep(1)
+    if args.mode == "warn":  # as torch prints a TORCH_WARN of the recorder
+        print("[W1125 04:00:00.000000000 Recorder.cpp:338] Warning: record: in the device-lead step the device "
+              "caught up with the host at op 3 of micro-step 0 (function deviceComputeUs)", flush=True)
     base = json.loads(BASE.read_text())
     base["meta"]["world_size"] = args.world_size
     for p in base["params"]:
