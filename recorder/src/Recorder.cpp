@@ -325,19 +325,37 @@ int64_t Recorder::recordedSteps() const {
   return recordedSteps_;
 }
 
-std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const std::set<int64_t>& registered) {
-  std::vector<double> before(step.events.size(), 0.0);
-  std::vector<int64_t> order;
-  std::map<int64_t, std::vector<size_t>> byGraph;
+Recorder::GraphOrder Recorder::graphOrder(const MicroStep& step, const std::set<int64_t>& registered) {
+  GraphOrder o;
   for (size_t i = 0; i < step.events.size(); ++i) {
     const int64_t g = step.events[i].graphId;
-    if (!registered.count(g)) continue;
-    if (!byGraph.count(g)) order.push_back(g);
-    byGraph[g].push_back(i);
+    if (!registered.count(g)) continue;  // a graph no dcplan.shard() registered with the recorder
+    if (!o.byGraph.count(g)) o.order.push_back(g);
+    o.byGraph[g].push_back(i);
   }
+  return o;
+}
+
+const Recorder::MicroStep* Recorder::pairedLead(const MicroStep& step, size_t ledCount) const {
+  if (static_cast<size_t>(step.micro) >= ledCount) return nullptr;
+  const MicroStep& led = led_[static_cast<size_t>(step.micro)];
+  if (led.events.size() != step.events.size()) return nullptr;
+  for (size_t i = 0; i < step.events.size(); ++i) {
+    const RawEvent& a = step.events[i];
+    const RawEvent& b = led.events[i];
+    if (std::string_view(a.op) != b.op || a.graphId != b.graphId || a.dsId != b.dsId) return nullptr;
+  }
+  // The lead step's optimizer step must end at the same micro-step.
+  if (step.optimizerUs > 0 && !(led.optimizerUs > 0)) return nullptr;
+  return &led;
+}
+
+std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const std::set<int64_t>& registered) {
+  std::vector<double> before(step.events.size(), 0.0);
+  GraphOrder o = graphOrder(step, registered);
   TimePoint prevEnd = step.start;
-  for (int64_t g : order) {
-    for (size_t i : byGraph[g]) {
+  for (int64_t g : o.order) {
+    for (size_t i : o.byGraph[g]) {
       const RawEvent& e = step.events[i];
       before[i] = std::max(0.0, timer_->elapsedUs(prevEnd, e.stretchEnd >= 0 ? e.stretchEnd : e.begin));
       prevEnd = step.events[i].end;
@@ -402,30 +420,9 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
     out.optimizerUs = step.optimizerUs;
     if (step.optimizerUs > 0) out.optimizerHostUs = step.optimizerHostUs;
     const std::vector<double> before = computeBeforeUs(step, registered);
-    // The device-lead micro-step at the same position, where it issued the same ops.
-    const MicroStep* led = static_cast<size_t>(step.micro) < ledBefore.size() ? &led_[step.micro] : nullptr;
-    if (led && led->events.size() == step.events.size()) {
-      for (size_t i = 0; i < step.events.size() && led; ++i) {
-        const RawEvent& a = step.events[i];
-        const RawEvent& b = led->events[i];
-        if (std::string_view(a.op) != b.op || a.graphId != b.graphId || a.dsId != b.dsId) led = nullptr;
-      }
-    } else {
-      led = nullptr;
-    }
-    if (led && step.optimizerUs > 0) {
-      if (led->optimizerUs > 0) out.optimizerDeviceUs = led->optimizerUs;
-      else led = nullptr;  // the lead step's optimizer step ended at another micro-step
-    }
-    // Graphs in the order their first op came; each graph's events in issue order.
-    std::vector<int64_t> order;
-    std::map<int64_t, std::vector<size_t>> byGraph;
-    for (size_t i = 0; i < step.events.size(); ++i) {
-      const int64_t g = step.events[i].graphId;
-      if (!graphs.count(g)) continue;  // a graph no dcplan.shard() registered with the recorder
-      if (!byGraph.count(g)) order.push_back(g);
-      byGraph[g].push_back(i);
-    }
+    const MicroStep* led = pairedLead(step, ledBefore.size());
+    if (led && step.optimizerUs > 0) out.optimizerDeviceUs = led->optimizerUs;
+    auto [order, byGraph] = graphOrder(step, registered);
     // The first graph starts at start_forward; a later one (the backward) where
     // the one before it ended, so its first compute_us holds the loss and the
     // backward compute before its first op.

@@ -150,6 +150,16 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   void writeProgress();
   /// Ops are observed: a recorded or a device-lead micro-step.
   bool observing() const { return recording_ || current_.led; }
+  /// The registered graphs of a micro-step in the order their first op came, and each graph's
+  /// events (indices into MicroStep::events) in issue order.
+  struct GraphOrder {
+    std::vector<int64_t> order;
+    std::map<int64_t, std::vector<size_t>> byGraph;
+  };
+  static GraphOrder graphOrder(const MicroStep& step, const std::set<int64_t>& registered);
+  /// The device-lead micro-step that pairs with the recorded `step` (same position, same ops,
+  /// and an optimizer time where `step` has one); nullptr where none does.
+  const MicroStep* pairedLead(const MicroStep& step, size_t ledCount) const;
   /// The compute before each event of `step` (by index; 0 for events of unregistered graphs):
   /// from the previous op of its graph, the first graph's first op from the step's start, a
   /// later graph's from where the graph before it ended.
