@@ -191,7 +191,15 @@ std::vector<std::string> CostModel::describe() const {
     if (launchMeasured_) out.push_back(launch);
     return out;
   }
-  if (worldSize_ <= 1) out.push_back("1 rank: each gather and reduce is a copy on the transport's stream, as calibrated");
+  if (worldSize_ <= 1) {
+    out.push_back("1 rank: each gather and reduce is a copy on the transport's stream, as calibrated");
+    for (Collective c : {Collective::AllGather, Collective::ReduceScatter}) {
+      out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) + " us, 64 MiB in " +
+                    formatFixed(us(c, 64ull << 20), 1) + " us");
+    }
+    if (launchMeasured_) out.push_back(launch);
+    return out;
+  }
   for (Collective c : {Collective::AllGather, Collective::ReduceScatter, Collective::AllReduce}) {
     out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) + " us, bus " +
                   formatFixed(busGBps(c), 1) + " GB/s, 64 MiB in " + formatFixed(us(c, 64ull << 20), 1) +

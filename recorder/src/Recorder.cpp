@@ -343,7 +343,8 @@ const Recorder::MicroStep* Recorder::pairedLead(const MicroStep& step, size_t le
   for (size_t i = 0; i < step.events.size(); ++i) {
     const RawEvent& a = step.events[i];
     const RawEvent& b = led.events[i];
-    if (std::string_view(a.op) != b.op || a.graphId != b.graphId || a.dsId != b.dsId) return nullptr;
+    if (std::string_view(a.op) != b.op || a.graphId != b.graphId || a.dsId != b.dsId || a.dsIds != b.dsIds)
+      return nullptr;
   }
   // The lead step's optimizer step must end at the same micro-step.
   if (step.optimizerUs > 0 && !(led.optimizerUs > 0)) return nullptr;
@@ -368,8 +369,10 @@ std::vector<std::vector<double>> Recorder::deviceComputeUs(const std::set<int64_
   std::vector<std::vector<double>> ledBefore;
   for (const MicroStep& l : led_) {
     if (l.caughtUpAt >= 0) {
-      TORCH_WARN("record: in the device-lead step the device caught up with the host at op ", l.caughtUpAt,
-                 " of micro-step ", l.micro, " (the busy work queued ahead ran out): its times hold waits for the "
+      const size_t at = static_cast<size_t>(l.caughtUpAt);
+      TORCH_WARN("record: rank ", transport_ ? transport_->rank() : 0, ": in the device-lead step the device caught "
+                 "up with the host at op ", l.caughtUpAt, " (", at < l.events.size() ? l.events[at].op : "the step's end",
+                 ") of micro-step ", l.micro, " (the busy work queued ahead ran out): its times hold waits for the "
                  "host, so the trace has no device_us (plan --cuda-graph needs them)");
       return {};
     }
@@ -422,6 +425,11 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
     const std::vector<double> before = computeBeforeUs(step, registered);
     const MicroStep* led = pairedLead(step, ledBefore.size());
     if (led && step.optimizerUs > 0) out.optimizerDeviceUs = led->optimizerUs;
+    if (!led && !ledBefore.empty()) {
+      TORCH_WARN("record: rank ", transport_->rank(), ": recorded step ", index, " (micro-step ", step.micro,
+                 ") issued other ops than the device-lead step at that position, so it has no device_us (plan "
+                 "--cuda-graph needs them)");
+    }
     auto [order, byGraph] = graphOrder(step, registered);
     // The first graph starts at start_forward; a later one (the backward) where
     // the one before it ended, so its first compute_us holds the loss and the

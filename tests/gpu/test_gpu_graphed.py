@@ -83,9 +83,8 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
     p = json.loads(plan.read_text())
     assert p["options"]["cuda_graph"] is True
     # The graph's prediction: the device's own compute and optimizer, without the host's time.
-    eager = subprocess.run([cli, "plan", str(trace), "-o", str(tmp_path / "eager.json")], check=True, env=env,
-                           capture_output=True, text=True)
-    assert eager.returncode == 0
+    subprocess.run([cli, "plan", str(trace), "-o", str(tmp_path / "eager.json")], check=True, env=env,
+                   capture_output=True, text=True)
     assert p["predicted"]["step_us"] < json.loads((tmp_path / "eager.json").read_text())["predicted"]["step_us"]
     run = subprocess.run(script, env=dict(env, DCPLAN_PLAN=str(plan)), cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -37,10 +37,12 @@ class ScriptedTimer final : public DeviceTimer {
     return true;
   }
   void drain() override { ++drains; }
-  bool reached(TimePoint) override { return caughtUp; }
+  bool reached(TimePoint) override { return caughtUp || (caughtUpAtCall > 0 && ++reachedCalls >= caughtUpAtCall); }
 
   bool canLead = true;
   bool caughtUp = false;  // the device ran out of work: it has reached every mark
+  int caughtUpAtCall = 0;  // > 0: it has from that call of reached() on
+  int reachedCalls = 0;
   double behindUs = 0;
   std::vector<double> leads;
   int drains = 0;
@@ -376,6 +378,56 @@ TEST_F(RecorderTest, NoDeviceTimesWithoutALeadOrWhereTheHostOutranIt) {
     EXPECT_EQ(timer->leads.size(), 8u);
     EXPECT_FALSE(t.steps[0].optimizerDeviceUs);
     EXPECT_FALSE(t.steps[0].graphs[1].events[0].deviceUs);
+  }
+}
+
+TEST_F(RecorderTest, EachAccumulatedMicroStepPairsWithTheLedOneAtItsPosition) {
+  auto rec = make(/*steps=*/1, /*warmup=*/2);
+  microStep(*rec, 0, false);  // warm-up step 0, two micro-steps
+  microStep(*rec, 100, true);
+  microStep(*rec, 200, false, 0.5);  // the led step: its micro-steps at their own device speeds
+  microStep(*rec, 300, true, 0.25);
+  microStep(*rec, 400, false);  // recorded
+  microStep(*rec, 500, true);
+  schemas::Trace t = validRoundTrip(finish(*rec, 570));
+  ASSERT_EQ(t.steps.size(), 2u);
+  for (size_t m = 0; m < 2; ++m) {
+    const double share = m == 0 ? 0.5 : 0.25;
+    for (const auto& g : t.steps[m].graphs) {
+      for (const auto& e : g.events) EXPECT_DOUBLE_EQ(e.deviceUs.value_or(-1), share * e.computeUs) << m << e.op;
+    }
+  }
+  EXPECT_FALSE(t.steps[0].optimizerDeviceUs);  // the optimizer runs after the last micro-step only
+  EXPECT_DOUBLE_EQ(t.steps[1].optimizerDeviceUs.value_or(-1), 400.0 - (300.0 + 0.25 * 40.0));
+}
+
+TEST_F(RecorderTest, ACatchUpAtALaterOpOrAStepOfOtherOpsLeavesDeviceTimesOut) {
+  {  // the device reached a mark at the third op only
+    auto rec = make(/*steps=*/1, /*warmup=*/2);
+    microStep(*rec, 0, true);
+    timer->caughtUpAtCall = 3;
+    microStep(*rec, 100, true);
+    EXPECT_GE(timer->reachedCalls, 3);
+    timer->caughtUpAtCall = 0;
+    microStep(*rec, 200, true);
+    schemas::Trace t = finish(*rec, 257);
+    EXPECT_FALSE(t.steps[0].graphs[0].events[0].deviceUs);
+  }
+  {  // the recorded step issues an op the led step did not: that step has none, the others keep theirs
+    auto rec = make(/*steps=*/2, /*warmup=*/2);
+    for (double t0 : {0.0, 100.0, 200.0}) microStep(*rec, t0, true);
+    now = 300;
+    rec->onStartForward();
+    op(*rec, "allgather_param", 0, 1, 301, 2, {}, 12);  // another parameter first
+    now = 320;
+    rec->onStartBackward(true, true);
+    op(*rec, "end_backward", 1, -1, 330, 1);
+    schemas::Trace t = finish(*rec, 357);
+    ASSERT_EQ(t.steps.size(), 2u);
+    EXPECT_TRUE(t.steps[0].graphs[0].events[0].deviceUs);
+    EXPECT_TRUE(t.steps[0].optimizerDeviceUs);
+    EXPECT_FALSE(t.steps[1].graphs[0].events[0].deviceUs);
+    EXPECT_FALSE(t.steps[1].optimizerDeviceUs);
   }
 }
 
