@@ -351,12 +351,11 @@ const Recorder::MicroStep* Recorder::pairedLead(const MicroStep& step, size_t le
   return &led;
 }
 
-std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const std::set<int64_t>& registered) {
+std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const GraphOrder& graphs) {
   std::vector<double> before(step.events.size(), 0.0);
-  GraphOrder o = graphOrder(step, registered);
   TimePoint prevEnd = step.start;
-  for (int64_t g : o.order) {
-    for (size_t i : o.byGraph[g]) {
+  for (int64_t g : graphs.order) {
+    for (size_t i : graphs.byGraph.at(g)) {
       const RawEvent& e = step.events[i];
       before[i] = std::max(0.0, timer_->elapsedUs(prevEnd, e.stretchEnd >= 0 ? e.stretchEnd : e.begin));
       prevEnd = step.events[i].end;
@@ -370,13 +369,13 @@ std::vector<std::vector<double>> Recorder::deviceComputeUs(const std::set<int64_
   for (const MicroStep& l : led_) {
     if (l.caughtUpAt >= 0) {
       const size_t at = static_cast<size_t>(l.caughtUpAt);
-      TORCH_WARN("record: rank ", transport_ ? transport_->rank() : 0, ": in the device-lead step the device caught "
+      TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught "
                  "up with the host at op ", l.caughtUpAt, " (", at < l.events.size() ? l.events[at].op : "the step's end",
                  ") of micro-step ", l.micro, " (the busy work queued ahead ran out): its times hold waits for the "
                  "host, so the trace has no device_us (plan --cuda-graph needs them)");
       return {};
     }
-    ledBefore.push_back(computeBeforeUs(l, registered));
+    ledBefore.push_back(computeBeforeUs(l, graphOrder(l, registered)));
   }
   return ledBefore;
 }
@@ -422,7 +421,9 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
     out.index = index;
     out.optimizerUs = step.optimizerUs;
     if (step.optimizerUs > 0) out.optimizerHostUs = step.optimizerHostUs;
-    const std::vector<double> before = computeBeforeUs(step, registered);
+    const GraphOrder issued = graphOrder(step, registered);
+    const auto& [order, byGraph] = issued;
+    const std::vector<double> before = computeBeforeUs(step, issued);
     const MicroStep* led = pairedLead(step, ledBefore.size());
     if (led && step.optimizerUs > 0) out.optimizerDeviceUs = led->optimizerUs;
     if (!led && !ledBefore.empty()) {
@@ -430,7 +431,6 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
                  ") issued other ops than the device-lead step at that position, so it has no device_us (plan "
                  "--cuda-graph needs them)");
     }
-    auto [order, byGraph] = graphOrder(step, registered);
     // The first graph starts at start_forward; a later one (the backward) where
     // the one before it ended, so its first compute_us holds the loss and the
     // backward compute before its first op.
@@ -446,9 +446,9 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
       // Every collective of a graph is complete by its last op (end_backward
       // drains the buckets); one never seen complete ends there at the latest.
       TimePoint graphEnd = origin;
-      for (size_t i : byGraph[g]) graphEnd = std::max(graphEnd, step.events[i].end);
+      for (size_t i : byGraph.at(g)) graphEnd = std::max(graphEnd, step.events[i].end);
       std::map<std::string, std::pair<double, double>> streamLast;  // start, end of the last event per stream
-      for (size_t i : byGraph[g]) {
+      for (size_t i : byGraph.at(g)) {
         const RawEvent& raw = step.events[i];
         schemas::OpEvent e;
         e.seq = static_cast<int64_t>(graph.events.size());

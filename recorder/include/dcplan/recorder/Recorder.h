@@ -163,7 +163,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   /// The compute before each event of `step` (by index; 0 for events of unregistered graphs):
   /// from the previous op of its graph, the first graph's first op from the step's start, a
   /// later graph's from where the graph before it ended.
-  std::vector<double> computeBeforeUs(const MicroStep& step, const std::set<int64_t>& registered);
+  std::vector<double> computeBeforeUs(const MicroStep& step, const GraphOrder& graphs);
   /// The device-lead step's compute before each event of every recorded micro-step (empty for
   /// a micro-step without it), and the optimizer's; warns where the lead did not hold.
   std::vector<std::vector<double>> deviceComputeUs(const std::set<int64_t>& registered);
