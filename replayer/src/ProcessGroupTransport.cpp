@@ -5,23 +5,59 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <functional>
 #include <map>
+#include <thread>
 
 namespace dcplan::replayer {
 namespace {
 
+// Gloo's worker thread completes a work's future before it drops its own references to the
+// work (other backends differ: NCCL's watchdog holds a work until it polls it, so this is for
+// Gloo only), and the work holds the call's scratch (Gloo's flat buffers, our fused buffer). Were the
+// caller to drop its handle first, that memory would be freed whenever the worker next runs: on
+// a loaded machine several ops later, so the memory at an op would depend on the scheduler, not
+// on the plan. Waiting here until the caller's reference is the last one frees the scratch at
+// the op the planner's memory model puts it at (docs/planning.md, memory model).
+// The worker lets go within microseconds once it runs; the bound only guards against a torch
+// that keeps another reference for good, where waiting would never end.
+std::atomic<bool> workerReleaseObserved{true};
+
+void awaitWorkerRelease(const c10::intrusive_ptr<c10d::Work>& w) {
+  if (!workerReleaseObserved.load(std::memory_order_relaxed)) return;
+  constexpr auto kBound = std::chrono::seconds(2);
+  const auto deadline = std::chrono::steady_clock::now() + kBound;
+  while (w.use_count() > 1) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      workerReleaseObserved.store(false, std::memory_order_relaxed);
+      TORCH_WARN("dcplan: a completed c10d ", c10d::opTypeToString(w->retrieveOpType()),
+                 " is still referenced elsewhere (", w.use_count() - 1,
+                 " time(s)) 2 s after it finished; from now on the transport frees a collective's "
+                 "scratch whenever the backend lets go of it, which may be later than the plan's "
+                 "memory model assumes (docs/planning.md)");
+      return;
+    }
+    std::this_thread::yield();
+  }
+}
+
 /// Waits on c10d works, then runs a completion step (copying a fused result
-/// back into its destinations) exactly once.
+/// back into its destinations) exactly once. With `workerHolds`, a backend's
+/// worker thread holds the works for a while after they complete
+/// (awaitWorkerRelease).
 class WorkHandle final : public CommHandle {
  public:
-  WorkHandle(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> then = {})
-      : works_(std::move(works)), then_(std::move(then)) {}
+  WorkHandle(bool workerHolds, std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> then = {})
+      : workerHolds_(workerHolds), works_(std::move(works)), then_(std::move(then)) {}
 
   void wait() override {
     if (done_) return;
     for (auto& w : works_) w->wait();
     if (then_) then_();
+    if (workerHolds_)
+      for (auto& w : works_) awaitWorkerRelease(w);
     done_ = true;
     works_.clear();
     then_ = nullptr;
@@ -29,13 +65,15 @@ class WorkHandle final : public CommHandle {
 
   bool isCompleted() override {
     if (done_) return true;
+    // Completed also means the backend's worker let go of the work (awaitWorkerRelease).
     for (auto& w : works_) {
-      if (!w->isCompleted()) return false;
+      if (!w->isCompleted() || (workerHolds_ && w.use_count() > 1)) return false;
     }
     return !then_;
   }
 
  private:
+  const bool workerHolds_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::function<void()> then_;
   bool done_ = false;
@@ -54,7 +92,8 @@ at::Tensor cppOwned(const at::Tensor& t) {
 
 class ProcessGroupTransport final : public Transport {
  public:
-  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {}
+  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg)
+      : pg_(std::move(pg)), workerHolds_(pg_->getBackendName() == "gloo") {}
 
   int rank() const override { return pg_->getRank(); }
   int worldSize() const override { return pg_->getSize(); }
@@ -67,11 +106,10 @@ class ProcessGroupTransport final : public Transport {
                 input.numel(), " elements, got ", output.numel());
     std::vector<std::vector<at::Tensor>> outs(1);
     if (input.numel() == 0)
-      return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
+      return handle({});
     for (int r = 0; r < ws; ++r) outs[0].push_back(cppOwned(output.narrow(0, r * input.numel(), input.numel())));
     std::vector<at::Tensor> ins{cppOwned(input)};
-    return std::make_shared<WorkHandle>(
-        std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->allgather(outs, ins)});
+    return handle({pg_->allgather(outs, ins)});
   }
 
   CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
@@ -114,7 +152,7 @@ class ProcessGroupTransport final : public Transport {
         }
       });
     }
-    return std::make_shared<WorkHandle>(std::move(works), [steps]() {
+    return handle(std::move(works), [steps]() {
       for (auto& s : steps) s();
     });
   }
@@ -124,7 +162,7 @@ class ProcessGroupTransport final : public Transport {
     TORCH_CHECK(input.dim() == 2 && input.size(0) == ws && input.size(1) == output.numel(),
                 "reduceScatter: input should be [world_size, ", output.numel(), "], got ", input.sizes());
     if (output.numel() == 0)
-      return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
+      return handle({});
     std::vector<std::vector<at::Tensor>> ins(1);
     for (int r = 0; r < ws; ++r) {
       at::Tensor row = input.select(0, r);
@@ -134,23 +172,26 @@ class ProcessGroupTransport final : public Transport {
     std::vector<at::Tensor> outs{cppOwned(output)};
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
-    return std::make_shared<WorkHandle>(
-        std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->reduce_scatter(outs, ins, opts)});
+    return handle({pg_->reduce_scatter(outs, ins, opts)});
   }
 
   CommHandlePtr allReduce(const at::Tensor& tensor) override {
     TORCH_CHECK(tensor.is_contiguous(), "allReduce: tensor should be contiguous");
     if (tensor.numel() == 0)
-      return std::make_shared<WorkHandle>(std::vector<c10::intrusive_ptr<c10d::Work>>{});
+      return handle({});
     std::vector<at::Tensor> ts{cppOwned(tensor)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
-    return std::make_shared<WorkHandle>(
-        std::vector<c10::intrusive_ptr<c10d::Work>>{pg_->allreduce(ts, opts)});
+    return handle({pg_->allreduce(ts, opts)});
   }
 
  private:
+  CommHandlePtr handle(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> then = {}) const {
+    return std::make_shared<WorkHandle>(workerHolds_, std::move(works), std::move(then));
+  }
+
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  const bool workerHolds_;  // Gloo: see awaitWorkerRelease
 };
 
 }  // namespace

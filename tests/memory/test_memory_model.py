@@ -11,12 +11,15 @@ optimizer step (the peak of the per-op windows of the allocation log) and over t
 * it is at least 90% of the predicted peak: a sanity bound against over-counting (a ZeRO-2 run
   counted its parameters twice, 17%, before session 8).
 
-Why 5% and not the planner's 0.5% reserve: on Gloo a collective's scratch is freed by Gloo's
-worker thread at a time of its own, which the model cannot know. Over this session's runs the
-measured peak of one plan ranged from 4.5% below to 2.0% above its prediction (2.0% with other
-tests beside it, 1.3% alone), so a plan can pass its budget by that much on Gloo ranks
-(docs/planning.md, memory model). The 3% target of issue 14 and the budget without tolerance are
-measured on a GPU, where the allocation order is the host's (docs/benchmarks.md, session 8).
+Why 5% and not the planner's 0.5% reserve: op by op, the model still misses some memory of its
+own (up to 2.3% at a release in the second micro-step of the bf16 configuration, the same in
+every run), and the peak can land there. Before session 12 Gloo's worker thread also freed a
+collective's scratch at a time of its own, and a plan's peak measured up to 2.0% over its
+prediction in one CI run and 8.6% over its budget in another (a loaded machine). The transport
+now waits for the worker to let go of a completed work, so the scratch is freed at the op the
+model puts it at; test_a_loaded_machine_frees_scratch_where_the_model_does checks that, op by op,
+with two busy processes beside the ranks. The 3% target of issue 14 and the budget without
+tolerance are measured on a GPU (docs/benchmarks.md, session 8).
 """
 import json
 import os
@@ -31,6 +34,10 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_llama.py")
 STEPS = 6
 GLOO_TIMING = 0.05
 SANITY_SHARE = 0.90
+# Op by op under load, ZeRO-2: after the transport's fix the most any op measured over its
+# prediction was 408 bytes (0.004%) over 6 loaded replays; before it, 10% (a fused gather's
+# scratch, 590 KB, still held at the next gather). 1% keeps the check clear of rounding.
+LOADED_PER_OP = 0.01
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,6 +51,11 @@ CONFIGS = {
 def train(*args):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE,
             "--steps", str(STEPS), *args]
+
+
+def busy_processes(n):
+    """n processes that spin on a core each: the loaded machine of a CI run."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
 def run(cmd, env=None, check=True):
@@ -100,3 +112,33 @@ def test_measured_memory_keeps_the_budget_and_the_prediction(recorded, dcplan_mo
             assert measured <= predicted * (1 + GLOO_TIMING), detail
             assert measured >= SANITY_SHARE * predicted, detail
     assert accepted >= 2, "the sweep should leave at least two budgets the planner accepts"
+
+
+@pytest.mark.parametrize("recorded", ["zero2"], indirect=True)
+def test_a_loaded_machine_frees_scratch_where_the_model_does(recorded, dcplan_module):
+    """Every op of a prefetching plan, replayed beside two busy processes, within LOADED_PER_OP of
+    the simulated memory at that op: a collective's scratch is freed when its wait returns, not
+    when Gloo's worker thread next runs."""
+    args, trace, default_peak, d = recorded
+    exe = dcplan_binary()
+    for factor in (1.1, 1.15):
+        plan = d / f"loaded-{factor}.json"
+        run([exe, "plan", str(trace), "-o", str(plan), "--memory-budget", str(int(default_peak * factor))])
+        curve = d / f"loaded-{factor}.curve.json"
+        run([exe, "inspect", str(plan), "--trace", str(trace), "--memory-curve", str(curve)])
+        log = d / f"loaded-{factor}.{{rank}}.jsonl"
+        busy = busy_processes(2)
+        try:
+            run(train(*args), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)})
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+        simulated = json.loads(curve.read_text())
+        for rank in range(2):
+            events = dcplan_module.read_replay_log(str(log).replace("{rank}", str(rank)))
+            cmp = dcplan_module.curve_comparison(simulated, events)
+            assert len(cmp["ops"]) > 0
+            over = [r for r in cmp["ops"] if r[5] > r[4] * (1 + LOADED_PER_OP)]
+            assert over == [], f"{plan.name}, rank {rank}: ops above the simulated memory (step, micro, " \
+                               f"position, op, predicted, measured): {over[:5]}"
