@@ -65,9 +65,11 @@ void printTraceSummary(std::ostream& out, const std::string& file, const Trace& 
   }
   if (s.deviceTimes) {
     // The device-lead step's: what a step replayed as one CUDA graph runs (dcplan plan --cuda-graph).
-    out << "device's own time per step: " << formatMs(s.deviceComputeUs + s.optimizerDeviceUs) << " = compute "
-        << formatMs(s.deviceComputeUs) << " + optimizer " << formatMs(s.optimizerDeviceUs)
-        << " (with the step queued ahead: what a CUDA graph's replay runs)\n";
+    // The ops' own work (op_device_us) is shown where the trace has it (recorded since session 12).
+    out << "device's own time per step: " << formatMs(s.deviceComputeUs + s.deviceOpUs + s.optimizerDeviceUs)
+        << " = compute " << formatMs(s.deviceComputeUs);
+    if (s.deviceOpUs > 0) out << " + dc ops " << formatMs(s.deviceOpUs);
+    out << " + optimizer " << formatMs(s.optimizerDeviceUs) << " (with the step queued ahead: what a CUDA graph's replay runs)\n";
   }
   if (!s.slowest.empty()) {
     out << "\nslowest communication ops:\n"

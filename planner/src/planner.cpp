@@ -5,6 +5,7 @@
 #include <cmath>
 #include <iterator>
 #include <limits>
+#include <numeric>
 #include <stdexcept>
 
 #include "dcplan/planner/units.h"
@@ -530,8 +531,11 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
             (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)"
                                : ""));
     if (w.cudaGraph) {
-      ex.line("replay: one CUDA graph per step (--cuda-graph): the device's own compute (device_us) and optimizer "
-              "(" + formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
+      double ops = 0;
+      for (const GraphRun& r : w.runs) ops = std::accumulate(r.opDeviceUs.begin(), r.opDeviceUs.end(), ops);
+      ex.line("replay: one CUDA graph per step (--cuda-graph): the device's own compute (device_us), the dc ops' "
+              "own work (op_device_us, " + (ops > 0 ? formatMs(ops) : std::string("none in this trace")) +
+              ") and optimizer (" + formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
     }
     uint64_t act = 0;
     for (const GraphRun& r : w.runs) act = std::max(act, r.mostActivationBytes());

@@ -230,6 +230,11 @@ class Simulation {
       t_ = end;
       const int64_t callsBefore = res_.gatherCalls + res_.reduceCalls;
       sample(t_, run.computePeakBytes[i], r, op.seq, false);  // the compute's own peak, before this op changes what is held
+      if (!run.opDeviceUs.empty() && run.opDeviceUs[i] > 0) {
+        // A CUDA graph: the op's own kernels run in the stream's order, before its collective.
+        if (record_) event(Stream::Compute, "dc op", r, op.seq, {}, 0, t_, t_ + run.opDeviceUs[i]);
+        t_ += run.opDeviceUs[i];
+      }
       for (int32_t k = cg.groupBegin[i]; k < cg.groupBegin[i + 1]; ++k) {
         gather(cg.groups[static_cast<size_t>(k)], r, op.seq, true);
       }

@@ -177,7 +177,10 @@ uint64_t GraphRun::mostActivationBytes() const {
 
 double Workload::computeUs() const {
   double total = 0;
-  for (const GraphRun& r : runs) total = std::accumulate(r.computeUs.begin(), r.computeUs.end(), total);
+  for (const GraphRun& r : runs) {
+    total = std::accumulate(r.computeUs.begin(), r.computeUs.end(), total);
+    total = std::accumulate(r.opDeviceUs.begin(), r.opDeviceUs.end(), total);
+  }
   return total;
 }
 
@@ -374,6 +377,7 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay
           }
         }
         run.computeUs.push_back(std::max(0.0, w.cudaGraph ? *e.deviceUs : e.computeUs));
+        if (w.cudaGraph) run.opDeviceUs.push_back(std::max(0.0, e.opDeviceUs.value_or(0.0)));
         if (w.hostLane) {
           run.hostUs.push_back(*e.hostUs);
           run.issueUs.push_back(*e.issueUs);

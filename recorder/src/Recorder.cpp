@@ -51,6 +51,12 @@ std::string dtypeName(c10::ScalarType dtype) {
 
 namespace {
 
+/// Ops that make the compute stream wait for another stream: their device span holds that wait,
+/// which the planner simulates, so it is not the op's own work.
+bool waitsOnAnotherStream(std::string_view op) {
+  return op == "wait_allgather" || op == "wait_offload" || op == "wait_reload" || op == "end_backward";
+}
+
 Stream streamOf(const std::string& op) {
   if (op == "allgather_param" || op == "prefetch_params_fused") return Stream::AllGather;
   if (op == "reduce_grad") return Stream::Reduce;
@@ -364,8 +370,8 @@ std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const Graph
   return before;
 }
 
-std::vector<std::vector<double>> Recorder::deviceComputeUs(const std::set<int64_t>& registered) {
-  std::vector<std::vector<double>> ledBefore;
+std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& registered) {
+  std::vector<LedTimes> led;
   for (const MicroStep& l : led_) {
     if (l.caughtUpAt >= 0) {
       const size_t at = static_cast<size_t>(l.caughtUpAt);
@@ -375,9 +381,17 @@ std::vector<std::vector<double>> Recorder::deviceComputeUs(const std::set<int64_
                  "host, so the trace has no device_us (plan --cuda-graph needs them)");
       return {};
     }
-    ledBefore.push_back(computeBeforeUs(l, graphOrder(l, registered)));
+    LedTimes times;
+    times.computeBeforeUs = computeBeforeUs(l, graphOrder(l, registered));
+    times.opUs.resize(l.events.size());
+    for (size_t i = 0; i < l.events.size(); ++i) {
+      const RawEvent& e = l.events[i];
+      // Busy work is queued before an op's begin mark, none inside it: its span is its own work.
+      if (!waitsOnAnotherStream(e.op)) times.opUs[i] = std::max(0.0, timer_->elapsedUs(e.begin, e.end));
+    }
+    led.push_back(std::move(times));
   }
-  return ledBefore;
+  return led;
 }
 
 schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
@@ -413,7 +427,7 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
 
   std::set<int64_t> registered;
   for (const auto& [id, g] : graphs) registered.insert(id);
-  const std::vector<std::vector<double>> ledBefore = deviceComputeUs(registered);
+  const std::vector<LedTimes> ledTimes = deviceTimes(registered);
   const int64_t ws = transport_->worldSize();
   int64_t index = 0;
   for (const MicroStep& step : recorded_) {
@@ -424,9 +438,9 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
     const GraphOrder issued = graphOrder(step, registered);
     const auto& [order, byGraph] = issued;
     const std::vector<double> before = computeBeforeUs(step, issued);
-    const MicroStep* led = pairedLead(step, ledBefore.size());
+    const MicroStep* led = pairedLead(step, ledTimes.size());
     if (led && step.optimizerUs > 0) out.optimizerDeviceUs = led->optimizerUs;
-    if (!led && !ledBefore.empty()) {
+    if (!led && !ledTimes.empty()) {
       TORCH_WARN("record: rank ", transport_->rank(), ": recorded step ", index, " (micro-step ", step.micro,
                  ") issued other ops than the device-lead step at that position, so it has no device_us (plan "
                  "--cuda-graph needs them)");
@@ -463,7 +477,11 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
         e.memoryBytes = raw.memory;
         e.peakBytes = raw.peak;
         e.computeUs = before[i];
-        if (led) e.deviceUs = ledBefore[static_cast<size_t>(step.micro)][i];
+        if (led) {
+          const LedTimes& times = ledTimes[static_cast<size_t>(step.micro)];
+          e.deviceUs = times.computeBeforeUs[i];
+          e.opDeviceUs = times.opUs[i];
+        }
         e.hostUs = hostUs(hostPrevEnd, raw.hostCall);
         e.issueUs = hostUs(raw.hostBegin, raw.hostEnd);
         double start = timer_->elapsedUs(origin, raw.begin);

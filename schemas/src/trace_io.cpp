@@ -305,6 +305,7 @@ class TraceValidator {
     ev.hostUs = r.number("host_us", 0, P::Optional);
     ev.issueUs = r.number("issue_us", 0, P::Optional);
     ev.deviceUs = r.number("device_us", 0, P::Optional);
+    ev.opDeviceUs = r.number("op_device_us", 0, P::Optional);
     if (ev.peakBytes != 0 && ev.peakBytes < ev.memoryBytes) {
       diags_.add(ptr + "/peak_bytes", "peak_bytes (" + std::to_string(ev.peakBytes) +
                                           ") is below memory_bytes (" + std::to_string(ev.memoryBytes) +
@@ -422,6 +423,7 @@ std::string writeTrace(const Trace& t) {
         if (e.hostUs) ev["host_us"] = *e.hostUs;
         if (e.issueUs) ev["issue_us"] = *e.issueUs;
         if (e.deviceUs) ev["device_us"] = *e.deviceUs;
+        if (e.opDeviceUs) ev["op_device_us"] = *e.opDeviceUs;
         events.push_back(std::move(ev));
       }
       graphs.push_back({{"id", g.id}, {"kind", graphKindName(g.kind)}, {"events", std::move(events)}});

@@ -161,6 +161,7 @@ Trace mergeRankTraces(const std::vector<RankTrace>& input) {
           m.hostUs = slowest(m.hostUs, o.hostUs);
           m.issueUs = slowest(m.issueUs, o.issueUs);
           m.deviceUs = slowest(m.deviceUs, o.deviceUs);
+          m.opDeviceUs = slowest(m.opDeviceUs, o.opDeviceUs);
         }
       }
     }

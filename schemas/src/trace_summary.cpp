@@ -47,6 +47,7 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
         s.issueUs += e.issueUs.value_or(0);
         s.deviceTimes = s.deviceTimes && e.deviceUs;
         s.deviceComputeUs += e.deviceUs.value_or(0);
+        s.deviceOpUs += e.opDeviceUs.value_or(0);
         s.peakMemoryBytes = std::max({s.peakMemoryBytes, e.memoryBytes, e.peakBytes});
         if (e.op == "allgather_param" || e.op == "prefetch_params_fused") {
           gs.gathers += static_cast<int64_t>(e.dsIds.size());
@@ -83,6 +84,7 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
   s.hostComputeUs /= steps;
   s.issueUs /= steps;
   s.deviceComputeUs /= steps;
+  s.deviceOpUs /= steps;
   if (optimizerSteps > 0) {
     s.optimizerUs /= static_cast<double>(optimizerSteps);
     s.optimizerHostUs /= static_cast<double>(optimizerSteps);

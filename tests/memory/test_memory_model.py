@@ -45,6 +45,7 @@ CONFIGS = {
     "zero3": ["--stage", "3"],
     "zero3-bf16-accum2": ["--stage", "3", "--param-dtype", "bfloat16", "--grad-accum", "2"],
     "zero2": ["--stage", "2"],
+    "zero1-accum2": ["--stage", "1", "--grad-accum", "2"],
 }
 
 

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <functional>
 #include <utility>
@@ -347,6 +348,21 @@ TEST_F(RecorderTest, TheLastWarmupStepLeadsTheDeviceAndGivesTheDevicesOwnTimes) 
   }
   EXPECT_DOUBLE_EQ(t.steps[0].optimizerUs, 300.0 - 240.0);  // the recorded steps' own
   EXPECT_DOUBLE_EQ(*t.steps[0].graphs[0].events[2].deviceUs, 0.5 * (10.0 - 8.0));
+  // Each op's own span in the led step (its busy work lies before its begin mark), but none for
+  // the ops that make the compute stream wait for another: their span is that wait.
+  const std::map<std::string, double> ownUs = {
+      {"allgather_param", 0.5 * 2}, {"release_param", 0.5 * 1}, {"reduce_grad", 0.5 * 1}};
+  for (const auto& step : t.steps) {
+    for (const auto& g : step.graphs) {
+      for (const auto& e : g.events) {
+        if (e.op == "wait_allgather" || e.op == "end_backward") {
+          EXPECT_FALSE(e.opDeviceUs) << e.op;
+        } else {
+          EXPECT_DOUBLE_EQ(e.opDeviceUs.value_or(-1), ownUs.at(e.op)) << e.op << " " << e.seq;
+        }
+      }
+    }
+  }
 }
 
 TEST_F(RecorderTest, NoDeviceTimesWithoutALeadOrWhereTheHostOutranIt) {
@@ -358,6 +374,7 @@ TEST_F(RecorderTest, NoDeviceTimesWithoutALeadOrWhereTheHostOutranIt) {
     EXPECT_TRUE(timer->leads.empty());
     EXPECT_FALSE(t.steps[0].optimizerDeviceUs);
     EXPECT_FALSE(t.steps[0].graphs[0].events[0].deviceUs);
+    EXPECT_FALSE(t.steps[0].graphs[0].events[0].opDeviceUs);
   }
   {  // the host's clock cannot lead (CPU ranks)
     auto rec = make(/*steps=*/1, /*warmup=*/2);
@@ -378,6 +395,7 @@ TEST_F(RecorderTest, NoDeviceTimesWithoutALeadOrWhereTheHostOutranIt) {
     EXPECT_EQ(timer->leads.size(), 8u);
     EXPECT_FALSE(t.steps[0].optimizerDeviceUs);
     EXPECT_FALSE(t.steps[0].graphs[1].events[0].deviceUs);
+    EXPECT_FALSE(t.steps[0].graphs[1].events[0].opDeviceUs);
   }
 }
 

@@ -182,6 +182,33 @@ TEST(SimulatorCudaGraph, AGraphRunsOnTheDevicesOwnTimesWithoutTheHost) {
   EXPECT_GE(simulateTrace(t, f.onUse()).prediction.stepUs, 3000 + 15 * 20.0 + 300);
 }
 
+TEST(SimulatorCudaGraph, TheOpsOwnDeviceWorkRunsInTheStreamBeforeTheirCollectives) {
+  Fixture f;
+  const schemas::Trace plain = withDeviceTimes(0.2);
+  schemas::Trace t = plain;
+  double own = 0;
+  for (schemas::TraceGraph& g : t.steps[0].graphs) {
+    for (schemas::OpEvent& e : g.events) {
+      if (e.op == "allgather_param") e.opDeviceUs = 7.0;  // a shard's cast, before its gather
+      if (e.op == "reduce_grad") e.opDeviceUs = 5.0;      // packing, before the bucket's launch
+      own += e.opDeviceUs.value_or(0);
+    }
+  }
+  ASSERT_GT(own, 0);
+  const Workload w = makeWorkload(t, 0, StepReplay::CudaGraph);
+  EXPECT_NEAR(w.computeUs(), 600 + own, 1e-9);  // device work, not exposed communication
+  const CostModel cost{t.calibration, 2, costOptions(w, std::nullopt)};
+  const SimResult with = simulate(w, cost, compileSchedule(w, f.onUse()));
+  const Workload wPlain = makeWorkload(plain, 0, StepReplay::CudaGraph);
+  const SimResult without = simulate(wPlain, cost, compileSchedule(wPlain, f.onUse()));
+  // Gathered on use, every gather waits for its cast, and the reduce tail for the packing.
+  EXPECT_NEAR(with.prediction.stepUs - without.prediction.stepUs, own, 1e-6);
+  EXPECT_NEAR(with.prediction.exposedCommUs, without.prediction.exposedCommUs, 1e-6);
+  // The hooks' plan leaves it to the host lane (issue_us), as before.
+  EXPECT_TRUE(makeWorkload(t).runs[0].opDeviceUs.empty());
+  EXPECT_NEAR(simulateTrace(t, f.onUse()).prediction.stepUs, simulateTrace(plain, f.onUse()).prediction.stepUs, 1e-9);
+}
+
 TEST(SimulatorCudaGraph, APlanForTheGraphSaysSoAndNeedsTheDevicesTimes) {
   PlanRequest req;
   req.cudaGraph = true;

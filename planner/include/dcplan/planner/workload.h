@@ -69,6 +69,10 @@ struct GraphRun {
   /// where the trace has none): temporaries that come and go between two ops.
   std::vector<uint64_t> computePeakBytes;
   std::vector<double> copyUs;             ///< recorded duration of each CopyStart op
+  /// Workload::cudaGraph only (else empty): each op's own work on the compute stream, before
+  /// its effect (a cast before its gather, a bucket's packing before its launch); 0 where the
+  /// trace has no op_device_us (waits; traces recorded before session 12).
+  std::vector<double> opDeviceUs;
   /// The host's lane (Workload::hostLane only, else empty): host time of the compute before
   /// each op, and of each op itself as the recorded schedule issued it.
   std::vector<double> hostUs;
@@ -108,7 +112,7 @@ struct Workload {
   int32_t paramIndex(int64_t id) const;
   /// Index into graphs for a graph id, -1 when unknown.
   int32_t graphIndex(int64_t id) const;
-  /// Total compute of the step (all runs), microseconds.
+  /// Total compute of the step (all runs; in a CUDA graph with the ops' own device work), microseconds.
   double computeUs() const;
 
   std::vector<int64_t> sortedIds_;  ///< ds_ids ascending, for paramIndex

@@ -164,9 +164,15 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   /// from the previous op of its graph, the first graph's first op from the step's start, a
   /// later graph's from where the graph before it ended.
   std::vector<double> computeBeforeUs(const MicroStep& step, const GraphOrder& graphs);
-  /// The device-lead step's compute before each event of every recorded micro-step (empty for
-  /// a micro-step without it), and the optimizer's; warns where the lead did not hold.
-  std::vector<std::vector<double>> deviceComputeUs(const std::set<int64_t>& registered);
+  /// A device-lead micro-step's times, by event index: the compute before each event, and the
+  /// op's own span on the compute stream (none for an op that makes it wait for another stream).
+  struct LedTimes {
+    std::vector<double> computeBeforeUs;
+    std::vector<std::optional<double>> opUs;
+  };
+  /// The device-lead step's times for every micro-step position (empty when there is none);
+  /// warns where the lead did not hold.
+  std::vector<LedTimes> deviceTimes(const std::set<int64_t>& registered);
 
   RecorderConfig config_;
   std::unique_ptr<DeviceTimer> timer_;

@@ -55,6 +55,7 @@ struct TraceSummary {
   /// optimizer_device_us): what a step replayed as one CUDA graph takes, per step.
   bool deviceTimes = false;
   double deviceComputeUs = 0;
+  double deviceOpUs = 0;  ///< the ops' own device work (op_device_us), per step
   double optimizerDeviceUs = 0;
   std::vector<SlowOp> slowest;       ///< communication ops, longest first
 };
