@@ -108,7 +108,8 @@ case "$what" in
     # --compile); check_replay --curve compares each plan's prediction,
     # op by op, with every rank's allocation log. Ends with a table of all plans.
     # GRAPHED=1: the example's --cuda-graph and plans with --cuda-graph; a replay log cannot watch a
-    # captured step, so each plan is only timed, with the peak the run reports.
+    # captured step, so each plan is only timed, with the peak the run reports; then each plan's
+    # prediction from the same trace without op_device_us (what the ops' own device work adds).
     P=$OUT/predict
     mkdir -p "$P"
     gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
@@ -169,6 +170,17 @@ peak=f', peak predicted {plan[\"peak_memory_bytes\"]/2**30:.2f} GiB, measured {m
 print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m/pred-1):+.1f}%), rounds', ' '.join(f'{x:.1f}' for x in rounds) + peak)" \
         "$P/$name" "$P/$name.json" "$name" || true
     done
+    if [ "$graphed" = 1 ]; then
+      # What the ops' own device work (op_device_us) adds: each plan's options again, on the trace without it.
+      "$PY" -c "import json,sys; t=json.load(open(sys.argv[1])); [e.pop('op_device_us', None) for s in t['steps'] for g in s['graphs'] for e in g['events']]; json.dump(t, open(sys.argv[2], 'w'))" \
+        "$P/trace.json" "$P/trace.no-op-device.json"
+      for name in $names; do
+        build/cuda/bin/dcplan plan "$P/trace.no-op-device.json" -o "$P/$name.no-op-device.json" --cuda-graph \
+          $("$PY" -c "import json,sys; o=json.load(open(sys.argv[1]))['options']; print('--strategy', o['strategy'], *(['--memory-budget', str(o['memory_budget_bytes'])] if o.get('memory_budget_bytes') else []))" "$P/$name.json") > /dev/null \
+          && "$PY" -c "import json,sys; a, b = (json.load(open(f))['predicted']['step_us'] / 1e3 for f in sys.argv[1:3]); print(f'{sys.argv[3]:>14}: predicted {b:.1f} ms without op_device_us, {a:.1f} ms with it')" \
+            "$P/$name.json" "$P/$name.no-op-device.json" "$name" || true
+      done
+    fi
     ;;
   graphed)
     sh=${1:-comm}

@@ -27,6 +27,9 @@ class TimedHandle final : public CommHandle {
     inner_->wait();
     report();
   }
+  /// The wrapped transport's own handle: its runAfter needs its own kind (a device transport
+  /// reads the collective's stream from it).
+  const CommHandlePtr& inner() const { return inner_; }
   bool isCompleted() override {
     const bool completed = inner_->isCompleted();
     if (completed) report();
@@ -81,6 +84,17 @@ class TimedTransport final : public Transport {
   CommHandlePtr copyAsync(const at::Tensor& dst, const at::Tensor& src, CopyKind kind) override {
     return timed(CollectiveKind::Copy, [&] { return inner_->copyAsync(dst, src, kind); });
   }
+  // Without these the interface's defaults ran under the recorder: a recorded run accumulated
+  // each bucket's gradients on the caller's stream after waiting for its reduction (a device
+  // transport runs that on the reduction's stream), and its releases never lagged.
+  CommHandlePtr markCaller() override { return inner_->markCaller(); }
+  CommHandlePtr runAfter(const CommHandlePtr& done, const std::function<void()>& work) override {
+    if (auto* t = dynamic_cast<TimedHandle*>(done.get())) return inner_->runAfter(t->inner(), work);
+    return inner_->runAfter(done, work);
+  }
+  void beginCapture() override { inner_->beginCapture(); }
+  void endCapture() override { inner_->endCapture(); }
+  bool capturing() const override { return inner_->capturing(); }
 
  private:
   template <typename Launch>

@@ -102,6 +102,17 @@ class LocalTransport final : public Transport {
     return launched("reduceScatter");
   }
   CommHandlePtr allReduce(const at::Tensor&) override { return launched("allReduce"); }
+  // A device transport's seams: what reaches them, and with which handle.
+  CommHandlePtr markCaller() override {
+    ++marks;
+    return std::make_shared<ManualHandle>();
+  }
+  CommHandlePtr runAfter(const CommHandlePtr& done, const std::function<void()>& work) override {
+    ranAfter = done;
+    work();
+    return std::make_shared<ManualHandle>();
+  }
+  bool capturing() const override { return capture; }
 
   CommHandlePtr launched(const char* name) {
     calls.push_back(name);
@@ -111,6 +122,9 @@ class LocalTransport final : public Transport {
   int ws = 1;
   std::vector<std::string> calls;
   std::shared_ptr<ManualHandle> last;
+  int marks = 0;
+  CommHandlePtr ranAfter;
+  bool capture = false;
 };
 
 class RecorderTest : public ::testing::Test {
@@ -237,6 +251,27 @@ TEST_F(RecorderTest, CountsWarmupAndRecordedStepsAndFinishesAtTheNextForward) {
   std::ifstream p1(rec->progressPath());
   std::getline(p1, line);
   EXPECT_EQ(line, "2 2 2");
+}
+
+TEST_F(RecorderTest, TheTimedTransportForwardsTheDeviceSeamsWithTheWrappedTransportsOwnHandle) {
+  // Before session 12 the recorder's transport left runAfter and markCaller to the interface's
+  // defaults: a recorded GPU run accumulated gradients on the compute stream after waiting for
+  // each bucket's reduction, and the device-lead step's reduce_grad spans held that work.
+  auto rec = make(/*steps=*/1, /*warmup=*/0);
+  now = 0;
+  rec->onStartForward();
+  CommHandlePtr reduce;
+  op(*rec, "reduce_grad", 1, 0, 1, 1, [&] { reduce = timed->reduceScatter(at::empty({7}), at::empty({2, 7})); });
+  ASSERT_NE(reduce, local->last);  // the recorder's wrapper, timing the reduction
+  bool ran = false;
+  timed->runAfter(reduce, [&] { ran = true; });
+  EXPECT_TRUE(ran);
+  EXPECT_EQ(local->ranAfter, local->last);  // the wrapped transport got its own handle
+  EXPECT_FALSE(local->last->done);          // and was left to order the work itself: no wait here
+  timed->markCaller();
+  EXPECT_EQ(local->marks, 1);
+  local->capture = true;
+  EXPECT_TRUE(timed->capturing());
 }
 
 TEST_F(RecorderTest, BuildsEventsWithSeqStreamsSpansAndBytes) {
