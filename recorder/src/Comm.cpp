@@ -1,6 +1,8 @@
 // The timing Transport decorator and the communication calibration.
 #include "dcplan/recorder/Comm.h"
 
+#include "dcplan/replayer/ForwardingTransport.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -13,6 +15,7 @@ namespace dcplan::recorder {
 
 using replayer::CommHandle;
 using replayer::CommHandlePtr;
+using replayer::ForwardingTransport;
 using replayer::Transport;
 
 namespace {
@@ -49,52 +52,38 @@ class TimedHandle final : public CommHandle {
   bool reported_ = false;
 };
 
-class TimedTransport final : public Transport {
+class TimedTransport final : public ForwardingTransport {
  public:
   TimedTransport(std::shared_ptr<Transport> inner, std::weak_ptr<CollectiveListener> listener)
-      : inner_(std::move(inner)), listener_(std::move(listener)) {}
+      : ForwardingTransport(std::move(inner)), listener_(std::move(listener)) {}
 
-  int rank() const override { return inner_->rank(); }
-  int worldSize() const override { return inner_->worldSize(); }
-  std::string backendName() const override { return inner_->backendName(); }
-
+  // Gathers, reductions and copies are timed; every other seam is forwarded (ForwardingTransport),
+  // so that a device transport keeps its streams and events under the recorder.
   CommHandlePtr allGather(const at::Tensor& output, const at::Tensor& input) override {
-    return timed(CollectiveKind::Gather, [&] { return inner_->allGather(output, input); });
+    return timed(CollectiveKind::Gather, [&] { return inner().allGather(output, input); });
   }
   CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
                                    const std::vector<at::Tensor>& inputs) override {
-    return timed(CollectiveKind::Gather, [&] { return inner_->allGatherCoalesced(outputs, inputs); });
+    return timed(CollectiveKind::Gather, [&] { return inner().allGatherCoalesced(outputs, inputs); });
   }
   CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) override {
-    return timed(CollectiveKind::Reduce, [&] { return inner_->reduceScatter(output, input); });
+    return timed(CollectiveKind::Reduce, [&] { return inner().reduceScatter(output, input); });
   }
   CommHandlePtr allReduce(const at::Tensor& tensor) override {
-    return timed(CollectiveKind::Reduce, [&] { return inner_->allReduce(tensor); });
+    return timed(CollectiveKind::Reduce, [&] { return inner().allReduce(tensor); });
   }
-  // The device seams of the interface: forwarded, so that a device transport keeps its
-  // streams and events under the recorder; gathers and copies are timed like the rest.
   CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs,
                              const std::vector<at::Tensor>& shards) override {
-    return timed(CollectiveKind::Gather, [&] { return inner_->gatherShards(outputs, shards); });
+    return timed(CollectiveKind::Gather, [&] { return inner().gatherShards(outputs, shards); });
   }
-  at::Tensor newGatherBuffer(int64_t numel, const at::TensorOptions& options) override {
-    return inner_->newGatherBuffer(numel, options);
-  }
-  void shardsWritten() override { inner_->shardsWritten(); }
   CommHandlePtr copyAsync(const at::Tensor& dst, const at::Tensor& src, CopyKind kind) override {
-    return timed(CollectiveKind::Copy, [&] { return inner_->copyAsync(dst, src, kind); });
+    return timed(CollectiveKind::Copy, [&] { return inner().copyAsync(dst, src, kind); });
   }
-  // Without these the interface's defaults ran under the recorder: a recorded run accumulated
-  // each bucket's gradients on the caller's stream after waiting for its reduction (a device
-  // transport runs that on the reduction's stream), and its releases never lagged.
-  CommHandlePtr markCaller() override { return inner_->markCaller(); }
+  // The wrapped transport orders work after its own kind of handle, not after the timing wrapper.
   CommHandlePtr runAfter(const CommHandlePtr& done, const std::function<void()>& work) override {
-    if (auto* t = dynamic_cast<TimedHandle*>(done.get())) return inner_->runAfter(t->inner(), work);
-    return inner_->runAfter(done, work);
+    if (auto* t = dynamic_cast<TimedHandle*>(done.get())) return inner().runAfter(t->inner(), work);
+    return inner().runAfter(done, work);
   }
-  void beginCapture() override { inner_->beginCapture(); }
-  void endCapture() override { inner_->endCapture(); }
-  bool capturing() const override { return inner_->capturing(); }
 
  private:
   template <typename Launch>
@@ -108,7 +97,6 @@ class TimedTransport final : public Transport {
     return wrapped;
   }
 
-  std::shared_ptr<Transport> inner_;
   std::weak_ptr<CollectiveListener> listener_;
 };
 

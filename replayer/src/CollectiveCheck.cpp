@@ -1,6 +1,8 @@
 // The agreement check before each collective (CollectiveCheck.h).
 #include "CollectiveCheck.h"
 
+#include "dcplan/replayer/ForwardingTransport.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -46,46 +48,31 @@ std::string describe(int rank, const Record& r) {
   return s;
 }
 
-class CheckedTransport final : public Transport {
+class CheckedTransport final : public ForwardingTransport {
  public:
   CheckedTransport(std::shared_ptr<Transport> inner, std::function<OpPlace()> where)
-      : inner_(std::move(inner)), where_(std::move(where)) {}
-
-  int rank() const override { return inner_->rank(); }
-  int worldSize() const override { return inner_->worldSize(); }
-  std::string backendName() const override { return inner_->backendName(); }
+      : ForwardingTransport(std::move(inner)), where_(std::move(where)) {}
 
   CommHandlePtr allGather(const at::Tensor& output, const at::Tensor& input) override {
     agree("allGather", {input});
-    return inner_->allGather(output, input);
+    return inner().allGather(output, input);
   }
   CommHandlePtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
                                    const std::vector<at::Tensor>& inputs) override {
     agree("allGatherCoalesced", inputs);
-    return inner_->allGatherCoalesced(outputs, inputs);
+    return inner().allGatherCoalesced(outputs, inputs);
   }
   CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) override {
     agree("reduceScatter", {input});
-    return inner_->reduceScatter(output, input);
+    return inner().reduceScatter(output, input);
   }
   CommHandlePtr allReduce(const at::Tensor& tensor) override {
     agree("allReduce", {tensor});
-    return inner_->allReduce(tensor);
+    return inner().allReduce(tensor);
   }
   CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& shards) override {
     agree("gatherShards", outputs);  // the outputs carry the gather's dtype
-    return inner_->gatherShards(outputs, shards);
-  }
-  at::Tensor newGatherBuffer(int64_t numel, const at::TensorOptions& options) override {
-    return inner_->newGatherBuffer(numel, options);
-  }
-  void shardsWritten() override { inner_->shardsWritten(); }
-  CommHandlePtr markCaller() override { return inner_->markCaller(); }
-  CommHandlePtr runAfter(const CommHandlePtr& done, const std::function<void()>& work) override {
-    return inner_->runAfter(done, work);
-  }
-  CommHandlePtr copyAsync(const at::Tensor& dst, const at::Tensor& src, CopyKind kind) override {
-    return inner_->copyAsync(dst, src, kind);
+    return inner().gatherShards(outputs, shards);
   }
 
  private:
@@ -116,7 +103,7 @@ class CheckedTransport final : public Transport {
     const at::Device device = tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
     at::Tensor in = host.to(device);
     at::Tensor out = at::empty({ws * bytes}, in.options());
-    inner_->allGather(out, in)->synchronize();
+    inner().allGather(out, in)->synchronize();
     const at::Tensor gathered = out.cpu();
     const auto* all = reinterpret_cast<const Record*>(gathered.data_ptr());
     for (int r = 0; r < ws; ++r) {
@@ -129,7 +116,6 @@ class CheckedTransport final : public Transport {
     }
   }
 
-  std::shared_ptr<Transport> inner_;
   std::function<OpPlace()> where_;
 };
 
