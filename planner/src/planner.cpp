@@ -461,6 +461,9 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   if (req.worldSize < 0)
     throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
   Workload w = makeWorkload(trace, req.worldSize, req.cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
+  if (req.bandwidthGBps && w.worldSize <= 1)  // the cost model has no bus to scale: refused, not ignored
+    throw std::invalid_argument("--bandwidth: a bus bandwidth is a what-if for the collectives between ranks; this "
+                                "plan is for 1 rank, which has none (plan for more with --world-size N)");
   CostModel cost(trace.calibration, w.traceWorldSize, costOptions(w, req.bandwidthGBps));
   const uint64_t given = req.memoryBudgetBytes ? *req.memoryBudgetBytes
                          : w.capacityBytes > 0 ? w.capacityBytes
