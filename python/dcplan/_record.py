@@ -19,6 +19,7 @@ import platform
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _C
 
@@ -87,6 +88,19 @@ def settings(record) -> Optional[Settings]:
 
 
 _active: Optional[Settings] = None
+_optimizer_hook = None  # torch's global optimizer post-hook while recording
+
+
+def _optimizer_stepped(optimizer, args, kwargs) -> None:
+    # The device-lead step checks that the device had not caught up while the optimizer was issued.
+    _C.record_optimizer_step_issued()
+
+
+def _unhook_optimizers() -> None:
+    global _optimizer_hook
+    if _optimizer_hook is not None:
+        _optimizer_hook.remove()
+        _optimizer_hook = None
 
 
 def active() -> bool:
@@ -95,7 +109,7 @@ def active() -> bool:
 
 def begin(s: Settings, device: torch.device) -> None:
     """Arms the recorder; must come before the runtime starts (_C.init wraps its transport then)."""
-    global _active
+    global _active, _optimizer_hook
     versions = {"torch": torch.__version__, "python": platform.python_version()}
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -107,6 +121,8 @@ def begin(s: Settings, device: torch.device) -> None:
         name = device.type
     _C.record_begin(str(s.directory), s.steps, s.warmup, str(device), name, versions, s.calibration_seconds)
     _active = s
+    _unhook_optimizers()
+    _optimizer_hook = register_optimizer_step_post_hook(_optimizer_stepped)
 
 
 def attach() -> None:
@@ -135,6 +151,7 @@ def after_start_forward() -> None:
         return
     s = _active
     _active = None
+    _unhook_optimizers()
     _C.record_finish()  # collective: calibration on every rank, then this rank's trace
     if s.exit_after:
         # From the forward pre-hook, so that the training script's loop ends
@@ -145,4 +162,5 @@ def after_start_forward() -> None:
 def stop() -> None:
     global _active
     _active = None
+    _unhook_optimizers()
     _C.record_stop()

@@ -121,6 +121,17 @@ void bindRecorder(py::module_& m) {
       Release(),
       "Calibrates (collective), writes rank<R>.trace.json, stops observing; returns the file written.");
   m.def(
+      "record_optimizer_step_issued",
+      [] {
+        std::shared_ptr<Recorder> rec;
+        {
+          std::lock_guard<std::mutex> lock(gMutex);
+          rec = gRecorder;
+        }
+        if (rec) rec->onOptimizerStepIssued();  // a hook left behind by a stopped recording does nothing
+      },
+      "An optimizer's step() returned (torch's global optimizer post-hook while recording).");
+  m.def(
       "record_memory_in_use", [] { return current("record_memory_in_use")->memoryInUse(); },
       "Bytes in use as the recorder's memory probe counts them (memory_bytes of an op issued now).");
   m.def(

@@ -198,6 +198,13 @@ void Recorder::onStartBackward(bool update, bool sync) {
   if (haveMicro_) current_.sync = sync;
 }
 
+void Recorder::onOptimizerStepIssued() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!current_.led || !current_.sawEndBackward || current_.optimizerCaughtUp) return;
+  // endBackward is the mark after the busy work queued at end_backward.
+  if (timer_->reached(current_.endBackward)) current_.optimizerCaughtUp = true;
+}
+
 void Recorder::onOpBegin(const replayer::OpEvent& event) {
   const HostTime called = hostClock();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
@@ -381,6 +388,12 @@ std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& r
                  "host, so the trace has no device_us (plan --cuda-graph needs them)");
       return {};
     }
+    if (l.optimizerCaughtUp) {  // the ops' times hold; the optimizer's does not
+      TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught up with the host "
+                 "while the host issued the optimizer step after micro-step ", l.micro, " (the busy work queued at "
+                 "end_backward ran out): its time holds waits for the host, so the trace has no optimizer_device_us "
+                 "(plan --cuda-graph needs it)");
+    }
     LedTimes times;
     times.computeBeforeUs = computeBeforeUs(l, graphOrder(l, registered));
     times.opUs.resize(l.events.size());
@@ -439,7 +452,7 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
     const auto& [order, byGraph] = issued;
     const std::vector<double> before = computeBeforeUs(step, issued);
     const MicroStep* led = pairedLead(step, ledTimes.size());
-    if (led && step.optimizerUs > 0) out.optimizerDeviceUs = led->optimizerUs;
+    if (led && step.optimizerUs > 0 && !led->optimizerCaughtUp) out.optimizerDeviceUs = led->optimizerUs;
     if (!led && !ledTimes.empty()) {
       TORCH_WARN("record: rank ", transport_->rank(), ": recorded step ", index, " (micro-step ", step.micro,
                  ") issued other ops than the device-lead step at that position, so it has no device_us (plan "

@@ -34,6 +34,8 @@ def test_record_argument_names_the_directory(tmp_path):
     assert "step 4" in r.stdout  # trained on after writing
     assert "steps 2 params ['0.weight', '0.bias', '2.weight', '2.bias']" in r.stdout
     assert "progress 2 2 1" in r.stdout
+    assert "optimizer hook while recording True" in r.stdout
+    assert "optimizer hook after False" in r.stdout  # removed once the trace is written
     assert "late: dcplan.shard: recording must be switched on at the first dcplan.shard() of the process" in r.stdout
 
 

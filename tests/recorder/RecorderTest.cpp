@@ -434,6 +434,25 @@ TEST_F(RecorderTest, NoDeviceTimesWithoutALeadOrWhereTheHostOutranIt) {
   }
 }
 
+TEST_F(RecorderTest, ACatchUpWhileTheOptimizerWasIssuedLeavesOnlyTheOptimizersTimeOut) {
+  for (bool caughtUp : {false, true}) {
+    auto rec = make(/*steps=*/1, /*warmup=*/2);
+    microStep(*rec, 0, true);
+    rec->onOptimizerStepIssued();  // not a led step: nothing to ask
+    EXPECT_EQ(timer->reachedCalls, 0);
+    microStep(*rec, 100, true, 0.5);  // led
+    timer->caughtUpAtCall = caughtUp ? 1 : 1000;  // reached() is asked once, at the optimizer's hook
+    const int before = timer->reachedCalls;
+    rec->onOptimizerStepIssued();
+    EXPECT_EQ(timer->reachedCalls, before + 1);
+    timer->caughtUpAtCall = 0;
+    microStep(*rec, 200, true);
+    schemas::Trace t = validRoundTrip(finish(*rec, 257));
+    EXPECT_EQ(t.steps[0].optimizerDeviceUs.has_value(), !caughtUp) << caughtUp;
+    EXPECT_TRUE(t.steps[0].graphs[0].events[0].deviceUs) << "the ops' own times hold either way";
+  }
+}
+
 TEST_F(RecorderTest, EachAccumulatedMicroStepPairsWithTheLedOneAtItsPosition) {
   auto rec = make(/*steps=*/1, /*warmup=*/2);
   microStep(*rec, 0, false);  // warm-up step 0, two micro-steps

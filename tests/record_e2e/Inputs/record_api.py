@@ -35,7 +35,10 @@ def main():
     if scenario == "argument":
         # record= names the directory (created); the environment gives steps and warm-up.
         m = dcplan.shard(model(), stage=3, record=str(out / "made"))
+        # While recording, torch's global optimizer post-hook tells the recorder of each step().
+        print("optimizer hook while recording", dcplan._record._optimizer_hook is not None)
         train(m, 5)  # 1 warm-up + 2 recorded + the forward that writes; EXIT=0 trains on
+        print("optimizer hook after", dcplan._record._optimizer_hook is not None)
         t = json.loads((out / "made" / "rank0.trace.json").read_text())
         print("steps", len(t["steps"]), "params", [p["name"] for p in t["params"]])
         print("progress", (out / "made" / "rank0.progress").read_text().strip())

@@ -81,6 +81,11 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   void onOpEnd(const replayer::OpEvent& event) override;
   void onStartForward() override;
   void onStartBackward(bool update, bool sync) override;
+  /// An optimizer's step() returned on the host (torch's global optimizer post-hook, armed
+  /// while recording). In the device-lead step the device should still be running the busy
+  /// work queued after end_backward: if it already passed it, it ran the optimizer step as the
+  /// host issued it, and its optimizer time holds waits for the host (no optimizer_device_us).
+  void onOptimizerStepIssued();
 
   int64_t onCollectiveLaunch(CollectiveKind kind) override;
   void onCollectiveHandle(int64_t token, const std::shared_ptr<replayer::CommHandle>& handle) override;
@@ -135,6 +140,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     double leadUs = 0;           // led: the busy work queued at its start
     TimePoint lastMark = 0;      // led: the latest mark, start or an op's end
     int64_t caughtUpAt = -1;     // led: the op at which the device had run all it was given
+    bool optimizerCaughtUp = false;  // led: the device passed end_backward's busy work before the optimizer was issued
     TimePoint start = 0;
     HostTime hostStart = 0;
     bool sync = false;
