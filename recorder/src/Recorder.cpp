@@ -212,7 +212,7 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   // The op starts now: what the recorder does below lies inside the op's span, not in the
   // compute before it (a host-bound GPU would idle through it, and the planner would count
   // the recorder's bookkeeping as model compute).
-  TimePoint stretchEnd = -1;
+  std::optional<TimePoint> stretchEnd;
   if (current_.led) {
     if (current_.caughtUpAt < 0 && timer_->reached(current_.lastMark))
       current_.caughtUpAt = static_cast<int64_t>(current_.events.size());
@@ -370,7 +370,7 @@ std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const Graph
   for (int64_t g : graphs.order) {
     for (size_t i : graphs.byGraph.at(g)) {
       const RawEvent& e = step.events[i];
-      before[i] = std::max(0.0, timer_->elapsedUs(prevEnd, e.stretchEnd >= 0 ? e.stretchEnd : e.begin));
+      before[i] = std::max(0.0, timer_->elapsedUs(prevEnd, e.stretchEnd.value_or(e.begin)));
       prevEnd = step.events[i].end;
     }
   }

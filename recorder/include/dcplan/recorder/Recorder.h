@@ -115,7 +115,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     c10::ScalarType dtype = c10::ScalarType::Undefined;
     TimePoint begin = 0;
     TimePoint end = 0;
-    TimePoint stretchEnd = -1;  // led: the mark before the busy work queued at the op, where the compute before it ends
+    std::optional<TimePoint> stretchEnd;  // led: the mark before the busy work queued at the op, where the compute before it ends
     // The host's clock around the recorder's own work, which lies in neither host time:
     // host_us runs from the previous op's hostResume to hostCall, issue_us from hostBegin
     // to hostEnd (a replay runs without that work).
