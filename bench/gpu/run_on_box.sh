@@ -61,6 +61,12 @@ shape_args() {
     *) echo "run_on_box.sh $2: expected comm or compute, got '$1'" >&2; exit 2;;
   esac
 }
+# record_bench TRACE MODE WARMUP TIMEOUT: `dcplan record` (3 steps after WARMUP) of the bench's model run in
+# MODE on $NPROC GPUs (default 2) with the shape's $args.
+record_bench() {
+  build/cuda/bin/dcplan record -o "$1" --steps 3 --warmup "$3" --timeout "$4" -- "$PY" -m torch.distributed.run \
+    --nproc-per-node "${NPROC:-2}" bench/gpu/fsdp_vs_dcplan.py --modes "$2" $args --warmup 3 --steps 10
+}
 quiet() { grep -v "^\[\|UserWarning\|_warn_once\|^W1\|^\*\*\*\|OMP_NUM_THREADS" || true; }
 
 case "$what" in
@@ -193,9 +199,7 @@ print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m
     P=$OUT/graphed-$sh
     mkdir -p "$P"
     echo "== record ($mode: the step runs uncaptured while recorded)"
-    build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 2 --timeout 400 -- "$PY" -m torch.distributed.run \
-      --nproc-per-node "${NPROC:-2}" bench/gpu/fsdp_vs_dcplan.py --modes "$mode" $args --warmup 3 --steps 10 2>&1 \
-      | tee "$P/record.log" | grep "per step:\|Warning: record\|error" || true
+    record_bench "$P/trace.json" "$mode" 2 400 2>&1 | tee "$P/record.log" | grep "per step:\|Warning: record\|error" || true
     echo "== plan for the hooks, and for the graph"
     build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/hooks.json" > /dev/null
     build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/graph.json" --cuda-graph --explain | grep "^replay\|^predicted"
@@ -210,8 +214,7 @@ print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m
     echo "== 1. fsdp2, dcplan default, bound"
     bench $args --json "$P/default.json" "$@" 2>&1 | tee "$P/default.log" | quiet
     echo "== 2. record"
-    build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 2 --timeout 240 -- "$PY" -m torch.distributed.run \
-      --nproc-per-node 2 bench/gpu/fsdp_vs_dcplan.py --modes dcplan $args --warmup 2 --steps 10 2>&1 | quiet | tail -25
+    record_bench "$P/trace.json" dcplan 2 240 2>&1 | quiet | tail -25
     budget=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['results']['fsdp2']['peak_bytes'])" "$P/default.json")
     echo "== 3. plan (FSDP2 peak: $budget bytes)"
     plans=""
@@ -245,8 +248,7 @@ print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m
       "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_gpu_compiled.py 2>&1 | tee "$P/tests.log" | tail -4 || true
     fi
     echo "== 2. record the compiled model"
-    build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 3 --timeout 400 -- "$PY" -m torch.distributed.run \
-      --nproc-per-node "${NPROC:-2}" bench/gpu/fsdp_vs_dcplan.py --modes dcplan-compiled $args --warmup 3 --steps 10 2>&1 | quiet | tail -3
+    record_bench "$P/trace.json" dcplan-compiled 3 400 2>&1 | quiet | tail -3
     echo "== 3. plan"
     build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/plan.json" | tail -6
     echo "== 4. every mode, interleaved"
