@@ -131,6 +131,7 @@ case "$what" in
     build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/default.json" --strategy default "${plan_args[@]}" > /dev/null
     default_peak=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['predicted']['peak_memory_bytes'])" \
       "$P/default.json")
+    names=""
     for b in ${1:-${BUDGETS:-default 0.97 1.0 1.05}}; do
       case $b in
         default) name=default;;
@@ -156,7 +157,7 @@ pred=json.load(open(sys.argv[2]))['predicted']['step_us']/1e3
 print(f'  without the log: {st.median(ms):.3f} ms ({100*(st.median(ms)/pred-1):+.0f}% against the predicted {pred:.3f} ms; median of {len(ms)} steps, rank 0)')" \
         "$P/$name.steps" "$P/$name.json" >> "$P/$name.check" || true
       echo "== $name"; grep -v "^  graph\|follows" "$P/$name.check" | head -14
-      names="${names:-} $name"
+      names="$names $name"
     done
     # $ROUNDS > 1: the plans again without the log, interleaved (one machine's host drifts from
     # run to run), then each plan's predicted step against the median of its rounds.

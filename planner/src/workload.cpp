@@ -303,7 +303,8 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay
     w.optimizerHostUs = 0;
     const std::string lacks = ": a plan for a CUDA graph (--cuda-graph) needs the device's own times, which the "
                               "recorder measures on a GPU in the last warm-up step (dcplan record --warmup of at "
-                              "least 2; docs/recording.md); this trace has none here";
+                              "least 2; docs/recording.md); this trace has none here (or the device caught up with "
+                              "the host in that step: the recorder warned)";
     if (!trace.steps[end].optimizerDeviceUs)
       throw std::invalid_argument("/steps/" + std::to_string(end) + "/optimizer_device_us" + lacks);
     w.optimizerUs = *trace.steps[end].optimizerDeviceUs;

@@ -33,6 +33,8 @@ class TimedHandle final : public CommHandle {
   /// The wrapped transport's own handle: its runAfter needs its own kind (a device transport
   /// reads the collective's stream from it).
   const CommHandlePtr& inner() const { return inner_; }
+  /// The collective is known complete where the caller's work ordered after it starts.
+  void completedHere() { report(); }
   bool isCompleted() override {
     const bool completed = inner_->isCompleted();
     if (completed) report();
@@ -80,9 +82,17 @@ class TimedTransport final : public ForwardingTransport {
     return timed(CollectiveKind::Copy, [&] { return inner().copyAsync(dst, src, kind); });
   }
   // The wrapped transport orders work after its own kind of handle, not after the timing wrapper.
+  // The work starts where the collective is over, in the collective's own order (a device
+  // transport runs it on the collective's stream, a host one after the wait): the collective's
+  // end is marked there, before the work. (The runtime drops the handle once the work is
+  // queued, so the end would otherwise go unseen.)
   CommHandlePtr runAfter(const CommHandlePtr& done, const std::function<void()>& work) override {
-    if (auto* t = dynamic_cast<TimedHandle*>(done.get())) return inner().runAfter(t->inner(), work);
-    return inner().runAfter(done, work);
+    auto* t = dynamic_cast<TimedHandle*>(done.get());
+    if (t == nullptr) return inner().runAfter(done, work);
+    return inner().runAfter(t->inner(), [t, &work] {
+      t->completedHere();
+      work();
+    });
   }
 
  private:

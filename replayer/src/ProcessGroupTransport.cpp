@@ -25,8 +25,15 @@ namespace {
 // that keeps another reference for good, where waiting would never end.
 std::atomic<bool> workerReleaseObserved{true};
 
+/// Whether a completed work counts as done only once the worker let go of it. Not where torch keeps
+/// works registered for functional collectives (allow_inflight_collective_as_graph_input): that
+/// registry holds them until a wait_tensor, which the runtime never calls.
+bool awaitsWorkerRelease() {
+  return workerReleaseObserved.load(std::memory_order_relaxed) && !c10d::allow_inflight_collective_as_graph_input();
+}
+
 void awaitWorkerRelease(const c10::intrusive_ptr<c10d::Work>& w) {
-  if (!workerReleaseObserved.load(std::memory_order_relaxed)) return;
+  if (!awaitsWorkerRelease()) return;
   constexpr auto kBound = std::chrono::seconds(2);
   const auto deadline = std::chrono::steady_clock::now() + kBound;
   while (w.use_count() > 1) {
@@ -67,7 +74,7 @@ class WorkHandle final : public CommHandle {
     if (done_) return true;
     // Completed also means the backend's worker let go of the work (awaitWorkerRelease).
     for (auto& w : works_) {
-      if (!w->isCompleted() || (workerHolds_ && w.use_count() > 1)) return false;
+      if (!w->isCompleted() || (workerHolds_ && awaitsWorkerRelease() && w.use_count() > 1)) return false;
     }
     return !then_;
   }
@@ -83,6 +90,17 @@ class WorkHandle final : public CommHandle {
 // reference to a work's tensors; if that tensor were the TensorImpl of a Python tensor
 // (a registered shard), dropping it would need the GIL, which aborts the process while
 // the interpreter finalizes. A tensor made here has no Python object.
+/// Whether the group's CPU tensors go through Gloo (a "gloo" group, or "cpu:gloo,cuda:nccl",
+/// whose default backend is NCCL).
+bool glooOnCpu(c10d::ProcessGroup& pg) {
+  try {
+    const auto backend = pg.getBackend(c10::DeviceType::CPU);
+    return backend && backend->getBackendName() == "gloo";
+  } catch (const std::exception&) {
+    return false;  // no CPU backend
+  }
+}
+
 at::Tensor cppOwned(const at::Tensor& t) {
   at::NoGradGuard noGrad;
   at::Tensor out = at::empty({0}, t.options());
@@ -93,7 +111,7 @@ at::Tensor cppOwned(const at::Tensor& t) {
 class ProcessGroupTransport final : public Transport {
  public:
   explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg)
-      : pg_(std::move(pg)), workerHolds_(pg_->getBackendName() == "gloo") {}
+      : pg_(std::move(pg)), workerHolds_(glooOnCpu(*pg_)) {}
 
   int rank() const override { return pg_->getRank(); }
   int worldSize() const override { return pg_->getSize(); }

@@ -274,6 +274,27 @@ TEST_F(RecorderTest, TheTimedTransportForwardsTheDeviceSeamsWithTheWrappedTransp
   EXPECT_TRUE(timed->capturing());
 }
 
+TEST(TimedTransport, AReductionEndsWhereTheWorkQueuedAfterItStarts) {
+  // The runtime queues a bucket's accumulation after its reduction (runAfter), then drops the
+  // handle: the reduction's end is marked where the work starts, before it.
+  struct Listener final : CollectiveListener {
+    int64_t onCollectiveLaunch(CollectiveKind) override { return 7; }
+    void onCollectiveDone(int64_t token) override { done.push_back(token); }
+    std::vector<int64_t> done;
+  };
+  auto listener = std::make_shared<Listener>();
+  auto local = std::make_shared<LocalTransport>();
+  local->ws = 2;
+  auto timed = makeTimedTransport(local, listener);
+  CommHandlePtr reduce = timed->reduceScatter(at::empty({7}), at::empty({2, 7}));
+  std::vector<int64_t> seenByWork;
+  timed->runAfter(reduce, [&] { seenByWork = listener->done; });
+  EXPECT_EQ(seenByWork, std::vector<int64_t>{7});
+  reduce.reset();
+  EXPECT_EQ(listener->done, std::vector<int64_t>{7});  // once
+  EXPECT_FALSE(local->last->done);                     // and nothing waited for it
+}
+
 TEST_F(RecorderTest, BuildsEventsWithSeqStreamsSpansAndBytes) {
   auto rec = make(/*steps=*/1, /*warmup=*/0);
   memory = 5000;

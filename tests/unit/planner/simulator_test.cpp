@@ -189,7 +189,7 @@ TEST(SimulatorCudaGraph, TheOpsOwnDeviceWorkRunsInTheStreamBeforeTheirCollective
   double own = 0;
   for (schemas::TraceGraph& g : t.steps[0].graphs) {
     for (schemas::OpEvent& e : g.events) {
-      if (e.op == "allgather_param") e.opDeviceUs = 7.0;  // a shard's cast, before its gather
+      if (e.op == "allgather_param") e.opDeviceUs = 7.0;  // its own work, before its gather
       if (e.op == "reduce_grad") e.opDeviceUs = 5.0;      // packing, before the bucket's launch
       own += e.opDeviceUs.value_or(0);
     }

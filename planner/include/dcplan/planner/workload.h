@@ -70,7 +70,7 @@ struct GraphRun {
   std::vector<uint64_t> computePeakBytes;
   std::vector<double> copyUs;             ///< recorded duration of each CopyStart op
   /// Workload::cudaGraph only (else empty): each op's own work on the compute stream, before
-  /// its effect (a cast before its gather, a bucket's packing before its launch); 0 where the
+  /// its effect (a bucket's packing before its launch); 0 where the
   /// trace has no op_device_us (waits; traces recorded before session 12).
   std::vector<double> opDeviceUs;
   /// The host's lane (Workload::hostLane only, else empty): host time of the compute before

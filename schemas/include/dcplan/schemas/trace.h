@@ -90,11 +90,12 @@ struct OpEvent {
   /// step replayed as one CUDA graph takes. compute_us of a host-bound step also holds the
   /// device's idle. Absent on CPU ranks and in older traces.
   std::optional<double> deviceUs;
-  /// The op's own work on the compute stream in that same device-lead step (a shard's cast
-  /// before its gather, a bucket's packing, the bookkeeping kernels): what the op adds to a
-  /// CUDA graph's replay besides the compute before it. Absent for ops that make the compute
-  /// stream wait for another (waits, end_backward: the planner simulates those), on CPU ranks
-  /// and in older traces.
+  /// The op's own work on the compute stream in that same device-lead step (a bucket's packing,
+  /// the runtime's bookkeeping kernels; the NCCL transport casts shards on its gather stream):
+  /// what the op adds to a CUDA graph's replay besides the compute before it. An op that waits
+  /// inside (a gather left unwaited that allgather_param or release_param drops, a reload)
+  /// holds that wait too. Absent for ops that make the compute stream wait for another (waits,
+  /// end_backward: the planner simulates those), on CPU ranks and in older traces.
   std::optional<double> opDeviceUs;
 };
 
