@@ -71,6 +71,10 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
     t = json.loads(trace.read_text())
     events = [e for s in t["steps"] for g in s["graphs"] for e in g["events"]]
     assert events and all("device_us" in e for e in events)
+    # Each op's own device work, but none for the ops that make the compute stream wait for another.
+    waits = {"wait_allgather", "wait_offload", "wait_reload", "end_backward"}
+    assert all(("op_device_us" in e) == (e["op"] not in waits) for e in events), \
+        sorted({(e["op"], "op_device_us" in e) for e in events})
     assert all("optimizer_device_us" in s for s in t["steps"] if s["optimizer_us"] > 0)
     # A model this small is host-bound: the device's own compute is well below what the recorded
     # steps measured on the device, which also held its waits for the host.
