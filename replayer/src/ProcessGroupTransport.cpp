@@ -16,8 +16,8 @@ namespace {
 
 // Gloo's worker thread completes a work's future before it drops its own references to the
 // work (other backends differ: NCCL's watchdog holds a work until it polls it, so this is for
-// Gloo only), and the work holds the call's scratch (Gloo's flat buffers, our fused buffer). Were the
-// caller to drop its handle first, that memory would be freed whenever the worker next runs: on
+// Gloo only), and the work holds the call's scratch (Gloo's flat buffers, our fused buffer).
+// Were the caller to drop its handle first, that memory would be freed whenever the worker next runs: on
 // a loaded machine several ops later, so the memory at an op would depend on the scheduler, not
 // on the plan. Waiting here until the caller's reference is the last one frees the scratch at
 // the op the planner's memory model puts it at (docs/planning.md, memory model).
@@ -86,10 +86,6 @@ class WorkHandle final : public CommHandle {
   bool done_ = false;
 };
 
-// A C++-owned tensor over the same memory. Gloo's worker threads may drop the last
-// reference to a work's tensors; if that tensor were the TensorImpl of a Python tensor
-// (a registered shard), dropping it would need the GIL, which aborts the process while
-// the interpreter finalizes. A tensor made here has no Python object.
 /// Whether the group's CPU tensors go through Gloo (a "gloo" group, or "cpu:gloo,cuda:nccl",
 /// whose default backend is NCCL).
 bool glooOnCpu(c10d::ProcessGroup& pg) {
@@ -101,6 +97,10 @@ bool glooOnCpu(c10d::ProcessGroup& pg) {
   }
 }
 
+// A C++-owned tensor over the same memory. Gloo's worker threads may drop the last
+// reference to a work's tensors; if that tensor were the TensorImpl of a Python tensor
+// (a registered shard), dropping it would need the GIL, which aborts the process while
+// the interpreter finalizes. A tensor made here has no Python object.
 at::Tensor cppOwned(const at::Tensor& t) {
   at::NoGradGuard noGrad;
   at::Tensor out = at::empty({0}, t.options());
