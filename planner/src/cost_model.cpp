@@ -160,7 +160,7 @@ const CostModel::Curve& CostModel::curve(Collective c) const {
 }
 
 double CostModel::us(Collective which, uint64_t fullBytes) const {
-  if ((worldSize_ <= 1 && !oneRankCopies_) || fullBytes == 0) return 0;
+  if (callsFree() || fullBytes == 0) return 0;
   const Curve& c = curve(which);
   double raw = rawUs(c, static_cast<double>(fullBytes));
   double lat = std::min(c.latencyUs, raw);
@@ -168,11 +168,11 @@ double CostModel::us(Collective which, uint64_t fullBytes) const {
 }
 
 double CostModel::latencyUs(Collective which) const {
-  return worldSize_ <= 1 && !oneRankCopies_ ? 0 : curve(which).latencyUs;
+  return callsFree() ? 0 : curve(which).latencyUs;
 }
 
 double CostModel::busGBps(Collective which) const {
-  return worldSize_ <= 1 && !oneRankCopies_ ? 0 : curve(which).plannedBusGBps;
+  return callsFree() ? 0 : curve(which).plannedBusGBps;
 }
 
 double CostModel::copyUs(uint64_t bytes, bool hostToDevice) const {
@@ -186,7 +186,7 @@ std::vector<std::string> CostModel::describe() const {
   const std::string launch = "issuing a collective: " + formatFixed(launchUs(), 1) +
                              " us of host time per call beyond those of the recorded run" +
                              (launchMeasured_ ? " (measured: the trace's gathers against its releases)" : "");
-  if (worldSize_ <= 1 && !oneRankCopies_) {
+  if (callsFree()) {
     out.push_back("1 rank: no communication");
     if (launchMeasured_) out.push_back(launch);
     return out;

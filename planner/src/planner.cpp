@@ -5,7 +5,6 @@
 #include <cmath>
 #include <iterator>
 #include <limits>
-#include <numeric>
 #include <stdexcept>
 
 #include "dcplan/planner/units.h"
@@ -534,8 +533,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
             (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)"
                                : ""));
     if (w.cudaGraph) {
-      double ops = 0;
-      for (const GraphRun& r : w.runs) ops = std::accumulate(r.opDeviceUs.begin(), r.opDeviceUs.end(), ops);
+      const double ops = w.opDeviceUs();
       ex.line("replay: one CUDA graph per step (--cuda-graph): the device's own compute (device_us), the dc ops' "
               "own work (op_device_us, " + (ops > 0 ? formatMs(ops) : std::string("none in this trace")) +
               ") and optimizer (" + formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");

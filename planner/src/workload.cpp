@@ -177,11 +177,14 @@ uint64_t GraphRun::mostActivationBytes() const {
 }
 
 double Workload::computeUs() const {
+  double total = opDeviceUs();
+  for (const GraphRun& r : runs) total = std::accumulate(r.computeUs.begin(), r.computeUs.end(), total);
+  return total;
+}
+
+double Workload::opDeviceUs() const {
   double total = 0;
-  for (const GraphRun& r : runs) {
-    total = std::accumulate(r.computeUs.begin(), r.computeUs.end(), total);
-    total = std::accumulate(r.opDeviceUs.begin(), r.opDeviceUs.end(), total);
-  }
+  for (const GraphRun& r : runs) total = std::accumulate(r.opDeviceUs.begin(), r.opDeviceUs.end(), total);
   return total;
 }
 

@@ -51,12 +51,6 @@ std::string dtypeName(c10::ScalarType dtype) {
 
 namespace {
 
-/// Ops that make the compute stream wait for another stream: their device span holds that wait,
-/// which the planner simulates, so it is not the op's own work.
-bool waitsOnAnotherStream(std::string_view op) {
-  return op == "wait_allgather" || op == "wait_offload" || op == "wait_reload" || op == "end_backward";
-}
-
 Stream streamOf(const std::string& op) {
   if (op == "allgather_param" || op == "prefetch_params_fused") return Stream::AllGather;
   if (op == "reduce_grad") return Stream::Reduce;
@@ -400,7 +394,7 @@ std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& r
     for (size_t i = 0; i < l.events.size(); ++i) {
       const RawEvent& e = l.events[i];
       // Busy work is queued before an op's begin mark, none inside it: its span is its own work.
-      if (!waitsOnAnotherStream(e.op)) times.opUs[i] = std::max(0.0, timer_->elapsedUs(e.begin, e.end));
+      if (!schemas::waitsForAnotherStream(e.op)) times.opUs[i] = std::max(0.0, timer_->elapsedUs(e.begin, e.end));
     }
     led.push_back(std::move(times));
   }

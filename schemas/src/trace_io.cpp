@@ -37,6 +37,14 @@ const std::map<std::string, IdArity>& opArity() {
 }
 
 
+}  // namespace
+
+bool waitsForAnotherStream(const std::string& op) {
+  return op == "wait_allgather" || op == "wait_offload" || op == "wait_reload" || op == "end_backward";
+}
+
+namespace {
+
 std::string opNames() {
   std::string out;
   for (const auto& [name, arity] : opArity()) out += (out.empty() ? "" : ", ") + name;

@@ -85,6 +85,8 @@ class CostModel {
   /// Curves not measured, from the all-gather's (which must be there).
   void standInMissingCurves();
   const Curve& curve(Collective c) const;
+  /// One rank without a one-rank trace's copies: every call takes no time.
+  bool callsFree() const { return worldSize_ <= 1 && !oneRankCopies_; }
 
   int64_t traceWorldSize_;
   int64_t worldSize_;

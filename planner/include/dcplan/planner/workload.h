@@ -114,6 +114,8 @@ struct Workload {
   int32_t graphIndex(int64_t id) const;
   /// Total compute of the step (all runs; in a CUDA graph with the ops' own device work), microseconds.
   double computeUs() const;
+  /// The ops' own device work of the step (CUDA graph: op_device_us), microseconds; in computeUs.
+  double opDeviceUs() const;
 
   std::vector<int64_t> sortedIds_;  ///< ds_ids ascending, for paramIndex
   std::vector<int32_t> sortedIdx_;

@@ -99,6 +99,11 @@ struct OpEvent {
   std::optional<double> opDeviceUs;
 };
 
+/// Whether a dc op makes the compute stream wait for another stream (wait_allgather,
+/// wait_offload, wait_reload, end_backward): its span there is that wait, not its own work, so
+/// such an op has no op_device_us.
+bool waitsForAnotherStream(const std::string& op);
+
 enum class GraphKind { Forward, Backward };
 
 struct TraceGraph {
