@@ -53,13 +53,15 @@ cmake --build build/cuda --target dcplan_python dcplan_cli -j "$(nproc)" > build
 echo "built in $(( $(date +%s) - start )) s"
 export DCPLAN_BUILD_DIR=$PWD/build/cuda PYTHONPATH=$PWD/python
 bench() { "$PY" -m torch.distributed.run --nproc-per-node "${NPROC:-2}" bench/gpu/fsdp_vs_dcplan.py "$@"; }
-# The two benchmark shapes: shape_args comm|compute MODE sets $args (the bench's shape arguments).
+# The two benchmark shapes: shape_args comm|compute MODE sets $args (the bench's shape arguments, and
+# --model $BENCH_MODEL where set: transformers, a LlamaForCausalLM of the same sizes).
 shape_args() {
   case $1 in
     comm) args="--batch 1 --seq 1024 --label comm-heavy";;
     compute) args="--batch 4 --seq 2048 --label compute-heavy";;
     *) echo "run_on_box.sh $2: expected comm or compute, got '$1'" >&2; exit 2;;
   esac
+  args="$args ${BENCH_MODEL:+--model $BENCH_MODEL}"
 }
 # record_bench TRACE MODE WARMUP TIMEOUT: `dcplan record` (3 steps after WARMUP) of the bench's model run in
 # MODE on $NPROC GPUs (default 2) with the shape's $args.
@@ -67,6 +69,7 @@ record_bench() {
   build/cuda/bin/dcplan record -o "$1" --steps 3 --warmup "$3" --timeout "$4" -- "$PY" -m torch.distributed.run \
     --nproc-per-node "${NPROC:-2}" bench/gpu/fsdp_vs_dcplan.py --modes "$2" $args --warmup 3 --steps 10
 }
+report() { "$PY" bench/gpu/predict_report.py "$@"; }
 quiet() { grep -v "^\[\|UserWarning\|_warn_once\|^W1\|^\*\*\*\|OMP_NUM_THREADS" || true; }
 
 case "$what" in
@@ -129,13 +132,11 @@ case "$what" in
     grep -h "Warning: record" "$P/record.log" | sort -u || true
     build/cuda/bin/dcplan inspect "$P/trace.json" | grep "per step:" || true
     build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/default.json" --strategy default "${plan_args[@]}" > /dev/null
-    default_peak=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['predicted']['peak_memory_bytes'])" \
-      "$P/default.json")
     names=""
     for b in ${1:-${BUDGETS:-default 0.97 1.0 1.05}}; do
       case $b in
         default) name=default;;
-        0.*|1.*) name=budget-$b; budget=$("$PY" -c "print(int($b * $default_peak))")
+        0.*|1.*) name=budget-$b; budget=$(report budget "$b" "$P/default.json")
            build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/$name.json" --memory-budget "$budget" "${plan_args[@]}" > /dev/null \
              || { echo "$name: refused"; continue; };;
         *) name=budget-$b; build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/$name.json" --memory-budget "$b" \
@@ -152,10 +153,7 @@ case "$what" in
       # The replay log's own host work lies inside a logged step: time the plan again without it
       # (rank 0's step lines, median of steps 4-11).
       DCPLAN_PLAN="$P/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step \|^peak memory" > "$P/$name.steps" || true
-      "$PY" -c "import json,sys,statistics as st; ms=[float(l.split()[-2]) for l in open(sys.argv[1]) if l.startswith('step')][4:];
-pred=json.load(open(sys.argv[2]))['predicted']['step_us']/1e3
-print(f'  without the log: {st.median(ms):.3f} ms ({100*(st.median(ms)/pred-1):+.0f}% against the predicted {pred:.3f} ms; median of {len(ms)} steps, rank 0)')" \
-        "$P/$name.steps" "$P/$name.json" >> "$P/$name.check" || true
+      report one-run "$P/$name.steps" "$P/$name.json" >> "$P/$name.check" || true
       echo "== $name"; grep -v "^  graph\|follows" "$P/$name.check" | head -14
       names="$names $name"
     done
@@ -168,24 +166,16 @@ print(f'  without the log: {st.median(ms):.3f} ms ({100*(st.median(ms)/pred-1):+
     done
     echo "== predicted against measured without the log, ${ROUNDS:-1} round(s) interleaved"
     for name in $names; do
-      "$PY" -c "import json,sys,glob,statistics as st
-files=sorted(glob.glob(sys.argv[1]+'.steps*'))
-rounds=[st.median([float(l.split()[-2]) for l in open(f) if l.startswith('step')][4:]) for f in files]
-peaks=[int(l.split()[2]) for f in files for l in open(f) if l.startswith('peak memory')]
-plan=json.load(open(sys.argv[2]))['predicted']; pred=plan['step_us']/1e3; m=st.median(rounds)
-peak=f', peak predicted {plan[\"peak_memory_bytes\"]/2**30:.2f} GiB, measured {max(peaks)/2**30:.2f} GiB ({100*(max(peaks)/plan[\"peak_memory_bytes\"]-1):+.1f}%)' if peaks else ''
-print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m/pred-1):+.1f}%), rounds', ' '.join(f'{x:.1f}' for x in rounds) + peak)" \
-        "$P/$name" "$P/$name.json" "$name" || true
+      report rounds "$name" "$P/$name.json" "$P/$name".steps* || true
     done
     if [ "$graphed" = 1 ]; then
       # What the ops' own device work (op_device_us) adds: each plan's options again, on the trace without it.
-      "$PY" -c "import json,sys; t=json.load(open(sys.argv[1])); [e.pop('op_device_us', None) for s in t['steps'] for g in s['graphs'] for e in g['events']]; json.dump(t, open(sys.argv[2], 'w'))" \
-        "$P/trace.json" "$P/trace.no-op-device.json"
+      report strip-op-device "$P/trace.json" "$P/trace.no-op-device.json"
       for name in $names; do
+        # shellcheck disable=SC2046  # the options are words
         build/cuda/bin/dcplan plan "$P/trace.no-op-device.json" -o "$P/$name.no-op-device.json" --cuda-graph \
-          $("$PY" -c "import json,sys; o=json.load(open(sys.argv[1]))['options']; print('--strategy', o['strategy'], *(['--memory-budget', str(o['memory_budget_bytes'])] if o.get('memory_budget_bytes') else []))" "$P/$name.json") > /dev/null \
-          && "$PY" -c "import json,sys; a, b = (json.load(open(f))['predicted']['step_us'] / 1e3 for f in sys.argv[1:3]); print(f'{sys.argv[3]:>14}: predicted {b:.1f} ms without op_device_us, {a:.1f} ms with it')" \
-            "$P/$name.json" "$P/$name.no-op-device.json" "$name" || true
+          $(report plan-args "$P/$name.json") > /dev/null \
+          && report with-without "$name" "$P/$name.json" "$P/$name.no-op-device.json" || true
       done
     fi
     ;;
@@ -216,7 +206,7 @@ print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m
     bench $args --json "$P/default.json" "$@" 2>&1 | tee "$P/default.log" | quiet
     echo "== 2. record"
     record_bench "$P/trace.json" dcplan 2 240 2>&1 | quiet | tail -25
-    budget=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['results']['fsdp2']['peak_bytes'])" "$P/default.json")
+    budget=$(report bench-peak "$P/default.json" fsdp2)
     echo "== 3. plan (FSDP2 peak: $budget bytes)"
     plans=""
     for st in heuristic optimized; do
@@ -229,8 +219,7 @@ print(f'{sys.argv[3]:>14}: predicted {pred:.1f} ms, measured {m:.1f} ms ({100*(m
       # Below the least any schedule needs (the optimizer step's, say): plan for what the
       # planner predicts for the default schedule (gather on use) instead, plus the 0.5% the
       # planner keeps back (kUnseenReserveShare).
-      own=$("$PY" -c "import json,sys; print(int(json.load(open(sys.argv[1]))['predicted_default']['peak_memory_bytes'] / 0.995) + 1)" \
-        "$P/optimized.json")
+      own=$(report default-budget "$P/optimized.json")
       echo "== 3b. plan for the default schedule's predicted peak instead ($own bytes)"
       build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/optimized-default-memory.json" --memory-budget "$own" 2>&1 \
         | tail -5 && plans="$plans,$P/optimized-default-memory.json"
