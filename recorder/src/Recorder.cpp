@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <optional>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #ifndef DCPLAN_VERSION
@@ -79,6 +81,12 @@ double leadUsFor(double hostSpanUs) { return std::min(2.0 * hostSpanUs + 5000.0,
 /// Busy work before each op of the device-lead step: more than the host takes for an op and the
 /// compute after it, so that the device stays behind wherever the host is the slower.
 constexpr double kOpLeadUs = 1000.0;
+
+/// Where the device caught up with the host in the device-lead step (a model that synchronises,
+/// as transformers' check for packed sequences does without an attention mask), the step's lead
+/// is queued again so that the device is behind for the ops after it; past this many catch-ups in
+/// one micro-step the step is taken as paced by its host, and gives no device times.
+constexpr size_t kMaxCatchUps = 3;
 
 int64_t elementSize(const std::string& dtype) {
   if (dtype == "float64" || dtype == "int64") return 8;
@@ -208,10 +216,13 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   // the recorder's bookkeeping as model compute).
   std::optional<TimePoint> stretchEnd;
   if (current_.led) {
-    if (current_.caughtUpAt < 0 && timer_->reached(current_.lastMark))
-      current_.caughtUpAt = static_cast<int64_t>(current_.events.size());
+    double leadUs = kOpLeadUs;
+    if (timer_->reached(current_.lastMark)) {
+      current_.catchUps.push_back(current_.events.size());
+      if (current_.catchUps.size() <= kMaxCatchUps) leadUs = current_.leadUs;  // behind the host again
+    }
     stretchEnd = timer_->mark(Stream::Compute);
-    timer_->queueLead(kOpLeadUs);
+    timer_->queueLead(leadUs);  // between the stretch's end and the op's begin: in neither span
   }
   const TimePoint begin = timer_->mark(Stream::Compute);
   // Collectives that finished since the last op: their end is now at the latest.
@@ -374,12 +385,14 @@ std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const Graph
 std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& registered) {
   std::vector<LedTimes> led;
   for (const MicroStep& l : led_) {
-    if (l.caughtUpAt >= 0) {
-      const size_t at = static_cast<size_t>(l.caughtUpAt);
-      TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught "
-                 "up with the host at op ", l.caughtUpAt, " (", at < l.events.size() ? l.events[at].op : "the step's end",
-                 ") of micro-step ", l.micro, " (the busy work queued ahead ran out): its times hold waits for the "
-                 "host, so the trace has no device_us (plan --cuda-graph needs them)");
+    std::ostringstream where;
+    for (size_t i = 0; i < l.catchUps.size() && i <= kMaxCatchUps; ++i)
+      where << (i ? ", " : "") << "op " << l.catchUps[i] << " (" << l.events[l.catchUps[i]].op << ")";
+    if (l.catchUps.size() > kMaxCatchUps) {
+      TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught up with the "
+                 "host more than ", kMaxCatchUps, " times in micro-step ", l.micro, " (at ", where.str(),
+                 "): the host paces it (busy work that ran out, or a model that synchronises often), so the "
+                 "trace has no device_us (plan --cuda-graph needs them)");
       return {};
     }
     if (l.optimizerCaughtUp) {  // the ops' times hold; the optimizer's does not
@@ -395,6 +408,18 @@ std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& r
       const RawEvent& e = l.events[i];
       // Busy work is queued before an op's begin mark, none inside it: its span is its own work.
       if (!schemas::waitsForAnotherStream(e.op)) times.opUs[i] = std::max(0.0, timer_->elapsedUs(e.begin, e.end));
+    }
+    if (!l.catchUps.empty()) {
+      // The device waited for the host after the check at the op before: inside that op's span or
+      // in the compute before the op that found it caught up, no earlier (all before was queued).
+      double mayWaitUs = 0;
+      for (size_t op : l.catchUps)
+        mayWaitUs += times.computeBeforeUs[op] + (op > 0 ? times.opUs[op - 1].value_or(0) : 0);
+      TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught up with the host "
+                 "at ", where.str(), " of micro-step ", l.micro, " (a host synchronisation in the model, or busy "
+                 "work that ran out; transformers' check for packed sequences synchronises where no attention mask "
+                 "is given); the lead was queued again there, and the device times just before (",
+                 std::lround(mayWaitUs), " us) may hold waiting for the host");
     }
     led.push_back(std::move(times));
   }
