@@ -183,29 +183,25 @@ double CostModel::copyUs(uint64_t bytes, bool hostToDevice) const {
 
 std::vector<std::string> CostModel::describe() const {
   std::vector<std::string> out;
-  const std::string launch = "issuing a collective: " + formatFixed(launchUs(), 1) +
-                             " us of host time per call beyond those of the recorded run" +
-                             (launchMeasured_ ? " (measured: the trace's gathers against its releases)" : "");
+  const bool oneRank = worldSize_ <= 1;
   if (callsFree()) {
     out.push_back("1 rank: no communication");
-    if (launchMeasured_) out.push_back(launch);
-    return out;
-  }
-  if (worldSize_ <= 1) {
-    out.push_back("1 rank: each gather and reduce is a copy on the transport's stream, as calibrated");
-    for (Collective c : {Collective::AllGather, Collective::ReduceScatter}) {
-      out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) + " us, 64 MiB in " +
+  } else {
+    if (oneRank) out.push_back("1 rank: each gather and reduce is a copy on the transport's stream, as calibrated");
+    std::vector<Collective> shown = {Collective::AllGather, Collective::ReduceScatter};
+    if (!oneRank) shown.push_back(Collective::AllReduce);  // one rank reduces without it
+    for (Collective c : shown) {
+      out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) + " us" +
+                    (oneRank ? "" : ", bus " + formatFixed(busGBps(c), 1) + " GB/s") + ", 64 MiB in " +
                     formatFixed(us(c, 64ull << 20), 1) + " us");
     }
-    if (launchMeasured_) out.push_back(launch);
-    return out;
   }
-  for (Collective c : {Collective::AllGather, Collective::ReduceScatter, Collective::AllReduce}) {
-    out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) + " us, bus " +
-                  formatFixed(busGBps(c), 1) + " GB/s, 64 MiB in " + formatFixed(us(c, 64ull << 20), 1) +
-                  " us");
+  // At one rank the charge is shown only where the trace measured it.
+  if (!oneRank || launchMeasured_) {
+    out.push_back("issuing a collective: " + formatFixed(launchUs(), 1) +
+                  " us of host time per call beyond those of the recorded run" +
+                  (launchMeasured_ ? " (measured: the trace's gathers against its releases)" : ""));
   }
-  out.push_back(launch);
   return out;
 }
 

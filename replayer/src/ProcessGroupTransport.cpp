@@ -72,9 +72,10 @@ class WorkHandle final : public CommHandle {
 
   bool isCompleted() override {
     if (done_) return true;
-    // Completed also means the backend's worker let go of the work (awaitWorkerRelease).
+    // Completed also means the backend's worker let go of the work (awaitWorkerRelease); torch's
+    // setting (a mutex) is asked only while the worker still holds it.
     for (auto& w : works_) {
-      if (!w->isCompleted() || (workerHolds_ && awaitsWorkerRelease() && w.use_count() > 1)) return false;
+      if (!w->isCompleted() || (workerHolds_ && w.use_count() > 1 && awaitsWorkerRelease())) return false;
     }
     return !then_;
   }
