@@ -36,7 +36,11 @@ GLOO_TIMING = 0.05
 SANITY_SHARE = 0.90
 # Op by op under load, ZeRO-2: after the transport's fix the most any op measured over its
 # prediction was 408 bytes (0.004%) over 6 loaded replays; before it, 10% (a fused gather's
-# scratch, 590 KB, still held at the next gather). 1% keeps the check clear of rounding.
+# scratch, 590 KB, still held at the next gather). 1% keeps the check clear of rounding. Beyond
+# it, each op may hold the gathers in flight during its window (gathers_in_flight): Gloo's worker
+# allocates and frees a group's scratch as it runs it, before the wait, and how far it got by an
+# op is the scheduler's choice (a CI run measured one in-flight group, 196,608 bytes, at an op the
+# model has it finished by).
 LOADED_PER_OP = 0.01
 
 pytestmark = pytest.mark.multiprocess
@@ -52,6 +56,28 @@ CONFIGS = {
 def train(*args):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE,
             "--steps", str(STEPS), *args]
+
+
+def gathers_in_flight(events):
+    """position -> bytes of the forward's gather groups in flight during that op's measured window,
+    in the replay log's last complete step: launched before the op before it (a group launched at
+    a position goes out after that op's reading) and not waited before that op (a group's wait
+    at the op before still lies inside this op's window, until the wait returns)."""
+    from dcplan._plan import executions
+
+    execs = executions(events)
+    last = sorted({ex["step"] for ex in execs})[-2]  # as curve_comparison: the last complete step
+    forward = next(ex for ex in execs if ex["step"] == last and ex["graph"] == 0)
+    groups = []  # [launch position, first wait of a member or None, bytes, members]
+    for e in forward["events"]:
+        if e["ev"] in ("prefetch", "gather") and e.get("bytes"):
+            groups.append([e["pos"], None, e["bytes"], set(e.get("launched", e["ds_ids"]))])
+        elif e["ev"] == "op" and e["op"] == "wait_allgather":
+            for g in groups:
+                if g[1] is None and e["ds_id"] in g[3]:
+                    g[1] = e["pos"]
+    return lambda q: sum(b for launched, waited, b, _ in groups
+                         if launched <= q - 1 and (waited is None or waited >= q - 1))
 
 
 def busy_processes(n):
@@ -118,9 +144,11 @@ def test_measured_memory_keeps_the_budget_and_the_prediction(recorded, dcplan_mo
 @pytest.mark.parametrize("recorded", ["zero2"], indirect=True)
 def test_a_loaded_machine_frees_scratch_where_the_model_does(recorded, dcplan_module):
     """Every forward op of a prefetching plan, replayed beside two busy processes, within
-    LOADED_PER_OP of the simulated memory at that op: a gather's scratch is freed when its wait
-    returns, not when Gloo's worker thread next runs (without that, forward gathers measured 10%
-    over). The backward is left to the peak checks above: in one CI run under this load a 192 KiB
+    LOADED_PER_OP of the simulated memory at that op, plus the gathers in flight during it: a
+    gather's scratch is freed when its wait returns, not when Gloo's worker thread next runs
+    (without that, forward gathers measured 10% over; with the fix disabled, this check failed in
+    2 of 3 loaded replays, by up to 590,592 bytes against 262,656 in flight). The backward is left
+    to the peak checks above: in one CI run under this load a 192 KiB
     gradient stayed 3 reduce_grad ops longer than modelled on one rank (2.2% over there), a
     timing effect of its own, not yet explained (docs/planning.md, memory model)."""
     args, trace, default_peak, d = recorded
@@ -147,6 +175,7 @@ def test_a_loaded_machine_frees_scratch_where_the_model_does(recorded, dcplan_mo
             assert len(cmp["ops"]) > 0
             forward = [r for r in cmp["ops"] if r[0] == 0]  # (graph, micro, position, op, predicted, measured)
             assert forward
-            over = [r for r in forward if r[5] > r[4] * (1 + LOADED_PER_OP)]
-            assert over == [], f"{plan.name}, rank {rank}: forward ops above the simulated memory (graph, " \
-                               f"micro, position, op, predicted, measured): {over[:5]}"
+            in_flight = gathers_in_flight(events)
+            over = [(*r, in_flight(r[2])) for r in forward if r[5] > r[4] * (1 + LOADED_PER_OP) + in_flight(r[2])]
+            assert over == [], f"{plan.name}, rank {rank}: forward ops above the simulated memory and the gathers " \
+                               f"in flight (graph, micro, position, op, predicted, measured, in flight): {over[:5]}"
