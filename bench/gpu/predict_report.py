@@ -23,21 +23,27 @@ FIRST_TIMED_STEP = 4
 
 
 def load(path):
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"predict_report.py: {path}: {e}")
 
 
 def predicted(plan_path):
-    try:
-        return load(plan_path)["predicted"]
-    except KeyError:
-        sys.exit(f"predict_report.py: {plan_path}: expected a plan with a 'predicted' object")
+    p = load(plan_path).get("predicted", {})
+    if "step_us" not in p or "peak_memory_bytes" not in p:
+        sys.exit(f"predict_report.py: {plan_path}: expected predicted.step_us and predicted.peak_memory_bytes")
+    return p
 
 
 def step_times(path):
     """The example's step times (ms) in a STEPS file, from the first timed step on."""
-    with open(path) as f:
-        times = [float(line.split()[-2]) for line in f if line.startswith("step ")]
+    try:
+        with open(path) as f:
+            times = [float(line.split()[-2]) for line in f if line.startswith("step ")]
+    except OSError as e:
+        sys.exit(f"predict_report.py: {path}: {e} (did the run fail?)")
     if len(times) <= FIRST_TIMED_STEP:
         sys.exit(f"predict_report.py: {path}: expected more than {FIRST_TIMED_STEP} 'step' lines, "
                  f"found {len(times)} (did the run fail?)")

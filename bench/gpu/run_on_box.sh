@@ -17,7 +17,8 @@
 #   bash bench/gpu/run_on_box.sh deepspeed comm|compute [args]  # DeepSpeed ZeRO-3 eager and DeepCompile
 #       (wheels from .whl, carried) against $MODES (default fsdp2,dcplan-compiled,bound; $PLAN: a
 #       compiled plan), separate processes in turn over $ROUNDS rounds, merged into one table
-#   bash bench/gpu/run_on_box.sh comm|compute [args]  # one shape, everything in order:
+#   bash bench/gpu/run_on_box.sh comm|compute [args]  # one shape, everything in order (BENCH_MODEL=transformers
+#       in any of the bench's targets: a transformers LlamaForCausalLM of the same sizes, recorded too):
 #       1. fsdp2, dcplan (default schedule) and the compute-only bound;
 #       2. dcplan record of the default schedule;
 #       3. dcplan plan: heuristic, optimized, and optimized with FSDP2's measured peak as budget

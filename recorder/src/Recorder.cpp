@@ -215,12 +215,11 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   // compute before it (a host-bound GPU would idle through it, and the planner would count
   // the recorder's bookkeeping as model compute).
   std::optional<TimePoint> stretchEnd;
+  bool caughtUp = false;
   if (current_.led) {
     double leadUs = kOpLeadUs;
-    if (timer_->reached(current_.lastMark)) {
-      current_.catchUps.push_back(current_.events.size());
-      if (current_.catchUps.size() <= kMaxCatchUps) leadUs = current_.leadUs;  // behind the host again
-    }
+    caughtUp = timer_->reached(current_.lastMark);
+    if (caughtUp && current_.catchUps.size() < kMaxCatchUps) leadUs = current_.leadUs;  // behind the host again
     stretchEnd = timer_->mark(Stream::Compute);
     timer_->queueLead(leadUs);  // between the stretch's end and the op's begin: in neither span
   }
@@ -252,6 +251,7 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   raw.hostCall = called;
   current_.events.push_back(std::move(raw));
   currentEvent_ = static_cast<int64_t>(current_.events.size()) - 1;
+  if (caughtUp) current_.catchUps.push_back(current_.events.size() - 1);
   current_.events.back().hostBegin = hostClock();
 }
 
@@ -383,18 +383,29 @@ std::vector<double> Recorder::computeBeforeUs(const MicroStep& step, const Graph
 }
 
 std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& registered) {
-  std::vector<LedTimes> led;
+  // The ops where the device had caught up, as the trace numbers them (graph and seq).
+  auto where = [](const MicroStep& l) {
+    std::ostringstream out;
+    for (size_t i = 0; i < l.catchUps.size() && i <= kMaxCatchUps; ++i) {
+      const size_t at = l.catchUps[i];
+      const int64_t graph = l.events[at].graphId;
+      const auto seq = std::count_if(l.events.begin(), l.events.begin() + static_cast<std::ptrdiff_t>(at),
+                                     [&](const RawEvent& e) { return e.graphId == graph; });
+      out << (i ? ", " : "") << l.events[at].op << " (graph " << graph << " seq " << seq << ")";
+    }
+    return out.str();
+  };
   for (const MicroStep& l : led_) {
-    std::ostringstream where;
-    for (size_t i = 0; i < l.catchUps.size() && i <= kMaxCatchUps; ++i)
-      where << (i ? ", " : "") << "op " << l.catchUps[i] << " (" << l.events[l.catchUps[i]].op << ")";
     if (l.catchUps.size() > kMaxCatchUps) {
       TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught up with the "
-                 "host more than ", kMaxCatchUps, " times in micro-step ", l.micro, " (at ", where.str(),
+                 "host more than ", kMaxCatchUps, " times in micro-step ", l.micro, " (at ", where(l),
                  "): the host paces it (busy work that ran out, or a model that synchronises often), so the "
                  "trace has no device_us (plan --cuda-graph needs them)");
       return {};
     }
+  }
+  std::vector<LedTimes> led;
+  for (const MicroStep& l : led_) {
     if (l.optimizerCaughtUp) {  // the ops' times hold; the optimizer's does not
       TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught up with the host "
                  "while the host issued the optimizer step after micro-step ", l.micro, " (the busy work queued at "
@@ -416,7 +427,7 @@ std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& r
       for (size_t op : l.catchUps)
         mayWaitUs += times.computeBeforeUs[op] + (op > 0 ? times.opUs[op - 1].value_or(0) : 0);
       TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught up with the host "
-                 "at ", where.str(), " of micro-step ", l.micro, " (a host synchronisation in the model, or busy "
+                 "at ", where(l), " of micro-step ", l.micro, " (a host synchronisation in the model, or busy "
                  "work that ran out; transformers' check for packed sequences synchronises where no attention mask "
                  "is given); the lead was queued again there, and the device times just before (",
                  std::lround(mayWaitUs), " us) may hold waiting for the host");

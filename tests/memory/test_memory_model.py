@@ -76,8 +76,10 @@ def gathers_in_flight(events):
             for g in groups:
                 if g[1] is None and e["ds_id"] in g[3]:
                     g[1] = e["pos"]
-    return lambda q: sum(b for launched, waited, b, _ in groups
-                         if launched <= q - 1 and (waited is None or waited >= q - 1))
+    # Each group in flight may hold its scratch (Gloo runs them on several worker threads); a group
+    # the forward never waited would be allowed to the end, so there must be none.
+    assert all(waited is not None for _, waited, _, _ in groups), groups
+    return lambda q: sum(b for launched, waited, b, _ in groups if launched <= q - 1 <= waited)
 
 
 def busy_processes(n):

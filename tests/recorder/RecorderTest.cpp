@@ -490,11 +490,30 @@ TEST_F(RecorderTest, ADeviceThatCaughtUpOnceIsLedAgainThereAndKeepsItsTimes) {
   }
   EXPECT_TRUE(t.steps[0].optimizerDeviceUs);
   ASSERT_EQ(warnings.messages.size(), 1u);
-  EXPECT_NE(warnings.messages[0].find("at op 2 (release_param) of micro-step 0"), std::string::npos)
+  EXPECT_NE(warnings.messages[0].find("at release_param (graph 0 seq 2) of micro-step 0"), std::string::npos)
       << warnings.messages[0];
   // What may hold waiting: the compute before that op (half of 10 - 8 at this device's speed); the
   // op before it is a wait, whose span is no device time of the trace.
   EXPECT_NE(warnings.messages[0].find("queued again there, and the device times just before (1 us)"),
+            std::string::npos)
+      << warnings.messages[0];
+}
+
+TEST_F(RecorderTest, UpToThreeCatchUpsKeepTheTimes) {
+  auto rec = make(/*steps=*/1, /*warmup=*/2);
+  microStep(*rec, 0, true);
+  const int first = timer->reachedCalls;
+  timer->caughtUpCalls = {first + 1, first + 4, first + 6};  // the first op, and both of the backward's ends
+  microStep(*rec, 100, true, 0.5);
+  timer->caughtUpCalls.clear();
+  for (size_t i : {1, 4, 6}) EXPECT_EQ(timer->leads[i], timer->leads[0]) << i;
+  microStep(*rec, 200, true);
+  CollectedWarnings warnings;
+  schemas::Trace t = validRoundTrip(finish(*rec, 257));
+  EXPECT_DOUBLE_EQ(t.steps[0].graphs[0].events[0].deviceUs.value_or(-1), 0.5 * t.steps[0].graphs[0].events[0].computeUs);
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_NE(warnings.messages[0].find("at allgather_param (graph 0 seq 0), reduce_grad (graph 1 seq 0), end_backward "
+                                      "(graph 1 seq 2) of micro-step 0"),
             std::string::npos)
       << warnings.messages[0];
 }
@@ -558,7 +577,7 @@ TEST_F(RecorderTest, EachAccumulatedMicroStepPairsWithTheLedOneAtItsPosition) {
   EXPECT_DOUBLE_EQ(t.steps[1].optimizerDeviceUs.value_or(-1), 400.0 - (300.0 + 0.25 * 40.0));
 }
 
-TEST_F(RecorderTest, ACatchUpAtALaterOpOrAStepOfOtherOpsLeavesDeviceTimesOut) {
+TEST_F(RecorderTest, CatchUpsFromTheThirdOpOnOrAStepOfOtherOpsLeaveDeviceTimesOut) {
   {  // the device reached every mark from the third op on: more catch-ups than leading again makes up for
     auto rec = make(/*steps=*/1, /*warmup=*/2);
     microStep(*rec, 0, true);

@@ -139,8 +139,9 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     bool led = false;   // a device-lead micro-step (its events give device_us)
     double leadUs = 0;           // led: the busy work queued at its start
     TimePoint lastMark = 0;      // led: the latest mark, start or an op's end
-    // led: the ops at which the device had run all it was given (a host synchronisation in the
-    // model, or busy work that ran out); it may have waited for the host since the op before began.
+    // led: the ops (indices into events) at which the device had run all it was given (a host
+    // synchronisation in the model, or busy work that ran out); it may have waited for the host
+    // since the op before began.
     std::vector<size_t> catchUps;
     bool optimizerCaughtUp = false;  // led: the device passed end_backward's busy work before the optimizer was issued
     TimePoint start = 0;
