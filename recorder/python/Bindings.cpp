@@ -18,10 +18,16 @@ std::mutex gMutex;
 std::shared_ptr<Recorder> gRecorder;  // armed by record_begin, dropped by record_stop
 bool gAttached = false;               // wrapped the runtime's transport
 
-std::shared_ptr<Recorder> current(const char* fn) {
+/// The armed recorder, or null.
+std::shared_ptr<Recorder> armed() {
   std::lock_guard<std::mutex> lock(gMutex);
-  TORCH_CHECK(gRecorder != nullptr, fn, ": recording is not on; call record_begin() first");
   return gRecorder;
+}
+
+std::shared_ptr<Recorder> current(const char* fn) {
+  std::shared_ptr<Recorder> rec = armed();
+  TORCH_CHECK(rec != nullptr, fn, ": recording is not on; call record_begin() first");
+  return rec;
 }
 
 }  // namespace
@@ -123,12 +129,7 @@ void bindRecorder(py::module_& m) {
   m.def(
       "record_optimizer_step_issued",
       [] {
-        std::shared_ptr<Recorder> rec;
-        {
-          std::lock_guard<std::mutex> lock(gMutex);
-          rec = gRecorder;
-        }
-        if (rec) rec->onOptimizerStepIssued();  // a hook left behind by a stopped recording does nothing
+        if (auto rec = armed()) rec->onOptimizerStepIssued();  // a hook left behind by a stopped recording does nothing
       },
       "An optimizer's step() returned (torch's global optimizer post-hook while recording).");
   m.def(

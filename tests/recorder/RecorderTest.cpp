@@ -179,6 +179,8 @@ class RecorderTest : public ::testing::Test {
   /// A ZeRO-3 micro-step starting at t0: forward gathers w (launched at +2, the
   /// host waits from +3 to +8), backward reduces w and b in one bucket that
   /// end_backward launches at +35 and waits for until +40; `scale` stretches every time.
+  std::shared_ptr<Recorder> ledStepCatchingUpAt(std::initializer_list<int> ops, double scale);
+
   void microStep(Recorder& rec, double t0, bool sync, double scale = 1.0) {
     auto at = [&](double dt) { return t0 + scale * dt; };
     now = t0;
@@ -471,14 +473,21 @@ class CollectedWarnings final : public c10::WarningHandler {
   c10::WarningUtils::WarningHandlerGuard guard_;
 };
 
+/// A recording whose device-lead step (the second, at half the host's pace) found the device
+/// caught up at these of its 6 ops (1-based; the recorder asks at each op), then one recorded step.
+std::shared_ptr<Recorder> RecorderTest::ledStepCatchingUpAt(std::initializer_list<int> ops, double scale) {
+  auto rec = make(/*steps=*/1, /*warmup=*/2);
+  microStep(*rec, 0, true);
+  for (int op : ops) timer->caughtUpCalls.insert(timer->reachedCalls + op);
+  microStep(*rec, 100, true, scale);
+  timer->caughtUpCalls.clear();
+  return rec;
+}
+
 TEST_F(RecorderTest, ADeviceThatCaughtUpOnceIsLedAgainThereAndKeepsItsTimes) {
   // A model that synchronises the host once in its forward (transformers' check for packed
   // sequences): the device has run all it was given when the next op is called.
-  auto rec = make(/*steps=*/1, /*warmup=*/2);
-  microStep(*rec, 0, true);
-  timer->caughtUpCalls = {timer->reachedCalls + 3};  // asked at each op of the led step: the third
-  microStep(*rec, 100, true, 0.5);
-  timer->caughtUpCalls.clear();
+  auto rec = ledStepCatchingUpAt({3}, 0.5);
   ASSERT_EQ(timer->leads.size(), 8u);
   EXPECT_EQ(timer->leads[3], timer->leads[0]) << "the step's lead again, before the third op";
   for (size_t i : {1, 2, 4, 5, 6}) EXPECT_EQ(timer->leads[i], 1000.0) << i;
@@ -500,12 +509,7 @@ TEST_F(RecorderTest, ADeviceThatCaughtUpOnceIsLedAgainThereAndKeepsItsTimes) {
 }
 
 TEST_F(RecorderTest, UpToThreeCatchUpsKeepTheTimes) {
-  auto rec = make(/*steps=*/1, /*warmup=*/2);
-  microStep(*rec, 0, true);
-  const int first = timer->reachedCalls;
-  timer->caughtUpCalls = {first + 1, first + 4, first + 6};  // the first op, and both of the backward's ends
-  microStep(*rec, 100, true, 0.5);
-  timer->caughtUpCalls.clear();
+  auto rec = ledStepCatchingUpAt({1, 4, 6}, 0.5);  // the first op, and both of the backward's ends
   for (size_t i : {1, 4, 6}) EXPECT_EQ(timer->leads[i], timer->leads[0]) << i;
   microStep(*rec, 200, true);
   CollectedWarnings warnings;
@@ -519,12 +523,7 @@ TEST_F(RecorderTest, UpToThreeCatchUpsKeepTheTimes) {
 }
 
 TEST_F(RecorderTest, MoreCatchUpsThanLeadingAgainMakesUpForLeaveDeviceTimesOut) {
-  auto rec = make(/*steps=*/1, /*warmup=*/2);
-  microStep(*rec, 0, true);
-  const int first = timer->reachedCalls;
-  timer->caughtUpCalls = {first + 1, first + 2, first + 4, first + 6};  // four of the six ops
-  microStep(*rec, 100, true);
-  timer->caughtUpCalls.clear();
+  auto rec = ledStepCatchingUpAt({1, 2, 4, 6}, 1.0);  // four of the six ops
   // The step's lead again at the first three only.
   EXPECT_EQ(timer->leads[1], timer->leads[0]);
   EXPECT_EQ(timer->leads[2], timer->leads[0]);
