@@ -262,12 +262,18 @@ def absent_rank_worker(rank, ws, store_file, out_dir, env):
     dcplan.init()
     out = {}
 
+    gave_up = os.path.join(out_dir, "rank0-gave-up")
+
     def late():
-        if rank == 1:
-            time.sleep(3)  # rank 1 comes after rank 0 gave up (1 s)
+        if rank == 1:  # rank 1 comes once rank 0 has given up (after 1 s), however late rank 0 started
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gave_up) and time.monotonic() < deadline:
+                time.sleep(0.05)
         torch.ops.dc.inference_all_reduce_(torch.ones(4))
 
     _run(out, "absent", lambda: _error_of(late))
+    if rank == 0:
+        open(gave_up, "w").close()
     _save(out_dir, rank, out)
     dcplan.shutdown()
     dist.destroy_process_group()

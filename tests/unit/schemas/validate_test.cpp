@@ -36,6 +36,9 @@ struct TraceCase {
   std::vector<std::string> expected;
 };
 
+// The case's name in test listings and ctest's names, not its bytes (which hold addresses).
+void PrintTo(const TraceCase& c, std::ostream* os) { *os << c.name; }
+
 ordered_json& event(ordered_json& t, int graph, int index) {
   return t["steps"][0]["graphs"][graph]["events"][index];
 }

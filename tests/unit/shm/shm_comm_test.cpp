@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <bit>
 #include <chrono>
 #include <cstring>
@@ -178,10 +179,19 @@ TEST(ShmComm, ARankThatNeverArrivesTimesOutAndTheOthersLeaveToo) {
   auto r1 = ShmComm::open(name, 1, 3, patient);
   auto r2 = ShmComm::open(name, 2, 3, patient);  // never calls
   r0->unlinkName();
+  // Rank 0 calls once rank 1 is about to: a thread that a loaded machine started late would be
+  // listed as missing beside rank 2 after 0.3 s.
+  std::atomic<bool> oneCalls{false};
   const auto start = Clock::now();
   auto errors = onEveryRank(2, [&](int r) {
     float x = 1;
-    (r == 0 ? *r0 : *r1).allReduce("inference_all_reduce", &x, 1, DType::Float32);
+    if (r == 1) {
+      oneCalls = true;
+      r1->allReduce("inference_all_reduce", &x, 1, DType::Float32);
+      return;
+    }
+    while (!oneCalls) std::this_thread::yield();
+    r0->allReduce("inference_all_reduce", &x, 1, DType::Float32);
   });
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   EXPECT_NE(errors[0].find("rank 0 waited 0.3 s for rank(s) 2"), std::string::npos) << errors[0];
