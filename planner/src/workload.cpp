@@ -13,16 +13,28 @@ namespace dcplan::planner {
 namespace {
 
 OpKind kindOf(const std::string& op) {
-  if (op == "allgather_param") return OpKind::AllGather;
-  if (op == "wait_allgather") return OpKind::Wait;
-  if (op == "release_param") return OpKind::Release;
-  if (op == "reduce_grad") return OpKind::ReduceGrad;
-  if (op == "end_backward") return OpKind::EndBackward;
-  if (op == "offload_tensor" || op == "reload_tensor" || op == "offload_parameter" ||
-      op == "reload_parameter") {
-    return OpKind::CopyStart;
+  const auto role = schemas::opRole(op);
+  if (!role) return OpKind::Other;  // validation refuses unknown ops; kept apart all the same
+  switch (*role) {
+    case schemas::OpRole::Gather:
+      return OpKind::AllGather;
+    case schemas::OpRole::GatherWait:
+      return OpKind::Wait;
+    case schemas::OpRole::Release:
+      return OpKind::Release;
+    case schemas::OpRole::ReduceGrad:
+      return OpKind::ReduceGrad;
+    case schemas::OpRole::EndBackward:
+      return OpKind::EndBackward;
+    case schemas::OpRole::Offload:
+    case schemas::OpRole::Reload:
+      return OpKind::CopyStart;
+    case schemas::OpRole::CopyWait:
+      return OpKind::CopyWait;
+    case schemas::OpRole::Prefetch:  // a recorded prefetch: the plan places its own
+    case schemas::OpRole::Free:
+      return OpKind::Other;
   }
-  if (op == "wait_offload" || op == "wait_reload") return OpKind::CopyWait;
   return OpKind::Other;
 }
 
@@ -368,7 +380,7 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay
         }
         if (op.kind == OpKind::CopyStart) {
           op.copyBytes = e.bytes;
-          op.hostToDevice = e.op.rfind("reload", 0) == 0;
+          op.hostToDevice = schemas::opRole(e.op) == schemas::OpRole::Reload;
           run.copyUs[ei] = std::max(0.0, e.endUs - e.startUs);
         }
         if (first) {

@@ -54,11 +54,19 @@ std::string dtypeName(c10::ScalarType dtype) {
 namespace {
 
 Stream streamOf(const std::string& op) {
-  if (op == "allgather_param" || op == "prefetch_params_fused") return Stream::AllGather;
-  if (op == "reduce_grad") return Stream::Reduce;
-  if (op == "offload_tensor" || op == "offload_parameter") return Stream::Offload;
-  if (op == "reload_tensor" || op == "reload_parameter") return Stream::Reload;
-  return Stream::Compute;  // waits, releases, end_backward, free_tensors
+  switch (schemas::opRole(op).value_or(schemas::OpRole::Free)) {
+    case schemas::OpRole::Gather:
+    case schemas::OpRole::Prefetch:
+      return Stream::AllGather;
+    case schemas::OpRole::ReduceGrad:
+      return Stream::Reduce;
+    case schemas::OpRole::Offload:
+      return Stream::Offload;
+    case schemas::OpRole::Reload:
+      return Stream::Reload;
+    default:
+      return Stream::Compute;  // waits, releases, end_backward, free_tensors
+  }
 }
 
 HostTime hostClock() {

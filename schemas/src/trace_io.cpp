@@ -23,31 +23,53 @@ namespace {
 // How many parameter ids each op names in its "ds_id" / "ds_ids" field.
 enum class IdArity { None, One, Many, TensorId };
 
-const std::map<std::string, IdArity>& opArity() {
-  static const std::map<std::string, IdArity> ops{
-      {"allgather_param", IdArity::One},     {"prefetch_params_fused", IdArity::Many},
-      {"wait_allgather", IdArity::One},      {"release_param", IdArity::One},
-      {"reduce_grad", IdArity::One},         {"free_tensors", IdArity::None},
-      {"offload_tensor", IdArity::TensorId}, {"reload_tensor", IdArity::TensorId},
-      {"wait_offload", IdArity::TensorId},   {"wait_reload", IdArity::TensorId},
-      {"offload_parameter", IdArity::One},   {"reload_parameter", IdArity::One},
-      {"end_backward", IdArity::None},
+struct OpInfo {
+  IdArity ids;
+  OpRole role;
+};
+
+/// Every dc op of the trace format: the one place that says what an op is.
+const std::map<std::string, OpInfo>& traceOps() {
+  static const std::map<std::string, OpInfo> ops{
+      {"allgather_param", {IdArity::One, OpRole::Gather}},
+      {"prefetch_params_fused", {IdArity::Many, OpRole::Prefetch}},
+      {"wait_allgather", {IdArity::One, OpRole::GatherWait}},
+      {"release_param", {IdArity::One, OpRole::Release}},
+      {"reduce_grad", {IdArity::One, OpRole::ReduceGrad}},
+      {"free_tensors", {IdArity::None, OpRole::Free}},
+      {"offload_tensor", {IdArity::TensorId, OpRole::Offload}},
+      {"reload_tensor", {IdArity::TensorId, OpRole::Reload}},
+      {"wait_offload", {IdArity::TensorId, OpRole::CopyWait}},
+      {"wait_reload", {IdArity::TensorId, OpRole::CopyWait}},
+      {"offload_parameter", {IdArity::One, OpRole::Offload}},
+      {"reload_parameter", {IdArity::One, OpRole::Reload}},
+      {"end_backward", {IdArity::None, OpRole::EndBackward}},
   };
   return ops;
 }
 
+const OpInfo* findOp(const std::string& op) {
+  auto it = traceOps().find(op);
+  return it == traceOps().end() ? nullptr : &it->second;
+}
 
 }  // namespace
 
+std::optional<OpRole> opRole(const std::string& op) {
+  if (const OpInfo* info = findOp(op)) return info->role;
+  return std::nullopt;
+}
+
 bool waitsForAnotherStream(const std::string& op) {
-  return op == "wait_allgather" || op == "wait_offload" || op == "wait_reload" || op == "end_backward";
+  const auto role = opRole(op);
+  return role == OpRole::GatherWait || role == OpRole::CopyWait || role == OpRole::EndBackward;
 }
 
 namespace {
 
 std::string opNames() {
   std::string out;
-  for (const auto& [name, arity] : opArity()) out += (out.empty() ? "" : ", ") + name;
+  for (const auto& [name, info] : traceOps()) out += (out.empty() ? "" : ", ") + name;
   return out;
 }
 
@@ -276,15 +298,15 @@ class TraceValidator {
     }
     IdArity arity = IdArity::None;
     if (auto op = r.string("op")) {
-      auto it = opArity().find(*op);
-      if (it == opArity().end()) {
+      const OpInfo* info = findOp(*op);
+      if (!info) {
         diags_.add(ptr + "/op", "unknown op \"" + *op + "\" (expected one of " + opNames() + ")");
         // Which id fields an unknown op may carry is unknown: do not report them too.
         r.integer("ds_id", 0, P::Optional);
         r.integers("ds_ids", 0, P::Optional);
         r.integer("n_users", 1, P::Optional);
       } else {
-        arity = it->second;
+        arity = info->ids;
       }
       ev.op = *op;
     }
@@ -353,8 +375,8 @@ ordered_json curveJson(const std::vector<CalibrationPoint>& curve) {
 }
 
 bool takesOneId(const std::string& op) {
-  auto it = opArity().find(op);
-  return it != opArity().end() && (it->second == IdArity::One || it->second == IdArity::TensorId);
+  const OpInfo* info = findOp(op);
+  return info && (info->ids == IdArity::One || info->ids == IdArity::TensorId);
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 // Each kind of bad document gives its exact diagnostic; reading reports the file.
 #include <functional>
+#include <map>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -216,6 +218,25 @@ TEST(Parse, DeepNestingIsAnErrorNotACrash) {
     EXPECT_THROW(detectKind(doc, "deep.json"), InputError);
   } catch (const InputError&) {
   }
+}
+
+TEST(OpRoles, EachOpOfTheFormatHasItsRoleAndOnlyWaitsWaitForAnotherStream) {
+  const std::map<std::string, OpRole> format = {
+      {"allgather_param", OpRole::Gather},     {"prefetch_params_fused", OpRole::Prefetch},
+      {"wait_allgather", OpRole::GatherWait},  {"release_param", OpRole::Release},
+      {"reduce_grad", OpRole::ReduceGrad},     {"end_backward", OpRole::EndBackward},
+      {"offload_tensor", OpRole::Offload},     {"offload_parameter", OpRole::Offload},
+      {"reload_tensor", OpRole::Reload},       {"reload_parameter", OpRole::Reload},
+      {"wait_offload", OpRole::CopyWait},      {"wait_reload", OpRole::CopyWait},
+      {"free_tensors", OpRole::Free},
+  };
+  const std::set<std::string> waiting = {"wait_allgather", "wait_offload", "wait_reload", "end_backward"};
+  for (const auto& [name, role] : format) {
+    EXPECT_EQ(opRole(name), role) << name;
+    EXPECT_EQ(waitsForAnotherStream(name), waiting.count(name) == 1) << name;
+  }
+  EXPECT_FALSE(opRole("allgather"));
+  EXPECT_FALSE(waitsForAnotherStream("wait"));
 }
 
 TEST(Read, KindMismatchIsNamed) {

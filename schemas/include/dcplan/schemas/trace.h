@@ -99,6 +99,24 @@ struct OpEvent {
   std::optional<double> opDeviceUs;
 };
 
+/// What a dc op of the trace format does; the trace's validation, the planner's op kinds and
+/// the recorder's streams all read it from one table (opRole).
+enum class OpRole {
+  Gather,       ///< allgather_param: a gather on the all-gather stream
+  Prefetch,     ///< prefetch_params_fused: gathers of several parameters in one call
+  GatherWait,   ///< wait_allgather
+  Release,      ///< release_param
+  ReduceGrad,   ///< reduce_grad: a gradient into a bucket, reduced on the reduce stream
+  EndBackward,  ///< end_backward: flushes the buckets and waits for their reductions
+  Offload,      ///< offload_tensor, offload_parameter: a copy to the host on the offload stream
+  Reload,       ///< reload_tensor, reload_parameter: a copy back on the reload stream
+  CopyWait,     ///< wait_offload, wait_reload
+  Free,         ///< free_tensors
+};
+
+/// The role of a dc op by its name; none for a name the trace format does not know.
+std::optional<OpRole> opRole(const std::string& op);
+
 /// Whether a dc op makes the compute stream wait for another stream (wait_allgather,
 /// wait_offload, wait_reload, end_backward): its span there is that wait, not its own work, so
 /// such an op has no op_device_us.
