@@ -30,10 +30,11 @@ def load(path):
         sys.exit(f"predict_report.py: {path}: {e}")
 
 
-def predicted(plan_path):
-    p = load(plan_path).get("predicted", {})
-    if "step_us" not in p or "peak_memory_bytes" not in p:
-        sys.exit(f"predict_report.py: {plan_path}: expected predicted.step_us and predicted.peak_memory_bytes")
+def predicted(plan_path, section="predicted", fields=("step_us", "peak_memory_bytes")):
+    """A plan's prediction (or its predicted_default), with the fields the reports read."""
+    p = load(plan_path).get(section, {})
+    if any(f not in p for f in fields):
+        sys.exit(f"predict_report.py: {plan_path}: expected " + " and ".join(f"{section}.{f}" for f in fields))
     return p
 
 
@@ -71,7 +72,8 @@ def main(argv):
             sys.exit(f"predict_report.py: {args[0]}: expected results.{args[1]}.peak_bytes (did that mode run?)")
     elif cmd == "default-budget" and len(args) == 1:
         # The planner keeps 0.5% of a budget back for what it does not see (kUnseenReserveShare).
-        print(int(load(args[0])["predicted_default"]["peak_memory_bytes"] / 0.995) + 1)
+        default = predicted(args[0], "predicted_default", ("peak_memory_bytes",))
+        print(int(default["peak_memory_bytes"] / 0.995) + 1)
     elif cmd == "budget" and len(args) == 2:
         print(int(float(args[0]) * predicted(args[1])["peak_memory_bytes"]))
     elif cmd == "one-run" and len(args) == 2:

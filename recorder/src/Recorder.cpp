@@ -227,7 +227,8 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   if (current_.led) {
     double leadUs = kOpLeadUs;
     caughtUp = timer_->reached(current_.lastMark);
-    if (caughtUp && current_.catchUps.size() < kMaxCatchUps) leadUs = current_.leadUs;  // behind the host again
+    // Found caught up: the step's lead again, to be behind the host once more.
+    if (caughtUp && current_.catchUps.size() < kMaxCatchUps) leadUs = current_.leadUs;
     stretchEnd = timer_->mark(Stream::Compute);
     timer_->queueLead(leadUs);  // between the stretch's end and the op's begin: in neither span
   }
@@ -405,10 +406,11 @@ std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& r
   };
   for (const MicroStep& l : led_) {
     if (l.catchUps.size() > kMaxCatchUps) {
-      TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught up with the "
-                 "host more than ", kMaxCatchUps, " times in micro-step ", l.micro, " (at ", where(l),
-                 "): the host paces it (busy work that ran out, or a model that synchronises often), so the "
-                 "trace has no device_us (plan --cuda-graph needs them)");
+      TORCH_WARN("record: rank ", transport_->rank(),
+                 ": in the device-lead step the device caught up with the host more than ", kMaxCatchUps,
+                 " times in micro-step ", l.micro, " (at ", where(l),
+                 "): the host paces it (busy work that ran out, or a model that synchronises often), so "
+                 "the trace has no device_us (plan --cuda-graph needs them)");
       return {};
     }
   }
@@ -434,11 +436,12 @@ std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& r
       double mayWaitUs = 0;
       for (size_t op : l.catchUps)
         mayWaitUs += times.computeBeforeUs[op] + (op > 0 ? times.opUs[op - 1].value_or(0) : 0);
-      TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught up with the host "
-                 "at ", where(l), " of micro-step ", l.micro, " (a host synchronisation in the model, or busy "
-                 "work that ran out; transformers' check for packed sequences synchronises where no attention mask "
-                 "is given); the lead was queued again there, and the device times just before (",
-                 std::lround(mayWaitUs), " us) may hold waiting for the host");
+      TORCH_WARN("record: rank ", transport_->rank(),
+                 ": in the device-lead step the device caught up with the host at ", where(l), " of micro-step ",
+                 l.micro, " (a host synchronisation in the model, or busy work that ran out; transformers' "
+                 "check for packed sequences synchronises where no attention mask is given); the lead was "
+                 "queued again there, and the device times just before (", std::lround(mayWaitUs),
+                 " us) may hold waiting for the host");
     }
     led.push_back(std::move(times));
   }

@@ -19,8 +19,8 @@ namespace {
 // Gloo only), and the work holds the call's scratch (Gloo's flat buffers, our fused buffer).
 // Were the caller to drop its handle first, that memory would be freed whenever the worker next
 // runs: on a loaded machine several ops later, so the memory at an op would depend on the
-// scheduler, not on the plan. Waiting here until the caller's reference is the last one frees the scratch at
-// the op the planner's memory model puts it at (docs/planning.md, memory model).
+// scheduler, not on the plan. Waiting here until the caller's reference is the last one frees
+// the scratch at the op the planner's memory model puts it at (docs/planning.md, memory model).
 // The worker lets go within microseconds once it runs; the bound only guards against a torch
 // that keeps another reference for good, where waiting would never end.
 std::atomic<bool> workerReleaseObserved{true};

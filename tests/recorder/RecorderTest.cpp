@@ -183,8 +183,6 @@ class RecorderTest : public ::testing::Test {
   /// A ZeRO-3 micro-step starting at t0: forward gathers w (launched at +2, the
   /// host waits from +3 to +8), backward reduces w and b in one bucket that
   /// end_backward launches at +35 and waits for until +40; `scale` stretches every time.
-  std::shared_ptr<Recorder> ledStepCatchingUpAt(std::initializer_list<int> ops, double scale);
-
   void microStep(Recorder& rec, double t0, bool sync, double scale = 1.0) {
     auto at = [&](double dt) { return t0 + scale * dt; };
     now = t0;
@@ -213,6 +211,9 @@ class RecorderTest : public ::testing::Test {
       reduce->wait();
     });
   }
+
+  /// A recording whose device-lead step caught up at chosen ops (defined beside its tests).
+  std::shared_ptr<Recorder> ledStepCatchingUpAt(std::initializer_list<int> ops, double scale);
 
   /// The next step's start_forward at `at` ends the recording: the trace, on a one-point
   /// calibration.
