@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -44,12 +44,6 @@ def sizes(lo: int, hi: int):
         s *= 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def time_round(fn, x, round_s: float) -> float:
     """Seconds per call: calls until round_s has passed (the same count on every rank)."""
     dist.barrier()
@@ -68,10 +62,11 @@ def time_round(fn, x, round_s: float) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def worker(rank: int, ws: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, ws: int, store_path: str, args, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    # A file store, not a TCP port: a port picked free here could be taken by another job before
+    # rank 0 binds it.
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=ws)
     import dcplan
 
     dcplan.init()
@@ -110,7 +105,8 @@ def main(argv=None) -> int:
     ctx = mp.get_context("spawn")
     for ws in args.ranks:
         queue = ctx.SimpleQueue()
-        mp.spawn(worker, args=(ws, free_port(), args, queue), nprocs=ws, join=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(worker, args=(ws, os.path.join(tmp, "store"), args, queue), nprocs=ws, join=True)
         shm_path, rows = queue.get()
         print(f"\n{ws} ranks (dc op through {'shared memory' if shm_path else 'the process group'})")
         print(f"{'size':>9} | {'dc op':>10} {'busbw':>9} | {'gloo':>10} {'busbw':>9} | {'speedup':>7}")

@@ -25,10 +25,15 @@ def worker(rank, ws, store_file, out_dir, fault):
     import dcplan
 
     torch.set_num_threads(1)
+    # Only the faulty step runs under the short timeout: the ranks meet on a world group with a
+    # generous one (on a loaded machine a rank may start seconds after another), and dcplan runs
+    # on a group of the same ranks with PG_TIMEOUT_S.
     dist.init_process_group("gloo", store=dist.FileStore(store_file, ws), rank=rank, world_size=ws,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=120))
+    dist.barrier()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     model = dist_cases.make_model(dist_cases.Case("fault", 3))
-    dcplan.shard(model, stage=3)
+    dcplan.shard(model, stage=3, process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if rank == 1 and fault == "disagree":
         plain_forward = model.forward
@@ -57,6 +62,8 @@ def worker(rank, ws, store_file, out_dir, fault):
             opt.step()
             opt.zero_grad()
             steps_done[0] += 1
+            if steps_done[0] == 1:
+                dist.barrier()  # the faulty step starts together on every rank
     except RuntimeError:
         result = {"error": traceback.format_exc(limit=1), "seconds": time.monotonic() - start}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
