@@ -167,7 +167,7 @@ ChildStatus ChildProcess::stop(std::chrono::milliseconds grace) {
 InterruptGuard::InterruptGuard() {
   gReceived.store(0);
   for (size_t i = 0; i < std::size(kForwarded); ++i) {
-    struct sigaction action{};
+    struct sigaction action {};
     action.sa_handler = recordSignal;
     sigemptyset(&action.sa_mask);
     ::sigaction(kForwarded[i], &action, &gPrevious[i]);

@@ -1,4 +1,5 @@
-// `dcplan inspect PLAN [--trace TRACE] [--chrome-trace OUT.json] [--memory-curve OUT.json]`: plan report and predicted timeline.
+// `dcplan inspect PLAN [--trace TRACE] [--chrome-trace OUT.json] [--memory-curve OUT.json]`: plan report and
+// predicted timeline.
 #include "inspect_plan.h"
 
 #include <nlohmann/json.hpp>

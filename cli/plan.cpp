@@ -78,9 +78,10 @@ void setupPlan(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--bandwidth", o->bandwidth, "plan for this bus bandwidth, GB/s (default: as calibrated)");
   cmd->add_flag("--explain", o->explain, "print why each decision was taken");
-  cmd->add_flag("--cuda-graph", o->cudaGraph,
-                "plan and predict for a step replayed as one CUDA graph (dcplan.graphed_step): the device's own "
-                "times, recorded on a GPU, without the host's");
+  cmd->add_flag(
+      "--cuda-graph", o->cudaGraph,
+      "plan and predict for a step replayed as one CUDA graph (dcplan.graphed_step): the device's own "
+      "times, recorded on a GPU, without the host's");
   cmd->callback([o] { runPlan(*o); });
 }
 

@@ -61,7 +61,8 @@ void printTraceSummary(std::ostream& out, const std::string& file, const Trace& 
     // The host's side of the same step: which of the two the step waited for.
     const double host = s.hostComputeUs + s.issueUs + s.optimizerHostUs;
     out << "host time per step: " << formatMs(host) << " = issuing compute " << formatMs(s.hostComputeUs)
-        << " + inside dc ops " << formatMs(s.issueUs) << " + optimizer " << formatMs(s.optimizerHostUs) << "\n";
+        << " + inside dc ops " << formatMs(s.issueUs) << " + optimizer " << formatMs(s.optimizerHostUs)
+        << "\n";
   }
   if (s.deviceTimes) {
     // The device-lead step's: what a step replayed as one CUDA graph runs (dcplan plan --cuda-graph).
@@ -69,7 +70,8 @@ void printTraceSummary(std::ostream& out, const std::string& file, const Trace& 
     out << "device's own time per step: " << formatMs(s.deviceComputeUs + s.deviceOpUs + s.optimizerDeviceUs)
         << " = compute " << formatMs(s.deviceComputeUs);
     if (s.deviceOpUs > 0) out << " + dc ops " << formatMs(s.deviceOpUs);
-    out << " + optimizer " << formatMs(s.optimizerDeviceUs) << " (with the step queued ahead: what a CUDA graph's replay runs)\n";
+    out << " + optimizer " << formatMs(s.optimizerDeviceUs)
+        << " (with the step queued ahead: what a CUDA graph's replay runs)\n";
   }
   if (!s.slowest.empty()) {
     out << "\nslowest communication ops:\n"

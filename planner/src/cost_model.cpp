@@ -167,13 +167,9 @@ double CostModel::us(Collective which, uint64_t fullBytes) const {
   return lat + (raw - lat) * c.scale;
 }
 
-double CostModel::latencyUs(Collective which) const {
-  return callsFree() ? 0 : curve(which).latencyUs;
-}
+double CostModel::latencyUs(Collective which) const { return callsFree() ? 0 : curve(which).latencyUs; }
 
-double CostModel::busGBps(Collective which) const {
-  return callsFree() ? 0 : curve(which).plannedBusGBps;
-}
+double CostModel::busGBps(Collective which) const { return callsFree() ? 0 : curve(which).plannedBusGBps; }
 
 double CostModel::copyUs(uint64_t bytes, bool hostToDevice) const {
   const std::optional<double>& rate = hostToDevice ? h2dGBps_ : d2hGBps_;
@@ -187,7 +183,8 @@ std::vector<std::string> CostModel::describe() const {
   if (callsFree()) {
     out.push_back("1 rank: no communication");
   } else {
-    if (oneRank) out.push_back("1 rank: each gather and reduce is a copy on the transport's stream, as calibrated");
+    if (oneRank)
+      out.push_back("1 rank: each gather and reduce is a copy on the transport's stream, as calibrated");
     std::vector<Collective> shown = {Collective::AllGather, Collective::ReduceScatter};
     if (!oneRank) shown.push_back(Collective::AllReduce);  // one rank reduces without it
     for (Collective c : shown) {

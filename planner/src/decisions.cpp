@@ -261,7 +261,8 @@ std::vector<std::vector<uint64_t>> onUseMemory(const Context& c, const std::vect
   std::vector<std::vector<schemas::PrefetchGroup>> none(w.graphs.size());
   SimOptions record;
   record.record = true;
-  const SimResult sim = simulate(w, c.cost, compileSchedule(w, assemble(c, persistent, buckets, none)), record);
+  const SimResult sim =
+      simulate(w, c.cost, compileSchedule(w, assemble(c, persistent, buckets, none)), record);
   std::vector<std::vector<uint64_t>> m(w.graphs.size());
   for (size_t g = 0; g < w.graphs.size(); ++g) m[g].assign(w.graphs[g].ops.size(), 0);
   for (const MemorySample& s : sim.memory) {

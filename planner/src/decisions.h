@@ -14,8 +14,8 @@ namespace dcplan::planner::detail {
 /// A graph as the planner reasons about it: its first run, with stall-free times.
 struct GraphView {
   int32_t graph = 0;
-  int32_t run = 0;                        ///< first run of the graph in the step
-  std::vector<double> issueUs;            ///< stall-free time at which op i is issued
+  int32_t run = 0;              ///< first run of the graph in the step
+  std::vector<double> issueUs;  ///< stall-free time at which op i is issued
 };
 
 struct Context {
@@ -69,7 +69,6 @@ struct GatherUse {
 /// The gathers of each graph's first run given a persistent set (persistent
 /// parameters gather once per step; later uses find them resident).
 std::vector<std::vector<GatherUse>> gatherUses(const Context& c, const std::vector<char>& persistent);
-
 
 enum class IssueReason {
   OnDemand,       ///< no earlier issue fits the memory limit

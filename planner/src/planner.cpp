@@ -99,8 +99,13 @@ std::string reserveNote(uint64_t given) {
 class Search {
  public:
   /// limitNote: where the limit comes from, for messages ("--memory-budget 1.00 GiB less 0.5% ...").
-  Search(const Workload& w, const CostModel& cost, uint64_t limit, std::string limitNote, const ProgressFn& progress)
-      : w_(w), cost_(cost), c_(makeContext(w, cost, limit)), limitNote_(std::move(limitNote)), progress_(progress) {
+  Search(const Workload& w, const CostModel& cost, uint64_t limit, std::string limitNote,
+         const ProgressFn& progress)
+      : w_(w),
+        cost_(cost),
+        c_(makeContext(w, cost, limit)),
+        limitNote_(std::move(limitNote)),
+        progress_(progress) {
     // The default schedule is the recorded run: its collectives are the reference of every
     // other candidate's launch charge (recordedCalls), so it is simulated first, once.
     default_ = evaluate("default", stagePersistent(w_),
@@ -228,7 +233,8 @@ class Search {
           persist.persistent = base;
           persistLabel = "all (stage " + std::to_string(w_.stage) + ")";
         } else {
-          auto cap = fraction < 0 ? everything : static_cast<uint64_t>(fraction * static_cast<double>(headroom));
+          auto cap =
+              fraction < 0 ? everything : static_cast<uint64_t>(fraction * static_cast<double>(headroom));
           persist = pass == 0 ? knapsackPersistence(c_, cap)
                               : knapsackPersistence(c_, cap, &stalls, 1e-3, /*onlyStalled=*/pass == 2);
           persistLabel = std::string(pass == 0   ? "knapsack of gather time saved"
@@ -461,8 +467,9 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
   Workload w = makeWorkload(trace, req.worldSize, req.cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
   if (req.bandwidthGBps && w.worldSize <= 1)  // the cost model has no bus to scale: refused, not ignored
-    throw std::invalid_argument("--bandwidth: a bus bandwidth is a what-if for the collectives between ranks; this "
-                                "plan is for 1 rank, which has none (plan for more with --world-size N)");
+    throw std::invalid_argument(
+        "--bandwidth: a bus bandwidth is a what-if for the collectives between ranks; this "
+        "plan is for 1 rank, which has none (plan for more with --world-size N)");
   CostModel cost(trace.calibration, w.traceWorldSize, costOptions(w, req.bandwidthGBps));
   const uint64_t given = req.memoryBudgetBytes ? *req.memoryBudgetBytes
                          : w.capacityBytes > 0 ? w.capacityBytes
@@ -534,14 +541,16 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
                                : ""));
     if (w.cudaGraph) {
       const double ops = w.opDeviceUs();
-      ex.line("replay: one CUDA graph per step (--cuda-graph): the device's own compute (device_us), the dc ops' "
-              "own work (op_device_us, " + (ops > 0 ? formatMs(ops) : std::string("none in this trace")) +
-              ") and optimizer (" + formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
+      ex.line(
+          "replay: one CUDA graph per step (--cuda-graph): the device's own compute (device_us), the dc ops' "
+          "own work (op_device_us, " +
+          (ops > 0 ? formatMs(ops) : std::string("none in this trace")) + ") and optimizer (" +
+          formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
     }
     uint64_t act = 0;
     for (const GraphRun& r : w.runs) act = std::max(act, r.mostActivationBytes());
-    ex.line("memory limit: " + (unlimited ? std::string("none") : formatBytes(limit)) + " (" + limitNote + ")" +
-            "; baseline " + formatBytes(w.baselineBytes) + ", activations up to " + formatBytes(act));
+    ex.line("memory limit: " + (unlimited ? std::string("none") : formatBytes(limit)) + " (" + limitNote +
+            ")" + "; baseline " + formatBytes(w.baselineBytes) + ", activations up to " + formatBytes(act));
     ex.line("cost model:");
     for (const std::string& s : cost.describe()) ex.line("  " + s);
     ex.line("default schedule: " + predictionLine(def.sim.prediction));

@@ -93,8 +93,8 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
   s << "plan:     " << planName << " (" << schemas::kPlanSchema << ", " << plan.createdBy << ")\n"
     << "made for: " << (plan.source.trace.empty() ? "?" : plan.source.trace) << " ("
     << plan.source.traceDigest << "), " << plan.source.worldSize << " ranks, ZeRO-" << plan.source.stage
-    << ", grad accum " << plan.options.gradAccumSteps << (plan.source.replay == "compiled" ? ", compiled" : "")
-    << "\n"
+    << ", grad accum " << plan.options.gradAccumSteps
+    << (plan.source.replay == "compiled" ? ", compiled" : "") << "\n"
     << "options:  strategy " << plan.options.strategy << ", memory budget " << budgetText(plan)
     << ", bandwidth "
     << (plan.options.bandwidthGBps ? formatFixed(*plan.options.bandwidthGBps, 1) + " GB/s"

@@ -229,7 +229,8 @@ class Simulation {
       if (c > 0 && record_) event(Stream::Compute, "compute", r, op.seq, {}, 0, end - c, end);
       t_ = end;
       const int64_t callsBefore = res_.gatherCalls + res_.reduceCalls;
-      sample(t_, run.computePeakBytes[i], r, op.seq, false);  // the compute's own peak, before this op changes what is held
+      // The compute's own peak, before this op changes what is held.
+      sample(t_, run.computePeakBytes[i], r, op.seq, false);
       if (!run.opDeviceUs.empty() && run.opDeviceUs[i] > 0) {
         // A CUDA graph: the op's own kernels run in the stream's order, before its collective.
         if (record_) event(Stream::Compute, "dc op", r, op.seq, {}, 0, t_, t_ + run.opDeviceUs[i]);
@@ -443,7 +444,6 @@ class Simulation {
     }
   }
 
-
   void sample(double now, uint64_t activation, int32_t r, int64_t seq, bool atOp) {
     uint64_t m = w_.baselineBytes + livePersistent_ + activation + liveGathered_ + filling_ + pendingBytes_ +
                  liveScratch_ + momentary_ + shardGrads_;
@@ -463,8 +463,8 @@ class Simulation {
   bool record_;
   int64_t referenceCalls_;
   const SimResult* reference_;  ///< the recorded run's simulation (host lane only)
-  size_t opIndex_ = 0;           ///< the op in progress, counted over the step's runs
-  double launchChargedUs_ = 0;   ///< host lane: launch time charged beyond the recorded run's
+  size_t opIndex_ = 0;          ///< the op in progress, counted over the step's runs
+  double launchChargedUs_ = 0;  ///< host lane: launch time charged beyond the recorded run's
   SimResult res_;
   std::vector<char> allocated_;
   std::vector<double> readyAt_;
@@ -477,8 +477,8 @@ class Simulation {
   std::vector<uint64_t> callScratch_;
   std::vector<char> hasShardGrad_;  ///< ZeRO-2/3, per param: its gradient shard exists this step
   uint64_t shardGrads_ = 0;         ///< ZeRO-2/3: the gradient shards this step's reductions made
-  uint64_t liveScratch_ = 0;  ///< scratch of gather calls not waited on yet
-  uint64_t momentary_ = 0;    ///< scratch of calls issued since the last sample
+  uint64_t liveScratch_ = 0;        ///< scratch of gather calls not waited on yet
+  uint64_t momentary_ = 0;          ///< scratch of calls issued since the last sample
   std::vector<int32_t> members_;
   std::vector<int32_t> one_ = std::vector<int32_t>(1, 0);
   uint64_t heldInput_ = 0;           ///< the last bucket launched (and, ZeRO-2/3, its output)

@@ -67,9 +67,7 @@ class RecordedHoldings {
   }
 
   /// Bytes held (besides baseline and activations) before the next op.
-  uint64_t heldBytes() const {
-    return gatheredBytes_ + held_ + deferred_ + shardGrads_ + flat_;
-  }
+  uint64_t heldBytes() const { return gatheredBytes_ + held_ + deferred_ + shardGrads_ + flat_; }
 
   /// ZeRO-2/3: the gradient a reduce_grad hands over (in its memory_bytes already).
   uint64_t arrivingBytes(const schemas::OpEvent& e) const {
@@ -316,10 +314,11 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay
     w.cudaGraph = true;
     w.hostLane = false;
     w.optimizerHostUs = 0;
-    const std::string lacks = ": a plan for a CUDA graph (--cuda-graph) needs the device's own times, which the "
-                              "recorder measures on a GPU in the last warm-up step (dcplan record --warmup of at "
-                              "least 2; docs/recording.md); this trace has none here (or the device caught up with "
-                              "the host in that step: the recorder warned)";
+    const std::string lacks =
+        ": a plan for a CUDA graph (--cuda-graph) needs the device's own times, which the "
+        "recorder measures on a GPU in the last warm-up step (dcplan record --warmup of at "
+        "least 2; docs/recording.md); this trace has none here (or the device caught up with "
+        "the host in that step: the recorder warned)";
     if (!trace.steps[end].optimizerDeviceUs)
       throw std::invalid_argument("/steps/" + std::to_string(end) + "/optimizer_device_us" + lacks);
     w.optimizerUs = *trace.steps[end].optimizerDeviceUs;
@@ -328,8 +327,8 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay
         const auto& events = trace.steps[m].graphs[g].events;
         for (size_t e = 0; e < events.size(); ++e) {
           if (!events[e].deviceUs)
-            throw std::invalid_argument("/steps/" + std::to_string(m) + "/graphs/" + std::to_string(g) + "/events/" +
-                                        std::to_string(e) + "/device_us" + lacks);
+            throw std::invalid_argument("/steps/" + std::to_string(m) + "/graphs/" + std::to_string(g) +
+                                        "/events/" + std::to_string(e) + "/device_us" + lacks);
         }
       }
     }
@@ -403,7 +402,8 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay
         // is the simulator's from this op on (it holds it in the plan's bucket).
         const uint64_t other = trace.memory.baselineBytes + recorded.heldBytes();
         const uint64_t arriving = recorded.arrivingBytes(e);
-        run.activationBytes.push_back(e.memoryBytes > other + arriving ? e.memoryBytes - other - arriving : 0);
+        run.activationBytes.push_back(e.memoryBytes > other + arriving ? e.memoryBytes - other - arriving
+                                                                       : 0);
         // What the recorded run held during the compute before this op is what it held after the
         // op before: the same `other`.
         const uint64_t peak = std::max(e.memoryBytes, e.peakBytes);

@@ -129,7 +129,8 @@ void bindRecorder(py::module_& m) {
   m.def(
       "record_optimizer_step_issued",
       [] {
-        if (auto rec = armed()) rec->onOptimizerStepIssued();  // a hook left behind by a stopped recording does nothing
+        // A hook left behind by a stopped recording does nothing.
+        if (auto rec = armed()) rec->onOptimizerStepIssued();
       },
       "An optimizer's step() returned (torch's global optimizer post-hook while recording).");
   m.def(

@@ -198,7 +198,8 @@ class DeviceAllocatorProbe final : public MemoryProbe {
   }
   uint64_t takePeakBytes() override {
     const auto stats = allocator_->getDeviceStats(index_);
-    const auto& allocated = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+    const auto& allocated =
+        stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
     if (resetPeak_) allocator_->resetPeakStats(index_);  // the next window starts now
     return static_cast<uint64_t>(std::max(allocated.peak, allocated.current));
   }

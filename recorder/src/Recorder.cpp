@@ -8,9 +8,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
-#include <nlohmann/json.hpp>
 
 #ifndef DCPLAN_VERSION
 #define DCPLAN_VERSION "0.0.0"
@@ -70,7 +70,8 @@ Stream streamOf(const std::string& op) {
 }
 
 HostTime hostClock() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
@@ -417,10 +418,14 @@ std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& r
   std::vector<LedTimes> led;
   for (const MicroStep& l : led_) {
     if (l.optimizerCaughtUp) {  // the ops' times hold; the optimizer's does not
-      TORCH_WARN("record: rank ", transport_->rank(), ": in the device-lead step the device caught up with the host "
-                 "while the host issued the optimizer step after micro-step ", l.micro, " (the busy work queued at "
-                 "end_backward ran out): its time holds waits for the host, so the trace has no optimizer_device_us "
-                 "(plan --cuda-graph needs it)");
+      TORCH_WARN(
+          "record: rank ", transport_->rank(),
+          ": in the device-lead step the device caught up with the host "
+          "while the host issued the optimizer step after micro-step ",
+          l.micro,
+          " (the busy work queued at "
+          "end_backward ran out): its time holds waits for the host, so the trace has no optimizer_device_us "
+          "(plan --cuda-graph needs it)");
     }
     LedTimes times;
     times.computeBeforeUs = computeBeforeUs(l, graphOrder(l, registered));
@@ -428,7 +433,8 @@ std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& r
     for (size_t i = 0; i < l.events.size(); ++i) {
       const RawEvent& e = l.events[i];
       // Busy work is queued before an op's begin mark, none inside it: its span is its own work.
-      if (!schemas::waitsForAnotherStream(e.op)) times.opUs[i] = std::max(0.0, timer_->elapsedUs(e.begin, e.end));
+      if (!schemas::waitsForAnotherStream(e.op))
+        times.opUs[i] = std::max(0.0, timer_->elapsedUs(e.begin, e.end));
     }
     if (!l.catchUps.empty()) {
       // The device waited for the host after the check at the op before: inside that op's span or
@@ -437,11 +443,12 @@ std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& r
       for (size_t op : l.catchUps)
         mayWaitUs += times.computeBeforeUs[op] + (op > 0 ? times.opUs[op - 1].value_or(0) : 0);
       TORCH_WARN("record: rank ", transport_->rank(),
-                 ": in the device-lead step the device caught up with the host at ", where(l), " of micro-step ",
-                 l.micro, " (a host synchronisation in the model, or busy work that ran out; transformers' "
+                 ": in the device-lead step the device caught up with the host at ", where(l),
+                 " of micro-step ", l.micro,
+                 " (a host synchronisation in the model, or busy work that ran out; transformers' "
                  "check for packed sequences synchronises where no attention mask is given); the lead was "
-                 "queued again there, and the device times just before (", std::lround(mayWaitUs),
-                 " us) may hold waiting for the host");
+                 "queued again there, and the device times just before (",
+                 std::lround(mayWaitUs), " us) may hold waiting for the host");
     }
     led.push_back(std::move(times));
   }
@@ -495,9 +502,10 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
     const MicroStep* led = pairedLead(step, ledTimes.size());
     if (led && step.optimizerUs > 0 && !led->optimizerCaughtUp) out.optimizerDeviceUs = led->optimizerUs;
     if (!led && !ledTimes.empty()) {
-      TORCH_WARN("record: rank ", transport_->rank(), ": recorded step ", index, " (micro-step ", step.micro,
-                 ") issued other ops than the device-lead step at that position, so it has no device_us (plan "
-                 "--cuda-graph needs them)");
+      TORCH_WARN(
+          "record: rank ", transport_->rank(), ": recorded step ", index, " (micro-step ", step.micro,
+          ") issued other ops than the device-lead step at that position, so it has no device_us (plan "
+          "--cuda-graph needs them)");
     }
     // The first graph starts at start_forward; a later one (the backward) where
     // the one before it ended, so its first compute_us holds the loss and the

@@ -115,7 +115,8 @@ void bindPlan(py::module& m) {
           // DCPLAN_REPLAY_LOG_PEAKS=1 on a GPU: per-op peaks too, from the allocator's peak
           // statistic, reset at every op (torch.cuda.max_memory_allocated() then covers one op).
           const char* peaks = std::getenv("DCPLAN_REPLAY_LOG_PEAKS");
-          const bool devicePeaks = !c10::Device(*device).is_cpu() && peaks != nullptr && std::string(peaks) == "1";
+          const bool devicePeaks =
+              !c10::Device(*device).is_cpu() && peaks != nullptr && std::string(peaks) == "1";
           std::shared_ptr<dcplan::recorder::MemoryProbe> probe =
               devicePeaks ? dcplan::recorder::makeDeviceAllocatorProbe(c10::Device(*device))
                           : dcplan::recorder::makeReplayOpProbe(c10::Device(*device));
@@ -183,7 +184,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("shm_timeout_s") = std::chrono::duration<double>(LocalAllReduceSettings{}.timeout).count(),
       py::arg("check_collectives") = false, Release(),
       "Starts the runtime on the torch.distributed group registered as group_name (group.group_name). "
-      "Sizes in bytes. shm: the inference all-reduce goes through shared memory in shm_dir when every rank is "
+      "Sizes in bytes. shm: the inference all-reduce goes through shared memory in shm_dir when every rank "
+      "is "
       "on this machine (collective). Returns why it does not ('' when it does, or shm is False). "
       "check_collectives: the ranks agree on each collective before launching it.");
   m.def(
@@ -204,7 +206,8 @@ PYBIND11_MODULE(_C, m) {
         std::string id = uniqueId;
         py::gil_scoped_release noGil;
         const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000.0));
-        init(dcplan::recorder::transportForRuntime(makeNcclTransport(id, rank, worldSize, deviceIndex, timeout)),
+        init(dcplan::recorder::transportForRuntime(
+                 makeNcclTransport(id, rank, worldSize, deviceIndex, timeout)),
              config);
       },
       py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device_index"),
@@ -250,7 +253,8 @@ PYBIND11_MODULE(_C, m) {
       "take_grads",
       [](const std::vector<int64_t>& ids) {
         std::vector<std::optional<at::Tensor>> out;
-        for (at::Tensor& g : takeGrads(ids)) out.push_back(g.defined() ? std::optional<at::Tensor>(g) : std::nullopt);
+        for (at::Tensor& g : takeGrads(ids))
+          out.push_back(g.defined() ? std::optional<at::Tensor>(g) : std::nullopt);
         return out;
       },
       py::arg("ds_ids"), Release(),
@@ -287,7 +291,8 @@ PYBIND11_MODULE(_C, m) {
         "Ids holding a gathered copy (valid or in flight), ascending.");
   m.def("begin_capture", &beginCapture, Release(),
         "CUDA graph capture of a step (dcplan.graphed_step): the transport's streams join the capture.");
-  m.def("end_capture", &endCapture, Release(), "Before the capture ends: the capture rejoins the transport's streams.");
+  m.def("end_capture", &endCapture, Release(),
+        "Before the capture ends: the capture rejoins the transport's streams.");
   m.def("release_capture", &releaseCapture, Release(),
         "The captured graph no longer replays the steps: eager steps may run again.");
   m.def(
@@ -319,6 +324,6 @@ PYBIND11_MODULE(_C, m) {
       },
       Release());
   bindPlan(m);
-  bindShardHooks(m);  // the per-parameter work of python/dcplan/_shard.py's hooks
+  bindShardHooks(m);                  // the per-parameter work of python/dcplan/_shard.py's hooks
   dcplan::recorder::bindRecorder(m);  // record_*: python/dcplan/_record.py
 }

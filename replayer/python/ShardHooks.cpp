@@ -48,7 +48,8 @@ struct DcOps {
           d.findSchemaOrThrow("dc::allgather_param", "")
               .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, std::optional<at::ScalarType>)>(),
           d.findSchemaOrThrow("dc::prefetch_params_fused", ""),
-          d.findSchemaOrThrow("dc::wait_allgather", "").typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>(),
+          d.findSchemaOrThrow("dc::wait_allgather", "")
+              .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>(),
           d.findSchemaOrThrow("dc::release_param", "")
               .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, int64_t)>(),
           d.findSchemaOrThrow("dc::reduce_grad", "").typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>(),
@@ -60,8 +61,8 @@ struct DcOps {
 
 class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
  public:
-  ShardHooks(int64_t stage, int64_t forwardGraph, int64_t backwardGraph, std::optional<at::ScalarType> paramDtype,
-             py::function beginBackward)
+  ShardHooks(int64_t stage, int64_t forwardGraph, int64_t backwardGraph,
+             std::optional<at::ScalarType> paramDtype, py::function beginBackward)
       : stage_(stage),
         forwardGraph_(forwardGraph),
         backwardGraph_(backwardGraph),
@@ -227,7 +228,8 @@ class ShardHooks : public std::enable_shared_from_this<ShardHooks> {
 
   Param& param(const char* what, int64_t dsId) {
     auto it = params_.find(dsId);
-    TORCH_CHECK(it != params_.end(), "ShardHooks.", what, ": ds_id ", dsId, " is not a parameter of this model");
+    TORCH_CHECK(it != params_.end(), "ShardHooks.", what, ": ds_id ", dsId,
+                " is not a parameter of this model");
     return it->second;
   }
 
@@ -350,15 +352,18 @@ void bindShardHooks(py::module& m) {
       m, "ShardHooks",
       "The per-parameter work of dcplan.shard()'s hooks for one model: the dc ops in natural order "
       "(through the dispatcher), the gathered parameters' autograd nodes, the saved-tensor bookkeeping.")
-      .def(py::init([](int64_t stage, int64_t forwardGraph, int64_t backwardGraph, const py::object& paramDtype,
-                       py::function beginBackward) {
+      .def(py::init([](int64_t stage, int64_t forwardGraph, int64_t backwardGraph,
+                       const py::object& paramDtype, py::function beginBackward) {
              std::optional<at::ScalarType> dtype;
              if (!paramDtype.is_none()) {
-               TORCH_CHECK(THPDtype_Check(paramDtype.ptr()), "ShardHooks: param_dtype should be a torch.dtype or "
-                                                             "None, got ", std::string(py::str(py::type::of(paramDtype))));
+               TORCH_CHECK(THPDtype_Check(paramDtype.ptr()),
+                           "ShardHooks: param_dtype should be a torch.dtype or "
+                           "None, got ",
+                           std::string(py::str(py::type::of(paramDtype))));
                dtype = reinterpret_cast<THPDtype*>(paramDtype.ptr())->scalar_type;
              }
-             return std::make_shared<ShardHooks>(stage, forwardGraph, backwardGraph, dtype, std::move(beginBackward));
+             return std::make_shared<ShardHooks>(stage, forwardGraph, backwardGraph, dtype,
+                                                 std::move(beginBackward));
            }),
            py::arg("stage"), py::arg("forward_graph"), py::arg("backward_graph"), py::arg("param_dtype"),
            py::arg("begin_backward"),
@@ -367,7 +372,8 @@ void bindShardHooks(py::module& m) {
       .def("set_keep", &ShardHooks::setKeep, py::arg("ds_ids"), "The plan's persistent parameters.")
       .def_readwrite("requires_sync", &ShardHooks::requiresSync)
       .def_readwrite("in_backward", &ShardHooks::inBackward)
-      .def("forward_gather", &ShardHooks::forwardGather, py::arg("ds_ids"), py::arg("recompute") = false, Release(),
+      .def("forward_gather", &ShardHooks::forwardGather, py::arg("ds_ids"), py::arg("recompute") = false,
+           Release(),
            "A module's forward pre-hook: its parameters, gathered (in the gather dtype); recompute: the "
            "forward runs again in backward (activation checkpointing), on the backward graph.")
       .def("forward_release", &ShardHooks::forwardRelease, py::arg("ds_ids"), py::arg("recompute") = false,
@@ -377,8 +383,9 @@ void bindShardHooks(py::module& m) {
       // A lookup, for every tensor autograd saves: not worth releasing the GIL for.
       .def("pack", &ShardHooks::pack, py::arg("tensor"),
            "Saved-tensor pack: the ds_id of the gathered parameter tensor aliases, or -1.")
-      .def("unpack", &ShardHooks::unpack, py::arg("ds_id"), py::arg("size"), py::arg("stride"), py::arg("offset"),
-           Release(), "Saved-tensor unpack: the parameter gathered again, viewed as it was saved.")
+      .def("unpack", &ShardHooks::unpack, py::arg("ds_id"), py::arg("size"), py::arg("stride"),
+           py::arg("offset"), Release(),
+           "Saved-tensor unpack: the parameter gathered again, viewed as it was saved.")
       .def("after_backward", &ShardHooks::afterBackward, Release(),
            "After end_backward (ZeRO-3): drops the copies the next forward must gather again.");
 }

@@ -17,8 +17,8 @@ struct Record {
   char op[40];
   int64_t id, graphId, step, position, backward;
   int64_t tensors;
-  int64_t elements;   // all inputs together
-  uint64_t layout;    // hash of each input's element count and dtype, in order
+  int64_t elements;  // all inputs together
+  uint64_t layout;   // hash of each input's element count and dtype, in order
   int64_t firstDtype;
 };
 static_assert(sizeof(Record) % 8 == 0);
@@ -31,11 +31,13 @@ void copyName(char* dst, size_t size, const std::string& src) {
 bool same(const Record& a, const Record& b) {
   return std::strncmp(a.kind, b.kind, sizeof a.kind) == 0 && std::strncmp(a.op, b.op, sizeof a.op) == 0 &&
          a.id == b.id && a.graphId == b.graphId && a.step == b.step && a.position == b.position &&
-         a.backward == b.backward && a.tensors == b.tensors && a.elements == b.elements && a.layout == b.layout;
+         a.backward == b.backward && a.tensors == b.tensors && a.elements == b.elements &&
+         a.layout == b.layout;
 }
 
 std::string describe(int rank, const Record& r) {
-  std::string s = "rank " + std::to_string(rank) + " launches " + r.kind + " of " + std::to_string(r.elements) + " " +
+  std::string s = "rank " + std::to_string(rank) + " launches " + r.kind + " of " +
+                  std::to_string(r.elements) + " " +
                   c10::toString(static_cast<at::ScalarType>(r.firstDtype)) + " elements";
   if (r.tensors > 1) s += " in " + std::to_string(r.tensors) + " tensors";
   if (r.op[0] == '\0') return s + " outside any dc op";
@@ -43,8 +45,8 @@ std::string describe(int rank, const Record& r) {
   if (r.id >= 0) s += " of id " + std::to_string(r.id);
   if (r.graphId >= 0) s += " in graph " + std::to_string(r.graphId);
   if (r.step >= 0)
-    s += " (op " + std::to_string(r.position) + " of the " + (r.backward ? "backward" : "forward") + " of step " +
-         std::to_string(r.step) + ")";
+    s += " (op " + std::to_string(r.position) + " of the " + (r.backward ? "backward" : "forward") +
+         " of step " + std::to_string(r.step) + ")";
   return s;
 }
 
@@ -70,7 +72,8 @@ class CheckedTransport final : public ForwardingTransport {
     agree("allReduce", {tensor});
     return inner().allReduce(tensor);
   }
-  CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& shards) override {
+  CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs,
+                             const std::vector<at::Tensor>& shards) override {
     agree("gatherShards", outputs);  // the outputs carry the gather's dtype
     return inner().gatherShards(outputs, shards);
   }
@@ -93,7 +96,8 @@ class CheckedTransport final : public ForwardingTransport {
       for (uint64_t v : {static_cast<uint64_t>(t.numel()), static_cast<uint64_t>(t.scalar_type())})
         mine.layout = (mine.layout ^ v) * 1099511628211ull;
     }
-    mine.firstDtype = tensors.empty() ? static_cast<int64_t>(at::kByte) : static_cast<int64_t>(tensors[0].scalar_type());
+    mine.firstDtype =
+        tensors.empty() ? static_cast<int64_t>(at::kByte) : static_cast<int64_t>(tensors[0].scalar_type());
 
     const int ws = worldSize();
     const int64_t bytes = sizeof(Record);
@@ -109,10 +113,11 @@ class CheckedTransport final : public ForwardingTransport {
     for (int r = 0; r < ws; ++r) {
       if (same(all[r], mine)) continue;
       // Not a c10::Error: the runtime takes it as a failed collective and stops.
-      throw CollectiveMismatch("the ranks disagree on the next collective: " + describe(rank(), mine) + ", but " +
-                               describe(r, all[r]) +
-                               "; every rank must run the same modules in the same order (rank-dependent control "
-                               "flow diverges here)");
+      throw CollectiveMismatch(
+          "the ranks disagree on the next collective: " + describe(rank(), mine) + ", but " +
+          describe(r, all[r]) +
+          "; every rank must run the same modules in the same order (rank-dependent control "
+          "flow diverges here)");
     }
   }
 
@@ -121,7 +126,8 @@ class CheckedTransport final : public ForwardingTransport {
 
 }  // namespace
 
-std::shared_ptr<Transport> makeCheckedTransport(std::shared_ptr<Transport> inner, std::function<OpPlace()> where) {
+std::shared_ptr<Transport> makeCheckedTransport(std::shared_ptr<Transport> inner,
+                                                std::function<OpPlace()> where) {
   return std::make_shared<CheckedTransport>(std::move(inner), std::move(where));
 }
 

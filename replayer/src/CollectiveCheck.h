@@ -34,6 +34,7 @@ class CollectiveMismatch : public std::runtime_error {
 /// other rank's, instead of a collective of mismatched sizes (which aborts Gloo's I/O thread) or
 /// of equal sizes and wrong data. The check is fixed-size, so it never mismatches itself; it
 /// costs one small all-gather per collective. where() is called under the runtime's lock.
-std::shared_ptr<Transport> makeCheckedTransport(std::shared_ptr<Transport> inner, std::function<OpPlace()> where);
+std::shared_ptr<Transport> makeCheckedTransport(std::shared_ptr<Transport> inner,
+                                                std::function<OpPlace()> where);
 
 }  // namespace dcplan::replayer

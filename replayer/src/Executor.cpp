@@ -146,9 +146,8 @@ void Executor::complete(ReduceBucket& bucket) {
   std::vector<std::vector<at::Tensor>> addTo, addFrom;
   auto addRound = [&](const at::Tensor& target) {
     size_t r = 0;
-    while (r < addTo.size() &&
-           std::any_of(
-               addTo[r].begin(), addTo[r].end(), [&](const at::Tensor& t) { return t.is_same(target); })) {
+    while (r < addTo.size() && std::any_of(addTo[r].begin(), addTo[r].end(),
+                                           [&](const at::Tensor& t) { return t.is_same(target); })) {
       ++r;
     }
     if (r == addTo.size()) {

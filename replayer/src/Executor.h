@@ -253,7 +253,7 @@ class Executor {
   std::optional<at::ScalarType> reduceDtype_;
   RuntimeState& rt_;
   std::unique_ptr<DoubleBufferedReduceBucket> buckets_;
-  std::vector<CommHandlePtr> accumulations_;   // queued by complete(), waited for by drain()
+  std::vector<CommHandlePtr> accumulations_;  // queued by complete(), waited for by drain()
   bool sync_ = true;
 };
 

@@ -38,7 +38,8 @@ std::vector<Record> exchange(Transport& transport, const Record& mine) {
   for (int r = 0; r < ws; ++r) {
     const auto* row = o + r * kRecordBytes;
     all[r].ok = row[0] == 1;
-    all[r].text.assign(reinterpret_cast<const char*>(row + 1), strnlen(reinterpret_cast<const char*>(row + 1), kRecordBytes - 1));
+    all[r].text.assign(reinterpret_cast<const char*>(row + 1),
+                       strnlen(reinterpret_cast<const char*>(row + 1), kRecordBytes - 1));
   }
   return all;
 }
@@ -47,9 +48,11 @@ std::vector<Record> exchange(Transport& transport, const Record& mine) {
 void throwIfAnyFailed(const std::vector<Record>& all, const LocalAllReduceSettings& settings) {
   std::string failures;
   for (size_t r = 0; r < all.size(); ++r)
-    if (!all[r].ok) failures += (failures.empty() ? "" : "; ") + ("rank " + std::to_string(r) + ": " + all[r].text);
-  TORCH_CHECK(failures.empty(), "init: the shared-memory all-reduce cannot use ", settings.dir, " (", failures,
-              "); give DCPLAN_SHM_DIR a writable tmpfs with room, or set DCPLAN_SHM=off to use the process group");
+    if (!all[r].ok)
+      failures += (failures.empty() ? "" : "; ") + ("rank " + std::to_string(r) + ": " + all[r].text);
+  TORCH_CHECK(
+      failures.empty(), "init: the shared-memory all-reduce cannot use ", settings.dir, " (", failures,
+      "); give DCPLAN_SHM_DIR a writable tmpfs with room, or set DCPLAN_SHM=off to use the process group");
 }
 
 std::string hostName() {
@@ -85,7 +88,8 @@ std::string startLocalAllReduce(Transport& transport, const LocalAllReduceSettin
     for (const auto& [place, ranks] : byPlace) {
       std::string list;
       for (int r : ranks) list += (list.empty() ? "" : ",") + std::to_string(r);
-      groups += (groups.empty() ? "" : "; ") + ("ranks " + list + " on " + place.substr(place.find('\n') + 1));
+      groups +=
+          (groups.empty() ? "" : "; ") + ("ranks " + list + " on " + place.substr(place.find('\n') + 1));
     }
     return "the ranks do not all share the memory of one machine at " + settings.dir + " (" + groups +
            "): inference_all_reduce uses the process group (" + transport.backendName() + ")";

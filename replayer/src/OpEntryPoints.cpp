@@ -39,15 +39,16 @@ class ObserverScope {
 
 /// Records the first failed collective (later ops refuse, naming it) and throws it with the op's
 /// place: this rank, the op, its id and graph, and its index in the step's pass.
-[[noreturn]] void collectiveFailed(RuntimeState& rt, const char* op, int64_t graphId, int64_t id, int64_t position,
-                                   const std::exception& e) {
+[[noreturn]] void collectiveFailed(RuntimeState& rt, const char* op, int64_t graphId, int64_t id,
+                                   int64_t position, const std::exception& e) {
   std::string where = std::string(op);
   if (id >= 0) where += " of id " + std::to_string(id);
   if (graphId >= 0) where += " in graph " + std::to_string(graphId);
   if (rt.step_ >= 0)
     where += ", op " + std::to_string(position) + " of the " + (rt.inBackward_ ? "backward" : "forward") +
              " of step " + std::to_string(rt.step_);
-  rt.failure_ = "rank " + std::to_string(rt.transport_->rank()) + ": " + where + ": a collective failed: " + e.what();
+  rt.failure_ =
+      "rank " + std::to_string(rt.transport_->rank()) + ": " + where + ": a collective failed: " + e.what();
   if (dynamic_cast<const CollectiveMismatch*>(&e) != nullptr) TORCH_CHECK(false, rt.failure_);
   TORCH_CHECK(false, rt.failure_,
               " (a rank that died fails it at once; one that stopped answering after the process group's "
@@ -128,8 +129,8 @@ at::Tensor allgatherParam(const at::Tensor& shard, int64_t graphId, int64_t dsId
   Param& p = ex.param("allgather_param", dsId);
   const at::ScalarType t = dtype.value_or(p.shard_.scalar_type());
   return guarded(rt, "allgather_param", graphId, dsId, [&] {
-    scheduleBefore(rt,
-                   OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
+    scheduleBefore(
+        rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
     reportGathers(rt, ex, graphId, {dsId}, {t}, /*planned=*/false);
     ObserverScope scope(
         rt, OpEvent{"allgather_param", graphId, dsId, gatherBytes(p, t, rt.transport_->worldSize()), t});
@@ -155,9 +156,9 @@ void prefetchParamsFused(int64_t graphId, const std::vector<at::Tensor>& shards,
     int64_t bytes = 0;
     for (size_t i = 0; i < dsIds.size(); ++i) {
       Param& p = ex.param("prefetch_params_fused", dsIds[i]);
-      TORCH_CHECK(shards[i].numel() == p.shardNumel_ || p.offloaded_, "prefetch_params_fused: ds_id ", dsIds[i],
-                  ": params[", i, "] should be the registered shard of ", p.shardNumel_, " elements, got ",
-                  shards[i].numel());
+      TORCH_CHECK(shards[i].numel() == p.shardNumel_ || p.offloaded_, "prefetch_params_fused: ds_id ",
+                  dsIds[i], ": params[", i, "] should be the registered shard of ", p.shardNumel_,
+                  " elements, got ", shards[i].numel());
       types.push_back(dtypes ? (*dtypes)[i] : p.shard_.scalar_type());
       bytes += gatherBytes(p, types.back(), rt.transport_->worldSize());
     }
@@ -327,10 +328,14 @@ namespace {
 
 std::optional<shm::DType> shmDType(at::ScalarType type) {
   switch (type) {
-    case at::kFloat: return shm::DType::Float32;
-    case at::kBFloat16: return shm::DType::BFloat16;
-    case at::kHalf: return shm::DType::Float16;
-    default: return std::nullopt;
+    case at::kFloat:
+      return shm::DType::Float32;
+    case at::kBFloat16:
+      return shm::DType::BFloat16;
+    case at::kHalf:
+      return shm::DType::Float16;
+    default:
+      return std::nullopt;
   }
 }
 

@@ -29,7 +29,8 @@ std::atomic<bool> workerReleaseObserved{true};
 /// works registered for functional collectives (allow_inflight_collective_as_graph_input): that
 /// registry holds them until a wait_tensor, which the runtime never calls.
 bool awaitsWorkerRelease() {
-  return workerReleaseObserved.load(std::memory_order_relaxed) && !c10d::allow_inflight_collective_as_graph_input();
+  return workerReleaseObserved.load(std::memory_order_relaxed) &&
+         !c10d::allow_inflight_collective_as_graph_input();
 }
 
 void awaitWorkerRelease(const c10::intrusive_ptr<c10d::Work>& w) {
@@ -56,7 +57,8 @@ void awaitWorkerRelease(const c10::intrusive_ptr<c10d::Work>& w) {
 /// (awaitWorkerRelease).
 class WorkHandle final : public CommHandle {
  public:
-  WorkHandle(bool workerHolds, std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> then = {})
+  WorkHandle(bool workerHolds, std::vector<c10::intrusive_ptr<c10d::Work>> works,
+             std::function<void()> then = {})
       : workerHolds_(workerHolds), works_(std::move(works)), then_(std::move(then)) {}
 
   void wait() override {
@@ -124,9 +126,9 @@ class ProcessGroupTransport final : public Transport {
     TORCH_CHECK(output.numel() == ws * input.numel(), "allGather: output should have world_size * ",
                 input.numel(), " elements, got ", output.numel());
     std::vector<std::vector<at::Tensor>> outs(1);
-    if (input.numel() == 0)
-      return handle({});
-    for (int r = 0; r < ws; ++r) outs[0].push_back(cppOwned(output.narrow(0, r * input.numel(), input.numel())));
+    if (input.numel() == 0) return handle({});
+    for (int r = 0; r < ws; ++r)
+      outs[0].push_back(cppOwned(output.narrow(0, r * input.numel(), input.numel())));
     std::vector<at::Tensor> ins{cppOwned(input)};
     return handle({pg_->allgather(outs, ins)});
   }
@@ -180,8 +182,7 @@ class ProcessGroupTransport final : public Transport {
     const int ws = worldSize();
     TORCH_CHECK(input.dim() == 2 && input.size(0) == ws && input.size(1) == output.numel(),
                 "reduceScatter: input should be [world_size, ", output.numel(), "], got ", input.sizes());
-    if (output.numel() == 0)
-      return handle({});
+    if (output.numel() == 0) return handle({});
     std::vector<std::vector<at::Tensor>> ins(1);
     for (int r = 0; r < ws; ++r) {
       at::Tensor row = input.select(0, r);
@@ -196,8 +197,7 @@ class ProcessGroupTransport final : public Transport {
 
   CommHandlePtr allReduce(const at::Tensor& tensor) override {
     TORCH_CHECK(tensor.is_contiguous(), "allReduce: tensor should be contiguous");
-    if (tensor.numel() == 0)
-      return handle({});
+    if (tensor.numel() == 0) return handle({});
     std::vector<at::Tensor> ts{cppOwned(tensor)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
@@ -205,7 +205,8 @@ class ProcessGroupTransport final : public Transport {
   }
 
  private:
-  CommHandlePtr handle(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> then = {}) const {
+  CommHandlePtr handle(std::vector<c10::intrusive_ptr<c10d::Work>> works,
+                       std::function<void()> then = {}) const {
     return std::make_shared<WorkHandle>(workerHolds_, std::move(works), std::move(then));
   }
 

@@ -126,10 +126,11 @@ void setPersistent(int64_t dsId, bool persistent) {
 void startForward() {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("start_forward");
-  TORCH_CHECK(!rt.captured_ || rt.capturing_,
-              "start_forward: this model's step is captured in a CUDA graph (dcplan.graphed_step), which replays "
-              "it; an eager forward now would find the runtime's state as the capture left it. Call close() on "
-              "the graphed step first");
+  TORCH_CHECK(
+      !rt.captured_ || rt.capturing_,
+      "start_forward: this model's step is captured in a CUDA graph (dcplan.graphed_step), which replays "
+      "it; an eager forward now would find the runtime's state as the capture left it. Call close() on "
+      "the graphed step first");
   ++rt.step_;
   rt.inBackward_ = false;
   rt.opInPass_ = 0;
@@ -231,11 +232,15 @@ void beginCapture() {
   auto& rt = state("begin_capture");
   TORCH_CHECK(!rt.capturing_, "begin_capture: a capture is already under way");
   TORCH_CHECK(rt.failure_.empty(), "begin_capture: a collective failed earlier: ", rt.failure_);
-  TORCH_CHECK(!rt.observer_, "begin_capture: an op observer is set (dcplan record, the replay log or the op log); "
-              "they measure each op on the host, and a replayed graph runs no op there: record or log without "
-              "dcplan.graphed_step");
-  TORCH_CHECK(!rt.config_.checkCollectives, "begin_capture: check_collectives waits on the host for every "
-              "collective, which a CUDA graph cannot capture; turn it off (DCPLAN_CHECK_COLLECTIVES) to capture");
+  TORCH_CHECK(
+      !rt.observer_,
+      "begin_capture: an op observer is set (dcplan record, the replay log or the op log); "
+      "they measure each op on the host, and a replayed graph runs no op there: record or log without "
+      "dcplan.graphed_step");
+  TORCH_CHECK(
+      !rt.config_.checkCollectives,
+      "begin_capture: check_collectives waits on the host for every "
+      "collective, which a CUDA graph cannot capture; turn it off (DCPLAN_CHECK_COLLECTIVES) to capture");
   // The caller synchronized the device: every release tracked so far is complete.
   rt.registry_->forgetReleases();
   rt.transport_->beginCapture();

@@ -48,8 +48,10 @@ CommHandlePtr Transport::copyAsync(const at::Tensor& dst, const at::Tensor& src,
 }
 
 void Transport::beginCapture() {
-  TORCH_CHECK(false, "begin_capture: a CUDA graph captures only work queued on a GPU (the NCCL transport); this "
-              "runtime uses the ", backendName(), " transport");
+  TORCH_CHECK(false,
+              "begin_capture: a CUDA graph captures only work queued on a GPU (the NCCL transport); this "
+              "runtime uses the ",
+              backendName(), " transport");
 }
 
 }  // namespace dcplan::replayer

@@ -337,9 +337,10 @@ class TraceValidator {
     ev.deviceUs = r.number("device_us", 0, P::Optional);
     ev.opDeviceUs = r.number("op_device_us", 0, P::Optional);
     if (ev.peakBytes != 0 && ev.peakBytes < ev.memoryBytes) {
-      diags_.add(ptr + "/peak_bytes", "peak_bytes (" + std::to_string(ev.peakBytes) +
-                                          ") is below memory_bytes (" + std::to_string(ev.memoryBytes) +
-                                          "): the peak since the previous op includes the bytes in use at this one");
+      diags_.add(ptr + "/peak_bytes",
+                 "peak_bytes (" + std::to_string(ev.peakBytes) + ") is below memory_bytes (" +
+                     std::to_string(ev.memoryBytes) +
+                     "): the peak since the previous op includes the bytes in use at this one");
     }
     r.rejectUnknownFields();
     if (start && end && *end < *start) {

@@ -2,8 +2,8 @@
 #include "dcplan/schemas/trace_merge.h"
 
 #include <algorithm>
-#include <optional>
 #include <map>
+#include <optional>
 
 #include "dcplan/schemas/io.h"
 

@@ -37,7 +37,8 @@ struct F16 {
 constexpr size_t kBlock = 512;
 
 template <typename E>
-inline __attribute__((always_inline)) void sumBlocks(void* outV, const void* const* insV, int nIns, size_t count) {
+inline __attribute__((always_inline)) void sumBlocks(void* outV, const void* const* insV, int nIns,
+                                                     size_t count) {
   using T = typename E::T;
   T* out = static_cast<T*>(outV);
   for (size_t base = 0; base < count; base += kBlock) {
@@ -73,27 +74,35 @@ DCPLAN_KERNEL void sumF16(void* out, const void* const* ins, int nIns, size_t co
 
 void reduceSum(DType dtype, void* out, const void* const* ins, int nIns, size_t count) {
   switch (dtype) {
-    case DType::Float32: return sumF32(out, ins, nIns, count);
-    case DType::BFloat16: return sumBF16(out, ins, nIns, count);
-    case DType::Float16: return sumF16(out, ins, nIns, count);
+    case DType::Float32:
+      return sumF32(out, ins, nIns, count);
+    case DType::BFloat16:
+      return sumBF16(out, ins, nIns, count);
+    case DType::Float16:
+      return sumF16(out, ins, nIns, count);
   }
   throw Error("reduceSum: unknown dtype code " + std::to_string(static_cast<uint32_t>(dtype)));
 }
 
 size_t elementSize(DType dtype) {
   switch (dtype) {
-    case DType::Float32: return 4;
+    case DType::Float32:
+      return 4;
     case DType::BFloat16:
-    case DType::Float16: return 2;
+    case DType::Float16:
+      return 2;
   }
   throw Error("elementSize: unknown dtype code " + std::to_string(static_cast<uint32_t>(dtype)));
 }
 
 const char* dtypeName(DType dtype) {
   switch (dtype) {
-    case DType::Float32: return "float32";
-    case DType::BFloat16: return "bfloat16";
-    case DType::Float16: return "float16";
+    case DType::Float32:
+      return "float32";
+    case DType::BFloat16:
+      return "bfloat16";
+    case DType::Float16:
+      return "float16";
   }
   return "unknown";
 }

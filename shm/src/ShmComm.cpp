@@ -73,16 +73,19 @@ size_t segmentBytes(int worldSize, size_t slotBytes) {
   return slotsOffset(worldSize) + 2 * static_cast<size_t>(worldSize) * slotStride(slotBytes);
 }
 
-std::string errnoText(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
+std::string errnoText(int err) {
+  return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
+}
 
 uint64_t pidNamespace() {
-  struct stat st{};
+  struct stat st {};
   return ::stat("/proc/self/ns/pid", &st) == 0 ? st.st_ino : 0;
 }
 
 int futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
   // Not FUTEX_PRIVATE: the word is in memory shared between processes.
-  return static_cast<int>(::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0));
+  return static_cast<int>(
+      ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0));
 }
 
 void cpuRelax() {
@@ -100,7 +103,8 @@ bool exited(int32_t pid) {
   std::string line;
   if (!std::getline(stat, line)) return false;
   const size_t close = line.rfind(')');  // the command name may hold spaces and parentheses
-  return close != std::string::npos && close + 2 < line.size() && (line[close + 2] == 'Z' || line[close + 2] == 'X');
+  return close != std::string::npos && close + 2 < line.size() &&
+         (line[close + 2] == 'Z' || line[close + 2] == 'X');
 }
 
 bool reached(const std::atomic<uint32_t>& arrived, uint32_t point) {
@@ -130,7 +134,8 @@ class Segment {
  private:
   char* slot(int rank, int buffer) {
     const Header& h = header();
-    return base_ + slotsOffset(h.worldSize) + (2 * static_cast<size_t>(rank) + buffer) * slotStride(h.slotBytes);
+    return base_ + slotsOffset(h.worldSize) +
+           (2 * static_cast<size_t>(rank) + buffer) * slotStride(h.slotBytes);
   }
 
   std::string path_;
@@ -140,9 +145,8 @@ class Segment {
 };
 
 std::string localKey(const std::string& dir) {
-  struct stat st{};
-  if (::stat(dir.c_str(), &st) != 0)
-    throw Error("shared-memory directory " + dir + ": " + errnoText(errno));
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) throw Error("shared-memory directory " + dir + ": " + errnoText(errno));
   if (!S_ISDIR(st.st_mode)) throw Error("shared-memory directory " + dir + ": not a directory");
   std::string boot;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
@@ -162,7 +166,8 @@ std::string uniqueSegmentName() {
 }
 
 std::unique_ptr<ShmComm> ShmComm::create(const std::string& name, int worldSize, const Options& options) {
-  if (worldSize < 1) throw Error("ShmComm::create: worldSize should be at least 1, got " + std::to_string(worldSize));
+  if (worldSize < 1)
+    throw Error("ShmComm::create: worldSize should be at least 1, got " + std::to_string(worldSize));
   const std::string path = options.dir + "/" + name;
   const size_t bytes = segmentBytes(worldSize, options.slotBytes);
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -172,8 +177,8 @@ std::unique_ptr<ShmComm> ShmComm::create(const std::string& name, int worldSize,
   if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
     ::close(fd);
     ::unlink(path.c_str());
-    throw Error("cannot reserve " + std::to_string(bytes) + " bytes for shared-memory segment " + path + ": " +
-                errnoText(err));
+    throw Error("cannot reserve " + std::to_string(bytes) + " bytes for shared-memory segment " + path +
+                ": " + errnoText(err));
   }
   void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) {
@@ -193,13 +198,15 @@ std::unique_ptr<ShmComm> ShmComm::create(const std::string& name, int worldSize,
   return std::unique_ptr<ShmComm>(new ShmComm(std::move(segment), 0, worldSize, options));
 }
 
-std::unique_ptr<ShmComm> ShmComm::open(const std::string& name, int rank, int worldSize, const Options& options) {
+std::unique_ptr<ShmComm> ShmComm::open(const std::string& name, int rank, int worldSize,
+                                       const Options& options) {
   if (rank < 1 || rank >= worldSize)
-    throw Error("ShmComm::open: rank should be in [1, " + std::to_string(worldSize) + "), got " + std::to_string(rank));
+    throw Error("ShmComm::open: rank should be in [1, " + std::to_string(worldSize) + "), got " +
+                std::to_string(rank));
   const std::string path = options.dir + "/" + name;
   int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) throw Error("cannot open shared-memory segment " + path + ": " + errnoText(errno));
-  struct stat st{};
+  struct stat st {};
   const size_t bytes = segmentBytes(worldSize, options.slotBytes);
   if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
     ::close(fd);
@@ -216,13 +223,17 @@ std::unique_ptr<ShmComm> ShmComm::open(const std::string& name, int rank, int wo
   const Header& h = segment->header();
   if (h.magic != kMagic || h.version != kVersion || h.worldSize != static_cast<uint32_t>(worldSize) ||
       h.slotBytes != options.slotBytes)
-    throw Error("shared-memory segment " + path + " is not a dcplan segment of version " + std::to_string(kVersion) +
-                " for " + std::to_string(worldSize) + " ranks");
+    throw Error("shared-memory segment " + path + " is not a dcplan segment of version " +
+                std::to_string(kVersion) + " for " + std::to_string(worldSize) + " ranks");
   return std::unique_ptr<ShmComm>(new ShmComm(std::move(segment), rank, worldSize, options));
 }
 
 ShmComm::ShmComm(std::unique_ptr<Segment> segment, int rank, int worldSize, const Options& options)
-    : segment_(std::move(segment)), rank_(rank), worldSize_(worldSize), options_(options), inputs_(worldSize) {
+    : segment_(std::move(segment)),
+      rank_(rank),
+      worldSize_(worldSize),
+      options_(options),
+      inputs_(worldSize) {
   RankControl& mine = segment_->control(rank_);
   mine.pid = static_cast<int32_t>(::getpid());
   mine.pidNamespace = pidNamespace();
@@ -272,7 +283,8 @@ void ShmComm::checkAbort(const char* op) {
   }
   std::string reason = who >= 0 ? std::string(h.abortReason, strnlen(h.abortReason, kReasonBytes))
                                 : std::string("(its reason was not written)");
-  fail(std::string(op) + ": rank " + std::to_string(who) + " of the shared-memory group failed: " + reason, false);
+  fail(std::string(op) + ": rank " + std::to_string(who) + " of the shared-memory group failed: " + reason,
+       false);
 }
 
 void ShmComm::waitForAll(const char* op, uint32_t point) {
@@ -300,11 +312,14 @@ void ShmComm::waitForAll(const char* op, uint32_t point) {
     if (now - start > options_.timeout) {
       std::string missing;
       for (int r = next; r < worldSize_; ++r)
-        if (!reached(segment_->control(r).arrived, point)) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        if (!reached(segment_->control(r).arrived, point))
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       char waited[32];
       std::snprintf(waited, sizeof waited, "%g", std::chrono::duration<double>(options_.timeout).count());
-      fail(std::string(op) + ": rank " + std::to_string(rank_) + " waited " + waited + " s for rank(s) " + missing + " at shared-memory synchronisation point " + std::to_string(point) +
-               " (timeout: DCPLAN_SHM_TIMEOUT); every rank must call the op with the same sizes, in the same order",
+      fail(std::string(op) + ": rank " + std::to_string(rank_) + " waited " + waited + " s for rank(s) " +
+               missing + " at shared-memory synchronisation point " + std::to_string(point) +
+               " (timeout: DCPLAN_SHM_TIMEOUT); every rank must call the op with the same sizes, in the same "
+               "order",
            true);
     }
     if (now - lastLiveness > kLivenessPeriod) {
@@ -314,8 +329,8 @@ void ShmComm::waitForAll(const char* op, uint32_t point) {
         if (reached(c.arrived, point) || c.pidNamespace != myPidNs) continue;
         if (exited(c.pid))
           fail(std::string(op) + ": rank " + std::to_string(r) + " (pid " + std::to_string(c.pid) +
-                   ") exited while rank " + std::to_string(rank_) + " waited for it at shared-memory synchronisation point " +
-                   std::to_string(point),
+                   ") exited while rank " + std::to_string(rank_) +
+                   " waited for it at shared-memory synchronisation point " + std::to_string(point),
                true);
       }
     }
@@ -332,7 +347,8 @@ void ShmComm::waitForAll(const char* op, uint32_t point) {
 
 void ShmComm::allReduce(const char* op, void* data, size_t count, DType dtype) {
   if (broken())
-    throw Error(std::string(op) + ": the shared-memory group is unusable after an earlier error: " + brokenReason_);
+    throw Error(std::string(op) +
+                ": the shared-memory group is unusable after an earlier error: " + brokenReason_);
   const size_t esize = elementSize(dtype);
   const size_t chunkElems = options_.slotBytes / esize;
   char* bytes = static_cast<char*>(data);
@@ -354,13 +370,15 @@ void ShmComm::reduceChunk(const char* op, char* data, size_t count, size_t total
   mine.total = total;
   mine.count = count;
   mine.dtype = static_cast<uint32_t>(dtype);
-  if (count != 0) std::memcpy(segment_->slotData(rank_, buffer), data, count * esize);  // data may be null then
+  if (count != 0)
+    std::memcpy(segment_->slotData(rank_, buffer), data, count * esize);  // data may be null then
   sync(op);
 
   std::vector<const void*>& ins = inputs_;
   for (int r = 0; r < worldSize_; ++r) {
     const SlotHeader& theirs = segment_->slotHeader(r, buffer);
-    if (theirs.chunk != chunk || theirs.total != total || theirs.count != count || theirs.dtype != mine.dtype) {
+    if (theirs.chunk != chunk || theirs.total != total || theirs.count != count ||
+        theirs.dtype != mine.dtype) {
       auto describe = [](int rank, const SlotHeader& s) {
         return "rank " + std::to_string(rank) + " reduces " + std::to_string(s.total) + " " +
                dtypeName(static_cast<DType>(s.dtype)) + " elements (chunk " + std::to_string(s.chunk) + ")";

@@ -45,7 +45,8 @@ at::TensorOptions on(int rank, at::ScalarType t = at::kFloat) {
 
 TEST(NcclTransport, GathersReducesAndCopies) {
   if (!hasNcclTransport()) GTEST_SKIP() << "built without CUDA";
-  if (c10::cuda::device_count() < kWorld) GTEST_SKIP() << "needs 2 CUDA GPUs, found " << int(c10::cuda::device_count());
+  if (c10::cuda::device_count() < kWorld)
+    GTEST_SKIP() << "needs 2 CUDA GPUs, found " << int(c10::cuda::device_count());
   auto errors = onRanks([](int r, Transport& t) {
     EXPECT_EQ(t.worldSize(), kWorld);
     EXPECT_EQ(t.backendName(), "nccl");

@@ -12,10 +12,10 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <map>
-#include <set>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <set>
 #include <utility>
 
 namespace dcplan::recorder {
@@ -45,13 +45,15 @@ class ScriptedTimer final : public DeviceTimer {
   void drain() override { ++drains; }
   bool reached(TimePoint) override {
     ++reachedCalls;
-    return caughtUp || (caughtUpAtCall > 0 && reachedCalls >= caughtUpAtCall) || caughtUpCalls.count(reachedCalls);
+    return caughtUp || (caughtUpAtCall > 0 && reachedCalls >= caughtUpAtCall) ||
+           caughtUpCalls.count(reachedCalls);
   }
 
   bool canLead = true;
-  bool caughtUp = false;  // the device ran out of work: it has reached every mark
+  bool caughtUp = false;   // the device ran out of work: it has reached every mark
   int caughtUpAtCall = 0;  // > 0: it has from that call of reached() on
-  std::set<int> caughtUpCalls;  // it has at these calls of reached() only (a lead queued again puts it behind)
+  // It has at these calls of reached() only (a lead queued again puts it behind).
+  std::set<int> caughtUpCalls;
   int reachedCalls = 0;
   std::vector<double> leads;
   int drains = 0;
@@ -273,7 +275,8 @@ TEST_F(RecorderTest, TheTimedTransportForwardsTheDeviceSeamsWithTheWrappedTransp
   now = 0;
   rec->onStartForward();
   CommHandlePtr reduce;
-  op(*rec, "reduce_grad", 1, 0, 1, 1, [&] { reduce = timed->reduceScatter(at::empty({7}), at::empty({2, 7})); });
+  op(*rec, "reduce_grad", 1, 0, 1, 1,
+     [&] { reduce = timed->reduceScatter(at::empty({7}), at::empty({2, 7})); });
   ASSERT_NE(reduce, local->last);  // the recorder's wrapper, timing the reduction
   bool ran = false;
   timed->runAfter(reduce, [&] { ran = true; });
@@ -500,7 +503,8 @@ TEST_F(RecorderTest, ADeviceThatCaughtUpOnceIsLedAgainThereAndKeepsItsTimes) {
   CollectedWarnings warnings;
   schemas::Trace t = validRoundTrip(finish(*rec, 257));
   for (const auto& g : t.steps[0].graphs) {
-    for (const auto& e : g.events) EXPECT_DOUBLE_EQ(e.deviceUs.value_or(-1), 0.5 * e.computeUs) << e.op << e.seq;
+    for (const auto& e : g.events)
+      EXPECT_DOUBLE_EQ(e.deviceUs.value_or(-1), 0.5 * e.computeUs) << e.op << e.seq;
   }
   EXPECT_TRUE(t.steps[0].optimizerDeviceUs);
   ASSERT_EQ(warnings.messages.size(), 1u);
@@ -519,10 +523,12 @@ TEST_F(RecorderTest, UpToThreeCatchUpsKeepTheTimes) {
   microStep(*rec, 200, true);
   CollectedWarnings warnings;
   schemas::Trace t = validRoundTrip(finish(*rec, 257));
-  EXPECT_DOUBLE_EQ(t.steps[0].graphs[0].events[0].deviceUs.value_or(-1), 0.5 * t.steps[0].graphs[0].events[0].computeUs);
+  EXPECT_DOUBLE_EQ(t.steps[0].graphs[0].events[0].deviceUs.value_or(-1),
+                   0.5 * t.steps[0].graphs[0].events[0].computeUs);
   ASSERT_EQ(warnings.messages.size(), 1u);
-  EXPECT_NE(warnings.messages[0].find("at allgather_param (graph 0 seq 0), reduce_grad (graph 1 seq 0), end_backward "
-                                      "(graph 1 seq 2) of micro-step 0"),
+  EXPECT_NE(warnings.messages[0].find(
+                "at allgather_param (graph 0 seq 0), reduce_grad (graph 1 seq 0), end_backward "
+                "(graph 1 seq 2) of micro-step 0"),
             std::string::npos)
       << warnings.messages[0];
 }
@@ -548,7 +554,7 @@ TEST_F(RecorderTest, ACatchUpWhileTheOptimizerWasIssuedLeavesOnlyTheOptimizersTi
     microStep(*rec, 0, true);
     rec->onOptimizerStepIssued();  // not a led step: nothing to ask
     EXPECT_EQ(timer->reachedCalls, 0);
-    microStep(*rec, 100, true, 0.5);  // led
+    microStep(*rec, 100, true, 0.5);              // led
     timer->caughtUpAtCall = caughtUp ? 1 : 1000;  // reached() is asked once, at the optimizer's hook
     const int before = timer->reachedCalls;
     rec->onOptimizerStepIssued();
@@ -574,7 +580,8 @@ TEST_F(RecorderTest, EachAccumulatedMicroStepPairsWithTheLedOneAtItsPosition) {
   for (size_t m = 0; m < 2; ++m) {
     const double share = m == 0 ? 0.5 : 0.25;
     for (const auto& g : t.steps[m].graphs) {
-      for (const auto& e : g.events) EXPECT_DOUBLE_EQ(e.deviceUs.value_or(-1), share * e.computeUs) << m << e.op;
+      for (const auto& e : g.events)
+        EXPECT_DOUBLE_EQ(e.deviceUs.value_or(-1), share * e.computeUs) << m << e.op;
     }
   }
   EXPECT_FALSE(t.steps[0].optimizerDeviceUs);  // the optimizer runs after the last micro-step only

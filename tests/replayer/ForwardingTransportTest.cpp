@@ -44,7 +44,9 @@ class Counting final : public Transport {
     work();
     return hit("runAfter");
   }
-  CommHandlePtr copyAsync(const at::Tensor&, const at::Tensor&, CopyKind) override { return hit("copyAsync"); }
+  CommHandlePtr copyAsync(const at::Tensor&, const at::Tensor&, CopyKind) override {
+    return hit("copyAsync");
+  }
   void beginCapture() override { hit("beginCapture"); }
   void endCapture() override { hit("endCapture"); }
   bool capturing() const override { return true; }
@@ -90,9 +92,9 @@ TEST(ForwardingTransport, EverySeamReachesTheWrappedTransportWithItsArguments) {
   EXPECT_EQ(t.copyAsync(x, x, Transport::CopyKind::Reload), inner->last);
   t.beginCapture();
   t.endCapture();
-  for (const char* seam : {"allGather", "allGatherCoalesced", "reduceScatter", "allReduce", "gatherShards",
-                           "newGatherBuffer", "shardsWritten", "markCaller", "runAfter", "copyAsync", "beginCapture",
-                           "endCapture"}) {
+  for (const char* seam :
+       {"allGather", "allGatherCoalesced", "reduceScatter", "allReduce", "gatherShards", "newGatherBuffer",
+        "shardsWritten", "markCaller", "runAfter", "copyAsync", "beginCapture", "endCapture"}) {
     EXPECT_EQ(inner->calls[seam], 1) << seam;
   }
 }
@@ -102,6 +104,7 @@ TEST(ForwardingTransport, RefusesToWrapNothing) {
     Plain t(nullptr);
     FAIL() << "wrapped null";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("a transport decorator needs a transport to wrap"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("a transport decorator needs a transport to wrap"),
+              std::string::npos);
   }
 }

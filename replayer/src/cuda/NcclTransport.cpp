@@ -139,7 +139,8 @@ ncclDataType_t ncclTypeOf(const char* op, at::ScalarType t) {
 class EventHandle final : public CommHandle {
  public:
   EventHandle(std::shared_ptr<CudaEvent> done, c10::DeviceIndex device, bool hostWait, bool captured,
-              const std::vector<at::Tensor>& usedByWaiter = {}, std::optional<c10::cuda::CUDAStream> stream = {})
+              const std::vector<at::Tensor>& usedByWaiter = {},
+              std::optional<c10::cuda::CUDAStream> stream = {})
       : done_(std::move(done)), device_(device), hostWait_(hostWait), captured_(captured), stream_(stream) {
     // Weak: a fused gather's handle lives until its last member is waited on, and must not keep
     // the members released before that alive (the whole group's memory would stay until then).
@@ -181,7 +182,8 @@ class EventHandle final : public CommHandle {
 
  private:
   void refuseHostWait(const char* what) const {
-    TORCH_CHECK(!captured_, what, " cannot be captured in a CUDA graph: the host would wait for work that "
+    TORCH_CHECK(!captured_, what,
+                " cannot be captured in a CUDA graph: the host would wait for work that "
                 "runs only when the graph is replayed (dcplan.graphed_step; docs/compiled.md)");
   }
 
@@ -195,7 +197,8 @@ class EventHandle final : public CommHandle {
 
 class NcclTransport final : public Transport {
  public:
-  NcclTransport(std::unique_ptr<NcclComm> comm, std::unique_ptr<StreamSet> streams, std::chrono::milliseconds timeout)
+  NcclTransport(std::unique_ptr<NcclComm> comm, std::unique_ptr<StreamSet> streams,
+                std::chrono::milliseconds timeout)
       : comm_(std::move(comm)),
         streams_(std::move(streams)),
         device_(comm_->device()),
@@ -448,7 +451,8 @@ class NcclTransport final : public Transport {
   /// (the runtime takes it as a failed collective, names the op and stops).
   void refuseAfterFailure(const char* op) {
     const std::string failure = watchdog_->failure();
-    if (!failure.empty()) throw std::runtime_error(std::string(op) + " on rank " + std::to_string(rank()) + ": " + failure);
+    if (!failure.empty())
+      throw std::runtime_error(std::string(op) + " on rank " + std::to_string(rank()) + ": " + failure);
   }
 
   template <class Body>

@@ -55,7 +55,8 @@ void NcclWatchdog::run() {
         continue;
       }
       // Completed collectives leave; the oldest one still running decides the timeout.
-      for (auto it = pending_.begin(); it != pending_.end();) it = it->done->query() ? pending_.erase(it) : it + 1;
+      for (auto it = pending_.begin(); it != pending_.end();)
+        it = it->done->query() ? pending_.erase(it) : it + 1;
       if (pending_.empty()) continue;
       const auto age = Clock::now() - pending_.front().launched;
       if (age > timeout_) {

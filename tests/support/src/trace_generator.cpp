@@ -232,10 +232,10 @@ class GraphWriter {
   uint64_t fillingBytes_ = 0;   // reduce bytes of the bucket being filled
   uint64_t deferredGrads_ = 0;  // the gradients it holds
   uint64_t heldBucket_ = 0;     // the last launched bucket's input and output
-  double clock_ = 0;       // host / compute-stream time within the graph
-  double compute_ = 0;     // compute since the last op
-  double gatherFree_ = 0;  // when the all-gather stream is next free
-  double reduceFree_ = 0;  // when the reduce stream is next free
+  double clock_ = 0;            // host / compute-stream time within the graph
+  double compute_ = 0;          // compute since the last op
+  double gatherFree_ = 0;       // when the all-gather stream is next free
+  double reduceFree_ = 0;       // when the reduce stream is next free
 };
 
 std::vector<schemas::CalibrationPoint> curve(const GeneratorOptions& o, double scale) {

@@ -86,7 +86,7 @@ TEST(PlannerProperties, BudgetOrderingDeterminismAndRoundTrip) {
       if (heur.plan.predicted.peakMemoryBytes <= budget) {
         EXPECT_LE(p.stepUs, heur.plan.predicted.stepUs + 1e-3);
       }
-      EXPECT_LE(heur.plan.predicted.peakMemoryBytes, plannedLimit(budget));  // the reference's own memory check
+      EXPECT_LE(heur.plan.predicted.peakMemoryBytes, plannedLimit(budget));  // the reference's own check
       EXPECT_EQ(opt.plan.predictedDefault.stepUs, def.plan.predicted.stepUs);
       EXPECT_GE(p.exposedCommUs, 0);
 
@@ -153,7 +153,9 @@ TEST(PlannerProperties, GradientAccumulationMakesPersistenceWorthMore) {
     Schedule onUse = defaultSchedule(w);
     Schedule kept = onUse;
     for (const WorkParam& p : w.params) kept.persistent.push_back(p.id);
-    auto step = [&](const Schedule& s) { return simulate(w, cost, compileSchedule(w, s), SimOptions{}).prediction.stepUs; };
+    auto step = [&](const Schedule& s) {
+      return simulate(w, cost, compileSchedule(w, s), SimOptions{}).prediction.stepUs;
+    };
     return step(onUse) - step(kept);
   };
   const double one = savedUs(trace(1));

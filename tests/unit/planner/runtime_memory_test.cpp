@@ -20,7 +20,8 @@ TEST(RuntimeMemory, TheTransportComesFromTheBackendOrTheDevice) {
   EXPECT_EQ(RuntimeMemory::of(meta("nccl", "NVIDIA H200", "float32"), 2).transport,
             RuntimeMemory::Transport::Nccl);
   EXPECT_EQ(RuntimeMemory::of(meta("", "cpu", "float32"), 2).transport, RuntimeMemory::Transport::Gloo);
-  EXPECT_EQ(RuntimeMemory::of(meta("", "NVIDIA H200", "float32"), 2).transport, RuntimeMemory::Transport::Nccl);
+  EXPECT_EQ(RuntimeMemory::of(meta("", "NVIDIA H200", "float32"), 2).transport,
+            RuntimeMemory::Transport::Nccl);
   EXPECT_FALSE(RuntimeMemory::of(meta("nccl", "x", "float32"), 2).castsShards);
   EXPECT_TRUE(RuntimeMemory::of(meta("nccl", "x", "bfloat16"), 2).castsShards);
 }

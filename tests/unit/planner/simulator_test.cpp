@@ -63,15 +63,15 @@ TEST(Simulator, MemoryCurveFollowsTheRuntimesAllocations) {
   }
   const uint64_t p = kTinyParam, held = 2 * kTinyParam + 2 * kTinyShard;  // bucket input and output
   EXPECT_EQ(at, (std::vector<uint64_t>{
-                    p,              // gathered 1
-                    p,              // waited
-                    p + p,          // its gradient, held for the bucket
-                    p,              // released 1
-                    p + p,          // gathered 0
-                    p + p,          // waited
+                    p,                  // gathered 1
+                    p,                  // waited
+                    p + p,              // its gradient, held for the bucket
+                    p,                  // released 1
+                    p + p,              // gathered 0
+                    p + p,              // waited
                     p + 2 * p + 2 * p,  // launch: gathered 0, both gradients and their packed bucket
-                    held,           // released 0; the gradients freed, the bucket's input and output held
-                    held}));        // end_backward: held until it returns
+                    held,               // released 0; the gradients freed, the bucket's input and output held
+                    held}));            // end_backward: held until it returns
 }
 
 TEST(Simulator, CollectivesBeyondTheRecordedRunCostHostTime) {
@@ -145,8 +145,8 @@ TEST(SimulatorHostLane, AHostBoundStepIsTheHostsTimeAndHidesTheGathers) {
   deviceOnly.steps[0].optimizerHostUs.reset();
   SimResult d = simulateTrace(deviceOnly, f.onUse());
   EXPECT_FALSE(makeWorkload(deviceOnly).hostLane);
-  EXPECT_NEAR(d.prediction.stepUs, 4 * kTinyGatherUs + 600 + f.cost.us(Collective::ReduceScatter, 2 * kTinyParam) + 50,
-              1e-6);
+  EXPECT_NEAR(d.prediction.stepUs,
+              4 * kTinyGatherUs + 600 + f.cost.us(Collective::ReduceScatter, 2 * kTinyParam) + 50, 1e-6);
 }
 
 /// A host-bound trace (the host takes the device's recorded time, 20 us per op) whose device-lead
@@ -206,7 +206,8 @@ TEST(SimulatorCudaGraph, TheOpsOwnDeviceWorkRunsInTheStreamBeforeTheirCollective
   EXPECT_NEAR(with.prediction.exposedCommUs, without.prediction.exposedCommUs, 1e-6);
   // The hooks' plan leaves it to the host lane (issue_us), as before.
   EXPECT_TRUE(makeWorkload(t).runs[0].opDeviceUs.empty());
-  EXPECT_NEAR(simulateTrace(t, f.onUse()).prediction.stepUs, simulateTrace(plain, f.onUse()).prediction.stepUs, 1e-9);
+  EXPECT_NEAR(simulateTrace(t, f.onUse()).prediction.stepUs,
+              simulateTrace(plain, f.onUse()).prediction.stepUs, 1e-9);
 }
 
 TEST(SimulatorCudaGraph, APlanForTheGraphSaysSoAndNeedsTheDevicesTimes) {
@@ -526,7 +527,8 @@ TEST(Simulator, TheRecordedRunsZero1FlatBuffersAreNotActivation) {
   Workload w = makeWorkload(t);
   // At reduce_grad 0 (op 6) the gradient handed over is still autograd's: ZeRO-1 copies it into
   // the bucket during the op, so at its issue it is activation memory.
-  for (size_t i = 3; i < 8; ++i) EXPECT_EQ(w.runs[1].activationBytes[i], 12'345u + (i == 6 ? kTinyParam : 0)) << i;
+  for (size_t i = 3; i < 8; ++i)
+    EXPECT_EQ(w.runs[1].activationBytes[i], 12'345u + (i == 6 ? kTinyParam : 0)) << i;
 }
 
 TEST(Simulator, GraphRunsMustRepeatTheSameOps) {

@@ -10,10 +10,10 @@ namespace dcplan::planner::test {
 
 /// Sizes of the tiny trace: multiples of the CUDA caching allocator's 512-byte blocks, so that
 /// what the memory model counts is these numbers exactly.
-inline constexpr uint64_t kTinyBase = 1'000'000;   ///< baseline bytes
-inline constexpr uint64_t kTinyParam = 102'400;    ///< a gathered parameter, and its gradient
-inline constexpr uint64_t kTinyShard = 51'200;     ///< a shard of it (2 ranks)
-inline constexpr double kTinyGatherUs = 112.4;     ///< one parameter's all-gather or reduce-scatter
+inline constexpr uint64_t kTinyBase = 1'000'000;  ///< baseline bytes
+inline constexpr uint64_t kTinyParam = 102'400;   ///< a gathered parameter, and its gradient
+inline constexpr uint64_t kTinyShard = 51'200;    ///< a shard of it (2 ranks)
+inline constexpr double kTinyGatherUs = 112.4;    ///< one parameter's all-gather or reduce-scatter
 
 /// Two parameters of 102,400 gathered bytes each (fp32) on 2 NCCL ranks; all-gather and
 /// reduce-scatter take 10 us + 1 us per 1,000 bytes at the measured sizes.
@@ -65,10 +65,12 @@ inline schemas::Trace tinyTrace() {
     return e;
   };
   schemas::TraceGraph fwd{0, schemas::GraphKind::Forward, {}};
-  fwd.events = {
-      ev(0, "allgather_param", {0}, 0, base),         ev(1, "wait_allgather", {0}, 0, base + kTinyParam),
-      ev(2, "release_param", {0}, 500, base + kTinyParam), ev(3, "allgather_param", {1}, 0, base),
-      ev(4, "wait_allgather", {1}, 0, base + kTinyParam),  ev(5, "release_param", {1}, 500, base + kTinyParam)};
+  fwd.events = {ev(0, "allgather_param", {0}, 0, base),
+                ev(1, "wait_allgather", {0}, 0, base + kTinyParam),
+                ev(2, "release_param", {0}, 500, base + kTinyParam),
+                ev(3, "allgather_param", {1}, 0, base),
+                ev(4, "wait_allgather", {1}, 0, base + kTinyParam),
+                ev(5, "release_param", {1}, 500, base + kTinyParam)};
   const uint64_t grad = kTinyParam;
   schemas::TraceGraph bwd{1, schemas::GraphKind::Backward, {}};
   bwd.events = {ev(0, "allgather_param", {1}, 0, base),

@@ -112,13 +112,14 @@ INSTANTIATE_TEST_SUITE_P(
         TraceCase{"NegativeTime",
                   [](auto& t) { event(t, 0, 1)["compute_us"] = -1.0; },
                   {"/steps/0/graphs/0/events/1/compute_us: expected a number >= 0.0, got -1.0"}},
-        TraceCase{"PeakBelowMemoryInUse",
-                  [](auto& t) {
-                    event(t, 0, 1)["memory_bytes"] = 5000;
-                    event(t, 0, 1)["peak_bytes"] = 4000;
-                  },
-                  {"/steps/0/graphs/0/events/1/peak_bytes: peak_bytes (4000) is below memory_bytes (5000): the "
-                   "peak since the previous op includes the bytes in use at this one"}},
+        TraceCase{
+            "PeakBelowMemoryInUse",
+            [](auto& t) {
+              event(t, 0, 1)["memory_bytes"] = 5000;
+              event(t, 0, 1)["peak_bytes"] = 4000;
+            },
+            {"/steps/0/graphs/0/events/1/peak_bytes: peak_bytes (4000) is below memory_bytes (5000): the "
+             "peak since the previous op includes the bytes in use at this one"}},
         TraceCase{"NegativeHostTime",
                   [](auto& t) { event(t, 0, 1)["host_us"] = -2.0; },
                   {"/steps/0/graphs/0/events/1/host_us: expected a number >= 0.0, got -2.0"}},
@@ -222,12 +223,12 @@ TEST(Parse, DeepNestingIsAnErrorNotACrash) {
 
 TEST(OpRoles, EachOpOfTheFormatHasItsRoleAndOnlyWaitsWaitForAnotherStream) {
   const std::map<std::string, OpRole> format = {
-      {"allgather_param", OpRole::Gather},     {"prefetch_params_fused", OpRole::Prefetch},
-      {"wait_allgather", OpRole::GatherWait},  {"release_param", OpRole::Release},
-      {"reduce_grad", OpRole::ReduceGrad},     {"end_backward", OpRole::EndBackward},
-      {"offload_tensor", OpRole::Offload},     {"offload_parameter", OpRole::Offload},
-      {"reload_tensor", OpRole::Reload},       {"reload_parameter", OpRole::Reload},
-      {"wait_offload", OpRole::CopyWait},      {"wait_reload", OpRole::CopyWait},
+      {"allgather_param", OpRole::Gather},    {"prefetch_params_fused", OpRole::Prefetch},
+      {"wait_allgather", OpRole::GatherWait}, {"release_param", OpRole::Release},
+      {"reduce_grad", OpRole::ReduceGrad},    {"end_backward", OpRole::EndBackward},
+      {"offload_tensor", OpRole::Offload},    {"offload_parameter", OpRole::Offload},
+      {"reload_tensor", OpRole::Reload},      {"reload_parameter", OpRole::Reload},
+      {"wait_offload", OpRole::CopyWait},     {"wait_reload", OpRole::CopyWait},
       {"free_tensors", OpRole::Free},
   };
   const std::set<std::string> waiting = {"wait_allgather", "wait_offload", "wait_reload", "end_backward"};

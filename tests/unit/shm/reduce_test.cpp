@@ -27,7 +27,8 @@ TEST(ReduceSum, Float32AddsInRankOrder) {
 TEST(ReduceSum, BFloat16AccumulatesInFloat32AndRoundsOnce) {
   // 256 + 1 + 1: bf16 has 8 bits of mantissa, so adding 1 twice in bf16 would stay at 256;
   // in fp32 the sum is 258, which rounds (to nearest even) to 258 in bf16.
-  std::vector<uint16_t> a(1000, bf16Bits(256.0f)), b(1000, bf16Bits(1.0f)), c(1000, bf16Bits(1.0f)), out(1000);
+  std::vector<uint16_t> a(1000, bf16Bits(256.0f)), b(1000, bf16Bits(1.0f)), c(1000, bf16Bits(1.0f)),
+      out(1000);
   const void* ins[] = {a.data(), b.data(), c.data()};
   reduceSum(DType::BFloat16, out.data(), ins, 3, out.size());
   for (uint16_t v : out) ASSERT_EQ(bf16Value(v), 258.0f);

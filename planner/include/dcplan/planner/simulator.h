@@ -22,11 +22,11 @@ struct CompiledSchedule {
   std::vector<char> persistent;  ///< by param index
   uint64_t persistentBytes = 0;
   struct Graph {
-    std::vector<int32_t> groupBegin;           ///< CSR by op index: groups issued before op i
-    std::vector<std::vector<int32_t>> groups;  ///< param indices of each group
-    std::vector<int32_t> bucketOfOp;           ///< ReduceGrad op -> bucket, else -1
+    std::vector<int32_t> groupBegin;                 ///< CSR by op index: groups issued before op i
+    std::vector<std::vector<int32_t>> groups;        ///< param indices of each group
+    std::vector<int32_t> bucketOfOp;                 ///< ReduceGrad op -> bucket, else -1
     std::vector<std::vector<int32_t>> bucketParams;  ///< param indices of each bucket
-    std::vector<int32_t> bucketSize;           ///< members per bucket
+    std::vector<int32_t> bucketSize;                 ///< members per bucket
     std::vector<uint64_t> bucketBytes;
   };
   std::vector<Graph> graphs;  ///< by Workload graph index

@@ -46,7 +46,7 @@ struct WorkParam {
   std::string name;
   uint64_t gatherBytes = 0;  ///< full padded size in the gather dtype, planned world size
   uint64_t gradBytes = 0;    ///< full padded size in the reduce dtype, planned world size
-  ParamMemory mem;  ///< what the runtime allocates for it, on the planned world size
+  ParamMemory mem;           ///< what the runtime allocates for it, on the planned world size
   bool requiresGrad = true;
 };
 
@@ -59,16 +59,16 @@ struct WorkGraph {
 
 /// One execution of a graph within the step, with its own timings.
 struct GraphRun {
-  int32_t graph = 0;                      ///< index into Workload::graphs
-  int32_t microStep = 0;                  ///< 0-based micro-step of the optimizer step
-  std::vector<double> computeUs;          ///< compute before each op
+  int32_t graph = 0;              ///< index into Workload::graphs
+  int32_t microStep = 0;          ///< 0-based micro-step of the optimizer step
+  std::vector<double> computeUs;  ///< compute before each op
   /// Memory other than baseline, gathered parameters, bucket inputs and (ZeRO-2/3) gradients
   /// waiting in a bucket, as the recorded run held them.
   std::vector<uint64_t> activationBytes;
   /// The most of it during the compute before each op (the trace's peak_bytes; activationBytes
   /// where the trace has none): temporaries that come and go between two ops.
   std::vector<uint64_t> computePeakBytes;
-  std::vector<double> copyUs;             ///< recorded duration of each CopyStart op
+  std::vector<double> copyUs;  ///< recorded duration of each CopyStart op
   /// Workload::cudaGraph only (else empty): each op's own work on the compute stream, before
   /// its effect (a bucket's packing before its launch); 0 where the
   /// trace has no op_device_us (waits; traces recorded before session 12).
@@ -132,7 +132,8 @@ enum class StepReplay {
 /// trace element (JSON pointer) when the trace cannot be planned: graphs of one
 /// id whose runs differ, an op on an unknown parameter, no steps, and for a CUDA
 /// graph an op or optimizer step without the device's own time.
-Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0, StepReplay replay = StepReplay::Issued);
+Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0,
+                      StepReplay replay = StepReplay::Issued);
 
 /// The host time of one gather call, from a trace with host times (Workload::hostLane): the
 /// median issue_us of the recorded run's allgather_param that launched a gather, less the median

@@ -115,7 +115,8 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     c10::ScalarType dtype = c10::ScalarType::Undefined;
     TimePoint begin = 0;
     TimePoint end = 0;
-    std::optional<TimePoint> stretchEnd;  // led: the mark before the busy work queued at the op, where the compute before it ends
+    // led: the mark before the busy work queued at the op, where the compute before it ends
+    std::optional<TimePoint> stretchEnd;
     // The host's clock around the recorder's own work, which lies in neither host time:
     // host_us runs from the previous op's hostResume to hostCall, issue_us from hostBegin
     // to hostEnd (a replay runs without that work).
@@ -124,7 +125,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     HostTime hostEnd = 0;     // onOpEnd entered: the op's own work is done
     HostTime hostResume = 0;  // onOpEnd returns
     uint64_t memory = 0;
-    uint64_t peak = 0;  // the most in use since the previous op
+    uint64_t peak = 0;        // the most in use since the previous op
     int64_t collective = -1;  // index into collectives_
   };
   struct Collective {
@@ -135,15 +136,16 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     std::vector<size_t> events;  // indices into the micro-step's events, in issue order
   };
   struct MicroStep {
-    int64_t micro = 0;  // position within its optimizer step
-    bool led = false;   // a device-lead micro-step (its events give device_us)
-    double leadUs = 0;           // led: the busy work queued at its start
-    TimePoint lastMark = 0;      // led: the latest mark, start or an op's end
+    int64_t micro = 0;       // position within its optimizer step
+    bool led = false;        // a device-lead micro-step (its events give device_us)
+    double leadUs = 0;       // led: the busy work queued at its start
+    TimePoint lastMark = 0;  // led: the latest mark, start or an op's end
     // led: the ops (indices into events) at which the device had run all it was given (a host
     // synchronisation in the model, or busy work that ran out); it may have waited for the host
     // since the op before began.
     std::vector<size_t> catchUps;
-    bool optimizerCaughtUp = false;  // led: the device passed end_backward's busy work before the optimizer was issued
+    // led: the device passed end_backward's busy work before the optimizer was issued
+    bool optimizerCaughtUp = false;
     TimePoint start = 0;
     HostTime hostStart = 0;
     bool sync = false;

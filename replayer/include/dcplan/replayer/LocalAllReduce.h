@@ -1,4 +1,5 @@
-// The shared-memory all-reduce of the inference ops: set up over a transport's ranks when they share a machine.
+// The shared-memory all-reduce of the inference ops: set up over a transport's ranks when they share a
+// machine.
 #pragma once
 
 #include "dcplan/replayer/Transport.h"

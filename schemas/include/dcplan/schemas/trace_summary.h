@@ -57,7 +57,7 @@ struct TraceSummary {
   double deviceComputeUs = 0;
   double deviceOpUs = 0;  ///< the ops' own device work (op_device_us), per step
   double optimizerDeviceUs = 0;
-  std::vector<SlowOp> slowest;       ///< communication ops, longest first
+  std::vector<SlowOp> slowest;  ///< communication ops, longest first
 };
 
 /// Averages over the recorded steps; `slowest` keeps the `topOps` longest collectives.

@@ -56,7 +56,8 @@ class ShmComm {
   /// left in the directory, even when a process is killed.
   static std::unique_ptr<ShmComm> create(const std::string& name, int worldSize, const Options& options);
   /// Ranks 1..worldSize-1: maps the segment rank 0 created.
-  static std::unique_ptr<ShmComm> open(const std::string& name, int rank, int worldSize, const Options& options);
+  static std::unique_ptr<ShmComm> open(const std::string& name, int rank, int worldSize,
+                                       const Options& options);
   ~ShmComm();
   ShmComm(const ShmComm&) = delete;
   ShmComm& operator=(const ShmComm&) = delete;
@@ -88,8 +89,8 @@ class ShmComm {
   int rank_;
   int worldSize_;
   Options options_;
-  uint32_t syncs_ = 0;    // synchronisation points passed
-  uint64_t chunks_ = 0;   // chunks reduced: chunk k uses buffer k % 2
+  uint32_t syncs_ = 0;   // synchronisation points passed
+  uint64_t chunks_ = 0;  // chunks reduced: chunk k uses buffer k % 2
   std::string brokenReason_;
   std::vector<const void*> inputs_;  // per chunk: every rank's buffer (or slice), reused
 };
