@@ -27,7 +27,8 @@ using Clock = std::chrono::steady_clock;
 class ScratchDir {
  public:
   ScratchDir() {
-    std::string tmpl = (fs::exists("/dev/shm") ? "/dev/shm" : fs::temp_directory_path().string()) + "/dcplan-test-XXXXXX";
+    std::string tmpl =
+        (fs::exists("/dev/shm") ? "/dev/shm" : fs::temp_directory_path().string()) + "/dcplan-test-XXXXXX";
     path_ = ::mkdtemp(tmpl.data());
   }
   ~ScratchDir() {
@@ -77,14 +78,20 @@ Options smallOptions(const std::string& dir) {
 }
 
 // Values of rank r, and the expected sum: fp32 accumulated in rank order, rounded once.
-float value(int rank, size_t i) { return std::ldexp(static_cast<float>((i * 7919 + rank * 104729) % 2001) - 1000.0f, -7); }
+float value(int rank, size_t i) {
+  return std::ldexp(static_cast<float>((i * 7919 + rank * 104729) % 2001) - 1000.0f, -7);
+}
 
 template <typename T>
 T fromFloat(float f);
 template <>
-float fromFloat<float>(float f) { return f; }
+float fromFloat<float>(float f) {
+  return f;
+}
 template <>
-_Float16 fromFloat<_Float16>(float f) { return static_cast<_Float16>(f); }
+_Float16 fromFloat<_Float16>(float f) {
+  return static_cast<_Float16>(f);
+}
 template <>
 uint16_t fromFloat<uint16_t>(float f) {  // bf16, round to nearest even
   uint32_t u = std::bit_cast<uint32_t>(f);
@@ -93,11 +100,17 @@ uint16_t fromFloat<uint16_t>(float f) {  // bf16, round to nearest even
 template <typename T>
 float toFloat(T x);
 template <>
-float toFloat<float>(float x) { return x; }
+float toFloat<float>(float x) {
+  return x;
+}
 template <>
-float toFloat<_Float16>(_Float16 x) { return static_cast<float>(x); }
+float toFloat<_Float16>(_Float16 x) {
+  return static_cast<float>(x);
+}
 template <>
-float toFloat<uint16_t>(uint16_t x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+float toFloat<uint16_t>(uint16_t x) {
+  return std::bit_cast<float>(static_cast<uint32_t>(x) << 16);
+}
 
 template <typename T>
 bool sameBits(const std::vector<T>& a, const std::vector<T>& b) {
@@ -134,7 +147,8 @@ TEST(ShmComm, SumsEqualTheReferenceBitForBitOnEveryRank) {
   const Options options = smallOptions(dir.path());
   // Counts around the vector width, the whole-chunk limit and the chunk size, none a multiple of them.
   for (int worldSize : {1, 2, 3, 4})
-    for (size_t count : {size_t{0}, size_t{1}, size_t{17}, size_t{255}, size_t{1023}, size_t{1025}, size_t{4097}, size_t{10007}}) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{17}, size_t{255}, size_t{1023}, size_t{1025},
+                         size_t{4097}, size_t{10007}}) {
       checkSums<float>(DType::Float32, worldSize, count, options);
       checkSums<uint16_t>(DType::BFloat16, worldSize, count, options);
       checkSums<_Float16>(DType::Float16, worldSize, count, options);
@@ -171,7 +185,7 @@ TEST(ShmComm, RanksThatDisagreeFailTogether) {
 TEST(ShmComm, ARankThatNeverArrivesTimesOutAndTheOthersLeaveToo) {
   ScratchDir dir;
   Options quick = smallOptions(dir.path());
-  quick.timeout = std::chrono::milliseconds(300);
+  quick.timeout = std::chrono::seconds(2);
   Options patient = quick;
   patient.timeout = std::chrono::seconds(30);
   const std::string name = uniqueSegmentName();
@@ -180,7 +194,8 @@ TEST(ShmComm, ARankThatNeverArrivesTimesOutAndTheOthersLeaveToo) {
   auto r2 = ShmComm::open(name, 2, 3, patient);  // never calls
   r0->unlinkName();
   // Rank 0 calls once rank 1 is about to: a thread that a loaded machine started late would be
-  // listed as missing beside rank 2 after 0.3 s.
+  // listed as missing beside rank 2. 2 s leaves rank 1's thread time to arrive after setting the
+  // flag even when it is preempted there (at 0.3 s that was a window).
   std::atomic<bool> oneCalls{false};
   const auto start = Clock::now();
   auto errors = onEveryRank(2, [&](int r) {
@@ -194,9 +209,9 @@ TEST(ShmComm, ARankThatNeverArrivesTimesOutAndTheOthersLeaveToo) {
     r0->allReduce("inference_all_reduce", &x, 1, DType::Float32);
   });
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  EXPECT_NE(errors[0].find("rank 0 waited 0.3 s for rank(s) 2"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("rank 0 waited 2 s for rank(s) 2"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("rank 0 of the shared-memory group failed"), std::string::npos) << errors[1];
-  EXPECT_LT(seconds, 5.0) << "rank 1 should leave with rank 0, not at its own 30 s timeout";
+  EXPECT_LT(seconds, 10.0) << "rank 1 should leave with rank 0, not at its own 30 s timeout";
   float x = 1;
   try {
     r0->allReduce("later", &x, 1, DType::Float32);
@@ -235,7 +250,8 @@ TEST(ShmComm, ADeadRankIsNoticedWithinASecond) {
     r0->allReduce("inference_all_reduce_", &x, 1, DType::Float32);
     ADD_FAILURE() << "the dead rank should be noticed";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 1 (pid " + std::to_string(child) + ") exited"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("rank 1 (pid " + std::to_string(child) + ") exited"),
+              std::string::npos)
         << e.what();
   }
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 2.0);
@@ -251,8 +267,9 @@ TEST(ShmComm, AnUnusableDirectoryIsAClearError) {
     ShmComm::create(uniqueSegmentName(), 2, options);
     ADD_FAILURE();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("cannot create shared-memory segment " + dir.path() + "/missing/dcplan-"),
-              std::string::npos);
+    EXPECT_NE(
+        std::string(e.what()).find("cannot create shared-memory segment " + dir.path() + "/missing/dcplan-"),
+        std::string::npos);
     EXPECT_NE(std::string(e.what()).find("No such file or directory"), std::string::npos) << e.what();
   }
   EXPECT_THROW(localKey(dir.path() + "/missing"), Error);
