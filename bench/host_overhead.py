@@ -13,13 +13,20 @@ both systems (docs/benchmarks.md), so this table predicts who wins there. Modes:
 * plain  -- the unsharded model, no process group work (the model's own host cost);
 * fsdp2  -- fully_shard per block and on the root (param_dtype bf16, reduce fp32);
 * dcplan -- dcplan.shard(stage=3, param_dtype=bf16, reduce_dtype=fp32), default schedule
-            (or --plan PLAN).
+            (or --plan PLAN);
+* dcplan-nocheck -- the same with DCPLAN_CHECK_COLLECTIVES=off: without the ranks' agreement
+            on each collective (docs/runtime.md), which is one more small Gloo call each.
 
 Prints the mean step time over --steps after --warmup (max over ranks) and the time above plain.
+--rounds N runs the modes N times in turn (each round builds each mode afresh) and prints each
+mode's median and its rounds: a host's speed drifts within minutes, and a comparison needs the
+modes interleaved.
 """
 import argparse
 import gc
+import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -41,10 +48,17 @@ def main():
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--modes", default="plain,fsdp2,dcplan")
+    p.add_argument("--rounds", type=int, default=1, help="run the modes this many times in turn (default 1)")
+    p.add_argument("--modes", default="plain,fsdp2,dcplan,dcplan-nocheck")
     p.add_argument("--plan", help="dcplan: replay this plan")
-    p.add_argument("--profile", metavar="FILE", help="rank 0: cProfile the dcplan steps into FILE")
+    p.add_argument("--profile", metavar="FILE", help="rank 0: cProfile the dcplan steps into FILE (the last round's)")
     args = p.parse_args()
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in ("plain", "fsdp2", "dcplan", "dcplan-nocheck")]
+    if unknown:
+        p.error(f"--modes: unknown mode(s) {', '.join(unknown)} (plain, fsdp2, dcplan, dcplan-nocheck)")
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps should be at least 1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -86,13 +100,12 @@ def main():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    results = {}
-    for mode in args.modes.split(","):
+    def run(mode):
         gc.collect()
         model = make()
         if mode == "plain":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            results[mode] = timed(model, opt, autocast=True)
+            return timed(model, opt, autocast=True)
         elif mode == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -101,27 +114,41 @@ def main():
                 fully_shard(block, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            results[mode] = timed(model, opt, autocast=False)
-        elif mode == "dcplan":
+            return timed(model, opt, autocast=False)
+        else:
             import dcplan
 
             kw = {"plan": args.plan} if args.plan else {}
-            model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kw)
+            check = os.environ.get("DCPLAN_CHECK_COLLECTIVES")
+            if mode == "dcplan-nocheck":
+                os.environ["DCPLAN_CHECK_COLLECTIVES"] = "off"  # read by shard()
+            try:
+                model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kw)
+            finally:
+                if check is None:
+                    os.environ.pop("DCPLAN_CHECK_COLLECTIVES", None)
+                else:
+                    os.environ["DCPLAN_CHECK_COLLECTIVES"] = check
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            results[mode] = timed(model, opt, autocast=False, profile=args.profile)
+            t = timed(model, opt, autocast=False, profile=args.profile)
             dcplan.shutdown()
-        else:
-            raise SystemExit(f"host_overhead.py: unknown mode {mode!r} (plain, fsdp2, dcplan)")
-        del model, opt
+            return t
+
+    rounds = {mode: [] for mode in modes}
+    for _ in range(args.rounds):
+        for mode in modes:
+            rounds[mode].append(run(mode))
+    results = {mode: statistics.median(ts) for mode, ts in rounds.items()}
     if rank == 0:
         n = sum(1 for _ in make().parameters())
         print(f"host time per step: {args.layers} layers, {n} parameters, hidden {args.hidden}, {world} Gloo ranks, "
               f"torch {torch.__version__}")
-        print(f"{'mode':<8} {'step ms':>9} {'above plain':>12}")
+        print(f"{'mode':<15} {'step ms':>9} {'above plain':>12}" + ("  rounds (ms)" if args.rounds > 1 else ""))
         base = results.get("plain")
         for mode, t in results.items():
             extra = f"{1e3 * (t - base):12.2f}" if base is not None else f"{'-':>12}"
-            print(f"{mode:<8} {1e3 * t:9.2f} {extra}")
+            each = "  " + ", ".join(f"{1e3 * r:.1f}" for r in rounds[mode]) if args.rounds > 1 else ""
+            print(f"{mode:<15} {1e3 * t:9.2f} {extra}{each}")
     dist.destroy_process_group()
 
 

@@ -378,9 +378,9 @@ def _nccl_timeout_s() -> float:
 
 def _check_collectives(device: torch.device) -> bool:
     """DCPLAN_CHECK_COLLECTIVES: whether the ranks agree on each collective before launching it.
-    auto (default): on CPU ranks, where it costs little next to Gloo's own latency, unless
-    recording (its all-gathers would be timed as the job's); off on GPUs, where each check
-    waits for the device."""
+    auto (default): on CPU ranks, unless recording (its all-gathers would be timed as the
+    job's); off on GPUs, where each check waits for the device. On CPU ranks each check is one
+    more small Gloo call per collective (docs/runtime.md says what that costs)."""
     mode = os.environ.get("DCPLAN_CHECK_COLLECTIVES", "auto").strip().lower()
     if mode not in ("auto", "on", "off"):
         raise ValueError(
