@@ -38,6 +38,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from example_model import load_train_llama  # noqa: E402
 
+MODES = ("plain", "fsdp2", "dcplan", "dcplan-nocheck")
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -49,14 +51,14 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times in turn (default 1)")
-    p.add_argument("--modes", default="plain,fsdp2,dcplan,dcplan-nocheck")
+    p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--plan", help="dcplan: replay this plan")
     p.add_argument("--profile", metavar="FILE", help="rank 0: cProfile the dcplan steps into FILE (the last round's)")
     args = p.parse_args()
     modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in ("plain", "fsdp2", "dcplan", "dcplan-nocheck")]
+    unknown = [m for m in modes if m not in MODES]
     if unknown:
-        p.error(f"--modes: unknown mode(s) {', '.join(unknown)} (plain, fsdp2, dcplan, dcplan-nocheck)")
+        p.error(f"--modes: unknown mode(s) {', '.join(unknown)} ({', '.join(MODES)})")
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps should be at least 1")
     torch.set_num_threads(1)
