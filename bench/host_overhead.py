@@ -53,7 +53,7 @@ def main():
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times in turn (default 1)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--plan", help="dcplan: replay this plan")
-    p.add_argument("--profile", metavar="FILE", help="rank 0: cProfile the dcplan steps into FILE (the last round's)")
+    p.add_argument("--profile", metavar="FILE", help="rank 0: cProfile the dcplan mode's steps of the last round into FILE")
     args = p.parse_args()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -102,7 +102,7 @@ def main():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    def run(mode):
+    def run(mode, profile):
         gc.collect()
         model = make()
         if mode == "plain":
@@ -132,14 +132,15 @@ def main():
                 else:
                     os.environ["DCPLAN_CHECK_COLLECTIVES"] = check
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            t = timed(model, opt, autocast=False, profile=args.profile)
+            t = timed(model, opt, autocast=False, profile=profile)
             dcplan.shutdown()
             return t
 
     rounds = {mode: [] for mode in modes}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for mode in modes:
-            rounds[mode].append(run(mode))
+            last = r == args.rounds - 1
+            rounds[mode].append(run(mode, profile=args.profile if last and mode == "dcplan" else None))
     results = {mode: statistics.median(ts) for mode, ts in rounds.items()}
     if rank == 0:
         n = sum(1 for _ in make().parameters())
