@@ -7,7 +7,8 @@
 
 The model: token embedding, per block RMSNorm + grouped-query attention with rotary
 embeddings + RMSNorm + SwiGLU MLP, a final RMSNorm and an output head (tied to the
-embedding with --tied). Its size comes from the flags. The data are synthetic and
+embedding with --tied; --fused: one projection for q, k and v and one for gate and up, which
+initialise and train to the same numbers). Its size comes from the flags. The data are synthetic and
 deterministic: every step draws one global batch of sequences made of repeated short
 random patterns (learnable, so the loss falls) and each rank trains on its slice, so a
 sharded run and a --no-shard run of the same global batch give the same losses.
@@ -43,20 +44,27 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, rotary: RotaryEmbedding):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, rotary: RotaryEmbedding, fused: bool = False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        widths = (heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim)
+        if fused:  # one projection for q, k and v, split after the matmul
+            self.wqkv = nn.Linear(hidden, sum(widths), bias=False)
+        else:
+            self.wq, self.wk, self.wv = (nn.Linear(hidden, w, bias=False) for w in widths)
+        self.widths = widths
         self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "wqkv"):
+            q, k, v = self.wqkv(x).split(self.widths, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.reshape(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.rotary(q), self.rotary(k)
         if self.kv_heads != self.heads:
             repeat = self.heads // self.kv_heads
@@ -66,23 +74,31 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, fused: bool = False):
         super().__init__()
-        self.w_gate = nn.Linear(hidden, ffn, bias=False)
-        self.w_up = nn.Linear(hidden, ffn, bias=False)
+        if fused:  # one projection for gate and up
+            self.w_gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
+        else:
+            self.w_gate = nn.Linear(hidden, ffn, bias=False)
+            self.w_up = nn.Linear(hidden, ffn, bias=False)
         self.w_down = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        if hasattr(self, "w_gate_up"):
+            gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.w_gate(x), self.w_up(x)
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, rotary: RotaryEmbedding):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, rotary: RotaryEmbedding,
+                 fused: bool = False):
         super().__init__()
         self.attn_norm = nn.RMSNorm(hidden)
-        self.attn = Attention(hidden, heads, kv_heads, rotary)
+        self.attn = Attention(hidden, heads, kv_heads, rotary, fused)
         self.mlp_norm = nn.RMSNorm(hidden)
-        self.mlp = SwiGLU(hidden, ffn)
+        self.mlp = SwiGLU(hidden, ffn, fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -91,12 +107,12 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     def __init__(self, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
-                 max_seq: int, tied: bool, checkpointed: bool = False):
+                 max_seq: int, tied: bool, checkpointed: bool = False, fused: bool = False):
         super().__init__()
         self.checkpointed = checkpointed
         self.embed = nn.Embedding(vocab, hidden)
         rotary = RotaryEmbedding(hidden // heads, max_seq)
-        self.layers = nn.ModuleList(Block(hidden, heads, kv_heads, ffn, rotary) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(hidden, heads, kv_heads, ffn, rotary, fused) for _ in range(layers))
         self.norm = nn.RMSNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
         if tied:
@@ -124,6 +140,8 @@ def parse_args(argv=None):
     p.add_argument("--ffn", type=int, default=0, help="0: 8/3 x hidden, rounded up to 64")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
+    p.add_argument("--fused", action="store_true",
+                   help="one projection for q, k and v and one for gate and up (split after the matmul)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward (torch.utils.checkpoint, use_reentrant=False)")
     p.add_argument("--compile", action="store_true",
@@ -191,7 +209,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     ffn = args.ffn or (8 * args.hidden // 3 + 63) // 64 * 64
     model = Llama(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads or args.heads, ffn, args.seq,
-                  args.tied, args.activation_checkpointing).to(device)
+                  args.tied, args.activation_checkpointing, args.fused).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     param_dtype = getattr(torch, args.param_dtype)
     if args.no_shard:

@@ -54,8 +54,9 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="example", choices=("example", "transformers"),
-                   help="example: train_llama's Llama (fused qkv and gate/up); transformers: a LlamaForCausalLM "
-                        "built from a config of the same sizes (random init, sdpa attention, untied head)")
+                   help="example: train_llama's Llama (separate q, k, v, gate and up projections); transformers: "
+                        "a LlamaForCausalLM built from a config of the same sizes (random init, sdpa attention, "
+                        "untied head)")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--heads", type=int, default=16)

@@ -321,10 +321,12 @@ std::string renderMemoryCurve(const schemas::Plan& plan, const std::string& plan
   Simulated sim = simulatePlan(plan, trace);
   // Both samples of an op, keyed by (run, seq), in op order.
   std::map<std::pair<int32_t, int64_t>, std::pair<uint64_t, uint64_t>> ops;  // before, at
+  std::map<std::pair<int32_t, int64_t>, double> entered;                      // the host at the op
   for (const MemorySample& m : sim.plan.memory) {
     if (m.run < 0 || m.seq < 0) continue;
     auto& entry = ops[{m.run, m.seq}];
     (m.atOp ? entry.second : entry.first) = m.bytes;
+    if (!m.atOp) entered[{m.run, m.seq}] = m.hostUs;
   }
   ordered_json samples = ordered_json::array();
   for (const auto& [key, bytes] : ops) {
@@ -343,12 +345,15 @@ std::string renderMemoryCurve(const schemas::Plan& plan, const std::string& plan
                        {"pos", key.second},
                        {"op", opName},
                        {"before_bytes", bytes.first},
-                       {"at_bytes", bytes.second}});
+                       {"at_bytes", bytes.second},
+                       {"host_us", std::round(entered[key] * 1e3) / 1e3}});
   }
   ordered_json doc;
   doc["plan"] = planName;
   doc["trace_step"] = sim.w.traceStep;
   doc["peak_memory_bytes"] = sim.plan.prediction.peakMemoryBytes;
+  doc["step_us"] = std::round(sim.plan.prediction.stepUs * 1e3) / 1e3;
+  doc["host_lane"] = sim.w.hostLane;  // host_us is the host's clock; without a lane, the device's
   doc["samples"] = std::move(samples);
   return doc.dump(1) + "\n";
 }

@@ -449,7 +449,7 @@ class Simulation {
                  liveScratch_ + momentary_ + shardGrads_;
     momentary_ = 0;  // scratch of a call while it is issued: in the sample right after it only
     peak_ = std::max(peak_, m);
-    if (record_) res_.memory.push_back(MemorySample{now, m, r, seq, atOp});
+    if (record_) res_.memory.push_back(MemorySample{now, m, r, seq, atOp, w_.hostLane ? h_ : now});
   }
 
   void event(Stream s, std::string name, int32_t r, int64_t seq, std::vector<int64_t> ids, uint64_t bytes,

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from typing import Dict, Iterable, List, Optional, Union
@@ -124,12 +125,11 @@ class _StepMarks:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = str(device)
         self.probe = _C.run_peak_probe(self.device)
-        self.t0 = time.perf_counter_ns()
         self.peak = 0
 
     def mark(self) -> None:
         self.peak = max(self.peak, self.probe.peak())
-        t_us = (time.perf_counter_ns() - self.t0) // 1000
+        t_us = time.monotonic_ns() // 1000  # the clock of the op lines' t_us (CLOCK_MONOTONIC)
         _C.log_replay_event(json.dumps({"ev": "mark", "t_us": t_us, "peak_bytes": self.peak}))
 
 
@@ -293,17 +293,8 @@ def measured(events: List[Dict]) -> Dict:
     intervals that is) and ``peak_bytes`` (the highest memory at a forward's start, None without
     marks). Host time: on a GPU it is the step time when the loop waits for each step (a
     ``loss.item()``), as training loops do."""
-    starts: List[int] = []
-    peak = None
-    new_step = True
-    for ev in events:
-        if ev["ev"] == "mark":
-            peak = max(peak or 0, ev["peak_bytes"])
-            if new_step:
-                starts.append(ev["t_us"])
-                new_step = False
-        elif ev["ev"] == "start_backward":
-            new_step = ev.get("sync", True)  # an optimizer step ends with a synchronizing backward
+    starts = _step_starts(events)
+    peak = max((ev["peak_bytes"] for ev in events if ev["ev"] == "mark"), default=None)
     gaps = [b - a for a, b in zip(starts[1:], starts[2:])]
     return {"step_us": statistics.median(gaps) if gaps else None, "steps": len(gaps), "peak_bytes": peak}
 
@@ -339,13 +330,30 @@ def prediction_report(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
     return lines
 
 
+def _last_complete_step(execs: List[Dict]) -> Optional[int]:
+    steps = sorted({ex["step"] for ex in execs})
+    return steps[-2] if len(steps) >= 2 else None  # the final step may be cut short by the end of the run
+
+
+def _step_starts(events: List[Dict]) -> List[int]:
+    """The host time (``t_us``) of each optimizer step's start: its first forward's mark."""
+    starts: List[int] = []
+    new_step = True
+    for ev in events:
+        if ev["ev"] == "mark" and new_step:
+            starts.append(ev["t_us"])
+            new_step = False
+        elif ev["ev"] == "start_backward":
+            new_step = ev.get("sync", True)  # an optimizer step ends with a synchronizing backward
+    return starts
+
+
 def last_step_ops(events: List[Dict]) -> Dict[tuple, Dict]:
     """The op lines of a replay log's last complete optimizer step, by (graph, micro_step, pos)."""
     execs = executions(events)
-    steps = sorted({ex["step"] for ex in execs})
-    if len(steps) < 2:
+    last = _last_complete_step(execs)
+    if last is None:
         return {}
-    last = steps[-2]  # the final step may be cut short by the end of the run
     micro: Dict[int, int] = {}
     out: Dict[tuple, Dict] = {}
     for ex in execs:
@@ -401,6 +409,91 @@ def curve_report(name: str, comparison: Dict, show: int = 5) -> List[str]:
     return lines
 
 
+def time_comparison(curve: Dict, events: List[Dict]) -> Optional[Dict]:
+    """The plan's simulated host time at each op (the curve's ``host_us``, from the step's start)
+    against the replay log's (its op lines' ``t_us`` less the step's start mark), over the log's
+    last complete optimizer step. Returns ``ops`` (graph, micro_step, pos, op, ds_id, predicted
+    us, measured us, graph kind), ``predicted_step_us`` and ``measured_step_us`` (to the next step's start);
+    None where the log or the curve has no times (logs and curves written before op times, 2026-11-26)."""
+    execs = executions(events)
+    last = _last_complete_step(execs)
+    starts = _step_starts(events)
+    if last is None or len(starts) <= last + 1 or "step_us" not in curve:
+        return None
+    logged = last_step_ops(events)
+    start = starts[last]
+    rows = []
+    for s in curve["samples"]:
+        e = logged.get((s["graph"], s["micro_step"], s["pos"]))
+        if e is None or "t_us" not in e or "host_us" not in s:
+            return None
+        rows.append((s["graph"], s["micro_step"], s["pos"], s["op"], e["ds_id"], s["host_us"], e["t_us"] - start,
+                     s["kind"]))
+    return {"ops": rows, "predicted_step_us": curve["step_us"], "measured_step_us": starts[last + 1] - start}
+
+
+def time_report(name: str, comparison: Optional[Dict], show: int = 3) -> List[str]:
+    """Lines of time_comparison: where the step's time went, predicted against measured, and the
+    stretches between two ops that the prediction misses most."""
+    if comparison is None:
+        return [f"  {os.path.basename(name)}: no op times in the log's last complete step or in the curve "
+                "(logs and curves written before 2026-11-26 carry none)"]
+    rows = comparison["ops"]
+    first_backward = next((r for r in rows if r[7] == "backward"), rows[-1])
+
+    def at(r, i):
+        return f"{r[i] / 1e3:.3f}"
+
+    pred_step, meas_step = comparison["predicted_step_us"], comparison["measured_step_us"]
+    lines = [f"  {os.path.basename(name)}: ms from the step's start, predicted / measured: "
+             f"first backward op {at(first_backward, 5)} / {at(first_backward, 6)}, "
+             f"last op {at(rows[-1], 5)} / {at(rows[-1], 6)}, "
+             f"step {pred_step / 1e3:.3f} / {meas_step / 1e3:.3f} ({100 * (meas_step / pred_step - 1):+.0f}%)"]
+    stretches = []  # (measured - predicted, op row, predicted, measured): the time since the op before
+    prev_pred, prev_meas = 0.0, 0.0  # the step's start
+    for r in rows:
+        stretches.append((r[6] - prev_meas - (r[5] - prev_pred), r, r[5] - prev_pred, r[6] - prev_meas))
+        prev_pred, prev_meas = r[5], r[6]
+    tail = rows[-1]
+    stretches.append((meas_step - tail[6] - (pred_step - tail[5]), None, pred_step - tail[5], meas_step - tail[6]))
+    for extra, r, p, m in sorted(stretches, key=lambda x: -abs(x[0]))[:show]:
+        where = "after the last op (optimizer step, the loop)" if r is None else \
+            f"before graph {r[0]} micro-step {r[1]} pos {r[2]} {r[3]} (ds_id {r[4]})"
+        lines.append(f"    {where}: measured {m / 1e3:.3f} ms, predicted {p / 1e3:.3f} ms ({extra / 1e3:+.3f} ms)")
+    return lines
+
+
+def write_chrome_trace(path: str, plan_name: str, comparisons: Dict[str, Optional[Dict]]) -> None:
+    """The predicted host timeline and each rank's measured one as Chrome trace events (Perfetto,
+    chrome://tracing): one process each, one slice per op from its time to the next op's, the
+    step's start at 0. Written to a temporary name, then renamed."""
+    events: List[Dict] = []
+
+    def lane(pid: int, label: str, rows, times: List[float], end: float) -> None:
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}})
+        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "host"}})
+        for r, t, t_next in zip(rows, times, times[1:] + [end]):
+            events.append({"name": f"{r[3]} {r[4]}", "cat": "dc op", "ph": "X", "pid": pid, "tid": 1, "ts": t,
+                           "dur": max(0.0, t_next - t),
+                           "args": {"graph": r[0], "micro_step": r[1], "pos": r[2], "ds_id": r[4],
+                                    "until": "the next op" if t_next != end else "the next step's start"}})
+
+    first = next((c for c in comparisons.values() if c is not None), None)
+    if first is None:
+        raise ValueError("--chrome-trace: no log has op times in its last complete step "
+                         "(a log written before 2026-11-26?)")
+    lane(1, f"predicted: {os.path.basename(plan_name)}", first["ops"], [r[5] for r in first["ops"]],
+         first["predicted_step_us"])
+    for k, (name, c) in enumerate(comparisons.items()):
+        if c is not None:
+            lane(2 + k, f"measured: {os.path.basename(name)}", c["ops"], [float(r[6]) for r in c["ops"]],
+                 float(c["measured_step_us"]))
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    os.replace(tmp, path)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """python -m dcplan.check_replay PLAN LOG... [--curve CURVE]: whether each rank's replay log
     followed PLAN, and its prediction against what each rank measured; exit 1 if a log departs or a
@@ -415,8 +508,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("logs", nargs="+", metavar="REPLAY_LOG", help="the ranks' replay logs (DCPLAN_REPLAY_LOG)")
     parser.add_argument("--curve", metavar="CURVE",
                         help="the plan's simulated memory per op (dcplan inspect PLAN --trace TRACE "
-                             "--memory-curve CURVE): compared op by op with each log's allocation log")
+                             "--memory-curve CURVE): compared op by op with each log's allocation log and "
+                             "op times")
+    parser.add_argument("--chrome-trace", metavar="OUT",
+                        help="with --curve: write the predicted host timeline and each rank's measured one "
+                             "(last complete step) as a Chrome trace, for Perfetto or chrome://tracing")
     args = parser.parse_args(argv)
+    if args.chrome_trace and not args.curve:
+        parser.error("--chrome-trace needs --curve CURVE (dcplan inspect PLAN --trace TRACE --memory-curve "
+                     "CURVE): the predicted times come from there")
     failed = False
     runs: Dict[str, Dict] = {}
     logs: Dict[str, List[Dict]] = {}
@@ -445,4 +545,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"memory per op ({args.curve}) against each rank's allocation log, last complete step:")
         for path, events in logs.items():
             print("\n".join(curve_report(path, curve_comparison(curve, events))))
+        times = {path: time_comparison(curve, events) for path, events in logs.items()}
+        print(f"host time per op ({args.curve}) against each rank's log, last complete step:")
+        for path, comparison in times.items():
+            print("\n".join(time_report(path, comparison)))
+        if args.chrome_trace:
+            try:
+                write_chrome_trace(args.chrome_trace, args.plan, times)
+            except ValueError as e:
+                print(f"python -m dcplan.check_replay: error: {e}", file=sys.stderr)
+                return 2
+            print(f"wrote the predicted and measured host timelines to {args.chrome_trace}")
     return 1 if failed or any(line.startswith("OVER BUDGET") for line in report) else 0

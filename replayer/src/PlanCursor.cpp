@@ -7,10 +7,19 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 
 namespace dcplan::replayer {
 
 namespace {
+
+/// The host's monotonic clock in microseconds (CLOCK_MONOTONIC, as Python's time.monotonic_ns(),
+/// which the log's step marks read): an op line's time, comparable with the marks'.
+int64_t monotonicUs() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 std::string jsonString(const std::string& s) {
   std::string out = "\"";
@@ -178,7 +187,8 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
       if (m.peakBefore >= 0) memory += ",\"peak\":" + std::to_string(m.peakBefore);
     }
     logLine("{\"ev\":\"op\",\"graph\":" + std::to_string(event.graphId) + ",\"pos\":" + std::to_string(pos) +
-            ",\"op\":" + jsonString(event.op) + ",\"ds_id\":" + std::to_string(event.dsId) + memory + "}");
+            ",\"op\":" + jsonString(event.op) + ",\"ds_id\":" + std::to_string(event.dsId) + memory +
+            ",\"t_us\":" + std::to_string(monotonicUs()) + "}");
   }
   Planned* g = planned(event.graphId);
   if (g == nullptr) return {};

@@ -56,3 +56,71 @@ def test_an_eval_forward_between_steps_keeps_the_step_time():
     # Step starts move to the eval forwards (50 us after each step's): the intervals stay.
     m = _plan.measured(log((0, 1), (100, 1), (300, 1), (500, 1), eval_between=True))
     assert m["step_us"] == 200 and m["steps"] == 3
+
+
+def timed_log(step_starts, op_offsets):
+    """A replay log of one forward (graph 0) and one backward (graph 1) per optimizer step:
+    op_offsets are the op lines' times from each step's start mark."""
+    events = [{"ev": "plan", "file": "p.json", "persistent": []}]
+    for t in step_starts:
+        events += [{"ev": "mark", "t_us": t, "peak_bytes": 1}, {"ev": "start_forward"}]
+        for pos, dt in enumerate(op_offsets[:2]):
+            events.append({"ev": "op", "graph": 0, "pos": pos, "op": "allgather_param", "ds_id": 7, "t_us": t + dt})
+        events.append({"ev": "start_backward", "update": True, "sync": True})
+        events.append({"ev": "op", "graph": 1, "pos": 0, "op": "end_backward", "ds_id": -1, "t_us": t + op_offsets[2]})
+    return events
+
+
+CURVE = {"step_us": 1000.0, "host_lane": True, "samples": [
+    {"graph": 0, "kind": "forward", "micro_step": 0, "pos": 0, "op": "allgather_param", "host_us": 10.0},
+    {"graph": 0, "kind": "forward", "micro_step": 0, "pos": 1, "op": "allgather_param", "host_us": 100.0},
+    {"graph": 1, "kind": "backward", "micro_step": 0, "pos": 0, "op": "end_backward", "host_us": 600.0}]}
+
+
+def test_time_comparison_reads_the_last_complete_step_from_its_start_mark():
+    # Three steps: the last one may be cut short; the second (start 5000, next 6500) is compared.
+    events = timed_log([0, 5000, 6500], [20, 400, 700])
+    c = _plan.time_comparison(CURVE, events)
+    assert c["predicted_step_us"] == 1000.0 and c["measured_step_us"] == 1500
+    assert [(r[0], r[2], r[5], r[6], r[7]) for r in c["ops"]] == [
+        (0, 0, 10.0, 20, "forward"), (0, 1, 100.0, 400, "forward"), (1, 0, 600.0, 700, "backward")]
+
+
+def test_time_report_names_the_stretches_the_prediction_misses_most():
+    lines = _plan.time_report("r.0.jsonl", _plan.time_comparison(CURVE, timed_log([0, 5000, 6500], [20, 400, 700])))
+    assert "first backward op 0.600 / 0.700" in lines[0] and "step 1.000 / 1.500 (+50%)" in lines[0]
+    # The stretches, measured - predicted: before op 0, 20 - 10 = +10 us; before op 1, 380 - 90 =
+    # +290 us; before end_backward, 300 - 500 = -200 us; after the last op, 800 - 400 = +400 us.
+    assert lines[1].startswith("    after the last op") and "(+0.400 ms)" in lines[1]
+    assert "before graph 0 micro-step 0 pos 1 allgather_param (ds_id 7)" in lines[2] and "(+0.290 ms)" in lines[2]
+    assert "pos 0 end_backward" in lines[3] and "(-0.200 ms)" in lines[3] and len(lines) == 4
+
+
+def test_logs_or_curves_without_times_compare_nothing():
+    events = timed_log([0, 5000, 6500], [20, 400, 700])
+    untimed = [{k: v for k, v in e.items() if not (e["ev"] == "op" and k == "t_us")} for e in events]
+    assert _plan.time_comparison(CURVE, untimed) is None
+    assert _plan.time_comparison({**CURVE, "samples": CURVE["samples"][:2]} | {"step_us": 1.0}, untimed) is None
+    old_curve = {"samples": CURVE["samples"]}  # before step_us and host_us
+    assert _plan.time_comparison(old_curve, events) is None
+    assert "no op times" in _plan.time_report("r.0.jsonl", None)[0]
+
+
+def test_chrome_trace_has_the_predicted_lane_and_one_per_rank(tmp_path):
+    comparisons = {f"r.{r}.jsonl": _plan.time_comparison(CURVE, timed_log([0, 5000, 6500], [20, 400, 700 + r]))
+                   for r in range(2)}
+    out = tmp_path / "t.json"
+    _plan.write_chrome_trace(str(out), "plan.json", comparisons)
+    import json
+
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {1: "predicted: plan.json", 2: "measured: r.0.jsonl", 3: "measured: r.1.jsonl"}
+    slices = {pid: [(e["name"], e["ts"], e["dur"]) for e in events if e["ph"] == "X" and e["pid"] == pid]
+              for pid in names}
+    assert slices[1] == [("allgather_param 7", 10.0, 90.0), ("allgather_param 7", 100.0, 500.0),
+                         ("end_backward -1", 600.0, 400.0)]
+    assert slices[3][-1] == ("end_backward -1", 701.0, 799.0)  # to the next step's start, 1500 us
+    assert not list(tmp_path.glob("*.tmp*"))
+    with pytest.raises(ValueError, match="no log has op times"):
+        _plan.write_chrome_trace(str(out), "plan.json", {"r.0.jsonl": None})

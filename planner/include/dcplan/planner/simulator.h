@@ -59,6 +59,9 @@ struct MemorySample {
   int32_t run = -1;   ///< the graph run (-1: the optimizer step)
   int64_t seq = -1;   ///< the op of that run (-1: after its last op)
   bool atOp = false;  ///< at the op (its memory_bytes), else during the compute before it (peak_bytes)
+  /// The host's clock then (the host lane; without one, the device's `us`): before an op, when
+  /// the host enters it, which a replay log's op line times.
+  double hostUs = 0;
 };
 
 /// What happened to one gather call (a prefetch group or an on-demand gather).
