@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -156,8 +157,17 @@ TEST(PlanCursor, WritesTheReplayLog) {
       log.rfind("{\"ev\":\"plan\",\"file\":\"p.json\",\"persistent\":[2]}\n{\"ev\":\"start_forward\"}\n", 0),
       0u)
       << log;
-  EXPECT_NE(log.find("{\"ev\":\"op\",\"graph\":0,\"pos\":4,\"op\":\"allgather_param\",\"ds_id\":3}"),
-            std::string::npos);
+  // Each op line ends with the host's time at the op (t_us, CLOCK_MONOTONIC microseconds).
+  const std::string op =
+      "{\"ev\":\"op\",\"graph\":0,\"pos\":4,\"op\":\"allgather_param\",\"ds_id\":3,\"t_us\":";
+  const size_t at = log.find(op);
+  ASSERT_NE(at, std::string::npos) << log;
+  const int64_t opUs = std::stoll(log.substr(at + op.size()));
+  const int64_t nowUs = std::chrono::duration_cast<std::chrono::microseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch())
+                            .count();
+  EXPECT_GT(opUs, 0);
+  EXPECT_LE(opUs, nowUs);
   EXPECT_NE(log.find("{\"ev\":\"end\",\"graph\":-1}"), std::string::npos);
   std::remove(path.c_str());
 }
