@@ -483,6 +483,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   Search search(w, cost, limit, limitNote, progress);
   const Context& c = search.context();
   PlanResult result;
+  if (!w.stepChoice.empty()) result.warnings.push_back(w.stepChoice);
 
   Candidate def = search.defaultCandidate();
   Candidate chosen;

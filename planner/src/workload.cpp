@@ -3,10 +3,12 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
 
+#include "dcplan/planner/units.h"
 #include "dcplan/schemas/dtype.h"
 
 namespace dcplan::planner {
@@ -40,6 +42,76 @@ OpKind kindOf(const std::string& op) {
 
 bool needsParam(OpKind k) {
   return k == OpKind::AllGather || k == OpKind::Wait || k == OpKind::Release || k == OpKind::ReduceGrad;
+}
+
+/// The recorded micro-steps of the optimizer step that ends at `end` (steps are micro-steps; an
+/// optimizer step is the grad_accum_steps of them ending at one after which the optimizer ran).
+std::vector<size_t> microStepsEndingAt(const schemas::Trace& trace, size_t end, int64_t gradAccumSteps) {
+  std::vector<size_t> micro{end};
+  while (static_cast<int64_t>(micro.size()) < gradAccumSteps && micro.back() > 0 &&
+         !(trace.steps[micro.back() - 1].optimizerUs > 0)) {
+    micro.push_back(micro.back() - 1);
+  }
+  std::reverse(micro.begin(), micro.end());
+  // Fewer micro-steps recorded than the step has: the first recorded one stands
+  // in for the missing ones, so that per-step gather counts stay right.
+  while (static_cast<int64_t>(micro.size()) < gradAccumSteps) micro.insert(micro.begin(), micro.front());
+  return micro;
+}
+
+/// The host time of the optimizer step ending at `end` (every op's host_us and issue_us, and
+/// optimizer_host_us), or nothing where the trace lacks one of them.
+std::optional<double> stepHostUs(const schemas::Trace& trace, size_t end, int64_t gradAccumSteps) {
+  if (!trace.steps[end].optimizerHostUs) return std::nullopt;
+  double us = *trace.steps[end].optimizerHostUs;
+  std::vector<size_t> micro = microStepsEndingAt(trace, end, gradAccumSteps);
+  micro.erase(std::unique(micro.begin(), micro.end()), micro.end());  // a stand-in counts once
+  for (size_t m : micro) {
+    for (const schemas::TraceGraph& g : trace.steps[m].graphs) {
+      for (const schemas::OpEvent& e : g.events) {
+        if (!e.hostUs || !e.issueUs) return std::nullopt;
+        us += *e.hostUs + *e.issueUs;
+      }
+    }
+  }
+  return us;
+}
+
+/// The recorded step to plan from: the last one after which the optimizer ran, unless the
+/// recorded optimizer steps disagree on host time (kStepsAgreeShare): then the median of them
+/// (of an even count the faster middle one; noise only adds time), with `note` saying so. A CUDA
+/// graph's plan takes the device's own times, which the recorder measures once: the last step.
+size_t steadyOptimizerStep(const schemas::Trace& trace, int64_t gradAccumSteps, StepReplay replay,
+                           std::string& note) {
+  std::vector<size_t> ends;
+  for (size_t i = 0; i < trace.steps.size(); ++i) {
+    if (trace.steps[i].optimizerUs > 0) ends.push_back(i);
+  }
+  if (ends.empty()) return trace.steps.size() - 1;
+  if (ends.size() < 2 || replay == StepReplay::CudaGraph) return ends.back();
+  std::vector<std::pair<double, size_t>> hosts;  // host time, step
+  for (size_t e : ends) {
+    std::optional<double> us = stepHostUs(trace, e, gradAccumSteps);
+    if (!us) return ends.back();
+    hosts.emplace_back(*us, e);
+  }
+  auto [fastest, slowest] = std::minmax_element(hosts.begin(), hosts.end());
+  if (slowest->first <= fastest->first * (1.0 + kStepsAgreeShare)) return ends.back();
+  std::vector<std::pair<double, size_t>> sorted = hosts;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t chosen = sorted[(sorted.size() - 1) / 2].second;
+  std::string times;
+  for (const auto& [us, e] : hosts) {
+    times += (times.empty() ? "" : ", ") + formatFixed(us / 1000, 1) + " ms (step " +
+             std::to_string(trace.steps[e].index) + ")";
+  }
+  note = "the recorded optimizer steps disagree on host time by more than " +
+         formatFixed(100 * kStepsAgreeShare, 0) + "%: " + times + "; planned from step " +
+         std::to_string(trace.steps[chosen].index) + ", the median" +
+         (hosts.size() % 2 == 0 ? " (the faster of the middle two)" : "") +
+         (chosen == ends.back() ? "" : ", not the last") +
+         "; record more steps (dcplan record --steps) for a steadier basis";
+  return chosen;
 }
 
 int dtypeBytes(const std::string& dtype, const char* pointer) {
@@ -279,24 +351,8 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay
     w.sortedIdx_.push_back(static_cast<int32_t>(i));
   }
 
-  // Steps are micro-steps; an optimizer step is the grad_accum_steps of them
-  // ending at the last one after which the optimizer ran.
-  size_t end = trace.steps.size() - 1;
-  for (size_t i = trace.steps.size(); i-- > 0;) {
-    if (trace.steps[i].optimizerUs > 0) {
-      end = i;
-      break;
-    }
-  }
-  std::vector<size_t> micro{end};
-  while (static_cast<int64_t>(micro.size()) < w.gradAccumSteps && micro.back() > 0 &&
-         !(trace.steps[micro.back() - 1].optimizerUs > 0)) {
-    micro.push_back(micro.back() - 1);
-  }
-  std::reverse(micro.begin(), micro.end());
-  // Fewer micro-steps recorded than the step has: the first recorded one stands
-  // in for the missing ones, so that per-step gather counts stay right.
-  while (static_cast<int64_t>(micro.size()) < w.gradAccumSteps) micro.insert(micro.begin(), micro.front());
+  const size_t end = steadyOptimizerStep(trace, w.gradAccumSteps, replay, w.stepChoice);
+  std::vector<size_t> micro = microStepsEndingAt(trace, end, w.gradAccumSteps);
   w.traceStep = trace.steps[end].index;
   w.optimizerUs = trace.steps[end].optimizerUs;
   w.waitsBlockHost = w.memory.transport == RuntimeMemory::Transport::Gloo;

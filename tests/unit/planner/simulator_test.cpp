@@ -582,3 +582,71 @@ TEST(Workload, AnOptimizerStepIsGradAccumMicroSteps) {
 
 }  // namespace
 }  // namespace dcplan::planner
+
+namespace dcplan::planner {
+namespace {
+
+/// A generated trace of `hostScale.size()` optimizer steps with host times: every op's host_us is
+/// its compute and issue_us 10 us, the optimizer's host time its device time, all times
+/// hostScale[step].
+schemas::Trace traceWithHostTimes(const std::vector<double>& hostScale) {
+  testing::GeneratorOptions o;
+  o.model.layers = 1;
+  o.model.hidden = 256;
+  o.model.heads = 2;
+  o.model.vocab = 1000;
+  o.steps = static_cast<int64_t>(hostScale.size());
+  o.jitter = 0;  // the steps differ by hostScale alone
+  schemas::Trace t = testing::generateTrace(o);
+  for (size_t s = 0; s < t.steps.size(); ++s) {
+    for (schemas::TraceGraph& g : t.steps[s].graphs) {
+      for (schemas::OpEvent& e : g.events) {
+        e.hostUs = e.computeUs * hostScale[s];
+        e.issueUs = 10 * hostScale[s];
+      }
+    }
+    t.steps[s].optimizerHostUs = t.steps[s].optimizerUs * hostScale[s];
+  }
+  return t;
+}
+
+TEST(Workload, StepsThatAgreeArePlannedFromTheLast) {
+  Workload w = makeWorkload(traceWithHostTimes({1.0, 1.09, 1.0}));
+  EXPECT_EQ(w.traceStep, 2);
+  EXPECT_TRUE(w.hostLane);
+  EXPECT_EQ(w.stepChoice, "");
+}
+
+TEST(Workload, StepsThatDisagreeArePlannedFromTheMedianAndSaySo) {
+  // The last of three steps took twice the host time: the median is step 1.
+  Workload three = makeWorkload(traceWithHostTimes({1.0, 1.05, 2.0}));
+  EXPECT_EQ(three.traceStep, 1);
+  EXPECT_NE(three.stepChoice.find("disagree on host time by more than 10%"), std::string::npos)
+      << three.stepChoice;
+  EXPECT_NE(three.stepChoice.find("planned from step 1, the median, not the last"), std::string::npos)
+      << three.stepChoice;
+  // Of two, the faster: a fresh machine's or a busy neighbour's noise only adds time.
+  Workload two = makeWorkload(traceWithHostTimes({1.5, 1.0}));
+  EXPECT_EQ(two.traceStep, 1);
+  Workload firstFaster = makeWorkload(traceWithHostTimes({1.0, 1.5}));
+  EXPECT_EQ(firstFaster.traceStep, 0);
+  EXPECT_NE(firstFaster.stepChoice.find("the median (the faster of the middle two)"), std::string::npos)
+      << firstFaster.stepChoice;
+  // The plan carries the choice as a warning (dcplan plan prints it).
+  PlanRequest req;
+  req.strategy = Strategy::Default;
+  PlanResult r = makePlan(traceWithHostTimes({1.0, 1.5}), req);
+  ASSERT_EQ(r.warnings.size(), 1u);
+  EXPECT_EQ(r.warnings[0], firstFaster.stepChoice);
+}
+
+TEST(Workload, StepsWithoutHostTimesArePlannedFromTheLast) {
+  schemas::Trace t = traceWithHostTimes({1.0, 3.0});
+  t.steps[0].graphs[0].events[0].issueUs.reset();
+  Workload w = makeWorkload(t);
+  EXPECT_EQ(w.traceStep, 1);
+  EXPECT_EQ(w.stepChoice, "");
+}
+
+}  // namespace
+}  // namespace dcplan::planner

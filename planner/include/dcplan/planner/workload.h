@@ -104,6 +104,9 @@ struct Workload {
   /// times are the device's own (device_us), the host issues nothing, no host lane.
   bool cudaGraph = false;
   int64_t traceStep = 0;  ///< index of the recorded step used
+  /// Why traceStep is not the last recorded optimizer step (the recorded steps disagree on host
+  /// time, kStepsAgreeShare); empty where it is.
+  std::string stepChoice;
   std::vector<WorkParam> params;
   std::vector<WorkGraph> graphs;  ///< distinct graph ids, in first-run order
   std::vector<GraphRun> runs;     ///< the optimizer step, in execution order
@@ -132,6 +135,11 @@ enum class StepReplay {
 /// trace element (JSON pointer) when the trace cannot be planned: graphs of one
 /// id whose runs differ, an op on an unknown parameter, no steps, and for a CUDA
 /// graph an op or optimizer step without the device's own time.
+/// Recorded optimizer steps whose host times differ by more than this share of the fastest's
+/// disagree: the step planned from is then the median one, not the last (a fresh machine's first
+/// steps, a busy neighbour), and the plan says so.
+inline constexpr double kStepsAgreeShare = 0.10;
+
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0,
                       StepReplay replay = StepReplay::Issued);
 
