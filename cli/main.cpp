@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   setupInspect(app);
   setupPlan(app);
   setupDiff(app);
+  setupCheck(app);
   // CLI11 would report an unknown subcommand as a missing one; name it instead.
   const auto subcommands = app.get_subcommands({});
   if (argc > 1 && argv[1][0] != '-' && std::none_of(subcommands.begin(), subcommands.end(), [&](auto* sub) {

@@ -11,6 +11,7 @@ void setupInspect(CLI::App& app);
 void setupPlan(CLI::App& app);
 void setupDiff(CLI::App& app);
 void setupRecord(CLI::App& app);
+void setupCheck(CLI::App& app);
 
 /// Exit codes shared by all subcommands.
 inline constexpr int kExitOk = 0;

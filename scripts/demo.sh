@@ -25,7 +25,7 @@ echo; echo "\$ ${train[*]}   # without a plan"
 "${train[@]}" --losses "$work/no-plan.json" >/dev/null
 echo "\$ DCPLAN_PLAN=plan.json DCPLAN_REPLAY_LOG=replay.{rank}.jsonl ${train[*]}"
 DCPLAN_PLAN="$work/plan.json" DCPLAN_REPLAY_LOG="$work/replay.{rank}.jsonl" "${train[@]}" --losses "$work/plan.json.losses" >/dev/null
-run python -m dcplan.check_replay "$work/plan.json" "$work/replay.0.jsonl" "$work/replay.1.jsonl"
+run dcplan check "$work/plan.json" "$work/replay.0.jsonl" "$work/replay.1.jsonl"
 echo
 python - "$work/no-plan.json" "$work/plan.json.losses" <<'PY'
 import json, sys

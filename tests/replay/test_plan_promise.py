@@ -1,9 +1,10 @@
 """The plan's promise on 2 CPU ranks, for a model and sizes the demo does not use: two rounds of
 dcplan record -> plan (unconstrained, and at a budget between the least any schedule needs and the
-unconstrained plan's peak) -> replay with the replay log -> check_replay. Asserted: every rank's
-measured peak within 3% of the plan's prediction and within its budget, and check_replay's time
-report and Chrome trace. The step time is a benchmark (docs/benchmarks.md), not asserted here:
-two processes on a 2-core machine vary 2x from step to step."""
+unconstrained plan's peak) -> replay with the replay log -> check (`dcplan check` for one plan,
+`python -m dcplan.check_replay` for the other). Asserted: every rank's measured peak within 3% of
+the plan's prediction and within its budget, and the check's time report and Chrome trace. The
+step time is a benchmark (docs/benchmarks.md), not asserted here: two processes on a 2-core
+machine vary 2x from step to step."""
 import json
 import os
 import subprocess
@@ -34,18 +35,25 @@ def run(cmd, env=None):
     return res
 
 
-def replay_and_check(exe, tmp, name, trace):
-    """Replays tmp/name.json with the replay log; returns each rank's measurement and the check's output."""
+def replay_and_check(exe, tmp, name, trace, via_cli):
+    """Replays tmp/name.json with the replay log and checks it (via_cli: with `dcplan check --trace`, else
+    with `dcplan inspect --memory-curve` and `python -m dcplan.check_replay --curve`); returns the plan,
+    each rank's measurement, the check's output and its Chrome trace."""
     from dcplan import _plan
 
-    plan, curve = tmp / f"{name}.json", tmp / f"{name}.curve.json"
-    run([exe, "inspect", str(plan), "--trace", str(trace), "--memory-curve", str(curve)])
+    plan = tmp / f"{name}.json"
     log = tmp / f"{name}.{{rank}}.jsonl"
     run(train(6), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)})
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
     chrome = tmp / f"{name}.chrome.json"
-    check = run([sys.executable, "-m", "dcplan.check_replay", str(plan), *logs, "--curve", str(curve),
-                 "--chrome-trace", str(chrome)])
+    if via_cli:
+        check = run([exe, "check", str(plan), *logs, "--trace", str(trace), "--chrome-trace", str(chrome)],
+                    env={"DCPLAN_PYTHON": sys.executable})
+    else:
+        curve = tmp / f"{name}.curve.json"
+        run([exe, "inspect", str(plan), "--trace", str(trace), "--memory-curve", str(curve)])
+        check = run([sys.executable, "-m", "dcplan.check_replay", str(plan), *logs, "--curve", str(curve),
+                     "--chrome-trace", str(chrome)])
     measured = [_plan.measured(_plan.read_replay_log(p)) for p in logs]
     return json.loads(plan.read_text()), measured, check.stdout, json.loads(chrome.read_text())
 
@@ -63,7 +71,7 @@ def test_each_rank_keeps_the_plans_peak_and_budget(tmp_path, round_, dcplan_modu
     budget = (least + most) // 2
     run([exe, "plan", str(trace), "-o", str(tmp_path / "budget.json"), "--memory-budget", f"{budget}B"])
     for name in ("free", "budget"):
-        plan, ranks, out, chrome = replay_and_check(exe, tmp_path, name, trace)
+        plan, ranks, out, chrome = replay_and_check(exe, tmp_path, name, trace, via_cli=name == "budget")
         predicted = plan["predicted"]["peak_memory_bytes"]
         if name == "budget":
             assert plan["options"]["memory_budget_bytes"] == budget and predicted <= budget
