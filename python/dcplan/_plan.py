@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, NamedTuple, Optional, Union
 
 import torch
 
@@ -409,12 +409,24 @@ def curve_report(name: str, comparison: Dict, show: int = 5) -> List[str]:
     return lines
 
 
+class OpTime(NamedTuple):
+    """One op of a step: where it is, and when the host reached it from the step's start."""
+    graph: int
+    micro_step: int
+    pos: int
+    op: str
+    ds_id: int
+    predicted_us: float
+    measured_us: float
+    kind: str  # the graph's: forward or backward
+
+
 def time_comparison(curve: Dict, events: List[Dict]) -> Optional[Dict]:
     """The plan's simulated host time at each op (the curve's ``host_us``, from the step's start)
     against the replay log's (its op lines' ``t_us`` less the step's start mark), over the log's
-    last complete optimizer step. Returns ``ops`` (graph, micro_step, pos, op, ds_id, predicted
-    us, measured us, graph kind), ``predicted_step_us`` and ``measured_step_us`` (to the next step's start);
-    None where the log or the curve has no times (logs and curves written before op times, 2026-11-26)."""
+    last complete optimizer step. Returns ``ops`` (an OpTime each), ``predicted_step_us`` and
+    ``measured_step_us`` (to the next step's start); None where the log or the curve has no times
+    (logs and curves written before 2026-11-26)."""
     execs = executions(events)
     last = _last_complete_step(execs)
     starts = _step_starts(events)
@@ -427,8 +439,8 @@ def time_comparison(curve: Dict, events: List[Dict]) -> Optional[Dict]:
         e = logged.get((s["graph"], s["micro_step"], s["pos"]))
         if e is None or "t_us" not in e or "host_us" not in s:
             return None
-        rows.append((s["graph"], s["micro_step"], s["pos"], s["op"], e["ds_id"], s["host_us"], e["t_us"] - start,
-                     s["kind"]))
+        rows.append(OpTime(s["graph"], s["micro_step"], s["pos"], s["op"], e["ds_id"], s["host_us"],
+                           e["t_us"] - start, s["kind"]))
     return {"ops": rows, "predicted_step_us": curve["step_us"], "measured_step_us": starts[last + 1] - start}
 
 
@@ -438,27 +450,27 @@ def time_report(name: str, comparison: Optional[Dict], show: int = 3) -> List[st
     if comparison is None:
         return [f"  {os.path.basename(name)}: no op times in the log's last complete step or in the curve "
                 "(logs and curves written before 2026-11-26 carry none)"]
-    rows = comparison["ops"]
-    first_backward = next((r for r in rows if r[7] == "backward"), rows[-1])
+    rows: List[OpTime] = comparison["ops"]
+    first_backward = next((r for r in rows if r.kind == "backward"), rows[-1])
 
-    def at(r, i):
-        return f"{r[i] / 1e3:.3f}"
+    def both(r: OpTime) -> str:
+        return f"{r.predicted_us / 1e3:.3f} / {r.measured_us / 1e3:.3f}"
 
     pred_step, meas_step = comparison["predicted_step_us"], comparison["measured_step_us"]
     lines = [f"  {os.path.basename(name)}: ms from the step's start, predicted / measured: "
-             f"first backward op {at(first_backward, 5)} / {at(first_backward, 6)}, "
-             f"last op {at(rows[-1], 5)} / {at(rows[-1], 6)}, "
+             f"first backward op {both(first_backward)}, last op {both(rows[-1])}, "
              f"step {pred_step / 1e3:.3f} / {meas_step / 1e3:.3f} ({100 * (meas_step / pred_step - 1):+.0f}%)"]
-    stretches = []  # (measured - predicted, op row, predicted, measured): the time since the op before
+    stretches = []  # (measured - predicted, op, predicted, measured): the time since the op before
     prev_pred, prev_meas = 0.0, 0.0  # the step's start
     for r in rows:
-        stretches.append((r[6] - prev_meas - (r[5] - prev_pred), r, r[5] - prev_pred, r[6] - prev_meas))
-        prev_pred, prev_meas = r[5], r[6]
-    tail = rows[-1]
-    stretches.append((meas_step - tail[6] - (pred_step - tail[5]), None, pred_step - tail[5], meas_step - tail[6]))
+        p, m = r.predicted_us - prev_pred, r.measured_us - prev_meas
+        stretches.append((m - p, r, p, m))
+        prev_pred, prev_meas = r.predicted_us, r.measured_us
+    p, m = pred_step - prev_pred, meas_step - prev_meas
+    stretches.append((m - p, None, p, m))  # to the next step's start
     for extra, r, p, m in sorted(stretches, key=lambda x: -abs(x[0]))[:show]:
         where = "after the last op (optimizer step, the loop)" if r is None else \
-            f"before graph {r[0]} micro-step {r[1]} pos {r[2]} {r[3]} (ds_id {r[4]})"
+            f"before graph {r.graph} micro-step {r.micro_step} pos {r.pos} {r.op} (ds_id {r.ds_id})"
         lines.append(f"    {where}: measured {m / 1e3:.3f} ms, predicted {p / 1e3:.3f} ms ({extra / 1e3:+.3f} ms)")
     return lines
 
@@ -469,24 +481,26 @@ def write_chrome_trace(path: str, plan_name: str, comparisons: Dict[str, Optiona
     step's start at 0. Written to a temporary name, then renamed."""
     events: List[Dict] = []
 
-    def lane(pid: int, label: str, rows, times: List[float], end: float) -> None:
+    def lane(pid: int, label: str, rows: List[OpTime], times: List[float], end: float) -> None:
         events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}})
         events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "host"}})
-        for r, t, t_next in zip(rows, times, times[1:] + [end]):
-            events.append({"name": f"{r[3]} {r[4]}", "cat": "dc op", "ph": "X", "pid": pid, "tid": 1, "ts": t,
+        for k, (r, t) in enumerate(zip(rows, times)):
+            last = k + 1 == len(rows)
+            t_next = end if last else times[k + 1]
+            events.append({"name": f"{r.op} {r.ds_id}", "cat": "dc op", "ph": "X", "pid": pid, "tid": 1, "ts": t,
                            "dur": max(0.0, t_next - t),
-                           "args": {"graph": r[0], "micro_step": r[1], "pos": r[2], "ds_id": r[4],
-                                    "until": "the next op" if t_next != end else "the next step's start"}})
+                           "args": {"graph": r.graph, "micro_step": r.micro_step, "pos": r.pos, "ds_id": r.ds_id,
+                                    "until": "the next step's start" if last else "the next op"}})
 
     first = next((c for c in comparisons.values() if c is not None), None)
     if first is None:
         raise ValueError("--chrome-trace: no log has op times in its last complete step "
                          "(a log written before 2026-11-26?)")
-    lane(1, f"predicted: {os.path.basename(plan_name)}", first["ops"], [r[5] for r in first["ops"]],
+    lane(1, f"predicted: {os.path.basename(plan_name)}", first["ops"], [r.predicted_us for r in first["ops"]],
          first["predicted_step_us"])
     for k, (name, c) in enumerate(comparisons.items()):
         if c is not None:
-            lane(2 + k, f"measured: {os.path.basename(name)}", c["ops"], [float(r[6]) for r in c["ops"]],
+            lane(2 + k, f"measured: {os.path.basename(name)}", c["ops"], [float(r.measured_us) for r in c["ops"]],
                  float(c["measured_step_us"]))
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:

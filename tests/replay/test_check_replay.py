@@ -82,7 +82,7 @@ def test_time_comparison_reads_the_last_complete_step_from_its_start_mark():
     events = timed_log([0, 5000, 6500], [20, 400, 700])
     c = _plan.time_comparison(CURVE, events)
     assert c["predicted_step_us"] == 1000.0 and c["measured_step_us"] == 1500
-    assert [(r[0], r[2], r[5], r[6], r[7]) for r in c["ops"]] == [
+    assert [(r.graph, r.pos, r.predicted_us, r.measured_us, r.kind) for r in c["ops"]] == [
         (0, 0, 10.0, 20, "forward"), (0, 1, 100.0, 400, "forward"), (1, 0, 600.0, 700, "backward")]
 
 
