@@ -18,7 +18,7 @@ work=$(mktemp -d)
 train=(python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_llama.py --steps 6)
 
 run() { echo; echo "\$ $*"; "$@"; }
-run dcplan record -o "$work/trace.json" --steps 2 --warmup 1 -- "${train[@]}"
+run dcplan record -o "$work/trace.json" -- "${train[@]}"   # 3 steps after 2 warm-up steps (the defaults)
 run dcplan plan "$work/trace.json" -o "$work/plan.json"
 run dcplan inspect "$work/plan.json"
 echo; echo "\$ ${train[*]}   # without a plan"

@@ -136,8 +136,8 @@ enum class StepReplay {
 /// id whose runs differ, an op on an unknown parameter, no steps, and for a CUDA
 /// graph an op or optimizer step without the device's own time.
 /// Recorded optimizer steps whose host times differ by more than this share of the fastest's
-/// disagree: the step planned from is then the median one, not the last (a fresh machine's first
-/// steps, a busy neighbour), and the plan says so.
+/// disagree: the step planned from is then the fastest, not the last (a machine still warming up
+/// or busy with something else only adds time), and the plan says so.
 inline constexpr double kStepsAgreeShare = 0.10;
 
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0,
