@@ -176,9 +176,20 @@ void runRecord(const RecordOptions& o) {
   }
   std::vector<RankTrace> rankTraces = readRankTraces(rankDir);
   if (rankTraces.empty()) {
+    // A rank writes its trace at the forward after its last recorded step, once that step's
+    // optimizer time is known (docs/recording.md): a job must run one step more than it records.
+    const std::string needed = std::to_string(o.warmup + o.steps + 1) + " steps (" +
+                               std::to_string(o.warmup) + " warm-up, " + std::to_string(o.steps) +
+                               " recorded and 1 more, at whose forward the trace is written)";
+    const Progress p = readProgress(rankDir);
+    if (p.ranks > 0 && p.total > 0 && p.recorded >= p.total) {
+      failWithOutput("the command finished without writing a trace: every rank recorded its " +
+                         std::to_string(p.total) +
+                         " steps, but the job ended before the next forward; run at least " + needed,
+                     lastLines);
+    }
     failWithOutput("the command finished without recording: no rank traces in " + rankDir.string() +
-                       "/ (does it call dcplan.shard() and run at least " +
-                       std::to_string(o.warmup + o.steps) + " steps?)",
+                       "/ (does it call dcplan.shard() and run at least " + needed + "?)",
                    lastLines);
   }
   Trace merged;

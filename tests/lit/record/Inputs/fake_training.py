@@ -9,6 +9,7 @@ fake_training.py MODE [--world-size N]
   missing-rank  like ok, but the last rank writes no trace
   fail          print a traceback-like message and exit 3
   never         train without ever turning recording on, exit 0
+  one-short     record every step, then end before the forward at which a rank writes its trace
   hang          start recording, then never finish (for interruption tests)
 """
 import argparse
@@ -52,6 +53,9 @@ def main():
         if args.mode == "hang":
             while True:
                 time.sleep(1)
+    if args.mode == "one-short":
+        print("trained warm-up + recorded steps, and stopped", flush=True)
+        return 0
     if args.mode == "warn":  # as torch prints a TORCH_WARN of the recorder
         print("[W1125 04:00:00.000000000 Recorder.cpp:338] Warning: record: in the device-lead step the device "
               "caught up with the host at op 3 of micro-step 0 (function deviceComputeUs)", flush=True)
