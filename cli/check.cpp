@@ -56,18 +56,22 @@ class TemporaryCurve {
       // The plan does not fit the trace: name the plan, the pointer is into it.
       throw schemas::InputError(o.plan, {{"", std::string(e.what()) + " (trace " + o.trace + ")"}});
     }
-    path_ = fs::temp_directory_path() / ("dcplan-check-" + std::to_string(::getpid()) + ".curve.json");
+    // Named after the plan (the checker's reports name the curve), in a directory of this process.
+    dir_ = fs::temp_directory_path() / ("dcplan-check-" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+    path_ = dir_ / (fs::path(o.plan).stem().string() + ".curve.json");
     schemas::writeFileAtomically(path_, curve);
   }
   ~TemporaryCurve() {
     std::error_code ec;
-    fs::remove(path_, ec);
+    fs::remove_all(dir_, ec);
   }
   TemporaryCurve(const TemporaryCurve&) = delete;
   TemporaryCurve& operator=(const TemporaryCurve&) = delete;
   const fs::path& path() const { return path_; }
 
  private:
+  fs::path dir_;
   fs::path path_;
 };
 

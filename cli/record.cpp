@@ -188,6 +188,11 @@ void runRecord(const RecordOptions& o) {
                          " steps, but the job ended before the next forward; run at least " + needed,
                      lastLines);
     }
+    if (p.ranks > 0) {
+      failWithOutput("the command finished after recording " + std::to_string(p.recorded) + " of " +
+                         std::to_string(p.total) + " steps; run at least " + needed,
+                     lastLines);
+    }
     failWithOutput("the command finished without recording: no rank traces in " + rankDir.string() +
                        "/ (does it call dcplan.shard() and run at least " + needed + "?)",
                    lastLines);

@@ -556,11 +556,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.curve:
         with open(args.curve) as f:
             curve = json.load(f)
-        print(f"memory per op ({args.curve}) against each rank's allocation log, last complete step:")
+        curve_name = os.path.basename(args.curve)
+        print(f"memory per op ({curve_name}) against each rank's allocation log, last complete step:")
         for path, events in logs.items():
             print("\n".join(curve_report(path, curve_comparison(curve, events))))
         times = {path: time_comparison(curve, events) for path, events in logs.items()}
-        print(f"host time per op ({args.curve}) against each rank's log, last complete step:")
+        print(f"host time per op ({curve_name}) against each rank's log, last complete step:")
         for path, comparison in times.items():
             print("\n".join(time_report(path, comparison)))
         if args.chrome_trace:

@@ -195,7 +195,9 @@ def test_job_too_short_records_nothing(dcplan_ok, tmp_path):
     cmd = [dcplan_ok, "record", "-o", str(out), "--", *torchrun("--steps", "4")]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "run at least 5 steps?" in r.stderr
+    assert "the command finished after recording" in r.stderr, r.stderr
+    assert "run at least 6 steps (2 warm-up, 3 recorded and 1 more, at whose forward the trace is written)" \
+        in r.stderr, r.stderr
     assert not out.exists()
 
 
