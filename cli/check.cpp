@@ -4,6 +4,7 @@
 // plan on the trace (the memory and host time of each op, as `inspect --memory-curve` writes them).
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -56,29 +57,39 @@ class TemporaryCurve {
       // The plan does not fit the trace: name the plan, the pointer is into it.
       throw schemas::InputError(o.plan, {{"", std::string(e.what()) + " (trace " + o.trace + ")"}});
     }
-    // Named after the plan (the checker's reports name the curve), in a directory of this process.
-    dir_ = fs::temp_directory_path() / ("dcplan-check-" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
+    // Named after the plan (the checker's reports name the curve), in a new directory of its own.
+    std::string dir = (fs::temp_directory_path() / "dcplan-check-XXXXXX").string();
+    if (::mkdtemp(dir.data()) == nullptr) {
+      throw std::runtime_error("cannot create a temporary directory " + dir + ": " + std::strerror(errno));
+    }
+    dir_ = dir;
     path_ = dir_ / (fs::path(o.plan).stem().string() + ".curve.json");
-    schemas::writeFileAtomically(path_, curve);
+    try {
+      schemas::writeFileAtomically(path_, curve);
+    } catch (...) {
+      removeDir();
+      throw;
+    }
   }
-  ~TemporaryCurve() {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
+  ~TemporaryCurve() { removeDir(); }
   TemporaryCurve(const TemporaryCurve&) = delete;
   TemporaryCurve& operator=(const TemporaryCurve&) = delete;
   const fs::path& path() const { return path_; }
 
  private:
+  void removeDir() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
   fs::path dir_;
   fs::path path_;
 };
 
 void runCheck(const CheckOptions& o) {
   if (!o.chromeTrace.empty() && o.trace.empty()) {
-    throw schemas::InputError(o.plan, {{"", "--chrome-trace needs --trace TRACE: the predicted timeline is "
-                                            "simulated on the trace"}});
+    throw std::invalid_argument("--chrome-trace needs --trace TRACE: the predicted timeline is simulated on "
+                                "the trace");
   }
   // A bad plan is named here, in the CLI's words, before the checker starts.
   const schemas::Plan plan = schemas::readPlan(o.plan);

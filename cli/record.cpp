@@ -182,7 +182,7 @@ void runRecord(const RecordOptions& o) {
                                std::to_string(o.warmup) + " warm-up, " + std::to_string(o.steps) +
                                " recorded and 1 more, at whose forward the trace is written)";
     const Progress p = readProgress(rankDir);
-    if (p.ranks > 0 && p.total > 0 && p.recorded >= p.total) {
+    if (p.ranks > 0 && p.ranks == p.worldSize && p.total > 0 && p.recorded >= p.total) {
       failWithOutput("the command finished without writing a trace: every rank recorded its " +
                          std::to_string(p.total) +
                          " steps, but the job ended before the next forward; run at least " + needed,

@@ -59,13 +59,12 @@ std::vector<size_t> microStepsEndingAt(const schemas::Trace& trace, size_t end, 
   return micro;
 }
 
-/// The host time of the optimizer step ending at `end` (every op's host_us and issue_us, and
-/// optimizer_host_us), or nothing where the trace lacks one of them.
-std::optional<double> stepHostUs(const schemas::Trace& trace, size_t end, int64_t gradAccumSteps) {
-  if (!trace.steps[end].optimizerHostUs) return std::nullopt;
-  double us = *trace.steps[end].optimizerHostUs;
-  std::vector<size_t> micro = microStepsEndingAt(trace, end, gradAccumSteps);
-  micro.erase(std::unique(micro.begin(), micro.end()), micro.end());  // a stand-in counts once
+/// The host time of the optimizer step made of the recorded micro-steps `micro` (every op's
+/// host_us and issue_us, and the last one's optimizer_host_us), or nothing where the trace lacks
+/// one of them.
+std::optional<double> stepHostUs(const schemas::Trace& trace, const std::vector<size_t>& micro) {
+  if (!trace.steps[micro.back()].optimizerHostUs) return std::nullopt;
+  double us = *trace.steps[micro.back()].optimizerHostUs;
   for (size_t m : micro) {
     for (const schemas::TraceGraph& g : trace.steps[m].graphs) {
       for (const schemas::OpEvent& e : g.events) {
@@ -92,10 +91,15 @@ size_t steadyOptimizerStep(const schemas::Trace& trace, int64_t gradAccumSteps, 
   if (ends.size() < 2 || replay == StepReplay::CudaGraph) return ends.back();
   std::vector<std::pair<double, size_t>> hosts;  // host time, step
   for (size_t e : ends) {
-    std::optional<double> us = stepHostUs(trace, e, gradAccumSteps);
+    std::vector<size_t> micro = microStepsEndingAt(trace, e, gradAccumSteps);
+    // A step with fewer recorded micro-steps than it has (the first, recorded part-way) would look
+    // fast: compare complete steps only.
+    if (std::adjacent_find(micro.begin(), micro.end()) != micro.end()) continue;
+    std::optional<double> us = stepHostUs(trace, micro);
     if (!us) return ends.back();
     hosts.emplace_back(*us, e);
   }
+  if (hosts.size() < 2) return ends.back();
   auto [fastest, slowest] = std::minmax_element(hosts.begin(), hosts.end());
   if (slowest->first <= fastest->first * (1.0 + kStepsAgreeShare)) return ends.back();
   const size_t chosen = fastest->second;

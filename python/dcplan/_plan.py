@@ -421,45 +421,69 @@ class OpTime(NamedTuple):
     kind: str  # the graph's: forward or backward
 
 
-def time_comparison(curve: Dict, events: List[Dict]) -> Optional[Dict]:
+def time_comparison(curve: Dict, events: List[Dict]) -> Dict:
     """The plan's simulated host time at each op (the curve's ``host_us``, from the step's start)
     against the replay log's (its op lines' ``t_us`` less the step's start mark), over the log's
-    last complete optimizer step. Returns ``ops`` (an OpTime each), ``predicted_step_us`` and
-    ``measured_step_us`` (to the next step's start); None where the log or the curve has no times
-    (logs and curves written before 2026-11-26)."""
+    last complete optimizer step. Returns ``ops`` (an OpTime each), ``predicted_step_us``,
+    ``measured_step_us`` (to the next step's start) and ``host_lane`` (the curve's times are the
+    host's; without it the device's); or only ``reason``, why the two cannot be compared."""
+    if "step_us" not in curve or any("host_us" not in s for s in curve["samples"]):
+        return {"reason": "the curve has no op times (written by a dcplan before 2026-11-26)"}
     execs = executions(events)
     last = _last_complete_step(execs)
     starts = _step_starts(events)
-    if last is None or len(starts) <= last + 1 or "step_us" not in curve:
-        return None
+    if last is None or len(starts) <= last + 1:
+        return {"reason": "the log has no complete optimizer step with marks before and after it"}
+    # A forward run outside training (an eval between steps) is an execution the plan's step has not:
+    # its ops would stand in for the step's, and its mark for the step's start.
+    micro_steps = {}
+    for s in curve["samples"]:
+        micro_steps[s["graph"]] = max(micro_steps.get(s["graph"], 0), s["micro_step"] + 1)
+    runs = {}
+    for ex in execs:
+        if ex["step"] == last:
+            runs[ex["graph"]] = runs.get(ex["graph"], 0) + 1
+    extra = {g: n for g, n in runs.items() if n > micro_steps.get(g, 0)}
+    if extra:
+        g, n = next(iter(extra.items()))
+        return {"reason": f"the log's step {last} runs graph {g} {n} times, the plan's step "
+                          f"{micro_steps.get(g, 0)} (a forward outside training, such as an eval, between steps?)"}
     logged = last_step_ops(events)
     start = starts[last]
     rows = []
     for s in curve["samples"]:
         e = logged.get((s["graph"], s["micro_step"], s["pos"]))
-        if e is None or "t_us" not in e or "host_us" not in s:
-            return None
+        if e is None:
+            return {"reason": f"the log's step {last} has no op at graph {s['graph']} micro-step {s['micro_step']} "
+                              f"position {s['pos']} ({s['op']}): another plan's curve, or a departure?"}
+        if "t_us" not in e:
+            return {"reason": "the log's op lines have no times (written by a dcplan before 2026-11-26)"}
         rows.append(OpTime(s["graph"], s["micro_step"], s["pos"], s["op"], e["ds_id"], s["host_us"],
                            e["t_us"] - start, s["kind"]))
-    return {"ops": rows, "predicted_step_us": curve["step_us"], "measured_step_us": starts[last + 1] - start}
+    if not rows or not curve["step_us"] > 0:
+        return {"reason": "the curve has no ops or no predicted step"}
+    return {"ops": rows, "predicted_step_us": curve["step_us"], "measured_step_us": starts[last + 1] - start,
+            "host_lane": curve.get("host_lane", True)}
 
 
-def time_report(name: str, comparison: Optional[Dict], show: int = 3) -> List[str]:
+def time_report(name: str, comparison: Dict, show: int = 3) -> List[str]:
     """Lines of time_comparison: where the step's time went, predicted against measured, and the
     stretches between two ops that the prediction misses most."""
-    if comparison is None:
-        return [f"  {os.path.basename(name)}: no op times in the log's last complete step or in the curve "
-                "(logs and curves written before 2026-11-26 carry none)"]
+    if "reason" in comparison:
+        return [f"  {os.path.basename(name)}: op times not compared: {comparison['reason']}"]
     rows: List[OpTime] = comparison["ops"]
-    first_backward = next((r for r in rows if r.kind == "backward"), rows[-1])
+    first_backward = next((r for r in rows if r.kind == "backward"), None)
 
     def both(r: OpTime) -> str:
         return f"{r.predicted_us / 1e3:.3f} / {r.measured_us / 1e3:.3f}"
 
     pred_step, meas_step = comparison["predicted_step_us"], comparison["measured_step_us"]
-    lines = [f"  {os.path.basename(name)}: ms from the step's start, predicted / measured: "
-             f"first backward op {both(first_backward)}, last op {both(rows[-1])}, "
+    backward = f"first backward op {both(first_backward)}, " if first_backward else ""
+    lines = [f"  {os.path.basename(name)}: ms from the step's start, predicted / measured: {backward}"
+             f"last op {both(rows[-1])}, "
              f"step {pred_step / 1e3:.3f} / {meas_step / 1e3:.3f} ({100 * (meas_step / pred_step - 1):+.0f}%)"]
+    if not comparison["host_lane"]:
+        lines.append("    (the trace has no host times: the predicted times are the device's, the measured the host's)")
     stretches = []  # (measured - predicted, op, predicted, measured): the time since the op before
     prev_pred, prev_meas = 0.0, 0.0  # the step's start
     for r in rows:
@@ -475,7 +499,7 @@ def time_report(name: str, comparison: Optional[Dict], show: int = 3) -> List[st
     return lines
 
 
-def write_chrome_trace(path: str, plan_name: str, comparisons: Dict[str, Optional[Dict]]) -> None:
+def write_chrome_trace(path: str, plan_name: str, comparisons: Dict[str, Dict]) -> None:
     """The predicted host timeline and each rank's measured one as Chrome trace events (Perfetto,
     chrome://tracing): one process each, one slice per op from its time to the next op's, the
     step's start at 0. Written to a temporary name, then renamed."""
@@ -492,20 +516,24 @@ def write_chrome_trace(path: str, plan_name: str, comparisons: Dict[str, Optiona
                            "args": {"graph": r.graph, "micro_step": r.micro_step, "pos": r.pos, "ds_id": r.ds_id,
                                     "until": "the next step's start" if last else "the next op"}})
 
-    first = next((c for c in comparisons.values() if c is not None), None)
+    first = next((c for c in comparisons.values() if "ops" in c), None)
     if first is None:
-        raise ValueError("--chrome-trace: no log has op times in its last complete step "
-                         "(a log written before 2026-11-26?)")
+        reasons = "; ".join(f"{os.path.basename(n)}: {c['reason']}" for n, c in comparisons.items())
+        raise ValueError(f"--chrome-trace: no log's op times compare with the curve's ({reasons})")
     lane(1, f"predicted: {os.path.basename(plan_name)}", first["ops"], [r.predicted_us for r in first["ops"]],
          first["predicted_step_us"])
     for k, (name, c) in enumerate(comparisons.items()):
-        if c is not None:
+        if "ops" in c:
             lane(2 + k, f"measured: {os.path.basename(name)}", c["ops"], [float(r.measured_us) for r in c["ops"]],
                  float(c["measured_step_us"]))
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -531,15 +559,42 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.chrome_trace and not args.curve:
         parser.error("--chrome-trace needs --curve CURVE (dcplan inspect PLAN --trace TRACE --memory-curve "
                      "CURVE): the predicted times come from there")
+    try:
+        return _check(args)
+    except _BadInput as e:
+        print(f"python -m dcplan.check_replay: error: {e}", file=sys.stderr)
+        return 2
+
+
+class _BadInput(Exception):
+    """A file the check cannot read: its name and what was wrong (exit code 2, not a departure)."""
+
+
+def _read(path: str, lines: bool = False):
+    """A JSON file (lines=True: JSON lines), or _BadInput naming it."""
+    try:
+        with open(path) as f:
+            if lines:
+                return [json.loads(line) for line in f if line.strip()]
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise _BadInput(f"{path}: {e}") from None
+
+
+def _check(args) -> int:
     failed = False
     runs: Dict[str, Dict] = {}
     logs: Dict[str, List[Dict]] = {}
+    plan = _read(args.plan)
     for path in args.logs:
-        with open(path) as f:
-            events = [json.loads(line) for line in f if line.strip()]
+        events = _read(path, lines=True)
         logs[path] = events
-        runs[path] = measured(events)
-        diffs = replay_differences(args.plan, events)
+        try:
+            runs[path] = measured(events)
+            diffs = replay_differences(plan, events)
+        except KeyError as e:
+            raise _BadInput(f"{path} against {args.plan}: missing field {e} (is it a replay log of this plan?)") \
+                from None
         ops = sum(e["ev"] == "op" for e in events)
         groups = sum(e["ev"] == "prefetch" for e in events)
         flushes = sum(e["ev"] == "flush" for e in events)
@@ -550,12 +605,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"  {d}")
         else:
             print(f"{path}: follows {args.plan} ({ops} ops, {groups} planned prefetches, {flushes} bucket flushes)")
-    with open(args.plan) as f:
-        report = prediction_report(json.load(f), runs)
+    report = prediction_report(plan, runs)
     print("\n".join(report))
     if args.curve:
-        with open(args.curve) as f:
-            curve = json.load(f)
+        curve = _read(args.curve)
         curve_name = os.path.basename(args.curve)
         print(f"memory per op ({curve_name}) against each rank's allocation log, last complete step:")
         for path, events in logs.items():

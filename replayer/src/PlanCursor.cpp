@@ -180,6 +180,7 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
   curPos_ = pos;
   launching_.clear();
   if (log_) {
+    const int64_t enteredUs = monotonicUs();  // before the memory gauge, which may take a while
     std::string memory;
     if (gauge_) {
       const OpMemory m = gauge_();
@@ -188,7 +189,7 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
     }
     logLine("{\"ev\":\"op\",\"graph\":" + std::to_string(event.graphId) + ",\"pos\":" + std::to_string(pos) +
             ",\"op\":" + jsonString(event.op) + ",\"ds_id\":" + std::to_string(event.dsId) + memory +
-            ",\"t_us\":" + std::to_string(monotonicUs()) + "}");
+            ",\"t_us\":" + std::to_string(enteredUs) + "}");
   }
   Planned* g = planned(event.graphId);
   if (g == nullptr) return {};

@@ -96,14 +96,48 @@ def test_time_report_names_the_stretches_the_prediction_misses_most():
     assert "pos 0 end_backward" in lines[3] and "(-0.200 ms)" in lines[3] and len(lines) == 4
 
 
-def test_logs_or_curves_without_times_compare_nothing():
+def test_logs_or_curves_without_times_say_why_they_compare_nothing():
     events = timed_log([0, 5000, 6500], [20, 400, 700])
     untimed = [{k: v for k, v in e.items() if not (e["ev"] == "op" and k == "t_us")} for e in events]
-    assert _plan.time_comparison(CURVE, untimed) is None
-    assert _plan.time_comparison({**CURVE, "samples": CURVE["samples"][:2]} | {"step_us": 1.0}, untimed) is None
-    old_curve = {"samples": CURVE["samples"]}  # before step_us and host_us
-    assert _plan.time_comparison(old_curve, events) is None
-    assert "no op times" in _plan.time_report("r.0.jsonl", None)[0]
+    assert "op lines have no times" in _plan.time_comparison(CURVE, untimed)["reason"]
+    old_curve = {"samples": [{k: v for k, v in s.items() if k != "host_us"} for s in CURVE["samples"]]}
+    assert "curve has no op times" in _plan.time_comparison(old_curve, events)["reason"]
+    assert "no complete optimizer step" in _plan.time_comparison(CURVE, events[:8])["reason"]
+    line = _plan.time_report("r.0.jsonl", _plan.time_comparison(CURVE, untimed))[0]
+    assert line.startswith("  r.0.jsonl: op times not compared: the log's op lines have no times")
+
+
+def test_a_curve_op_the_log_lacks_is_named():
+    other = {**CURVE, "samples": CURVE["samples"] + [
+        {"graph": 1, "kind": "backward", "micro_step": 0, "pos": 5, "op": "reduce_grad", "host_us": 700.0}]}
+    reason = _plan.time_comparison(other, timed_log([0, 5000, 6500], [20, 400, 700]))["reason"]
+    assert "has no op at graph 1 micro-step 0 position 5 (reduce_grad)" in reason
+
+
+def test_an_eval_forward_in_the_step_is_not_taken_for_the_training_one():
+    events = timed_log([0, 5000, 6500], [20, 400, 700])
+    # An eval forward (graph 0, no backward) right after step 0's backward: it belongs to step 1.
+    at = next(i for i, e in enumerate(events) if e.get("op") == "end_backward") + 1
+    events[at:at] = [{"ev": "mark", "t_us": 900, "peak_bytes": 1}, {"ev": "start_forward"},
+                     {"ev": "op", "graph": 0, "pos": 0, "op": "allgather_param", "ds_id": 7, "t_us": 905}]
+    reason = _plan.time_comparison(CURVE, events)["reason"]
+    assert "runs graph 0 2 times, the plan's step 1 (a forward outside training" in reason
+
+
+def test_without_a_host_lane_the_report_says_the_predicted_times_are_the_devices():
+    c = _plan.time_comparison({**CURVE, "host_lane": False}, timed_log([0, 5000, 6500], [20, 400, 700]))
+    assert "predicted times are the device's" in _plan.time_report("r.0.jsonl", c)[1]
+
+
+def test_the_check_names_a_file_it_cannot_read_and_exits_2(tmp_path, capsys):
+    plan = tmp_path / "p.json"
+    plan.write_text('{"source": {"stage": 3}, "persistent": [], "graphs": []}')
+    assert _plan.main([str(plan), str(tmp_path / "missing.jsonl")]) == 2
+    assert f"error: {tmp_path / 'missing.jsonl'}: [Errno 2]" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert _plan.main([str(plan), str(bad)]) == 2
+    assert f"error: {bad}: Expecting property name" in capsys.readouterr().err
 
 
 def test_chrome_trace_has_the_predicted_lane_and_one_per_rank(tmp_path):
@@ -122,5 +156,5 @@ def test_chrome_trace_has_the_predicted_lane_and_one_per_rank(tmp_path):
                          ("end_backward -1", 600.0, 400.0)]
     assert slices[3][-1] == ("end_backward -1", 701.0, 799.0)  # to the next step's start, 1500 us
     assert not list(tmp_path.glob("*.tmp*"))
-    with pytest.raises(ValueError, match="no log has op times"):
-        _plan.write_chrome_trace(str(out), "plan.json", {"r.0.jsonl": None})
+    with pytest.raises(ValueError, match="no log's op times compare with the curve's .r.0.jsonl: why."):
+        _plan.write_chrome_trace(str(out), "plan.json", {"r.0.jsonl": {"reason": "why"}})

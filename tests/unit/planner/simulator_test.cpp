@@ -1,6 +1,7 @@
 // Tests of the simulator's timeline and memory rules on a trace with round numbers.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <stdexcept>
 
 #include "dcplan/planner/planner.h"
@@ -539,6 +540,37 @@ TEST(Simulator, GraphRunsMustRepeatTheSameOps) {
   EXPECT_THROW(makeWorkload(t), std::invalid_argument);
 }
 
+TEST(Simulator, AnOpsHostTimeIsWhenTheHostEntersIt) {
+  // With a host lane: the host issues each stretch of compute in its host_us and each op in its
+  // issue_us (10 us here); NCCL's waits do not hold the host. So the host enters op i at the sum
+  // of host_us up to it and issue_us before it, across the forward and the backward.
+  schemas::Trace t = test::tinyTrace();
+  for (schemas::TraceGraph& g : t.steps[0].graphs) {
+    for (schemas::OpEvent& e : g.events) {
+      e.hostUs = e.computeUs;
+      e.issueUs = 10.0;
+    }
+  }
+  t.steps[0].optimizerHostUs = 50;
+  Workload w = makeWorkload(t);
+  ASSERT_TRUE(w.hostLane);
+  CostModel cost{t.calibration, 2};
+  SimResult r = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
+  std::map<std::pair<int32_t, int64_t>, double> entered;
+  for (const MemorySample& m : r.memory) {
+    if (!m.atOp && m.seq >= 0) entered[{m.run, m.seq}] = m.hostUs;
+  }
+  EXPECT_NEAR((entered[{0, 0}]), 0, 1e-9);
+  EXPECT_NEAR((entered[{0, 2}]), 500 + 2 * 10, 1e-9);   // after the forward's first compute
+  EXPECT_NEAR((entered[{0, 5}]), 1000 + 5 * 10, 1e-9);  // the forward's last op
+  EXPECT_NEAR((entered[{1, 0}]), 1000 + 6 * 10, 1e-9);  // the backward's first, after 6 ops
+  EXPECT_NEAR((entered[{1, 8}]), 3000 + 14 * 10, 1e-9);  // end_backward
+  // Without host times the device's clock stands in.
+  Fixture f;
+  ASSERT_FALSE(f.w.hostLane);
+  for (const MemorySample& m : f.run(f.onUse(), true).memory) EXPECT_EQ(m.hostUs, m.us);
+}
+
 TEST(Simulator, DefaultScheduleIsGatherOnUseWithOneBucketSize) {
   Fixture f;
   Schedule d = defaultSchedule(f.w);
@@ -586,16 +618,17 @@ TEST(Workload, AnOptimizerStepIsGradAccumMicroSteps) {
 namespace dcplan::planner {
 namespace {
 
-/// A generated trace of `hostScale.size()` optimizer steps with host times: every op's host_us is
-/// its compute and issue_us 10 us, the optimizer's host time its device time, all times
-/// hostScale[step].
-schemas::Trace traceWithHostTimes(const std::vector<double>& hostScale) {
+/// A generated trace of `hostScale.size()` recorded micro-steps (`gradAccum` per optimizer step)
+/// with host times: every op's host_us is its compute and issue_us 10 us, the optimizer's host
+/// time its device time, all times hostScale[micro-step].
+schemas::Trace traceWithHostTimes(const std::vector<double>& hostScale, int64_t gradAccum = 1) {
   testing::GeneratorOptions o;
   o.model.layers = 1;
   o.model.hidden = 256;
   o.model.heads = 2;
   o.model.vocab = 1000;
-  o.steps = static_cast<int64_t>(hostScale.size());
+  o.gradAccumSteps = gradAccum;
+  o.steps = static_cast<int64_t>(hostScale.size()) / gradAccum;
   o.jitter = 0;  // the steps differ by hostScale alone
   schemas::Trace t = testing::generateTrace(o);
   for (size_t s = 0; s < t.steps.size(); ++s) {
@@ -637,6 +670,16 @@ TEST(Workload, StepsThatDisagreeArePlannedFromTheFastestAndSaySo) {
   PlanResult r = makePlan(traceWithHostTimes({1.0, 1.05, 2.0}), req);
   ASSERT_EQ(r.warnings.size(), 1u);
   EXPECT_EQ(r.warnings[0], three.stepChoice);
+}
+
+TEST(Workload, AStepRecordedPartWayIsNotTheFastest) {
+  // 2 micro-steps per optimizer step, the first recorded part-way (its first micro-step dropped):
+  // with half the host time it would be the fastest; it is left out, and the complete ones agree.
+  schemas::Trace t = traceWithHostTimes({1.0, 1.0, 1.0, 1.0, 1.05, 1.05}, 2);
+  t.steps.erase(t.steps.begin());
+  Workload w = makeWorkload(t);
+  EXPECT_EQ(w.traceStep, 5);
+  EXPECT_EQ(w.stepChoice, "");
 }
 
 TEST(Workload, StepsWithoutHostTimesArePlannedFromTheLast) {

@@ -104,8 +104,8 @@ struct Workload {
   /// times are the device's own (device_us), the host issues nothing, no host lane.
   bool cudaGraph = false;
   int64_t traceStep = 0;  ///< index of the recorded step used
-  /// Why traceStep is not the last recorded optimizer step (the recorded steps disagree on host
-  /// time, kStepsAgreeShare); empty where it is.
+  /// Where the recorded optimizer steps disagree on host time (kStepsAgreeShare): each one's, and
+  /// which traceStep is (the fastest); empty where they agree and traceStep is the last.
   std::string stepChoice;
   std::vector<WorkParam> params;
   std::vector<WorkGraph> graphs;  ///< distinct graph ids, in first-run order
@@ -130,16 +130,16 @@ enum class StepReplay {
   CudaGraph,  ///< one CUDA graph (dcplan.graphed_step): the device's own times (device_us)
 };
 
-/// Builds the planner's view from the last recorded step of `trace`, for
-/// `worldSize` ranks (0: as recorded). Throws std::invalid_argument naming the
-/// trace element (JSON pointer) when the trace cannot be planned: graphs of one
-/// id whose runs differ, an op on an unknown parameter, no steps, and for a CUDA
-/// graph an op or optimizer step without the device's own time.
 /// Recorded optimizer steps whose host times differ by more than this share of the fastest's
 /// disagree: the step planned from is then the fastest, not the last (a machine still warming up
 /// or busy with something else only adds time), and the plan says so.
 inline constexpr double kStepsAgreeShare = 0.10;
 
+/// Builds the planner's view from one recorded optimizer step of `trace` (the last, or the
+/// fastest where the steps disagree: kStepsAgreeShare), for `worldSize` ranks (0: as recorded).
+/// Throws std::invalid_argument naming the trace element (JSON pointer) when the trace cannot be
+/// planned: graphs of one id whose runs differ, an op on an unknown parameter, no steps, and for
+/// a CUDA graph an op or optimizer step without the device's own time.
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0,
                       StepReplay replay = StepReplay::Issued);
 
