@@ -348,9 +348,10 @@ def _step_starts(events: List[Dict]) -> List[int]:
     return starts
 
 
-def last_step_ops(events: List[Dict]) -> Dict[tuple, Dict]:
-    """The op lines of a replay log's last complete optimizer step, by (graph, micro_step, pos)."""
-    execs = executions(events)
+def last_step_ops(events: List[Dict], execs: Optional[List[Dict]] = None) -> Dict[tuple, Dict]:
+    """The op lines of a replay log's last complete optimizer step, by (graph, micro_step, pos);
+    execs: the log's executions(), where the caller has them already."""
+    execs = executions(events) if execs is None else execs
     last = _last_complete_step(execs)
     if last is None:
         return {}
@@ -448,7 +449,7 @@ def time_comparison(curve: Dict, events: List[Dict]) -> Dict:
         g, n = next(iter(extra.items()))
         return {"reason": f"the log's step {last} runs graph {g} {n} times, the plan's step "
                           f"{micro_steps.get(g, 0)} (a forward outside training, such as an eval, between steps?)"}
-    logged = last_step_ops(events)
+    logged = last_step_ops(events, execs)
     start = starts[last]
     rows = []
     for s in curve["samples"]:
