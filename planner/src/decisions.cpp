@@ -18,7 +18,7 @@ std::vector<std::pair<int32_t, int32_t>> gradients(const Workload& w, int32_t g)
   const WorkGraph& graph = w.graphs[static_cast<size_t>(g)];
   for (size_t i = 0; i < graph.ops.size(); ++i) {
     const WorkOp& op = graph.ops[i];
-    if (op.kind != OpKind::ReduceGrad || seen[static_cast<size_t>(op.param)]) continue;
+    if (op.role != OpRole::ReduceGrad || seen[static_cast<size_t>(op.param)]) continue;
     seen[static_cast<size_t>(op.param)] = 1;
     out.emplace_back(static_cast<int32_t>(i), op.param);
   }
@@ -152,7 +152,7 @@ std::vector<BucketTiming> bucketTimings(const Context& c, int32_t graph,
   std::vector<char> started(buckets.size(), 0);
   for (size_t i = 0; i < wg.ops.size(); ++i) {
     const WorkOp& op = wg.ops[i];
-    if (op.kind != OpKind::ReduceGrad) continue;
+    if (op.role != OpRole::ReduceGrad) continue;
     int32_t b = bucketOf[static_cast<size_t>(op.param)];
     if (b < 0) continue;
     BucketTiming& bt = out[static_cast<size_t>(b)];
@@ -191,12 +191,12 @@ std::vector<std::vector<GatherUse>> gatherUses(const Context& c, const std::vect
     for (int32_t i = 0; i < n; ++i) {
       const WorkOp& op = g.ops[static_cast<size_t>(i)];
       size_t p = static_cast<size_t>(op.param);
-      if (op.kind == OpKind::Release) {
+      if (op.role == OpRole::Release) {
         if (!persistent[p]) allocated[p] = 0;
         lastRelease[p] = i;
         releaseStamp[p] = static_cast<int32_t>(r);
       }
-      if (op.kind != OpKind::AllGather || allocated[p]) continue;
+      if (op.role != OpRole::Gather || allocated[p]) continue;
       allocated[p] = 1;
       if (!recording) continue;
       GatherUse u;
@@ -205,7 +205,7 @@ std::vector<std::vector<GatherUse>> gatherUses(const Context& c, const std::vect
       u.waitOp = i;
       for (int32_t k = i; k < n; ++k) {
         const WorkOp& o = g.ops[static_cast<size_t>(k)];
-        if (o.param == op.param && o.kind == OpKind::Wait) {
+        if (o.param == op.param && o.role == OpRole::GatherWait) {
           u.waitOp = k;
           break;
         }
@@ -214,7 +214,7 @@ std::vector<std::vector<GatherUse>> gatherUses(const Context& c, const std::vect
       if (!persistent[p]) {
         for (int32_t k = u.waitOp; k < n; ++k) {
           const WorkOp& o = g.ops[static_cast<size_t>(k)];
-          if (o.param == op.param && o.kind == OpKind::Release) {
+          if (o.param == op.param && o.role == OpRole::Release) {
             u.releaseOp = k;
             break;
           }
@@ -278,35 +278,42 @@ std::vector<std::vector<uint64_t>> onUseMemory(const Context& c, const std::vect
   return m;
 }
 
-}  // namespace
+/// One graph's gathers as the prefetch pass places them: the memory curve it adds to, and each
+/// gather's issue op and reason.
+struct GraphPrefetch {
+  const Context& c;
+  const std::vector<char>& persistent;
+  const std::vector<GatherUse>& us;
+  const std::vector<double>& t;  ///< host issue time of each op
+  std::vector<uint64_t> mem;     ///< memory at each op with the gathers placed so far
+  uint64_t limit;
+  std::vector<int32_t> issue;
+  std::vector<IssueReason> reason;
 
-PrefetchResult planPrefetch(const Context& c, const std::vector<char>& persistent, const BucketSet& buckets,
-                            uint64_t limit, FuseMode mode, uint64_t maxFusedBytes) {
-  const Workload& w = c.w;
-  PrefetchResult res;
-  res.groups.resize(w.graphs.size());
-  auto uses = gatherUses(c, persistent);
-  const std::vector<std::vector<uint64_t>> onUse = onUseMemory(c, persistent, buckets);
-  double latency = c.cost.latencyUs(Collective::AllGather);
-  for (size_t g = 0; g < w.graphs.size(); ++g) {
-    const std::vector<GatherUse>& us = uses[g];
-    if (us.empty()) continue;
-    const GraphView& v = c.views[g];
-    const std::vector<double>& t = v.issueUs;
-    const WorkGraph& wg = w.graphs[g];
-    std::vector<uint64_t> mem = onUse[g];
-    size_t m = us.size();
-    // What an earlier issue holds longer: the copy and the call's scratch kept until the wait
-    // (as a fused call's, the larger).
-    auto memBytes = [&](const GatherUse& u) -> uint64_t {
-      const WorkParam& p = w.params[static_cast<size_t>(u.param)];
-      if (persistent[static_cast<size_t>(u.param)]) return 0;
-      return p.mem.gathered + w.memory.gatherScratchUntilWait(u.bytes, /*coalesced=*/true);
-    };
+  /// What an earlier issue holds longer: the copy and the call's scratch kept until the wait
+  /// (as a fused call's, the larger).
+  uint64_t memBytes(const GatherUse& u) const {
+    const WorkParam& p = c.w.params[static_cast<size_t>(u.param)];
+    if (persistent[static_cast<size_t>(u.param)]) return 0;
+    return p.mem.gathered + c.w.memory.gatherScratchUntilWait(u.bytes, /*coalesced=*/true);
+  }
 
-    // 1. As late as still finishes in time, on one stream in issue order.
+  bool memFits(int32_t from, int32_t to, uint64_t b) const {
+    for (int32_t i = from; i < to; ++i) {
+      if (mem[static_cast<size_t>(i)] + b > limit) return false;
+    }
+    return true;
+  }
+
+  void hold(int32_t from, int32_t to, uint64_t b) {
+    for (int32_t i = from; i < to; ++i) mem[static_cast<size_t>(i)] += b;
+  }
+
+  /// 1. As late as still finishes in time, on one stream in issue order.
+  std::vector<int32_t> justInTime() {
+    const size_t m = us.size();
     std::vector<int32_t> target(m);
-    std::vector<IssueReason> reason(m);
+    reason.assign(m, IssueReason::JustInTime);
     double latest = std::numeric_limits<double>::infinity();
     for (size_t j = m; j-- > 0;) {
       double end = std::min(us[j].needUs, latest);
@@ -319,86 +326,110 @@ PrefetchResult planPrefetch(const Context& c, const std::vector<char>& persisten
         reason[j] = IssueReason::GraphStart;
       } else {
         target[j] = static_cast<int32_t>(it - t.begin()) - 1;
-        reason[j] = IssueReason::JustInTime;
       }
       if (target[j] < us[j].minOp) {
         target[j] = us[j].minOp;
         reason[j] = IssueReason::AfterRelease;
       }
     }
-    // 2. No earlier than the gather before it; later while memory would pass the limit.
-    std::vector<int32_t> issue(m);
+    return target;
+  }
+
+  /// 2. No earlier than the gather before it; later while memory would pass the limit.
+  void underLimit(const std::vector<int32_t>& target) {
+    issue.assign(us.size(), 0);
     int32_t prev = 0;
-    for (size_t j = 0; j < m; ++j) {
+    for (size_t j = 0; j < us.size(); ++j) {
       int32_t want = std::max(target[j], prev);
       if (want > target[j]) reason[j] = IssueReason::IssueOrder;
       uint64_t b = memBytes(us[j]);
       int32_t q = us[j].gatherOp;
       while (q > want && mem[static_cast<size_t>(q - 1)] + b <= limit) --q;
       if (q > want) reason[j] = q == us[j].gatherOp ? IssueReason::OnDemand : IssueReason::MemoryLimited;
-      for (int32_t i = q; i < us[j].gatherOp; ++i) mem[static_cast<size_t>(i)] += b;
+      hold(q, us[j].gatherOp, b);
       issue[j] = q;
       prev = q;
     }
-    // 3. Groups: one call per gather, or fused where no member ends later.
-    struct Group {
-      int32_t op;
-      std::vector<size_t> members;
-      uint64_t bytes;
-      double start;
-      double minNeed;
-    };
-    std::vector<Group> groups;
-    double free = 0;
-    auto memFits = [&](int32_t from, int32_t to, uint64_t b) {
-      for (int32_t i = from; i < to; ++i) {
-        if (mem[static_cast<size_t>(i)] + b > limit) return false;
-      }
-      return true;
-    };
-    for (size_t j = 0; j < m; ++j) {
-      const GatherUse& u = us[j];
-      if (mode == FuseMode::Fuse && !groups.empty()) {
-        Group& cur = groups.back();
-        bool samePos = issue[j] == cur.op;
-        bool small = latency >= 0.5 * u.durUs;
-        bool canMove = !samePos && small && cur.op >= u.minOp && memFits(cur.op, issue[j], memBytes(u));
-        if ((samePos || canMove) && cur.bytes + u.bytes <= maxFusedBytes) {
-          double endGroup = cur.start + c.cost.us(Collective::AllGather, cur.bytes);
-          double sepEnd = std::max(t[static_cast<size_t>(issue[j])], endGroup) + u.durUs;
-          double lateSep = std::max(endGroup - cur.minNeed, sepEnd - u.needUs);
-          double fusedEnd = cur.start + c.cost.us(Collective::AllGather, cur.bytes + u.bytes);
-          double lateFused = std::max(fusedEnd - cur.minNeed, fusedEnd - u.needUs);
-          if (std::max(0.0, lateFused) <= std::max(0.0, lateSep) + 1e-6) {
-            if (canMove) {
-              for (int32_t i = cur.op; i < issue[j]; ++i) mem[static_cast<size_t>(i)] += memBytes(u);
-              issue[j] = cur.op;
-              reason[j] = IssueReason::Fused;
-            }
-            cur.members.push_back(j);
-            cur.bytes += u.bytes;
-            cur.minNeed = std::min(cur.minNeed, u.needUs);
-            continue;
-          }
-        }
-      }
-      if (!groups.empty()) free = groups.back().start + c.cost.us(Collective::AllGather, groups.back().bytes);
-      groups.push_back(
-          Group{issue[j], {j}, u.bytes, std::max(t[static_cast<size_t>(issue[j])], free), u.needUs});
+  }
+
+  struct Group {
+    int32_t op;
+    std::vector<size_t> members;
+    uint64_t bytes;
+    double start;
+    double minNeed;
+  };
+
+  /// Whether gather j joins group `cur` (moved up to its op where it is issued later): where the
+  /// fused call makes nothing later than separate calls would.
+  bool joins(Group& cur, size_t j, uint64_t maxFusedBytes) {
+    const GatherUse& u = us[j];
+    const CostModel& cost = c.cost;
+    bool samePos = issue[j] == cur.op;
+    bool small = cost.latencyUs(Collective::AllGather) >= 0.5 * u.durUs;
+    bool canMove = !samePos && small && cur.op >= u.minOp && memFits(cur.op, issue[j], memBytes(u));
+    if (!(samePos || canMove) || cur.bytes + u.bytes > maxFusedBytes) return false;
+    double endGroup = cur.start + cost.us(Collective::AllGather, cur.bytes);
+    double sepEnd = std::max(t[static_cast<size_t>(issue[j])], endGroup) + u.durUs;
+    double lateSep = std::max(endGroup - cur.minNeed, sepEnd - u.needUs);
+    double fusedEnd = cur.start + cost.us(Collective::AllGather, cur.bytes + u.bytes);
+    double lateFused = std::max(fusedEnd - cur.minNeed, fusedEnd - u.needUs);
+    if (std::max(0.0, lateFused) > std::max(0.0, lateSep) + 1e-6) return false;
+    if (canMove) {
+      hold(cur.op, issue[j], memBytes(u));
+      issue[j] = cur.op;
+      reason[j] = IssueReason::Fused;
     }
-    for (const Group& grp : groups) {
-      bool early = grp.op < us[grp.members.front()].gatherOp;
+    cur.members.push_back(j);
+    cur.bytes += u.bytes;
+    cur.minNeed = std::min(cur.minNeed, u.needUs);
+    return true;
+  }
+
+  /// 3. Groups: one call per gather, or fused where no member ends later.
+  std::vector<Group> groups(FuseMode mode, uint64_t maxFusedBytes) {
+    std::vector<Group> out;
+    double free = 0;
+    for (size_t j = 0; j < us.size(); ++j) {
+      if (mode == FuseMode::Fuse && !out.empty() && joins(out.back(), j, maxFusedBytes)) continue;
+      if (!out.empty()) free = out.back().start + c.cost.us(Collective::AllGather, out.back().bytes);
+      out.push_back(
+          Group{issue[j], {j}, us[j].bytes, std::max(t[static_cast<size_t>(issue[j])], free), us[j].needUs});
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+PrefetchResult planPrefetch(const Context& c, const std::vector<char>& persistent, const BucketSet& buckets,
+                            uint64_t limit, FuseMode mode, uint64_t maxFusedBytes) {
+  const Workload& w = c.w;
+  PrefetchResult res;
+  res.groups.resize(w.graphs.size());
+  const auto uses = gatherUses(c, persistent);
+  const std::vector<std::vector<uint64_t>> onUse = onUseMemory(c, persistent, buckets);
+  for (size_t g = 0; g < w.graphs.size(); ++g) {
+    const std::vector<GatherUse>& us = uses[g];
+    if (us.empty()) continue;
+    const std::vector<double>& t = c.views[g].issueUs;
+    GraphPrefetch gp{c, persistent, us, t, onUse[g], limit, {}, {}};
+    gp.underLimit(gp.justInTime());
+    // A group issued before its first member's own gather, or of several members, is planned;
+    // a gather on use is the runtime's default.
+    for (const GraphPrefetch::Group& grp : gp.groups(mode, maxFusedBytes)) {
+      const bool early = grp.op < us[grp.members.front()].gatherOp;
       int32_t index = -1;
       if (early || grp.members.size() > 1) {
         schemas::PrefetchGroup pg;
-        pg.position = wg.ops[static_cast<size_t>(grp.op)].seq;
+        pg.position = w.graphs[g].ops[static_cast<size_t>(grp.op)].seq;
         for (size_t j : grp.members) pg.dsIds.push_back(w.params[static_cast<size_t>(us[j].param)].id);
         index = static_cast<int32_t>(res.groups[g].size());
         res.groups[g].push_back(std::move(pg));
       }
       for (size_t j : grp.members) {
         res.decisions.push_back(IssueDecision{static_cast<int32_t>(g), static_cast<int32_t>(j), grp.op, index,
-                                              reason[j], us[j].needUs - t[static_cast<size_t>(grp.op)]});
+                                              gp.reason[j], us[j].needUs - t[static_cast<size_t>(grp.op)]});
       }
     }
   }

@@ -87,9 +87,9 @@ void checkPlanMatchesTrace(const schemas::Plan& plan, const schemas::Trace& trac
   }
 }
 
-std::string renderPlanReport(const schemas::Plan& plan, const std::string& planName,
-                             const schemas::Trace* trace, const std::string& traceName) {
-  std::ostringstream s;
+namespace {
+
+void renderHeader(std::ostream& s, const schemas::Plan& plan, const std::string& planName) {
   s << "plan:     " << planName << " (" << schemas::kPlanSchema << ", " << plan.createdBy << ")\n"
     << "made for: " << (plan.source.trace.empty() ? "?" : plan.source.trace) << " ("
     << plan.source.traceDigest << "), " << plan.source.worldSize << " ranks, ZeRO-" << plan.source.stage
@@ -100,13 +100,10 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
     << (plan.options.bandwidthGBps ? formatFixed(*plan.options.bandwidthGBps, 1) + " GB/s"
                                    : std::string("as calibrated"))
     << "\n";
-  if (trace) {
-    checkPlanMatchesTrace(plan, *trace);
-    if (schemas::traceDigest(*trace) != plan.source.traceDigest) {
-      s << "note:     " << traceName << " is another trace of the same model ("
-        << schemas::traceDigest(*trace) << "); the timeline below is simulated on it\n";
-    }
-  }
+}
+
+/// The plan's schedule in a few lines: persistence, and per graph its prefetch groups and buckets.
+void renderSchedule(std::ostream& s, const schemas::Plan& plan) {
   s << "\nschedule:\n  persistent: " << count(plan.persistent.size(), "param");
   if (!plan.persistent.empty()) s << " [" << formatIds(plan.persistent) << "]";
   s << "\n";
@@ -130,7 +127,10 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
     }
     s << "\n";
   }
+}
 
+/// The plan's predicted step, exposed communication and peak against the default schedule's.
+void renderPrediction(std::ostream& s, const schemas::Plan& plan) {
   const schemas::Prediction& p = plan.predicted;
   const schemas::Prediction& d = plan.predictedDefault;
   s << "\nprediction:      step   exposed comm    peak memory\n"
@@ -143,13 +143,10 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
     << pad(formatChange(static_cast<double>(d.peakMemoryBytes), static_cast<double>(p.peakMemoryBytes)), 15,
            true)
     << "\n";
+}
 
-  if (!trace) {
-    s << "\n(pass --trace TRACE for the per-layer table and --chrome-trace OUT.json for the timeline)\n";
-    return s.str();
-  }
-
-  Simulated sim = simulatePlan(plan, *trace);
+/// The plan simulated again on `traceName`, and which lane bounds the step.
+void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& traceName) {
   const Workload& w = sim.w;
   const schemas::Prediction& again = sim.plan.prediction;
   s << "  simulated on " << traceName << ": step " << formatMs(again.stepUs) << ", exposed comm "
@@ -163,18 +160,23 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
   } else {
     s << "  host lane: none (the trace has no host times; the step is simulated on the device's times)\n";
   }
+}
 
-  // Per layer: gathers per step, how far ahead they were issued, persistence, buckets.
-  struct Layer {
-    std::string name;
-    size_t params = 0;
-    uint64_t bytes = 0;
-    int64_t gathers = 0;
-    int64_t aheadFwd = -1, aheadBwd = -1;
-    size_t persistent = 0;
-    std::vector<int64_t> buckets;
-  };
-  std::vector<Layer> layers;
+/// One row of the per-layer table: gathers per step, how far ahead they were issued,
+/// persistence, buckets.
+struct LayerRow {
+  std::string name;
+  size_t params = 0;
+  uint64_t bytes = 0;
+  int64_t gathers = 0;
+  int64_t aheadFwd = -1, aheadBwd = -1;
+  size_t persistent = 0;
+  std::vector<int64_t> buckets;
+};
+
+std::vector<LayerRow> layerRows(const schemas::Plan& plan, const Simulated& sim) {
+  const Workload& w = sim.w;
+  std::vector<LayerRow> layers;
   std::map<std::string, size_t> index;
   std::vector<size_t> layerOfParam(w.params.size());
   std::vector<size_t> order(w.params.size());
@@ -193,7 +195,7 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
       layers.emplace_back();
       layers.back().name = name;
     }
-    Layer& l = layers[it->second];
+    LayerRow& l = layers[it->second];
     l.params++;
     l.bytes += w.params[pi].gatherBytes;
     l.persistent += persistent[pi] ? 1 : 0;
@@ -203,12 +205,12 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
     const GraphRun& run = w.runs[static_cast<size_t>(g.run)];
     const WorkGraph& graph = w.graphs[static_cast<size_t>(run.graph)];
     for (int32_t p : g.params) {
-      Layer& l = layers[layerOfParam[static_cast<size_t>(p)]];
+      LayerRow& l = layers[layerOfParam[static_cast<size_t>(p)]];
       l.gathers++;
       // Distance in ops from the issue to the parameter's first user.
       int64_t ahead = 0;
       for (const WorkOp& op : graph.ops) {
-        if (op.seq >= g.issueSeq && op.param == p && op.kind == OpKind::Wait) {
+        if (op.seq >= g.issueSeq && op.param == p && op.role == OpRole::GatherWait) {
           ahead = op.seq - g.issueSeq;
           break;
         }
@@ -228,13 +230,17 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
       }
     }
   }
+  return layers;
+}
+
+void renderLayers(std::ostream& s, std::vector<LayerRow> layers) {
   size_t width = 5;
-  for (const Layer& l : layers) width = std::max(width, l.name.size());
+  for (const LayerRow& l : layers) width = std::max(width, l.name.size());
   s << "\nper layer (simulated):\n  " << pad("layer", width)
     << "  params   gathered  gathers/step  ahead fwd/bwd"
     << "  persistent  buckets\n";
   auto ahead = [](int64_t v) { return v < 0 ? std::string("-") : std::to_string(v); };
-  for (Layer& l : layers) {
+  for (LayerRow& l : layers) {
     std::sort(l.buckets.begin(), l.buckets.end());
     s << "  " << pad(l.name, width) << pad(std::to_string(l.params), 8, true)
       << pad(formatBytes(l.bytes), 11, true) << pad(std::to_string(l.gathers), 14, true)
@@ -244,6 +250,30 @@ std::string renderPlanReport(const schemas::Plan& plan, const std::string& planN
   }
   s << "  (ahead: most ops between a gather's issue and its first user; gathers/step counts parameters "
        "gathered)\n";
+}
+
+}  // namespace
+
+std::string renderPlanReport(const schemas::Plan& plan, const std::string& planName,
+                             const schemas::Trace* trace, const std::string& traceName) {
+  std::ostringstream s;
+  renderHeader(s, plan, planName);
+  if (trace) {
+    checkPlanMatchesTrace(plan, *trace);
+    if (schemas::traceDigest(*trace) != plan.source.traceDigest) {
+      s << "note:     " << traceName << " is another trace of the same model ("
+        << schemas::traceDigest(*trace) << "); the timeline below is simulated on it\n";
+    }
+  }
+  renderSchedule(s, plan);
+  renderPrediction(s, plan);
+  if (!trace) {
+    s << "\n(pass --trace TRACE for the per-layer table and --chrome-trace OUT.json for the timeline)\n";
+    return s.str();
+  }
+  const Simulated sim = simulatePlan(plan, *trace);
+  renderSimulated(s, sim, traceName);
+  renderLayers(s, layerRows(plan, sim));
   return s.str();
 }
 
@@ -321,7 +351,7 @@ std::string renderMemoryCurve(const schemas::Plan& plan, const std::string& plan
   Simulated sim = simulatePlan(plan, trace);
   // Both samples of an op, keyed by (run, seq), in op order.
   std::map<std::pair<int32_t, int64_t>, std::pair<uint64_t, uint64_t>> ops;  // before, at
-  std::map<std::pair<int32_t, int64_t>, double> entered;                      // the host at the op
+  std::map<std::pair<int32_t, int64_t>, double> entered;                     // the host at the op
   for (const MemorySample& m : sim.plan.memory) {
     if (m.run < 0 || m.seq < 0) continue;
     auto& entry = ops[{m.run, m.seq}];

@@ -7,8 +7,9 @@
 
 namespace dcplan::planner {
 
-CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
-  CompiledSchedule c;
+namespace {
+
+void compilePersistent(const Workload& w, const Schedule& s, CompiledSchedule& c) {
   c.persistent.assign(w.params.size(), 0);
   for (size_t k = 0; k < s.persistent.size(); ++k) {
     int32_t p = w.paramIndex(s.persistent[k]);
@@ -20,12 +21,122 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
       c.persistentBytes += w.params[static_cast<size_t>(p)].mem.gathered;
     c.persistent[static_cast<size_t>(p)] = 1;
   }
+}
+
+/// The plan's prefetch groups of graph `pg` (at JSON pointer `ptr`) placed at their op indices.
+void compilePrefetch(const Workload& w, const WorkGraph& wg, const schemas::PlanGraph& pg,
+                     const std::string& ptr, CompiledSchedule::Graph& cg) {
+  const size_t n = wg.ops.size();
+  // Groups sorted by op index, keeping the plan's order within a position.
+  std::vector<std::pair<int32_t, size_t>> byOp;
+  for (size_t k = 0; k < pg.prefetch.size(); ++k) {
+    const schemas::PrefetchGroup& grp = pg.prefetch[k];
+    auto it = std::lower_bound(wg.ops.begin(), wg.ops.end(), grp.position,
+                               [](const WorkOp& op, int64_t pos) { return op.seq < pos; });
+    if (it == wg.ops.end() || it->seq != grp.position) {
+      throw std::invalid_argument(
+          ptr + "/prefetch/" + std::to_string(k) + "/position: " + std::to_string(grp.position) +
+          " is not a position of graph " + std::to_string(pg.id) + " (" + std::to_string(n) + " ops)");
+    }
+    byOp.emplace_back(static_cast<int32_t>(it - wg.ops.begin()), k);
+  }
+  std::stable_sort(byOp.begin(), byOp.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  cg.groupBegin.assign(n + 1, 0);
+  for (const auto& [op, k] : byOp) {
+    const schemas::PrefetchGroup& grp = pg.prefetch[k];
+    std::vector<int32_t> members;
+    for (size_t m = 0; m < grp.dsIds.size(); ++m) {
+      int32_t p = w.paramIndex(grp.dsIds[m]);
+      if (p < 0) {
+        throw std::invalid_argument(ptr + "/prefetch/" + std::to_string(k) + "/ds_ids/" + std::to_string(m) +
+                                    ": ds_id " + std::to_string(grp.dsIds[m]) +
+                                    " is not a parameter of the trace");
+      }
+      members.push_back(p);
+    }
+    cg.groups.push_back(std::move(members));
+    cg.groupBegin[static_cast<size_t>(op) + 1]++;
+  }
+  for (size_t i = 0; i < n; ++i) cg.groupBegin[i + 1] += cg.groupBegin[i];
+}
+
+/// The plan's buckets of graph `pg`, each op's bucket; they must cover the graph's gradients
+/// exactly once each.
+void compileBuckets(const Workload& w, const WorkGraph& wg, const schemas::PlanGraph& pg,
+                    const std::string& ptr, CompiledSchedule::Graph& cg) {
+  const size_t n = wg.ops.size();
+  std::vector<int32_t> bucketOfParam(w.params.size(), -1);
+  for (size_t b = 0; b < pg.buckets.size(); ++b) {
+    const schemas::PlanBucket& bk = pg.buckets[b];
+    uint64_t bytes = 0;
+    for (size_t m = 0; m < bk.dsIds.size(); ++m) {
+      std::string mptr = ptr + "/buckets/" + std::to_string(b) + "/ds_ids/" + std::to_string(m);
+      int32_t p = w.paramIndex(bk.dsIds[m]);
+      if (p < 0) {
+        throw std::invalid_argument(mptr + ": ds_id " + std::to_string(bk.dsIds[m]) +
+                                    " is not a parameter of the trace");
+      }
+      if (bucketOfParam[static_cast<size_t>(p)] >= 0) {
+        throw std::invalid_argument(mptr + ": ds_id " + std::to_string(bk.dsIds[m]) + " is in two buckets");
+      }
+      bucketOfParam[static_cast<size_t>(p)] = static_cast<int32_t>(b);
+      bytes += w.params[static_cast<size_t>(p)].gradBytes;
+    }
+    cg.bucketParams.emplace_back();
+    for (int64_t id : bk.dsIds) cg.bucketParams.back().push_back(w.paramIndex(id));
+    cg.bucketBytes.push_back(bytes);
+    cg.bucketSize.push_back(0);
+  }
+  cg.bucketOfOp.assign(n, -1);
+  std::vector<char> reduced(w.params.size(), 0);
+  for (size_t i = 0; i < n; ++i) {
+    const WorkOp& op = wg.ops[i];
+    if (op.role != OpRole::ReduceGrad) continue;
+    int32_t b = bucketOfParam[static_cast<size_t>(op.param)];
+    if (b < 0) {
+      throw std::invalid_argument(ptr + "/buckets: ds_id " +
+                                  std::to_string(w.params[static_cast<size_t>(op.param)].id) +
+                                  " is reduced in graph " + std::to_string(pg.id) + " but is in no bucket");
+    }
+    cg.bucketOfOp[i] = b;
+    cg.bucketSize[static_cast<size_t>(b)]++;
+    reduced[static_cast<size_t>(op.param)] = 1;
+  }
+  for (size_t b = 0; b < pg.buckets.size(); ++b) {
+    for (size_t m = 0; m < pg.buckets[b].dsIds.size(); ++m) {
+      int32_t p = w.paramIndex(pg.buckets[b].dsIds[m]);
+      if (!reduced[static_cast<size_t>(p)]) {
+        throw std::invalid_argument(ptr + "/buckets/" + std::to_string(b) + "/ds_ids/" + std::to_string(m) +
+                                    ": ds_id " + std::to_string(pg.buckets[b].dsIds[m]) +
+                                    " has no reduce_grad in graph " + std::to_string(pg.id));
+      }
+    }
+  }
+}
+
+/// A graph of the trace the plan leaves out: gather on use, and no gradients to reduce.
+void compileUnplanned(const WorkGraph& wg, CompiledSchedule::Graph& cg) {
+  for (const WorkOp& op : wg.ops) {
+    if (op.role == OpRole::ReduceGrad) {
+      throw std::invalid_argument("/graphs: graph " + std::to_string(wg.id) +
+                                  " of the trace reduces gradients but the plan has no buckets for it");
+    }
+  }
+  cg.groupBegin.assign(wg.ops.size() + 1, 0);
+  cg.bucketOfOp.assign(wg.ops.size(), -1);
+}
+
+}  // namespace
+
+CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
+  CompiledSchedule c;
+  compilePersistent(w, s, c);
   c.graphs.resize(w.graphs.size());
   std::vector<char> planned(w.graphs.size(), 0);
   for (size_t gi = 0; gi < s.graphs.size(); ++gi) {
     const schemas::PlanGraph& pg = s.graphs[gi];
-    std::string ptr = "/graphs/" + std::to_string(gi);
-    int32_t g = w.graphIndex(pg.id);
+    const std::string ptr = "/graphs/" + std::to_string(gi);
+    const int32_t g = w.graphIndex(pg.id);
     if (g < 0)
       throw std::invalid_argument(ptr + "/id: graph " + std::to_string(pg.id) + " is not in the trace");
     if (planned[static_cast<size_t>(g)]) {
@@ -37,101 +148,11 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
       throw std::invalid_argument(ptr + "/kind: graph " + std::to_string(pg.id) + " is " +
                                   schemas::graphKindName(wg.kind) + " in the trace");
     }
-    CompiledSchedule::Graph& cg = c.graphs[static_cast<size_t>(g)];
-    size_t n = wg.ops.size();
-    // Groups sorted by op index, keeping the plan's order within a position.
-    std::vector<std::pair<int32_t, size_t>> byOp;
-    for (size_t k = 0; k < pg.prefetch.size(); ++k) {
-      const schemas::PrefetchGroup& grp = pg.prefetch[k];
-      auto it = std::lower_bound(wg.ops.begin(), wg.ops.end(), grp.position,
-                                 [](const WorkOp& op, int64_t pos) { return op.seq < pos; });
-      if (it == wg.ops.end() || it->seq != grp.position) {
-        throw std::invalid_argument(
-            ptr + "/prefetch/" + std::to_string(k) + "/position: " + std::to_string(grp.position) +
-            " is not a position of graph " + std::to_string(pg.id) + " (" + std::to_string(n) + " ops)");
-      }
-      byOp.emplace_back(static_cast<int32_t>(it - wg.ops.begin()), k);
-    }
-    std::stable_sort(byOp.begin(), byOp.end(),
-                     [](const auto& a, const auto& b) { return a.first < b.first; });
-    cg.groupBegin.assign(n + 1, 0);
-    for (const auto& [op, k] : byOp) {
-      const schemas::PrefetchGroup& grp = pg.prefetch[k];
-      std::vector<int32_t> members;
-      for (size_t m = 0; m < grp.dsIds.size(); ++m) {
-        int32_t p = w.paramIndex(grp.dsIds[m]);
-        if (p < 0) {
-          throw std::invalid_argument(ptr + "/prefetch/" + std::to_string(k) + "/ds_ids/" +
-                                      std::to_string(m) + ": ds_id " + std::to_string(grp.dsIds[m]) +
-                                      " is not a parameter of the trace");
-        }
-        members.push_back(p);
-      }
-      cg.groups.push_back(std::move(members));
-      cg.groupBegin[static_cast<size_t>(op) + 1]++;
-    }
-    for (size_t i = 0; i < n; ++i) cg.groupBegin[i + 1] += cg.groupBegin[i];
-
-    // Buckets must cover the graph's gradients exactly once each.
-    std::vector<int32_t> bucketOfParam(w.params.size(), -1);
-    for (size_t b = 0; b < pg.buckets.size(); ++b) {
-      const schemas::PlanBucket& bk = pg.buckets[b];
-      uint64_t bytes = 0;
-      for (size_t m = 0; m < bk.dsIds.size(); ++m) {
-        std::string mptr = ptr + "/buckets/" + std::to_string(b) + "/ds_ids/" + std::to_string(m);
-        int32_t p = w.paramIndex(bk.dsIds[m]);
-        if (p < 0) {
-          throw std::invalid_argument(mptr + ": ds_id " + std::to_string(bk.dsIds[m]) +
-                                      " is not a parameter of the trace");
-        }
-        if (bucketOfParam[static_cast<size_t>(p)] >= 0) {
-          throw std::invalid_argument(mptr + ": ds_id " + std::to_string(bk.dsIds[m]) + " is in two buckets");
-        }
-        bucketOfParam[static_cast<size_t>(p)] = static_cast<int32_t>(b);
-        bytes += w.params[static_cast<size_t>(p)].gradBytes;
-      }
-      cg.bucketParams.emplace_back();
-      for (int64_t id : bk.dsIds) cg.bucketParams.back().push_back(w.paramIndex(id));
-      cg.bucketBytes.push_back(bytes);
-      cg.bucketSize.push_back(0);
-    }
-    cg.bucketOfOp.assign(n, -1);
-    std::vector<char> reduced(w.params.size(), 0);
-    for (size_t i = 0; i < n; ++i) {
-      const WorkOp& op = wg.ops[i];
-      if (op.kind != OpKind::ReduceGrad) continue;
-      int32_t b = bucketOfParam[static_cast<size_t>(op.param)];
-      if (b < 0) {
-        throw std::invalid_argument(ptr + "/buckets: ds_id " +
-                                    std::to_string(w.params[static_cast<size_t>(op.param)].id) +
-                                    " is reduced in graph " + std::to_string(pg.id) + " but is in no bucket");
-      }
-      cg.bucketOfOp[i] = b;
-      cg.bucketSize[static_cast<size_t>(b)]++;
-      reduced[static_cast<size_t>(op.param)] = 1;
-    }
-    for (size_t b = 0; b < pg.buckets.size(); ++b) {
-      for (size_t m = 0; m < pg.buckets[b].dsIds.size(); ++m) {
-        int32_t p = w.paramIndex(pg.buckets[b].dsIds[m]);
-        if (!reduced[static_cast<size_t>(p)]) {
-          throw std::invalid_argument(ptr + "/buckets/" + std::to_string(b) + "/ds_ids/" + std::to_string(m) +
-                                      ": ds_id " + std::to_string(pg.buckets[b].dsIds[m]) +
-                                      " has no reduce_grad in graph " + std::to_string(pg.id));
-        }
-      }
-    }
+    compilePrefetch(w, wg, pg, ptr, c.graphs[static_cast<size_t>(g)]);
+    compileBuckets(w, wg, pg, ptr, c.graphs[static_cast<size_t>(g)]);
   }
   for (size_t g = 0; g < w.graphs.size(); ++g) {
-    CompiledSchedule::Graph& cg = c.graphs[g];
-    if (planned[g]) continue;
-    for (const WorkOp& op : w.graphs[g].ops) {
-      if (op.kind == OpKind::ReduceGrad) {
-        throw std::invalid_argument("/graphs: graph " + std::to_string(w.graphs[g].id) +
-                                    " of the trace reduces gradients but the plan has no buckets for it");
-      }
-    }
-    cg.groupBegin.assign(w.graphs[g].ops.size() + 1, 0);
-    cg.bucketOfOp.assign(w.graphs[g].ops.size(), -1);
+    if (!planned[g]) compileUnplanned(w.graphs[g], c.graphs[g]);
   }
   return c;
 }
@@ -165,25 +186,26 @@ class Simulation {
 
   SimResult run() {
     for (size_t r = 0; r < w_.runs.size(); ++r) runGraph(static_cast<int32_t>(r));
-    double start = std::max({t_, reduceFree_, copyFree_, gatherFree_});
-    const double behind = w_.hostLane ? std::max(0.0, start - h_) : 0.0;  // the device, at the backward's end
-    if (w_.hostLane) start = std::max(start, h_);  // the optimizer's kernels come after the backward's
+    double start = std::max({computeNow_, reduceFree_, copyFree_, gatherFree_});
+    const double behind =
+        w_.hostLane ? std::max(0.0, start - hostNow_) : 0.0;  // the device, at the backward's end
+    if (w_.hostLane) start = std::max(start, hostNow_);  // the optimizer's kernels come after the backward's
     sample(start, 0, -1, -1, false);
     double stepUs = start + w_.optimizerUs;
     if (w_.hostLane) {
       double after = w_.optimizerHostUs;
       if (w_.waitsBlockHost) {
-        h_ = start;  // the host runs the optimizer itself, once the reductions are done
+        hostNow_ = start;  // the host runs the optimizer itself, once the reductions are done
       } else if (reference_) {
         after = std::max(0.0, after - reference_->optimizerWaitUs);  // its own time, not the wait
       }
       // The most of the host's time after the backward that can have been waiting for the
       // device: how far the device was behind, less however long the host ran on after the
       // device's end (a recording ends each step on the device no earlier than on the host).
-      res_.optimizerWaitUs = std::max(0.0, behind - std::max(0.0, h_ + w_.optimizerHostUs - stepUs));
-      h_ += after;
-      res_.hostUs = h_;
-      stepUs = std::max(stepUs, h_);
+      res_.optimizerWaitUs = std::max(0.0, behind - std::max(0.0, hostNow_ + w_.optimizerHostUs - stepUs));
+      hostNow_ += after;
+      res_.hostUs = hostNow_;
+      stepUs = std::max(stepUs, hostNow_);
     }
     if (reference_) {
       res_.launchDeltaUs = launchChargedUs_;  // on the host lane already
@@ -221,38 +243,40 @@ class Simulation {
     for (size_t i = 0; i < g.ops.size(); ++i) {
       const WorkOp& op = g.ops[i];
       const double c = run.computeUs[i];
-      double end = t_ + c;
+      double end = computeNow_ + c;
       if (w_.hostLane) {  // the device runs the stretch once the host has issued it
-        h_ += run.hostUs[i];
-        end = std::max(end, h_);
+        hostNow_ += run.hostUs[i];
+        end = std::max(end, hostNow_);
       }
       if (c > 0 && record_) event(Stream::Compute, "compute", r, op.seq, {}, 0, end - c, end);
-      t_ = end;
+      computeNow_ = end;
       const int64_t callsBefore = res_.gatherCalls + res_.reduceCalls;
       // The compute's own peak, before this op changes what is held.
-      sample(t_, run.computePeakBytes[i], r, op.seq, false);
+      sample(computeNow_, run.computePeakBytes[i], r, op.seq, false);
       if (!run.opDeviceUs.empty() && run.opDeviceUs[i] > 0) {
         // A CUDA graph: the op's own kernels run in the stream's order, before its collective.
-        if (record_) event(Stream::Compute, "dc op", r, op.seq, {}, 0, t_, t_ + run.opDeviceUs[i]);
-        t_ += run.opDeviceUs[i];
+        if (record_)
+          event(Stream::Compute, "dc op", r, op.seq, {}, 0, computeNow_, computeNow_ + run.opDeviceUs[i]);
+        computeNow_ += run.opDeviceUs[i];
       }
       for (int32_t k = cg.groupBegin[i]; k < cg.groupBegin[i + 1]; ++k) {
         gather(cg.groups[static_cast<size_t>(k)], r, op.seq, true);
       }
-      switch (op.kind) {
-        case OpKind::AllGather:
+      switch (op.role) {
+        case OpRole::Gather:
           if (!allocated_[static_cast<size_t>(op.param)]) gatherOne(op.param, r, op.seq);
           break;
-        case OpKind::Wait: {
+        case OpRole::GatherWait: {
           size_t p = static_cast<size_t>(op.param);
           if (!allocated_[p]) gatherOne(op.param, r, op.seq);
           endCallScratch(p);
-          if (readyAt_[p] > t_ && gatherCount_[p] > 1) res_.repeatStallUs[p] += readyAt_[p] - t_;
-          t_ = std::max(t_, readyAt_[p]);
-          if (w_.waitsBlockHost) h_ = std::max(h_, t_);
+          if (readyAt_[p] > computeNow_ && gatherCount_[p] > 1)
+            res_.repeatStallUs[p] += readyAt_[p] - computeNow_;
+          computeNow_ = std::max(computeNow_, readyAt_[p]);
+          if (w_.waitsBlockHost) hostNow_ = std::max(hostNow_, computeNow_);
           break;
         }
-        case OpKind::Release: {
+        case OpRole::Release: {
           size_t p = static_cast<size_t>(op.param);
           if (allocated_[p] && !s_.persistent[p]) {
             allocated_[p] = 0;
@@ -262,7 +286,7 @@ class Simulation {
           }
           break;
         }
-        case OpKind::ReduceGrad: {
+        case OpRole::ReduceGrad: {
           if (!reduces) break;
           int32_t b = cg.bucketOfOp[i];
           if (b < 0) break;
@@ -280,30 +304,34 @@ class Simulation {
           }
           break;
         }
-        case OpKind::EndBackward:
+        case OpRole::EndBackward:
           if (reduces) flush(cg, reduceOp, r, op.seq);
-          if (w_.waitsBlockHost) h_ = std::max(h_, reduceFree_);  // Gloo: it drains them on the host
+          if (w_.waitsBlockHost)
+            hostNow_ = std::max(hostNow_, reduceFree_);  // Gloo: it drains them on the host
           break;
-        case OpKind::CopyStart: {
-          double start = std::max(t_, copyFree_);
-          double dur = run.copyUs[i] > 0 ? run.copyUs[i] : cost_.copyUs(op.copyBytes, op.hostToDevice);
+        case OpRole::Offload:
+        case OpRole::Reload: {
+          double start = std::max(computeNow_, copyFree_);
+          double dur =
+              run.copyUs[i] > 0 ? run.copyUs[i] : cost_.copyUs(op.copyBytes, op.role == OpRole::Reload);
           copyFree_ = start + dur;
           if (record_) event(Stream::Copy, "copy", r, op.seq, {}, op.copyBytes, start, copyFree_);
           break;
         }
-        case OpKind::CopyWait:
-          t_ = std::max(t_, copyFree_);
-          if (w_.waitsBlockHost) h_ = std::max(h_, t_);
+        case OpRole::CopyWait:
+          computeNow_ = std::max(computeNow_, copyFree_);
+          if (w_.waitsBlockHost) hostNow_ = std::max(hostNow_, computeNow_);
           break;
-        case OpKind::Other:
+        case OpRole::Prefetch:  // a recorded prefetch: the plan places its own
+        case OpRole::Free:
           break;
       }
       const int32_t calls = static_cast<int32_t>(res_.gatherCalls + res_.reduceCalls - callsBefore);
       res_.callsAtOp.push_back(calls);
-      if (w_.hostLane) h_ += issueUs(op, run.issueUs[i], calls);
+      if (w_.hostLane) hostNow_ += issueUs(op, run.issueUs[i], calls);
       ++opIndex_;
-      sample(t_, run.activationBytes[i], r, op.seq, true);
-      if (op.kind == OpKind::EndBackward) {  // every reduction drained: no packed input is left
+      sample(computeNow_, run.activationBytes[i], r, op.seq, true);
+      if (op.role == OpRole::EndBackward) {  // every reduction drained: no packed input is left
         releaseAfterSample_ += heldInput_;
         heldInput_ = 0;
       }
@@ -315,7 +343,7 @@ class Simulation {
       for (size_t p = 0; p < w_.params.size(); ++p) {
         if (allocated_[p] && s_.persistent[p] && w_.params[p].requiresGrad) dropPersistent(p);
       }
-      sample(t_, 0, r, -1, false);
+      sample(computeNow_, 0, r, -1, false);
     }
   }
 
@@ -325,7 +353,7 @@ class Simulation {
   /// only the simulated stall counts.
   double issueUs(const WorkOp& op, double recorded, int32_t calls) {
     if (w_.waitsBlockHost &&
-        (op.kind == OpKind::Wait || op.kind == OpKind::CopyWait || op.kind == OpKind::EndBackward))
+        (op.role == OpRole::GatherWait || op.role == OpRole::CopyWait || op.role == OpRole::EndBackward))
       recorded = 0;
     if (!reference_ || opIndex_ >= reference_->callsAtOp.size()) return recorded;
     const int32_t extra = calls - reference_->callsAtOp[opIndex_];
@@ -374,7 +402,7 @@ class Simulation {
       callScratch_.push_back(held);
       liveScratch_ += held;
     }
-    double start = std::max(t_, gatherFree_);
+    double start = std::max(computeNow_, gatherFree_);
     double dur = cost_.us(Collective::AllGather, bytes);
     gatherFree_ = start + dur;
     for (int32_t p : members_) readyAt_[static_cast<size_t>(p)] = gatherFree_;
@@ -385,7 +413,7 @@ class Simulation {
       for (int32_t p : members_) ids.push_back(w_.params[static_cast<size_t>(p)].id);
       event(Stream::AllGather, prefetch ? "prefetch_params_fused" : "allgather_param", r, seq, ids, bytes,
             start, gatherFree_);
-      res_.gathers.push_back(GatherRecord{r, seq, t_, gatherFree_, members_});
+      res_.gathers.push_back(GatherRecord{r, seq, computeNow_, gatherFree_, members_});
     }
   }
 
@@ -394,7 +422,7 @@ class Simulation {
               uint64_t callerGrad = 0) {
     launched_[b] = 1;
     uint64_t bytes = cg.bucketBytes[b];
-    double start = std::max(t_, reduceFree_);
+    double start = std::max(computeNow_, reduceFree_);
     double dur = cost_.us(op, bytes);
     reduceFree_ = start + dur;
     const uint64_t buffer = w_.memory.allocation(bytes);
@@ -449,7 +477,7 @@ class Simulation {
                  liveScratch_ + momentary_ + shardGrads_;
     momentary_ = 0;  // scratch of a call while it is issued: in the sample right after it only
     peak_ = std::max(peak_, m);
-    if (record_) res_.memory.push_back(MemorySample{now, m, r, seq, atOp, w_.hostLane ? h_ : now});
+    if (record_) res_.memory.push_back(MemorySample{now, m, r, seq, atOp, w_.hostLane ? hostNow_ : now});
   }
 
   void event(Stream s, std::string name, int32_t r, int64_t seq, std::vector<int64_t> ids, uint64_t bytes,
@@ -488,8 +516,8 @@ class Simulation {
   uint64_t liveGathered_ = 0;
   uint64_t livePersistent_ = 0;  ///< persistent copies gathered and not yet dropped
   uint64_t peak_ = 0;
-  double t_ = 0;  ///< the compute stream
-  double h_ = 0;  ///< the host (Workload::hostLane)
+  double computeNow_ = 0;  ///< the compute stream's clock, microseconds into the step
+  double hostNow_ = 0;     ///< the host's clock (Workload::hostLane), microseconds into the step
   double gatherFree_ = 0;
   double reduceFree_ = 0;
   double copyFree_ = 0;

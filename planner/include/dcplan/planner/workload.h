@@ -20,24 +20,18 @@ inline bool flushesBefore(uint64_t bucketBytes, uint64_t nextBytes, uint64_t cap
   return bucketBytes > 0 && bucketBytes + nextBytes > capBytes;
 }
 
-enum class OpKind {
-  AllGather,    ///< allgather_param: gather on use
-  Wait,         ///< wait_allgather: the first user needs the gathered parameter
-  Release,      ///< release_param: last user done
-  ReduceGrad,   ///< reduce_grad: the gradient is ready
-  EndBackward,  ///< end_backward: flush what is left
-  CopyStart,    ///< offload_* / reload_*: a transfer on the copy stream
-  CopyWait,     ///< wait_offload / wait_reload
-  Other,        ///< recorded but without a scheduling role (a recorded prefetch, free_tensors)
-};
+/// The planner reads what an op does from the trace format's op table (schemas::opRole).
+using schemas::OpRole;
+
+/// Whether an op starts a transfer on a copy stream (offload_* / reload_*).
+inline bool startsCopy(OpRole r) { return r == OpRole::Offload || r == OpRole::Reload; }
 
 /// One op of a graph; `param` indexes Workload::params (not a ds_id).
 struct WorkOp {
-  OpKind kind = OpKind::Other;
+  OpRole role = OpRole::Free;  ///< from the trace (Free and Prefetch: no scheduling role here)
   int32_t param = -1;
-  int64_t seq = 0;         ///< position in the graph's op sequence, as recorded
-  uint64_t copyBytes = 0;  ///< CopyStart only
-  bool hostToDevice = false;
+  int64_t seq = 0;           ///< position in the graph's op sequence, as recorded
+  uint64_t copyBytes = 0;    ///< startsCopy only
   bool lastRelease = false;  ///< Release only: the graph's last release of this parameter
 };
 
@@ -68,7 +62,7 @@ struct GraphRun {
   /// The most of it during the compute before each op (the trace's peak_bytes; activationBytes
   /// where the trace has none): temporaries that come and go between two ops.
   std::vector<uint64_t> computePeakBytes;
-  std::vector<double> copyUs;  ///< recorded duration of each CopyStart op
+  std::vector<double> copyUs;  ///< recorded duration of each op that startsCopy
   /// Workload::cudaGraph only (else empty): each op's own work on the compute stream, before
   /// its effect (a bucket's packing before its launch); 0 where the
   /// trace has no op_device_us (waits; traces recorded before session 12).

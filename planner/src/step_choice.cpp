@@ -1,0 +1,82 @@
+// Which recorded step a plan is made from (see step_choice.h).
+#include "step_choice.h"
+
+#include <algorithm>
+#include <optional>
+#include <utility>
+
+#include "dcplan/planner/units.h"
+
+namespace dcplan::planner::detail {
+namespace {
+
+/// The host time of the optimizer step made of the recorded micro-steps `micro` (every op's
+/// host_us and issue_us, and the last one's optimizer_host_us), or nothing where the trace lacks
+/// one of them.
+std::optional<double> stepHostUs(const schemas::Trace& trace, const std::vector<size_t>& micro) {
+  if (!trace.steps[micro.back()].optimizerHostUs) return std::nullopt;
+  double us = *trace.steps[micro.back()].optimizerHostUs;
+  for (size_t m : micro) {
+    for (const schemas::TraceGraph& g : trace.steps[m].graphs) {
+      for (const schemas::OpEvent& e : g.events) {
+        if (!e.hostUs || !e.issueUs) return std::nullopt;
+        us += *e.hostUs + *e.issueUs;
+      }
+    }
+  }
+  return us;
+}
+
+}  // namespace
+
+std::vector<size_t> microStepsEndingAt(const schemas::Trace& trace, size_t end, int64_t gradAccumSteps) {
+  std::vector<size_t> micro{end};
+  while (static_cast<int64_t>(micro.size()) < gradAccumSteps && micro.back() > 0 &&
+         !(trace.steps[micro.back() - 1].optimizerUs > 0)) {
+    micro.push_back(micro.back() - 1);
+  }
+  std::reverse(micro.begin(), micro.end());
+  // Fewer micro-steps recorded than the step has: the first recorded one stands
+  // in for the missing ones, so that per-step gather counts stay right.
+  while (static_cast<int64_t>(micro.size()) < gradAccumSteps) micro.insert(micro.begin(), micro.front());
+  return micro;
+}
+
+// A machine still warming up, or busy with something else, only adds time: on 2 CPU ranks the
+// demo's recorded steps took 118, 74 and 64 ms after 2 warm-up steps; hence the fastest.
+size_t steadyOptimizerStep(const schemas::Trace& trace, int64_t gradAccumSteps, StepReplay replay,
+                           std::string& note) {
+  std::vector<size_t> ends;
+  for (size_t i = 0; i < trace.steps.size(); ++i) {
+    if (trace.steps[i].optimizerUs > 0) ends.push_back(i);
+  }
+  if (ends.empty()) return trace.steps.size() - 1;
+  if (ends.size() < 2 || replay == StepReplay::CudaGraph) return ends.back();
+  std::vector<std::pair<double, size_t>> hosts;  // host time, step
+  for (size_t e : ends) {
+    std::vector<size_t> micro = microStepsEndingAt(trace, e, gradAccumSteps);
+    // A step with fewer recorded micro-steps than it has (the first, recorded part-way) would look
+    // fast: compare complete steps only.
+    if (std::adjacent_find(micro.begin(), micro.end()) != micro.end()) continue;
+    std::optional<double> us = stepHostUs(trace, micro);
+    if (!us) return ends.back();
+    hosts.emplace_back(*us, e);
+  }
+  if (hosts.size() < 2) return ends.back();
+  auto [fastest, slowest] = std::minmax_element(hosts.begin(), hosts.end());
+  if (slowest->first <= fastest->first * (1.0 + kStepsAgreeShare)) return ends.back();
+  const size_t chosen = fastest->second;
+  std::string times;
+  for (const auto& [us, e] : hosts) {
+    times += (times.empty() ? "" : ", ") + formatFixed(us / 1000, 1) + " ms (step " +
+             std::to_string(trace.steps[e].index) + ")";
+  }
+  note = "the recorded optimizer steps disagree on host time by more than " +
+         formatFixed(100 * kStepsAgreeShare, 0) + "%: " + times + "; planned from step " +
+         std::to_string(trace.steps[chosen].index) + ", the fastest" +
+         (chosen == ends.back() ? "" : ", not the last") +
+         "; record more warm-up steps (dcplan record --warmup) where the machine is still warming up";
+  return chosen;
+}
+
+}  // namespace dcplan::planner::detail
