@@ -34,7 +34,7 @@ from torch import nn
 from . import _plan
 from . import _C, _compile, _record, _shm
 
-_DEFAULT_BUCKET_BYTES = 100_000_000  # the planner's default schedule assumes the same
+_DEFAULT_BUCKET_BYTES = _C.DEFAULT_BUCKET_BYTES  # the runtime's own default (schemas::kDefaultBucketBytes)
 _EXIT_GRACE_S = 0.05  # at exit, time for Gloo's worker threads to drop what they hold (_cleanup_at_exit)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 

@@ -7,12 +7,13 @@
 #include <vector>
 
 #include "dcplan/planner/runtime_memory.h"
+#include "dcplan/schemas/plan.h"
 #include "dcplan/schemas/trace.h"
 
 namespace dcplan::planner {
 
 /// Bucket size of the default schedule (the runtime without a plan), in bytes.
-inline constexpr uint64_t kDefaultBucketBytes = 100'000'000;
+inline constexpr uint64_t kDefaultBucketBytes = static_cast<uint64_t>(schemas::kDefaultBucketBytes);
 
 /// The runtime's rule for size-capped buckets: one that holds gradients is flushed before a
 /// gradient that would take it past capBytes (a single larger gradient fills one alone).

@@ -4,6 +4,7 @@
 #include "dcplan/replayer/OpObserver.h"
 #include "dcplan/replayer/Schedule.h"
 #include "dcplan/replayer/Transport.h"
+#include "dcplan/schemas/plan.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -22,9 +23,8 @@ namespace dcplan::replayer {
 
 /// Runtime options. Every size is in bytes.
 struct RuntimeConfig {
-  /// A reduce bucket is flushed when adding a gradient would take it past this
-  /// size (the planner's default schedule assumes the same 100,000,000 bytes).
-  int64_t reduceBucketBytes = 100'000'000;
+  /// A reduce bucket is flushed when adding a gradient would take it past this size.
+  int64_t reduceBucketBytes = schemas::kDefaultBucketBytes;
   /// Two buckets per dtype, so one fills while the other is being reduced.
   bool doubleBuffer = true;
   /// free_tensors frees only tensors at least this large.

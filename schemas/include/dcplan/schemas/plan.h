@@ -12,6 +12,11 @@ namespace dcplan::schemas {
 
 inline constexpr const char* kPlanSchema = "dcplan.plan/v1";
 
+/// The runtime's reduce-bucket size, in bytes, where no plan sets the buckets (a trace is recorded
+/// so): a bucket is flushed when the next gradient would take it past this. The planner's default
+/// schedule assumes it; dcplan._C.DEFAULT_BUCKET_BYTES gives it to Python.
+inline constexpr int64_t kDefaultBucketBytes = 100'000'000;
+
 /// What the plan was made from; a runtime refuses a plan whose signature differs.
 struct PlanSource {
   std::string trace;           ///< file name of the trace, informational

@@ -1,18 +1,19 @@
 // dcplan._C record_* functions: one recorder per process, armed before the runtime starts.
-#include "dcplan/recorder/PythonBindings.h"
+#include "Bindings.h"
 
 #include "dcplan/recorder/Probes.h"
 #include "dcplan/recorder/Recorder.h"
 #include "dcplan/replayer/Runtime.h"
 
-#include <torch/csrc/utils/pybind.h>
-
 #include <mutex>
 
 namespace py = pybind11;
 
-namespace dcplan::recorder {
+namespace dcplan::extension {
 namespace {
+
+using namespace dcplan::recorder;
+using Release = py::call_guard<py::gil_scoped_release>;
 
 std::mutex gMutex;
 std::shared_ptr<Recorder> gRecorder;  // armed by record_begin, dropped by record_stop
@@ -30,18 +31,8 @@ std::shared_ptr<Recorder> current(const char* fn) {
   return rec;
 }
 
-}  // namespace
-
-std::shared_ptr<replayer::Transport> transportForRuntime(std::shared_ptr<replayer::Transport> transport) {
-  std::lock_guard<std::mutex> lock(gMutex);
-  if (!gRecorder || gAttached) return transport;
-  gRecorder->attachTransport(transport);
-  gAttached = true;
-  return makeTimedTransport(std::move(transport), gRecorder);
-}
-
-void bindRecorder(py::module_& m) {
-  using Release = py::call_guard<py::gil_scoped_release>;
+/// record_begin and record_attach: arming the recorder, and observing the runtime with it.
+void bindArming(py::module_& m) {
   m.def(
       "record_begin",
       [](const std::string& directory, int64_t steps, int64_t warmup, const std::string& device,
@@ -80,36 +71,37 @@ void bindRecorder(py::module_& m) {
         replayer::setObserver(rec);
       },
       Release(), "Makes the recorder the runtime's op observer (after init()).");
-  m.def(
-      "record_add_model",
-      [](int64_t stage, int64_t forwardGraph, int64_t backwardGraph, const std::string& paramDtype,
-         const std::string& reduceDtype, const std::vector<py::tuple>& params, bool compiled) {
-        ModelInfo info;
-        info.compiled = compiled;
-        info.stage = stage;
-        info.forwardGraph = forwardGraph;
-        info.backwardGraph = backwardGraph;
-        info.paramDtype = paramDtype;
-        info.reduceDtype = reduceDtype;
-        for (const py::tuple& p : params) {
-          TORCH_CHECK(p.size() == 7,
-                      "record_add_model: params entries should be (id, name, shape, dtype, numel, "
-                      "shard_numel, requires_grad), got ",
-                      p.size(), " fields");
-          schemas::TraceParam tp;
-          tp.id = p[0].cast<int64_t>();
-          tp.name = p[1].cast<std::string>();
-          tp.shape = p[2].cast<std::vector<int64_t>>();
-          tp.dtype = p[3].cast<std::string>();
-          tp.numel = p[4].cast<int64_t>();
-          tp.shardNumel = p[5].cast<int64_t>();
-          tp.requiresGrad = p[6].cast<bool>();
-          info.params.push_back(std::move(tp));
-        }
-        current("record_add_model")->addModel(info);
-      },
-      py::arg("stage"), py::arg("forward_graph"), py::arg("backward_graph"), py::arg("param_dtype"),
-      py::arg("reduce_dtype"), py::arg("params"), py::arg("compiled") = false);
+}
+
+ModelInfo modelInfo(int64_t stage, int64_t forwardGraph, int64_t backwardGraph, const std::string& paramDtype,
+                    const std::string& reduceDtype, const std::vector<py::tuple>& params, bool compiled) {
+  ModelInfo info;
+  info.compiled = compiled;
+  info.stage = stage;
+  info.forwardGraph = forwardGraph;
+  info.backwardGraph = backwardGraph;
+  info.paramDtype = paramDtype;
+  info.reduceDtype = reduceDtype;
+  for (const py::tuple& p : params) {
+    TORCH_CHECK(p.size() == 7,
+                "record_add_model: params entries should be (id, name, shape, dtype, numel, "
+                "shard_numel, requires_grad), got ",
+                p.size(), " fields");
+    schemas::TraceParam tp;
+    tp.id = p[0].cast<int64_t>();
+    tp.name = p[1].cast<std::string>();
+    tp.shape = p[2].cast<std::vector<int64_t>>();
+    tp.dtype = p[3].cast<std::string>();
+    tp.numel = p[4].cast<int64_t>();
+    tp.shardNumel = p[5].cast<int64_t>();
+    tp.requiresGrad = p[6].cast<bool>();
+    info.params.push_back(std::move(tp));
+  }
+  return info;
+}
+
+/// record_done, record_steps, record_finish and the rest of a recording's course.
+void bindRecordingState(py::module_& m) {
   m.def(
       "record_done", [] { return current("record_done")->done(); },
       "Whether every step is recorded (known at the start_forward after the last one).");
@@ -155,7 +147,10 @@ void bindRecorder(py::module_& m) {
         if (rec && replayer::isInitialized()) replayer::setObserver(nullptr);
       },
       Release(), "Drops the recorder (what it recorded and did not write is lost).");
-  // The replay log's memory measurement (python/dcplan/_plan.py, dcplan.check_replay).
+}
+
+/// The replay log's memory measurement (python/dcplan/_plan.py, dcplan.check_replay).
+void bindProbes(py::module_& m) {
   py::class_<MemoryProbe>(m, "MemoryProbe", "Memory in use on one device, as a trace counts it.")
       .def("peak", &MemoryProbe::takePeakBytes,
            "CPU: the most bytes of live tensors since the previous call; a GPU: the allocator's peak.")
@@ -168,4 +163,30 @@ void bindRecorder(py::module_& m) {
       "recording does; 'cuda:N': the caching allocator's peak statistic, never reset).");
 }
 
-}  // namespace dcplan::recorder
+}  // namespace
+
+std::shared_ptr<replayer::Transport> transportForRuntime(std::shared_ptr<replayer::Transport> transport) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  if (!gRecorder || gAttached) return transport;
+  gRecorder->attachTransport(transport);
+  gAttached = true;
+  return makeTimedTransport(std::move(transport), gRecorder);
+}
+
+void bindRecorder(py::module_& m) {
+  bindArming(m);
+  m.def(
+      "record_add_model",
+      [](int64_t stage, int64_t forwardGraph, int64_t backwardGraph, const std::string& paramDtype,
+         const std::string& reduceDtype, const std::vector<py::tuple>& params, bool compiled) {
+        current("record_add_model")
+            ->addModel(
+                modelInfo(stage, forwardGraph, backwardGraph, paramDtype, reduceDtype, params, compiled));
+      },
+      py::arg("stage"), py::arg("forward_graph"), py::arg("backward_graph"), py::arg("param_dtype"),
+      py::arg("reduce_dtype"), py::arg("params"), py::arg("compiled") = false);
+  bindRecordingState(m);
+  bindProbes(m);
+}
+
+}  // namespace dcplan::extension

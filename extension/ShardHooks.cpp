@@ -7,7 +7,7 @@
 // op set, its observer and the plan cursor see exactly what the Python hooks issued), and the
 // gathered parameter's gradient reaches reduce_grad through a C++ autograd node, so backward
 // needs the GIL once per step (to begin the backward in Python), not once per gradient.
-#include "ShardHooks.h"
+#include "Bindings.h"
 
 #include "dcplan/replayer/Runtime.h"
 
@@ -345,8 +345,12 @@ at::Tensor ShardHooks::withReduction(const at::Tensor& full, Param& p) {
 }
 
 }  // namespace
+}  // namespace dcplan::replayer
 
-void bindShardHooks(py::module& m) {
+namespace dcplan::extension {
+
+void bindShardHooks(py::module_& m) {
+  using replayer::ShardHooks;
   using Release = py::call_guard<py::gil_scoped_release>;
   py::class_<ShardHooks, std::shared_ptr<ShardHooks>>(
       m, "ShardHooks",
@@ -354,15 +358,8 @@ void bindShardHooks(py::module& m) {
       "(through the dispatcher), the gathered parameters' autograd nodes, the saved-tensor bookkeeping.")
       .def(py::init([](int64_t stage, int64_t forwardGraph, int64_t backwardGraph,
                        const py::object& paramDtype, py::function beginBackward) {
-             std::optional<at::ScalarType> dtype;
-             if (!paramDtype.is_none()) {
-               TORCH_CHECK(THPDtype_Check(paramDtype.ptr()),
-                           "ShardHooks: param_dtype should be a torch.dtype or "
-                           "None, got ",
-                           std::string(py::str(py::type::of(paramDtype))));
-               dtype = reinterpret_cast<THPDtype*>(paramDtype.ptr())->scalar_type;
-             }
-             return std::make_shared<ShardHooks>(stage, forwardGraph, backwardGraph, dtype,
+             return std::make_shared<ShardHooks>(stage, forwardGraph, backwardGraph,
+                                                 optionalDtype(paramDtype, "ShardHooks: param_dtype"),
                                                  std::move(beginBackward));
            }),
            py::arg("stage"), py::arg("forward_graph"), py::arg("backward_graph"), py::arg("param_dtype"),
@@ -390,4 +387,4 @@ void bindShardHooks(py::module& m) {
            "After end_backward (ZeRO-3): drops the copies the next forward must gather again.");
 }
 
-}  // namespace dcplan::replayer
+}  // namespace dcplan::extension

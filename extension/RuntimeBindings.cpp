@@ -1,25 +1,24 @@
-// dcplan._C: the Python binding of the dc runtime (lifecycle and registration; the ops are torch.ops.dc.*).
-#include "ShardHooks.h"
-#include "dcplan/recorder/Probes.h"
-#include "dcplan/recorder/PythonBindings.h"
+// dcplan._C: runtime lifecycle, parameter and graph registration, the op log.
+#include "Bindings.h"
+
 #include "dcplan/replayer/LocalAllReduce.h"
-#include "dcplan/replayer/Plan.h"
 #include "dcplan/replayer/Runtime.h"
 
 #include <torch/csrc/Dtype.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <mutex>
 #include <optional>
-#include <tuple>
 #include <utility>
+#include <vector>
 
 namespace py = pybind11;
 using namespace dcplan::replayer;
 
+namespace dcplan::extension {
 namespace {
+
+using Release = py::call_guard<py::gil_scoped_release>;
 
 /// Keeps every op event in memory, for tests and quick inspection; the
 /// recorder proper is a separate observer.
@@ -41,13 +40,6 @@ class OpLog final : public OpObserver {
 
 std::shared_ptr<OpLog> gOpLog;
 
-std::optional<at::ScalarType> optionalDtype(const py::object& obj, const char* what) {
-  if (obj.is_none()) return std::nullopt;
-  TORCH_CHECK(THPDtype_Check(obj.ptr()), what, " should be a torch.dtype or None, got ",
-              std::string(py::str(py::type::of(obj))));
-  return reinterpret_cast<THPDtype*>(obj.ptr())->scalar_type;
-}
-
 void registerGraphOfStage(Stage stage, int64_t graphId, const std::vector<int64_t>& dsIds,
                           const py::object& reduceDtype) {
   auto dtype = optionalDtype(reduceDtype, "register_graph: reduce_dtype");
@@ -55,120 +47,30 @@ void registerGraphOfStage(Stage stage, int64_t graphId, const std::vector<int64_
   registerGraph(graphId, stage, dsIds, dtype);
 }
 
-/// Plan replay: loading a plan against the live model, the replay log.
-void bindPlan(py::module& m) {
-  // params: (ds_id, name, shape, dtype name, trainable) per parameter.
-  using ParamTuple = std::tuple<int64_t, std::string, std::vector<int64_t>, std::string, bool>;
-  auto liveModel = [](const std::vector<ParamTuple>& params, int64_t worldSize) {
-    LiveModel model;
-    for (const auto& [id, name, shape, dtype, trainable] : params) {
-      model.params.push_back(LiveParam{id, name, shape, dtype, trainable});
-    }
-    model.worldSize = worldSize;
-    return model;
-  };
-  m.def(
-      "param_signature",
-      [liveModel](const std::vector<ParamTuple>& params, int64_t worldSize) {
-        return liveSignature(liveModel(params, worldSize));
-      },
-      py::arg("params"), py::arg("world_size"),
-      "The parameter signature (docs/formats.md) of (ds_id, name, shape, dtype, trainable) tuples.");
-  m.def(
-      "load_plan",
-      [liveModel](const std::string& path, const std::vector<ParamTuple>& params, int64_t worldSize,
-                  int64_t stage, int64_t forwardGraph, int64_t backwardGraph, const std::string& reduceDtype,
-                  const py::object& gatherDtype, const std::string& onMismatch, bool compiled) {
-        LiveModel model = liveModel(params, worldSize);
-        model.stage = stage;
-        model.forwardGraph = forwardGraph;
-        model.backwardGraph = backwardGraph;
-        model.reduceDtype = reduceDtype;
-        model.gatherDtype = optionalDtype(gatherDtype, "load_plan: gather_dtype");
-        model.compiled = compiled;
-        TORCH_CHECK(onMismatch == "error" || onMismatch == "fallback",
-                    "load_plan: on_mismatch should be \"error\" or \"fallback\", got \"", onMismatch, "\"");
-        PlanSummary summary;
-        try {
-          py::gil_scoped_release noGil;
-          summary = loadPlan(path, model, onMismatch == "error" ? OnMismatch::Error : OnMismatch::Fallback);
-        } catch (const PlanError& e) {
-          throw py::value_error(e.what());
-        }
-        py::dict out;
-        out["signature"] = summary.signature;
-        out["persistent"] = summary.persistent;
-        out["prefetch_groups"] = summary.prefetchGroups;
-        out["buckets"] = summary.buckets;
-        return out;
-      },
-      py::arg("path"), py::arg("params"), py::arg("world_size"), py::arg("stage"), py::arg("forward_graph"),
-      py::arg("backward_graph"), py::arg("reduce_dtype"), py::arg("gather_dtype") = py::none(),
-      py::arg("on_mismatch") = "error", py::arg("compiled") = false,
-      "Reads plan file path, checks it against the live model (ValueError naming the file, the JSON "
-      "pointer and what differs) and makes it the runtime's schedule.");
-  m.def(
-      "set_replay_log",
-      [](const std::string& path, const std::optional<std::string>& device) {
-        MemoryGauge gauge;
-        if (device) {
-          // DCPLAN_REPLAY_LOG_PEAKS=1 on a GPU: per-op peaks too, from the allocator's peak
-          // statistic, reset at every op (torch.cuda.max_memory_allocated() then covers one op).
-          const char* peaks = std::getenv("DCPLAN_REPLAY_LOG_PEAKS");
-          const bool devicePeaks =
-              !c10::Device(*device).is_cpu() && peaks != nullptr && std::string(peaks) == "1";
-          std::shared_ptr<dcplan::recorder::MemoryProbe> probe =
-              devicePeaks ? dcplan::recorder::makeDeviceAllocatorProbe(c10::Device(*device))
-                          : dcplan::recorder::makeReplayOpProbe(c10::Device(*device));
-          const bool windowPeak = c10::Device(*device).is_cpu() || devicePeaks;
-          gauge = [probe, windowPeak] {
-            OpMemory m;
-            m.inUse = static_cast<int64_t>(probe->bytesInUse());
-            if (windowPeak) m.peakBefore = static_cast<int64_t>(probe->takePeakBytes());
-            return m;
-          };
-        }
-        setReplayLog(path, std::move(gauge));
-      },
-      py::arg("path"), py::arg("device") = std::nullopt, py::call_guard<py::gil_scoped_release>(),
-      "Writes this rank's replay log (JSON lines) to path from now on; '' stops. With device "
-      "('cpu', 'cuda:N'), each op line carries the memory in use there (and on the CPU the peak "
-      "since the op before).");
-  m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
-  m.def("log_replay_event", &logReplayEvent, py::arg("json"), py::call_guard<py::gil_scoped_release>(),
-        "Appends one JSON object (one line) to this rank's replay log, if one is open.");
-  m.def("plan_active", &planActive, "Whether a loaded plan drives the schedule (no departure so far).");
-  m.def(
-      "take_plan_departure",
-      [] {
-        std::string msg = takePlanDeparture();
-        return msg.empty() ? py::object(py::none()) : py::object(py::str(msg));
-      },
-      "The message of a departure from the plan under on_mismatch='fallback', once; None otherwise.");
+RuntimeConfig runtimeConfig(int64_t reduceBucketBytes, bool doubleBuffer,
+                            int64_t freeActivationThresholdBytes, bool checkCollectives) {
+  RuntimeConfig config;
+  config.checkCollectives = checkCollectives;
+  config.reduceBucketBytes = reduceBucketBytes;
+  config.doubleBuffer = doubleBuffer;
+  config.freeActivationThresholdBytes = freeActivationThresholdBytes;
+  return config;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "dcplan runtime: lifecycle and registration of the dc op set (torch.ops.dc.*)";
-  using Release = py::call_guard<py::gil_scoped_release>;
-
+void bindLifecycle(py::module_& m) {
   m.def(
       "init",
       [](const std::string& groupName, int64_t reduceBucketBytes, bool doubleBuffer,
          int64_t freeActivationThresholdBytes, bool shm, const std::string& shmDir, double shmTimeoutS,
          bool checkCollectives) {
-        RuntimeConfig config;
-        config.checkCollectives = checkCollectives;
-        config.reduceBucketBytes = reduceBucketBytes;
-        config.doubleBuffer = doubleBuffer;
-        config.freeActivationThresholdBytes = freeActivationThresholdBytes;
+        const RuntimeConfig config =
+            runtimeConfig(reduceBucketBytes, doubleBuffer, freeActivationThresholdBytes, checkCollectives);
         LocalAllReduceSettings local;
         local.enabled = shm;
         local.dir = shmDir;
         local.timeout = std::chrono::milliseconds(static_cast<int64_t>(shmTimeoutS * 1000.0));
         std::shared_ptr<Transport> transport = makeProcessGroupTransport(groupName);
-        init(dcplan::recorder::transportForRuntime(transport), config);
+        init(transportForRuntime(transport), config);
         try {
           // On the process group itself, not the recorder's view of it: the rendezvous is not the job's.
           return startLocalAllReduce(*transport, local);
@@ -198,17 +100,12 @@ PYBIND11_MODULE(_C, m) {
       "init_nccl",
       [](const py::bytes& uniqueId, int rank, int worldSize, int deviceIndex, int64_t reduceBucketBytes,
          bool doubleBuffer, int64_t freeActivationThresholdBytes, bool checkCollectives, double timeoutS) {
-        RuntimeConfig config;
-        config.checkCollectives = checkCollectives;
-        config.reduceBucketBytes = reduceBucketBytes;
-        config.doubleBuffer = doubleBuffer;
-        config.freeActivationThresholdBytes = freeActivationThresholdBytes;
+        const RuntimeConfig config =
+            runtimeConfig(reduceBucketBytes, doubleBuffer, freeActivationThresholdBytes, checkCollectives);
         std::string id = uniqueId;
         py::gil_scoped_release noGil;
         const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000.0));
-        init(dcplan::recorder::transportForRuntime(
-                 makeNcclTransport(id, rank, worldSize, deviceIndex, timeout)),
-             config);
+        init(transportForRuntime(makeNcclTransport(id, rank, worldSize, deviceIndex, timeout)), config);
       },
       py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device_index"),
       py::arg("reduce_bucket_bytes") = RuntimeConfig{}.reduceBucketBytes, py::arg("double_buffer") = true,
@@ -225,7 +122,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("is_initialized", &isInitialized);
   m.def("world_size", &worldSize);
   m.def("rank", &rank);
+}
 
+void bindRegistration(py::module_& m) {
   auto regParam = [](int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& dsTensor,
                      const std::optional<at::Tensor>& gradBuffer, bool persistent, bool trainable) {
     registerParam(dsId, shape, dsTensor, gradBuffer.value_or(at::Tensor()), persistent, trainable);
@@ -295,6 +194,9 @@ PYBIND11_MODULE(_C, m) {
         "Before the capture ends: the capture rejoins the transport's streams.");
   m.def("release_capture", &releaseCapture, Release(),
         "The captured graph no longer replays the steps: eager steps may run again.");
+}
+
+void bindOpLog(py::module_& m) {
   m.def(
       "start_op_log",
       [] {
@@ -323,7 +225,21 @@ PYBIND11_MODULE(_C, m) {
         gOpLog.reset();
       },
       Release());
-  bindPlan(m);
-  bindShardHooks(m);                  // the per-parameter work of python/dcplan/_shard.py's hooks
-  dcplan::recorder::bindRecorder(m);  // record_*: python/dcplan/_record.py
 }
+
+}  // namespace
+
+std::optional<at::ScalarType> optionalDtype(const py::object& obj, const char* what) {
+  if (obj.is_none()) return std::nullopt;
+  TORCH_CHECK(THPDtype_Check(obj.ptr()), what, " should be a torch.dtype or None, got ",
+              std::string(py::str(py::type::of(obj))));
+  return reinterpret_cast<THPDtype*>(obj.ptr())->scalar_type;
+}
+
+void bindRuntime(py::module_& m) {
+  bindLifecycle(m);
+  bindRegistration(m);
+  bindOpLog(m);
+}
+
+}  // namespace dcplan::extension

@@ -1,0 +1,111 @@
+// dcplan._C: plan replay (loading a plan against the live model) and the replay log.
+#include "Bindings.h"
+
+#include "dcplan/recorder/Probes.h"
+#include "dcplan/replayer/Plan.h"
+#include "dcplan/replayer/Runtime.h"
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+using namespace dcplan::replayer;
+
+namespace dcplan::extension {
+
+void bindPlan(py::module_& m) {
+  // params: (ds_id, name, shape, dtype name, trainable) per parameter.
+  using ParamTuple = std::tuple<int64_t, std::string, std::vector<int64_t>, std::string, bool>;
+  auto liveModel = [](const std::vector<ParamTuple>& params, int64_t worldSize) {
+    LiveModel model;
+    for (const auto& [id, name, shape, dtype, trainable] : params) {
+      model.params.push_back(LiveParam{id, name, shape, dtype, trainable});
+    }
+    model.worldSize = worldSize;
+    return model;
+  };
+  m.def(
+      "param_signature",
+      [liveModel](const std::vector<ParamTuple>& params, int64_t worldSize) {
+        return liveSignature(liveModel(params, worldSize));
+      },
+      py::arg("params"), py::arg("world_size"),
+      "The parameter signature (docs/formats.md) of (ds_id, name, shape, dtype, trainable) tuples.");
+  m.def(
+      "load_plan",
+      [liveModel](const std::string& path, const std::vector<ParamTuple>& params, int64_t worldSize,
+                  int64_t stage, int64_t forwardGraph, int64_t backwardGraph, const std::string& reduceDtype,
+                  const py::object& gatherDtype, const std::string& onMismatch, bool compiled) {
+        LiveModel model = liveModel(params, worldSize);
+        model.stage = stage;
+        model.forwardGraph = forwardGraph;
+        model.backwardGraph = backwardGraph;
+        model.reduceDtype = reduceDtype;
+        model.gatherDtype = optionalDtype(gatherDtype, "load_plan: gather_dtype");
+        model.compiled = compiled;
+        TORCH_CHECK(onMismatch == "error" || onMismatch == "fallback",
+                    "load_plan: on_mismatch should be \"error\" or \"fallback\", got \"", onMismatch, "\"");
+        PlanSummary summary;
+        try {
+          py::gil_scoped_release noGil;
+          summary = loadPlan(path, model, onMismatch == "error" ? OnMismatch::Error : OnMismatch::Fallback);
+        } catch (const PlanError& e) {
+          throw py::value_error(e.what());
+        }
+        py::dict out;
+        out["signature"] = summary.signature;
+        out["persistent"] = summary.persistent;
+        out["prefetch_groups"] = summary.prefetchGroups;
+        out["buckets"] = summary.buckets;
+        return out;
+      },
+      py::arg("path"), py::arg("params"), py::arg("world_size"), py::arg("stage"), py::arg("forward_graph"),
+      py::arg("backward_graph"), py::arg("reduce_dtype"), py::arg("gather_dtype") = py::none(),
+      py::arg("on_mismatch") = "error", py::arg("compiled") = false,
+      "Reads plan file path, checks it against the live model (ValueError naming the file, the JSON "
+      "pointer and what differs) and makes it the runtime's schedule.");
+  m.def(
+      "set_replay_log",
+      [](const std::string& path, const std::optional<std::string>& device) {
+        MemoryGauge gauge;
+        if (device) {
+          // DCPLAN_REPLAY_LOG_PEAKS=1 on a GPU: per-op peaks too, from the allocator's peak
+          // statistic, reset at every op (torch.cuda.max_memory_allocated() then covers one op).
+          const char* peaks = std::getenv("DCPLAN_REPLAY_LOG_PEAKS");
+          const bool devicePeaks =
+              !c10::Device(*device).is_cpu() && peaks != nullptr && std::string(peaks) == "1";
+          std::shared_ptr<dcplan::recorder::MemoryProbe> probe =
+              devicePeaks ? dcplan::recorder::makeDeviceAllocatorProbe(c10::Device(*device))
+                          : dcplan::recorder::makeReplayOpProbe(c10::Device(*device));
+          const bool windowPeak = c10::Device(*device).is_cpu() || devicePeaks;
+          gauge = [probe, windowPeak] {
+            OpMemory m;
+            m.inUse = static_cast<int64_t>(probe->bytesInUse());
+            if (windowPeak) m.peakBefore = static_cast<int64_t>(probe->takePeakBytes());
+            return m;
+          };
+        }
+        setReplayLog(path, std::move(gauge));
+      },
+      py::arg("path"), py::arg("device") = std::nullopt, py::call_guard<py::gil_scoped_release>(),
+      "Writes this rank's replay log (JSON lines) to path from now on; '' stops. With device "
+      "('cpu', 'cuda:N'), each op line carries the memory in use there (and on the CPU the peak "
+      "since the op before).");
+  m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
+  m.def("log_replay_event", &logReplayEvent, py::arg("json"), py::call_guard<py::gil_scoped_release>(),
+        "Appends one JSON object (one line) to this rank's replay log, if one is open.");
+  m.def("plan_active", &planActive, "Whether a loaded plan drives the schedule (no departure so far).");
+  m.def(
+      "take_plan_departure",
+      [] {
+        std::string msg = takePlanDeparture();
+        return msg.empty() ? py::object(py::none()) : py::object(py::str(msg));
+      },
+      "The message of a departure from the plan under on_mismatch='fallback', once; None otherwise.");
+}
+
+}  // namespace dcplan::extension
