@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <tuple>
+#include <utility>
 
 #ifndef DCPLAN_VERSION
 #define DCPLAN_VERSION "0.0.0"
@@ -455,10 +457,7 @@ std::vector<Recorder::LedTimes> Recorder::deviceTimes(const std::set<int64_t>& r
   return led;
 }
 
-schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
-  TORCH_CHECK(!models_.empty(), "record: no model was registered (dcplan.shard() registers one)");
-  TORCH_CHECK(transport_ != nullptr, "record: no transport attached");
+schemas::Trace Recorder::traceHeader(const schemas::Calibration& calibration, TraceModel& model) const {
   schemas::Trace t;
   const ModelInfo& first = models_.front();
   t.meta.createdBy = std::string("dcplan-recorder ") + DCPLAN_VERSION;
@@ -474,132 +473,159 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
   t.meta.versions["dcplan"] = DCPLAN_VERSION;
   t.memory.capacityBytes = memory_->capacityBytes();
   t.memory.baselineBytes = baselineBytes_;
-  std::map<int64_t, std::pair<schemas::GraphKind, const ModelInfo*>> graphs;
-  std::map<int64_t, int64_t> shardNumel;
   for (const ModelInfo& m : models_) {
-    graphs[m.forwardGraph] = {schemas::GraphKind::Forward, &m};
-    graphs[m.backwardGraph] = {schemas::GraphKind::Backward, &m};
+    model.graphs[m.forwardGraph] = {schemas::GraphKind::Forward, &m};
+    model.graphs[m.backwardGraph] = {schemas::GraphKind::Backward, &m};
+    model.registered.insert(m.forwardGraph);
+    model.registered.insert(m.backwardGraph);
     for (const auto& p : m.params) {
       t.params.push_back(p);
-      shardNumel[p.id] = p.shardNumel;
+      model.shardNumel[p.id] = p.shardNumel;
     }
   }
   t.calibration = calibration;
+  return t;
+}
 
-  std::set<int64_t> registered;
-  for (const auto& [id, g] : graphs) registered.insert(id);
-  const std::vector<LedTimes> ledTimes = deviceTimes(registered);
+std::pair<double, double> Recorder::collectiveSpanUs(const MicroStep& step, size_t i, const ModelInfo& model,
+                                                     const TraceModel& tm, TimePoint origin,
+                                                     TimePoint graphEnd, schemas::OpEvent& e) const {
+  const RawEvent& raw = step.events[i];
+  if (raw.collective < 0) {
+    // An op that launched none (served from a held copy, or a ZeRO-1 micro-step that only
+    // accumulates) takes no time at its issue.
+    const double at = timer_->elapsedUs(origin, raw.begin);
+    if (streamOf(e.op) == Stream::Reduce) {
+      e.bytes = 0;  // nothing reduced: ZeRO-1 accumulating before the boundary
+      e.dtype = model.reduceDtype;
+    }
+    return {at, at};
+  }
+  const Collective& c = collectives_[static_cast<size_t>(raw.collective)];
+  const double cStart = timer_->elapsedUs(origin, c.launch);
+  const double cEnd = timer_->elapsedUs(origin, c.completed ? c.done : graphEnd);
+  if (c.kind != CollectiveKind::Reduce) return {cStart, cEnd};
+  // One bucket's span, divided among its gradients by their bytes.
   const int64_t ws = transport_->worldSize();
+  auto gradBytes = [&](const RawEvent& r) {
+    auto it = tm.shardNumel.find(r.dsId);
+    return it == tm.shardNumel.end() ? 0 : ws * it->second * elementSize(model.reduceDtype);
+  };
+  int64_t total = 0, before = 0;
+  for (size_t k : c.events) {
+    total += gradBytes(step.events[k]);
+    if (k < i) before += gradBytes(step.events[k]);
+  }
+  const int64_t mine = gradBytes(raw);
+  e.bytes = static_cast<uint64_t>(mine);
+  e.dtype = model.reduceDtype;
+  const double share = total > 0 ? (cEnd - cStart) / static_cast<double>(total) : 0.0;
+  const double start = cStart + share * static_cast<double>(before);
+  return {start, start + share * static_cast<double>(mine)};
+}
+
+schemas::OpEvent Recorder::opEvent(const RawEvent& raw, int64_t seq, double computeUs, const LedTimes* led,
+                                   size_t i, HostTime hostPrevEnd) const {
+  schemas::OpEvent e;
+  e.seq = seq;
+  e.op = raw.op;
+  if (raw.dsId >= 0) e.dsIds = {raw.dsId};
+  if (e.op == "prefetch_params_fused") e.dsIds = raw.dsIds;
+  if (e.op == "release_param") e.nUsers = std::max<int64_t>(1, raw.nUsers);
+  e.bytes = static_cast<uint64_t>(std::max<int64_t>(0, raw.bytes));
+  e.dtype = dtypeName(raw.dtype);
+  e.stream = streamName(streamOf(e.op));
+  e.memoryBytes = raw.memory;
+  e.peakBytes = raw.peak;
+  e.computeUs = computeUs;
+  if (led) {
+    e.deviceUs = led->computeBeforeUs[i];
+    e.opDeviceUs = led->opUs[i];
+  }
+  e.hostUs = hostUs(hostPrevEnd, raw.hostCall);
+  e.issueUs = hostUs(raw.hostBegin, raw.hostEnd);
+  return e;
+}
+
+schemas::TraceGraph Recorder::traceGraph(const MicroStep& step, int64_t g, const std::vector<size_t>& events,
+                                         const TraceModel& tm, const std::vector<double>& before,
+                                         const LedTimes* led, TimePoint& origin, HostTime& hostOrigin) const {
+  const auto& [kind, model] = tm.graphs.at(g);
+  schemas::TraceGraph graph;
+  graph.id = g;
+  graph.kind = kind;
+  TimePoint prevEnd = origin;
+  HostTime hostPrevEnd = hostOrigin;
+  // Every collective of a graph is complete by its last op (end_backward
+  // drains the buckets); one never seen complete ends there at the latest.
+  TimePoint graphEnd = origin;
+  for (size_t i : events) graphEnd = std::max(graphEnd, step.events[i].end);
+  std::map<std::string, double> streamEnd;  // the end of each stream's last event
+  for (size_t i : events) {
+    const RawEvent& raw = step.events[i];
+    schemas::OpEvent e =
+        opEvent(raw, static_cast<int64_t>(graph.events.size()), before[i], led, i, hostPrevEnd);
+    double start = timer_->elapsedUs(origin, raw.begin);
+    double end = timer_->elapsedUs(origin, raw.end);
+    if (streamOf(e.op) != Stream::Compute) {
+      // Off the compute stream an op's time is its collective's span.
+      std::tie(start, end) = collectiveSpanUs(step, i, *model, tm, origin, graphEnd, e);
+      // A stream runs one collective at a time: nothing starts before the previous one ended.
+      auto last = streamEnd.find(e.stream);
+      if (last != streamEnd.end()) start = std::max(start, last->second);
+    }
+    start = std::max(0.0, start);
+    end = std::max(start, end);
+    double& last = streamEnd[e.stream];
+    last = std::max(last, end);
+    e.startUs = start;
+    e.endUs = end;
+    prevEnd = raw.end;
+    hostPrevEnd = raw.hostResume;
+    graph.events.push_back(std::move(e));
+  }
+  origin = prevEnd;
+  hostOrigin = hostPrevEnd;
+  return graph;
+}
+
+schemas::TraceStep Recorder::traceStep(const MicroStep& step, int64_t index, const TraceModel& tm,
+                                       const std::vector<LedTimes>& ledTimes) {
+  schemas::TraceStep out;
+  out.index = index;
+  out.optimizerUs = step.optimizerUs;
+  if (step.optimizerUs > 0) out.optimizerHostUs = step.optimizerHostUs;
+  const GraphOrder issued = graphOrder(step, tm.registered);
+  const std::vector<double> before = computeBeforeUs(step, issued);
+  const MicroStep* lead = pairedLead(step, ledTimes.size());
+  if (lead && step.optimizerUs > 0 && !lead->optimizerCaughtUp) out.optimizerDeviceUs = lead->optimizerUs;
+  if (!lead && !ledTimes.empty()) {
+    TORCH_WARN("record: rank ", transport_->rank(), ": recorded step ", index, " (micro-step ", step.micro,
+               ") issued other ops than the device-lead step at that position, so it has no device_us (plan "
+               "--cuda-graph needs them)");
+  }
+  const LedTimes* led = lead ? &ledTimes[static_cast<size_t>(step.micro)] : nullptr;
+  // The first graph starts at start_forward; a later one (the backward) where
+  // the one before it ended, so its first compute_us holds the loss and the
+  // backward compute before its first op.
+  TimePoint origin = step.start;
+  HostTime hostOrigin = step.hostStart;
+  for (int64_t g : issued.order) {
+    out.graphs.push_back(traceGraph(step, g, issued.byGraph.at(g), tm, before, led, origin, hostOrigin));
+  }
+  return out;
+}
+
+schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  TORCH_CHECK(!models_.empty(), "record: no model was registered (dcplan.shard() registers one)");
+  TORCH_CHECK(transport_ != nullptr, "record: no transport attached");
+  TraceModel tm;
+  schemas::Trace t = traceHeader(calibration, tm);
+  const std::vector<LedTimes> ledTimes = deviceTimes(tm.registered);
   int64_t index = 0;
   for (const MicroStep& step : recorded_) {
-    schemas::TraceStep out;
-    out.index = index;
-    out.optimizerUs = step.optimizerUs;
-    if (step.optimizerUs > 0) out.optimizerHostUs = step.optimizerHostUs;
-    const GraphOrder issued = graphOrder(step, registered);
-    const auto& [order, byGraph] = issued;
-    const std::vector<double> before = computeBeforeUs(step, issued);
-    const MicroStep* led = pairedLead(step, ledTimes.size());
-    if (led && step.optimizerUs > 0 && !led->optimizerCaughtUp) out.optimizerDeviceUs = led->optimizerUs;
-    if (!led && !ledTimes.empty()) {
-      TORCH_WARN(
-          "record: rank ", transport_->rank(), ": recorded step ", index, " (micro-step ", step.micro,
-          ") issued other ops than the device-lead step at that position, so it has no device_us (plan "
-          "--cuda-graph needs them)");
-    }
-    // The first graph starts at start_forward; a later one (the backward) where
-    // the one before it ended, so its first compute_us holds the loss and the
-    // backward compute before its first op.
-    TimePoint origin = step.start;
-    HostTime hostOrigin = step.hostStart;
-    for (int64_t g : order) {
-      const auto& [kind, model] = graphs[g];
-      schemas::TraceGraph graph;
-      graph.id = g;
-      graph.kind = kind;
-      TimePoint prevEnd = origin;
-      HostTime hostPrevEnd = hostOrigin;
-      // Every collective of a graph is complete by its last op (end_backward
-      // drains the buckets); one never seen complete ends there at the latest.
-      TimePoint graphEnd = origin;
-      for (size_t i : byGraph.at(g)) graphEnd = std::max(graphEnd, step.events[i].end);
-      std::map<std::string, std::pair<double, double>> streamLast;  // start, end of the last event per stream
-      for (size_t i : byGraph.at(g)) {
-        const RawEvent& raw = step.events[i];
-        schemas::OpEvent e;
-        e.seq = static_cast<int64_t>(graph.events.size());
-        e.op = raw.op;
-        if (raw.dsId >= 0) e.dsIds = {raw.dsId};
-        if (e.op == "prefetch_params_fused") e.dsIds = raw.dsIds;
-        if (e.op == "release_param") e.nUsers = std::max<int64_t>(1, raw.nUsers);
-        e.bytes = static_cast<uint64_t>(std::max<int64_t>(0, raw.bytes));
-        e.dtype = dtypeName(raw.dtype);
-        const Stream stream = streamOf(e.op);
-        e.stream = streamName(stream);
-        e.memoryBytes = raw.memory;
-        e.peakBytes = raw.peak;
-        e.computeUs = before[i];
-        if (led) {
-          const LedTimes& times = ledTimes[static_cast<size_t>(step.micro)];
-          e.deviceUs = times.computeBeforeUs[i];
-          e.opDeviceUs = times.opUs[i];
-        }
-        e.hostUs = hostUs(hostPrevEnd, raw.hostCall);
-        e.issueUs = hostUs(raw.hostBegin, raw.hostEnd);
-        double start = timer_->elapsedUs(origin, raw.begin);
-        double end = timer_->elapsedUs(origin, raw.end);
-        if (stream != Stream::Compute) {
-          // Off the compute stream an op's time is its collective's span; an
-          // op that launched none (served from a held copy, or a ZeRO-1
-          // micro-step that only accumulates) takes no time at its issue.
-          end = start;
-          if (raw.collective >= 0) {
-            const Collective& c = collectives_[static_cast<size_t>(raw.collective)];
-            double cStart = timer_->elapsedUs(origin, c.launch);
-            double cEnd = timer_->elapsedUs(origin, c.completed ? c.done : graphEnd);
-            if (c.kind == CollectiveKind::Reduce) {
-              // One bucket's span, divided among its gradients by their bytes.
-              auto gradBytes = [&](const RawEvent& r) {
-                return ws * shardNumel[r.dsId] * elementSize(model->reduceDtype);
-              };
-              int64_t total = 0, before = 0;
-              for (size_t k : c.events) {
-                total += gradBytes(step.events[k]);
-                if (k < i) before += gradBytes(step.events[k]);
-              }
-              const int64_t mine = gradBytes(raw);
-              e.bytes = static_cast<uint64_t>(mine);
-              e.dtype = model->reduceDtype;
-              const double span = cEnd - cStart;
-              const double share = total > 0 ? span / static_cast<double>(total) : 0.0;
-              start = cStart + share * static_cast<double>(before);
-              end = start + share * static_cast<double>(mine);
-            } else {
-              start = cStart;
-              end = cEnd;
-            }
-          } else if (stream == Stream::Reduce) {
-            e.bytes = 0;  // nothing reduced: ZeRO-1 accumulating before the boundary
-            e.dtype = model->reduceDtype;
-          }
-          // A stream runs one collective at a time: nothing starts before the previous one ended.
-          auto last = streamLast.find(e.stream);
-          if (last != streamLast.end()) start = std::max(start, last->second.second);
-        }
-        start = std::max(0.0, start);
-        end = std::max(start, end);
-        auto& last = streamLast[e.stream];
-        last = {start, std::max(last.second, end)};
-        e.startUs = start;
-        e.endUs = end;
-        prevEnd = raw.end;
-        hostPrevEnd = raw.hostResume;
-        graph.events.push_back(std::move(e));
-      }
-      origin = prevEnd;
-      hostOrigin = hostPrevEnd;
-      out.graphs.push_back(std::move(graph));
-    }
+    schemas::TraceStep out = traceStep(step, index, tm, ledTimes);
     if (out.graphs.empty()) continue;
     t.steps.push_back(std::move(out));
     ++index;

@@ -185,6 +185,31 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   /// warns where the lead did not hold.
   std::vector<LedTimes> deviceTimes(const std::set<int64_t>& registered);
 
+  /// What the trace needs of the registered models: each graph's kind and model, each
+  /// parameter's shard size.
+  struct TraceModel {
+    std::map<int64_t, std::pair<schemas::GraphKind, const ModelInfo*>> graphs;
+    std::set<int64_t> registered;
+    std::map<int64_t, int64_t> shardNumel;
+  };
+  /// The trace's meta, memory, params and calibration; fills `model`.
+  schemas::Trace traceHeader(const schemas::Calibration& calibration, TraceModel& model) const;
+  /// One recorded micro-step as the trace's step (no graphs: it issued no op of a registered graph).
+  schemas::TraceStep traceStep(const MicroStep& step, int64_t index, const TraceModel& model,
+                               const std::vector<LedTimes>& ledTimes);
+  /// One graph's events of `step`, timed from `origin` (moved on to where the graph ended).
+  schemas::TraceGraph traceGraph(const MicroStep& step, int64_t graph, const std::vector<size_t>& events,
+                                 const TraceModel& model, const std::vector<double>& before,
+                                 const LedTimes* led, TimePoint& origin, HostTime& hostOrigin) const;
+  /// The trace event of raw event i: what it is, memory, and the host's and (led) device's times.
+  schemas::OpEvent opEvent(const RawEvent& raw, int64_t seq, double computeUs, const LedTimes* led, size_t i,
+                           HostTime hostPrevEnd) const;
+  /// The span of op i off the compute stream: its collective's (a bucket's divided among its
+  /// gradients by bytes, which become e's bytes in the reduce dtype); none where it launched none.
+  std::pair<double, double> collectiveSpanUs(const MicroStep& step, size_t i, const ModelInfo& model,
+                                             const TraceModel& tm, TimePoint origin, TimePoint graphEnd,
+                                             schemas::OpEvent& e) const;
+
   RecorderConfig config_;
   std::unique_ptr<DeviceTimer> timer_;
   std::unique_ptr<MemoryProbe> memory_;
