@@ -2,7 +2,7 @@
 dc ops inside them.
 
 ``dcplan.shard(model, ..., compile=True)`` compiles ``model.forward``. Inside it, a sharded
-parameter is a property of its module (``_gathering_class``) that Dynamo traces into the graph:
+parameter is a property of its module (``_gathering_body``, through ``_class_swap``) that Dynamo traces into the graph:
 ``allgather_param``, ``wait_allgather`` and ``release_param`` in forward, and through an
 autograd.Function (``_GatherParam``) ``reduce_grad`` of its gradient in backward. Two Inductor
 passes then make the graphs do what the eager hooks do:
@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
+
+from . import _class_swap
 
 _dc = torch.ops.dc
 _GATHER_OPS = (_dc.allgather_param.default, _dc.wait_allgather.default, _dc.release_param.default)
@@ -69,45 +71,34 @@ def gather(state, shard: torch.Tensor, ds_id: int, recompute: bool = False) -> t
     return _GatherParam.apply(shard, graph, state.bwd_graph, ds_id, state.param_dtype)
 
 
-_gathering_classes: Dict[type, type] = {}
+def _gathering_body(attrs: List[str]):
+    """A property per sharded parameter attribute: the gathered parameter during the model's
+    forward, the shard otherwise (as the eager hooks leave it)."""
 
-
-def _gathering_class(cls: type, attrs: List[str]) -> type:
-    """cls with a property per sharded parameter attribute: the gathered parameter during the
-    model's forward, the shard otherwise (as the eager hooks leave it)."""
-    key = (cls, tuple(sorted(attrs)))
-    sub = _gathering_classes.get(key)
-    if sub is not None:
-        return sub
-
-    def make_property(name: str):
-        def get(self):
-            shard = self._parameters[name]
-            state = self.__dict__["_dcplan_state"]
-            recompute = False
-            if state.forward_depth == 0:
+    def body(base: type) -> Dict[str, Any]:
+        def make_property(name: str):
+            def get(self):
+                shard = self._parameters[name]
+                state = self.__dict__["_dcplan_state"]
                 # Outside the model's forward: the shard, unless autograd runs a checkpointed
                 # region's forward again in eager code (a graph break inside it).
-                if torch._C._current_graph_task_id() == -1:
+                recompute = state.recomputing()
+                if state.forward_depth == 0 and not recompute:
                     return shard
-                recompute = True
-            return gather(state, shard, self.__dict__["_dcplan_param_ids"][name], recompute)
+                return gather(state, shard, self.__dict__["_dcplan_param_ids"][name], recompute)
 
-        return property(get)
+            return property(get)
 
-    body: Dict[str, Any] = {name: make_property(name) for name in attrs}
-    body.update({"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_dcplan_gathering": True})
-    sub = type(cls.__name__, (cls,), body)
-    _gathering_classes[key] = sub
-    return sub
+        return {name: make_property(name) for name in attrs}
+
+    return body
 
 
 def install(state, module: nn.Module, attrs: List[str], ids: List[int]) -> None:
     """Makes module's sharded parameters attrs (ds_ids ids) gather when read in a forward."""
-    base = type(module)
-    if getattr(base, "_dcplan_gathering", False):
-        raise ValueError(f"dcplan.shard: module {base.__name__} is already sharded for compiled replay")
-    module.__class__ = _gathering_class(base, attrs)
+    if "gathering" in _class_swap.swapped(module):
+        raise ValueError(f"dcplan.shard: module {type(module).__name__} is already sharded for compiled replay")
+    _class_swap.swap_class(module, "gathering", _gathering_body(attrs), key=tuple(sorted(attrs)))
     module.__dict__["_dcplan_param_ids"] = dict(zip(attrs, ids))
     module.__dict__["_dcplan_state"] = state
 

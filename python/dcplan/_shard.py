@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _plan
-from . import _C, _compile, _record, _shm
+from . import _C, _class_swap, _compile, _record, _shm
 
 _DEFAULT_BUCKET_BYTES = _C.DEFAULT_BUCKET_BYTES  # the runtime's own default (schemas::kDefaultBucketBytes)
 _EXIT_GRACE_S = 0.05  # at exit, time for Gloo's worker threads to drop what they hold (_cleanup_at_exit)
@@ -97,6 +97,11 @@ class _ShardState:
     @requires_sync.setter
     def requires_sync(self, value: bool) -> None:
         self.hooks.requires_sync = value
+
+    def recomputing(self) -> bool:
+        """Whether a module runs forward again inside backward (activation checkpointing):
+        outside the model's own forward, on the autograd engine's backward."""
+        return self.forward_depth == 0 and torch._C._current_graph_task_id() != -1
 
     def read_outside(self, ds_id: int, recompute: bool) -> torch.Tensor:
         """A parameter read outside its module's forward (_reader_class): gathered once per forward
@@ -226,7 +231,7 @@ def shard(
     ``options``): ``model.forward`` runs as torch.compile graphs with the dc ops inside them, and
     its backward as the graph AOTAutograd derives (docs/compiled.md).
     """
-    global _runtime_group, _next_ds_id, _next_graph_id
+    global _next_graph_id
     _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_bucket_bytes)
     _compile.check_settings(compile)
     plan_path = _plan.resolve_plan(plan)
@@ -238,6 +243,29 @@ def shard(
             "or recording (record= / DCPLAN_RECORD)"
         )
     pg = process_group if process_group is not None else dist.group.WORLD
+    _start_runtime(model, pg, recording, reduce_bucket_bytes)
+    if reduce_dtype is None:
+        reduce_dtype = param_dtype
+    fwd_graph, bwd_graph = _next_graph_id, _next_graph_id + 1
+    _next_graph_id += 2
+    state = _ShardState(stage, pg, param_dtype, fwd_graph, bwd_graph, compiled=compile is not False)
+    owned = _shard_parameters(model, state, pg.size(), pg.rank())
+    _register_graphs(state, reduce_dtype)
+    if plan_path is not None:
+        state.hooks.set_keep(_plan.load(state, plan_path, on_mismatch, reduce_dtype)["persistent"])
+    if _record.active():
+        _record.add_model(stage, fwd_graph, bwd_graph, state.infos, pg.size(), param_dtype, reduce_dtype,
+                          state.compiled)
+    _install_hooks(model, state, owned, compile)
+    model._dcplan = state
+    model.set_requires_gradient_sync = _gradient_sync_setter(weakref.ref(model))
+    return model
+
+
+def _start_runtime(model: nn.Module, pg: dist.ProcessGroup, recording, reduce_bucket_bytes: int) -> None:
+    """Starts the runtime on pg at the process's first shard() (arming the recorder first where
+    recording); later calls must use the same group."""
+    global _runtime_group
     group_name = pg.group_name
     if _runtime_group is None or not _C.is_initialized():
         if recording is not None and not _record.active():
@@ -255,15 +283,17 @@ def shard(
             f"dcplan.shard: the runtime runs on process group '{_runtime_group}', got '{group_name}'; "
             "call dcplan.shutdown() first"
         )
-    world_size, rank = pg.size(), pg.rank()
-    if reduce_dtype is None:
-        reduce_dtype = param_dtype
-    fwd_graph, bwd_graph = _next_graph_id, _next_graph_id + 1
-    _next_graph_id += 2
-    state = _ShardState(stage, pg, param_dtype, fwd_graph, bwd_graph, compiled=compile is not False)
 
+
+_Owned = Dict[int, Tuple[nn.Module, List[str], List[int]]]  # id(module) -> (module, attrs, ds_ids)
+
+
+def _shard_parameters(model: nn.Module, state: _ShardState, world_size: int, rank: int) -> _Owned:
+    """Replaces every parameter by this rank's flat shard, registered with the runtime (a tied
+    parameter once); returns each module's sharded attributes."""
+    global _next_ds_id
     by_param: Dict[int, _ParamInfo] = {}
-    owned: Dict[int, Tuple[nn.Module, List[str], List[int]]] = {}  # id(module) -> (module, attrs, ds_ids)
+    owned: _Owned = {}
     for mod_name, module in model.named_modules():
         for attr, p in list(module._parameters.items()):
             if p is None:
@@ -273,7 +303,8 @@ def shard(
                 info = _make_shard(p, f"{mod_name}.{attr}" if mod_name else attr, _next_ds_id, world_size, rank)
                 _next_ds_id += 1
                 _C.register_param(
-                    info.ds_id, list(info.shape), info.shard.detach(), None, stage < 3, trainable=info.trainable
+                    info.ds_id, list(info.shape), info.shard.detach(), None, state.stage < 3,
+                    trainable=info.trainable
                 )
                 by_param[id(p)] = info
                 state.infos.append(info)
@@ -282,19 +313,21 @@ def shard(
             _, attrs, ids_of_module = owned.setdefault(id(module), (module, [], []))
             attrs.append(attr)
             ids_of_module.append(info.ds_id)
-
-    ids = [i.ds_id for i in state.infos]
     state.trainable_infos = [i for i in state.infos if i.trainable]
     state.trainable_ids = [i.ds_id for i in state.trainable_infos]
-    register = {1: _C.register_graph_z1, 2: _C.register_graph_z2, 3: _C.register_graph_z3}[stage]
-    register(fwd_graph, ids)
-    register(bwd_graph, ids, reduce_dtype)
-    if plan_path is not None:
-        state.hooks.set_keep(_plan.load(state, plan_path, on_mismatch, reduce_dtype)["persistent"])
-    if _record.active():
-        _record.add_model(stage, fwd_graph, bwd_graph, state.infos, world_size, param_dtype, reduce_dtype,
-                          state.compiled)
+    return owned
 
+
+def _register_graphs(state: _ShardState, reduce_dtype: Optional[torch.dtype]) -> None:
+    ids = [i.ds_id for i in state.infos]
+    register = {1: _C.register_graph_z1, 2: _C.register_graph_z2, 3: _C.register_graph_z3}[state.stage]
+    register(state.fwd_graph, ids)
+    register(state.bwd_graph, ids, reduce_dtype)
+
+
+def _install_hooks(model: nn.Module, state: _ShardState, owned: _Owned, compile) -> None:
+    """Per module: the eager gather/release hooks, or the compiled replay's properties; the
+    root's step hooks; the compiled forward."""
     for module, attrs, ids_of_module in owned.values():
         if state.compiled:
             _compile.install(state, module, attrs, ids_of_module)
@@ -307,9 +340,8 @@ def shard(
     if state.compiled:
         _compile.compile_forward(model, compile)
 
-    model._dcplan = state
-    model_ref = weakref.ref(model)
 
+def _gradient_sync_setter(model_ref):
     def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False on the micro-steps before a gradient-accumulation boundary (ZeRO-1 defers its reduction).
 
@@ -323,8 +355,7 @@ def shard(
         if m is not None:
             m._dcplan.requires_sync = requires_gradient_sync
 
-    model.set_requires_gradient_sync = set_requires_gradient_sync
-    return model
+    return set_requires_gradient_sync
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -404,20 +435,12 @@ def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: i
     return _ParamInfo(ds_id=ds_id, name=name, shape=p.shape, numel=numel, shard=shard_param)
 
 
-def _recomputing(state: _ShardState) -> bool:
-    """Whether a module runs forward again inside backward (activation checkpointing): outside
-    the model's own forward, on the autograd engine's backward."""
-    return state.forward_depth == 0 and torch._C._current_graph_task_id() != -1
-
-
 def _make_pre_hook(state: _ShardState, attrs: List[str], ids: List[int]):
     """The module's parameters attrs (ds_ids ids), gathered into its __dict__."""
 
     def pre_hook(module, args):
         d = module.__dict__
-        # _recomputing(), inlined: this runs for every module of every forward.
-        recompute = state.forward_depth == 0 and torch._C._current_graph_task_id() != -1
-        for attr, full in zip(attrs, state.hooks.forward_gather(ids, recompute)):
+        for attr, full in zip(attrs, state.hooks.forward_gather(ids, state.recomputing())):
             d[attr] = full
 
     return pre_hook
@@ -427,8 +450,8 @@ def _make_post_hook(state: _ShardState, attrs: List[str], ids: List[int]):
     def post_hook(module, args, output):
         d = module.__dict__
         # A parameter its pre-hook did not gather (the forward raised before it) is not released.
-        recompute = state.forward_depth == 0 and torch._C._current_graph_task_id() != -1  # _recomputing()
-        state.hooks.forward_release([i for a, i in zip(attrs, ids) if d.pop(a, None) is not None], recompute)
+        released = [i for a, i in zip(attrs, ids) if d.pop(a, None) is not None]
+        state.hooks.forward_release(released, state.recomputing())
 
     return post_hook
 
@@ -442,31 +465,23 @@ def _make_post_hook(state: _ShardState, attrs: List[str], ids: List[int]):
 # the rest of the model's forward. The runtime's buffer is released at once; the tensor the
 # reader got keeps its memory until autograd is done with it.
 
-_reader_classes: Dict[type, type] = {}
+def _reader_body(base: type) -> Dict[str, object]:
+    def __getattr__(self, name):
+        ids = self.__dict__.get("_dcplan_param_ids")
+        if ids is not None and name in ids:
+            state = self.__dict__["_dcplan_state"]()
+            if state is not None and state.forward_depth > 0:
+                return state.read_outside(ids[name], False)
+            if state is not None and state.recomputing():
+                return state.read_outside(ids[name], True)
+        return base.__getattr__(self, name)
 
-
-def _reader_class(cls: type) -> type:
-    sub = _reader_classes.get(cls)
-    if sub is None:
-        def __getattr__(self, name):
-            ids = self.__dict__.get("_dcplan_param_ids")
-            if ids is not None and name in ids:
-                state = self.__dict__["_dcplan_state"]()
-                if state is not None and state.forward_depth > 0:
-                    return state.read_outside(ids[name], False)
-                if state is not None and _recomputing(state):
-                    return state.read_outside(ids[name], True)
-            return super(sub, self).__getattr__(name)
-
-        sub = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__, "_dcplan_reader": True})
-        _reader_classes[cls] = sub
-    return sub
+    return {"__getattr__": __getattr__}
 
 
 def _watch_outside_reads(state: _ShardState, module: nn.Module, attrs: List[str], ids: List[int]) -> None:
-    if not getattr(type(module), "_dcplan_reader", False):
-        module.__class__ = _reader_class(type(module))
+    if "reader" not in _class_swap.swapped(module):
+        _class_swap.swap_class(module, "reader", _reader_body)
     module.__dict__["_dcplan_param_ids"] = dict(zip(attrs, ids))
     module.__dict__["_dcplan_state"] = weakref.ref(state)
 
