@@ -19,7 +19,7 @@ prediction in one CI run and 8.6% over its budget in another (a loaded machine).
 now waits for the worker to let go of a completed work, so the scratch is freed at the op the
 model puts it at; test_a_loaded_machine_frees_scratch_where_the_model_does checks that, op by op,
 with two busy processes beside the ranks. The 3% target of issue 14 and the budget without
-tolerance are measured on a GPU (docs/benchmarks.md, session 8).
+tolerance are measured on a GPU (docs/benchmarks.md, "1 GPU, memory").
 """
 import json
 import os
