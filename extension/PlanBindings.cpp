@@ -4,9 +4,13 @@
 #include "dcplan/recorder/Probes.h"
 #include "dcplan/replayer/Plan.h"
 #include "dcplan/replayer/Runtime.h"
+#include "dcplan/schemas/io.h"
+
+#include <nlohmann/json.hpp>
 
 #include <cstdlib>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -17,7 +21,38 @@ using namespace dcplan::replayer;
 
 namespace dcplan::extension {
 
+namespace {
+
+/// The graphs of a plan (JSON text; `name` in errors) as a replay follows them: a list of
+/// (graph id, backward, [(position, ds_ids)] in launch order, buckets in ready order).
+py::list followedGraphsOf(const std::string& text, const std::string& name,
+                          const std::vector<int64_t>& frozen) {
+  schemas::Plan plan;
+  try {
+    const std::vector<schemas::Diagnostic> problems =
+        schemas::validatePlan(schemas::parseJson(text, name), plan);
+    if (!problems.empty()) throw schemas::InputError(name, problems);
+  } catch (const schemas::InputError& e) {
+    throw py::value_error(e.what());
+  }
+  py::list out;
+  for (const CursorGraph& g : followedGraphs(plan, std::set<int64_t>(frozen.begin(), frozen.end()))) {
+    py::list groups;
+    for (const auto& [position, ids] : g.groups) {
+      for (const std::vector<int64_t>& group : ids) groups.append(py::make_tuple(position, group));
+    }
+    out.append(py::make_tuple(g.id, g.backward, groups, g.buckets));
+  }
+  return out;
+}
+
+}  // namespace
+
 void bindPlan(py::module_& m) {
+  m.def("followed_graphs", &followedGraphsOf, py::arg("plan_json"), py::arg("name"), py::arg("frozen"),
+        "A plan's graphs as the plan cursor follows them: (graph id, backward, [(position, ds_ids)] in "
+        "launch order, buckets in gradient-ready order without the frozen parameters); ValueError naming "
+        "the plan for an invalid one.");
   // params: (ds_id, name, shape, dtype name, trainable) per parameter.
   using ParamTuple = std::tuple<int64_t, std::string, std::vector<int64_t>, std::string, bool>;
   auto liveModel = [](const std::vector<ParamTuple>& params, int64_t worldSize) {

@@ -235,13 +235,18 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
     persistent set (ZeRO-3) or every parameter (ZeRO-1/2); a persistent parameter is gathered at
     most once per optimizer step. A departure in the log is a difference.
     """
-    if not isinstance(plan, dict):
+    if isinstance(plan, dict):
+        text, name = json.dumps(plan), "the plan"
+    else:
         with open(plan) as f:
-            plan = json.load(f)
+            text, name = f.read(), str(plan)
+        plan = json.loads(text)
     stage = stage or plan["source"]["stage"]
     frozen = set(frozen)
     persistent = set(plan["persistent"])
-    graphs = {g["id"]: g for g in plan["graphs"]}
+    # What the plan asks of each graph, as the runtime's plan cursor follows it (one rule, in C++).
+    graphs = {gid: {"backward": backward, "groups": [(pos, ids) for pos, ids in groups], "buckets": buckets}
+              for gid, backward, groups, buckets in _C.followed_graphs(text, name, sorted(frozen))}
     diffs: List[str] = []
     for ev in events:
         if ev["ev"] == "departure":
@@ -258,16 +263,13 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
         where = f"execution {n} (graph {ex['graph']}, step {ex['step']})"
         evs = ex["events"]
         got = [(e["pos"], e["ds_ids"]) for e in evs if e["ev"] == "prefetch"]
-        want = [(p["position"], p["ds_ids"]) for p in g["prefetch"]]
-        if got != want:
-            diffs.append(f"{where}: prefetch groups {got}, the plan has {want}")
+        if got != g["groups"]:
+            diffs.append(f"{where}: prefetch groups {got}, the plan has {g['groups']}")
         flushes = [e["ds_ids"] for e in evs if e["ev"] == "flush"]
         reduces = stage >= 2 or ex["sync"]
-        if g["kind"] == "backward" and reduces:
-            buckets = [[i for i in b["ds_ids"] if i not in frozen] for b in g["buckets"]]
-            buckets = [b for b in buckets if b]
-            if flushes != buckets:
-                diffs.append(f"{where}: flushed buckets {flushes}, the plan has {buckets}")
+        if g["backward"] and reduces:
+            if flushes != g["buckets"]:
+                diffs.append(f"{where}: flushed buckets {flushes}, the plan has {g['buckets']}")
         elif flushes:
             diffs.append(f"{where}: flushed {flushes} where the plan reduces nothing")
         for e in evs:

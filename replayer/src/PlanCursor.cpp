@@ -21,45 +21,6 @@ int64_t monotonicUs() {
       .count();
 }
 
-std::string jsonString(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
-
-std::string jsonIds(const std::vector<int64_t>& ids) {
-  std::string out = "[";
-  for (size_t i = 0; i < ids.size(); ++i) out += (i ? "," : "") + std::to_string(ids[i]);
-  return out + "]";
-}
-
-std::string describe(const std::string& op, int64_t dsId) {
-  return dsId >= 0 ? op + " of ds_id " + std::to_string(dsId) : op;
-}
-
 std::string idList(const std::vector<int64_t>& ids) {
   std::string out;
   for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
@@ -71,8 +32,10 @@ std::string idList(const std::vector<int64_t>& ids) {
 // ---------------------------------------------------------------- PlanCursor
 
 PlanCursor::PlanCursor(std::string file, std::vector<CursorGraph> graphs, std::vector<int64_t> persistent,
-                       OnMismatch onMismatch, c10::ScalarType gatherDtype)
+                       OnMismatch onMismatch, c10::ScalarType gatherDtype,
+                       std::unordered_map<int64_t, std::string> names)
     : file_(std::move(file)),
+      names_(std::move(names)),
       persistent_(persistent.begin(), persistent.end()),
       onMismatch_(onMismatch),
       gatherDtype_(gatherDtype) {
@@ -115,13 +78,12 @@ void PlanCursor::resetPositions() {
 
 void PlanCursor::onStartForward() {
   resetPositions();
-  logLine("{\"ev\":\"start_forward\"}");
+  if (log_) logJson({{"ev", "start_forward"}});
 }
 
 void PlanCursor::onStartBackward(bool update, bool sync) {
   resetPositions();
-  logLine(std::string("{\"ev\":\"start_backward\",\"update\":") + (update ? "true" : "false") +
-          ",\"sync\":" + (sync ? "true" : "false") + "}");
+  if (log_) logJson({{"ev", "start_backward"}, {"update", update}, {"sync", sync}});
 }
 
 void PlanCursor::startRun(Planned& g) {
@@ -135,42 +97,42 @@ void PlanCursor::startRun(Planned& g) {
   r.arrived.assign(g.plan.buckets.size(), 0);
 }
 
-std::optional<std::pair<std::string, std::string>> PlanCursor::check(Planned& g, int64_t pos, const Op& op) {
+std::string PlanCursor::describe(const char* op, int64_t dsId, const std::string& note) const {
+  if (dsId < 0) return op;
+  const std::string id = "ds_id " + std::to_string(dsId) + note;
+  auto it = names_.find(dsId);
+  return std::string(op) + " of " + (it == names_.end() ? id : it->second + " (" + id + ")");
+}
+
+std::string PlanCursor::expectedGradient(const Planned& g) const {
+  const int64_t id = g.readyOrder[g.run.ready];
+  return describe("reduce_grad", id, ", bucket " + std::to_string(g.bucketOf.at(id)) + " of the plan");
+}
+
+std::optional<PlanCursor::Departure> PlanCursor::check(Planned& g, int64_t pos, const Op& op) {
   Run& r = g.run;
   // Described only on a departure: this runs for every op.
-  auto actual = [&op] { return describe(op.first, op.second); };
+  auto actual = [&] { return describe(op.name, op.dsId); };
   // Every execution of a graph issues the same ops (the planner refuses traces
   // where they differ), so the first one fixes the rest exactly.
   if (r.learned) {
-    const auto& want = *r.learned;
+    const std::vector<Op>& want = *r.learned;
     if (pos >= static_cast<int64_t>(want.size())) {
-      return std::make_pair("the end of the graph (" + std::to_string(want.size()) + " ops)", actual());
+      return Departure{"the end of the graph (" + std::to_string(want.size()) + " ops)", actual()};
     }
-    if (want[static_cast<size_t>(pos)] != op) {
-      return std::make_pair(
-          describe(want[static_cast<size_t>(pos)].first, want[static_cast<size_t>(pos)].second), actual());
-    }
+    const Op& expected = want[static_cast<size_t>(pos)];
+    if (!(expected == op)) return Departure{describe(expected.name, expected.dsId), actual()};
   }
   // What the plan itself implies: gradients arrive in the order of its buckets.
-  if (op.first == "reduce_grad" && g.plan.backward && !g.readyOrder.empty()) {
-    if (!r.reduced.count(op.second)) {
-      if (r.ready >= g.readyOrder.size() || g.readyOrder[r.ready] != op.second) {
-        std::string expected = r.ready < g.readyOrder.size()
-                                   ? "reduce_grad of ds_id " + std::to_string(g.readyOrder[r.ready]) +
-                                         " (bucket " + std::to_string(g.bucketOf[g.readyOrder[r.ready]]) +
-                                         " of the plan)"
-                                   : "no further gradient (every bucket of the plan is complete)";
-        return std::make_pair(expected, actual());
-      }
-      r.reduced.insert(op.second);
-      ++r.ready;
+  if (op.is("reduce_grad") && g.plan.backward && !g.readyOrder.empty() && !r.reduced.count(op.dsId)) {
+    if (r.ready >= g.readyOrder.size()) {
+      return Departure{"no further gradient (every bucket of the plan is complete)", actual()};
     }
+    if (g.readyOrder[r.ready] != op.dsId) return Departure{expectedGradient(g), actual()};
+    r.reduced.insert(op.dsId);
+    ++r.ready;
   }
-  if (op.first == "end_backward" && r.ready < g.readyOrder.size()) {
-    return std::make_pair("reduce_grad of ds_id " + std::to_string(g.readyOrder[r.ready]) + " (bucket " +
-                              std::to_string(g.bucketOf[g.readyOrder[r.ready]]) + " of the plan)",
-                          actual());
-  }
+  if (op.is("end_backward") && r.ready < g.readyOrder.size()) return Departure{expectedGradient(g), actual()};
   return std::nullopt;
 }
 
@@ -181,22 +143,22 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
   launching_.clear();
   if (log_) {
     const int64_t enteredUs = monotonicUs();  // before the memory gauge, which may take a while
-    std::string memory;
+    nlohmann::ordered_json line{
+        {"ev", "op"}, {"graph", event.graphId}, {"pos", pos}, {"op", event.op}, {"ds_id", event.dsId}};
     if (gauge_) {
       const OpMemory m = gauge_();
-      memory = ",\"mem\":" + std::to_string(m.inUse);
-      if (m.peakBefore >= 0) memory += ",\"peak\":" + std::to_string(m.peakBefore);
+      line["mem"] = m.inUse;
+      if (m.peakBefore >= 0) line["peak"] = m.peakBefore;
     }
-    logLine("{\"ev\":\"op\",\"graph\":" + std::to_string(event.graphId) + ",\"pos\":" + std::to_string(pos) +
-            ",\"op\":" + jsonString(event.op) + ",\"ds_id\":" + std::to_string(event.dsId) + memory +
-            ",\"t_us\":" + std::to_string(enteredUs) + "}");
+    line["t_us"] = enteredUs;
+    logJson(line);
   }
   Planned* g = planned(event.graphId);
   if (g == nullptr) return {};
   if (!g->run.running) startRun(*g);
   const Op op{event.op, event.dsId};
   if (auto departure = check(*g, pos, op)) {
-    depart(event.graphId, pos, departure->first, departure->second);
+    depart(event.graphId, pos, *departure);
     return {};
   }
   g->run.ops.push_back(op);
@@ -210,35 +172,32 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
     }
   }
   // A parameter prefetched at or before this position is gathered by the op it was prefetched for.
-  if (op.first == "allgather_param") g->run.prefetched.erase(op.second);
+  if (op.is("allgather_param")) g->run.prefetched.erase(op.dsId);
   return out;
 }
 
 void PlanCursor::onGatherLaunched(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes,
                                   bool planned) {
   if (!log_) return;
-  // A planned group is logged as the plan lists it, with what it really gathered.
-  std::string ids = jsonIds(dsIds);
-  std::string group = "[]";
-  if (planned && !launching_.empty()) {
-    // The executor reports the groups beforeOp returned, in order.
-    group = jsonIds(launching_.front());
-    launching_.erase(launching_.begin());
+  nlohmann::ordered_json line{{"ev", planned ? "prefetch" : "gather"}, {"graph", graphId}, {"pos", curPos_}};
+  if (planned) {
+    // A planned group is logged as the plan lists it, with what it really gathered. The
+    // executor reports the groups beforeOp returned, in order.
+    line["ds_ids"] = launching_.empty() ? std::vector<int64_t>{} : launching_.front();
+    if (!launching_.empty()) launching_.erase(launching_.begin());
+    line["launched"] = dsIds;
+  } else {
+    line["ds_ids"] = dsIds;
   }
-  logLine(std::string("{\"ev\":\"") + (planned ? "prefetch" : "gather") +
-          "\",\"graph\":" + std::to_string(graphId) + ",\"pos\":" + std::to_string(curPos_) +
-          (planned ? ",\"ds_ids\":" + group + ",\"launched\":" + ids : ",\"ds_ids\":" + ids) +
-          ",\"bytes\":" + std::to_string(bytes) + "}");
+  line["bytes"] = bytes;
+  logJson(line);
 }
 
 bool PlanCursor::keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll) {
   bool keep = SchedulePolicy::keepGathered(dsId, registeredPersistent, stageKeepsAll);
   if (active() && persistent_.count(dsId)) keep = true;
-  if (log_) {
-    logLine("{\"ev\":\"release\",\"graph\":" + std::to_string(curGraph_) +
-            ",\"pos\":" + std::to_string(curPos_) + ",\"ds_id\":" + std::to_string(dsId) +
-            ",\"kept\":" + (keep ? "true" : "false") + "}");
-  }
+  if (log_)
+    logJson({{"ev", "release"}, {"graph", curGraph_}, {"pos", curPos_}, {"ds_id", dsId}, {"kept", keep}});
   return keep;
 }
 
@@ -270,35 +229,34 @@ const std::vector<int64_t>* PlanCursor::plannedBucket(int64_t graphId, int64_t d
 }
 
 void PlanCursor::onFlush(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes) {
-  if (!log_) return;
-  logLine("{\"ev\":\"flush\",\"graph\":" + std::to_string(graphId) + ",\"pos\":" + std::to_string(curPos_) +
-          ",\"ds_ids\":" + jsonIds(dsIds) + ",\"bytes\":" + std::to_string(bytes) + "}");
+  if (log_)
+    logJson({{"ev", "flush"}, {"graph", graphId}, {"pos", curPos_}, {"ds_ids", dsIds}, {"bytes", bytes}});
 }
 
 void PlanCursor::endRun(Planned& g, int64_t pos) {
   Run& r = g.run;
   r.running = false;
-  std::optional<std::pair<std::string, std::string>> departure;
+  std::optional<Departure> departure;
   const std::string actual = "the end of the graph after " + std::to_string(pos) + " ops";
   if (r.learned && static_cast<int64_t>(r.learned->size()) > pos) {
     const Op& next = (*r.learned)[static_cast<size_t>(pos)];
-    departure = std::make_pair(describe(next.first, next.second), actual);
+    departure = Departure{describe(next.name, next.dsId), actual};
   } else if (g.lastPosition >= pos) {
-    departure = std::make_pair("an op at position " + std::to_string(g.lastPosition) +
-                                   " (the plan prefetches ds_ids " +
-                                   idList(g.plan.groups.rbegin()->second.front()) + " there)",
-                               actual);
+    departure =
+        Departure{"an op at position " + std::to_string(g.lastPosition) + " (the plan prefetches ds_ids " +
+                      idList(g.plan.groups.rbegin()->second.front()) + " there)",
+                  actual};
   } else {
     for (const auto& [id, positions] : r.prefetched) {
       if (positions.empty()) continue;
-      departure = std::make_pair("allgather_param of ds_id " + std::to_string(id) +
-                                     " (prefetched at position " + std::to_string(positions.front()) + ")",
-                                 actual);
+      departure = Departure{describe("allgather_param", id) + " (prefetched at position " +
+                                std::to_string(positions.front()) + ")",
+                            actual};
       break;
     }
   }
   if (departure) {
-    depart(g.plan.id, pos, departure->first, departure->second);
+    depart(g.plan.id, pos, *departure);
     return;
   }
   if (!r.learned) r.learned = r.ops;
@@ -313,13 +271,14 @@ void PlanCursor::onGraphEnd(int64_t graphId) {
     endRun(g, positions_[id]);
   }
   if (log_) {
-    logLine("{\"ev\":\"end\",\"graph\":" + std::to_string(graphId) + "}");
+    logJson({{"ev", "end"}, {"graph", graphId}});
     log_->flush();
   }
 }
 
-void PlanCursor::depart(int64_t graphId, int64_t pos, const std::string& expected,
-                        const std::string& actual) {
+void PlanCursor::depart(int64_t graphId, int64_t pos, const Departure& d) {
+  const std::string& expected = d.expected;
+  const std::string& actual = d.actual;
   departed_ = true;
   const auto it = graphs_.find(graphId);
   const std::string kind = it != graphs_.end() && it->second.plan.backward ? "backward" : "forward";
@@ -328,9 +287,12 @@ void PlanCursor::depart(int64_t graphId, int64_t pos, const std::string& expecte
                           " (" + kind + ") at position " + std::to_string(pos) + ": expected " + expected +
                           ", got " + actual;
   if (log_) {
-    logLine("{\"ev\":\"departure\",\"graph\":" + std::to_string(graphId) + ",\"pos\":" + std::to_string(pos) +
-            ",\"expected\":" + jsonString(expected) + ",\"actual\":" + jsonString(actual) +
-            ",\"action\":" + (onMismatch_ == OnMismatch::Error ? "\"error\"" : "\"fallback\"") + "}");
+    logJson({{"ev", "departure"},
+             {"graph", graphId},
+             {"pos", pos},
+             {"expected", expected},
+             {"actual", actual},
+             {"action", onMismatch_ == OnMismatch::Error ? "error" : "fallback"}});
     log_->flush();
   }
   if (onMismatch_ == OnMismatch::Error) {
@@ -360,12 +322,9 @@ void PlanCursor::openLog(const std::string& path, MemoryGauge gauge) {
 }
 
 void PlanCursor::logPlan() {
-  if (hasPlan()) {
-    logLine("{\"ev\":\"plan\",\"file\":" + jsonString(file_) +
-            ",\"persistent\":" + jsonIds(persistentSorted_) + "}");
-  } else {
-    logLine("{\"ev\":\"plan\",\"file\":null,\"persistent\":[]}");
-  }
+  logJson({{"ev", "plan"},
+           {"file", hasPlan() ? nlohmann::ordered_json(file_) : nlohmann::ordered_json(nullptr)},
+           {"persistent", persistentSorted_}});
 }
 
 void PlanCursor::flushLog() {
@@ -389,6 +348,11 @@ void PlanCursor::takeLogFrom(PlanCursor& other) {
 
 void PlanCursor::logLine(const std::string& json) {
   if (log_) *log_ << json << '\n';
+}
+
+void PlanCursor::logJson(const nlohmann::ordered_json& line) {
+  // Invalid UTF-8 (a file name) replaced, never an exception from the log.
+  if (log_) *log_ << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
 }
 
 // ---------------------------------------------------------------- loading
@@ -440,15 +404,40 @@ PlanCursor* installedCursor(SchedulePolicy& s) { return dynamic_cast<PlanCursor*
 
 }  // namespace
 
-PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch onMismatch) {
-  schemas::Plan plan;
+std::vector<CursorGraph> followedGraphs(const schemas::Plan& plan, const std::set<int64_t>& frozen) {
+  std::vector<CursorGraph> graphs;
+  for (const schemas::PlanGraph& pg : plan.graphs) {
+    CursorGraph cg;
+    cg.id = pg.id;
+    cg.backward = pg.kind == schemas::GraphKind::Backward;
+    for (const schemas::PrefetchGroup& grp : pg.prefetch) cg.groups[grp.position].push_back(grp.dsIds);
+    for (const schemas::PlanBucket& bk : pg.buckets) {
+      std::vector<int64_t> ids;
+      for (int64_t id : bk.dsIds) {
+        if (!frozen.count(id)) ids.push_back(id);
+      }
+      if (!ids.empty()) cg.buckets.push_back(std::move(ids));
+    }
+    graphs.push_back(std::move(cg));
+  }
+  return graphs;
+}
+
+namespace {
+
+schemas::Plan readPlanFile(const std::string& path) {
   try {
-    plan = schemas::readPlan(path);
+    return schemas::readPlan(path);
   } catch (const schemas::InputError& e) {
     throw PlanError(e.what());
   } catch (const std::exception& e) {
     throw PlanError(path + ": " + e.what());
   }
+}
+
+/// Refuses a plan made for another run: world size, stage, replay mode, parameters.
+void checkSource(const std::string& path, const schemas::Plan& plan, const LiveModel& model,
+                 const std::set<int64_t>& live, const std::string& signature) {
   const schemas::PlanSource& src = plan.source;
   if (src.worldSize != model.worldSize) {
     refuse(path, "/source/world_size",
@@ -467,13 +456,6 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
                " (dcplan.shard(compile=" + (model.compiled ? "True" : "False") +
                ")): their op sequences differ; record the model as it runs here and plan again");
   }
-  std::set<int64_t> live;
-  std::set<int64_t> frozen;
-  for (const LiveParam& p : model.params) {
-    live.insert(p.dsId);
-    if (!p.trainable) frozen.insert(p.dsId);
-  }
-  const std::string signature = liveSignature(model);
   if (signature != src.paramSignature) {
     std::string what = "the plan is for another model: its parameter signature is " + src.paramSignature +
                        ", this model's (" + std::to_string(model.params.size()) +
@@ -484,14 +466,13 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
   if (auto u = unknownId(plan, live))
     refuse(path, u->substr(0, u->find(':')),
            u->substr(u->find(':') + 2) + " is not a parameter of this model");
-  std::vector<CursorGraph> graphs;
-  PlanSummary summary;
-  summary.signature = signature;
-  summary.persistent = plan.persistent;
+}
+
+/// Refuses graphs that are not this model's, and buckets in another reduce dtype.
+void checkGraphs(const std::string& path, const schemas::Plan& plan, const LiveModel& model) {
   for (size_t gi = 0; gi < plan.graphs.size(); ++gi) {
     const schemas::PlanGraph& pg = plan.graphs[gi];
     const std::string gp = "/graphs/" + std::to_string(gi);
-    const bool backward = pg.kind == schemas::GraphKind::Backward;
     if (pg.id != model.forwardGraph && pg.id != model.backwardGraph) {
       refuse(path, gp + "/id",
              "graph " + std::to_string(pg.id) + " is not a graph of this model (its forward is graph " +
@@ -499,37 +480,45 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
                  std::to_string(model.backwardGraph) + ")");
     }
     const bool liveBackward = pg.id == model.backwardGraph;
-    if (backward != liveBackward) {
+    if ((pg.kind == schemas::GraphKind::Backward) != liveBackward) {
       refuse(path, gp + "/kind",
              "graph " + std::to_string(pg.id) + " is this model's " +
                  (liveBackward ? "backward" : "forward") + ", the plan says " +
                  schemas::graphKindName(pg.kind));
     }
-    CursorGraph cg;
-    cg.id = pg.id;
-    cg.backward = backward;
-    for (const schemas::PrefetchGroup& grp : pg.prefetch) {
-      cg.groups[grp.position].push_back(grp.dsIds);
-      ++summary.prefetchGroups;
-    }
     for (size_t b = 0; b < pg.buckets.size(); ++b) {
-      const schemas::PlanBucket& bk = pg.buckets[b];
-      if (bk.dtype != model.reduceDtype) {
+      if (pg.buckets[b].dtype != model.reduceDtype) {
         refuse(path, gp + "/buckets/" + std::to_string(b) + "/dtype",
-               "the plan reduces in " + bk.dtype + ", this run reduces in " + model.reduceDtype);
+               "the plan reduces in " + pg.buckets[b].dtype + ", this run reduces in " + model.reduceDtype);
       }
-      // Freezing a parameter keeps the plan: its gradient never arrives.
-      std::vector<int64_t> ids;
-      for (int64_t id : bk.dsIds) {
-        if (!frozen.count(id)) ids.push_back(id);
-      }
-      if (!ids.empty()) cg.buckets.push_back(std::move(ids));
-      ++summary.buckets;
     }
-    graphs.push_back(std::move(cg));
   }
-  auto cursor = std::make_unique<PlanCursor>(path, std::move(graphs), plan.persistent, onMismatch,
-                                             model.gatherDtype.value_or(c10::ScalarType::Undefined));
+}
+
+}  // namespace
+
+PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch onMismatch) {
+  const schemas::Plan plan = readPlanFile(path);
+  std::set<int64_t> live;
+  std::set<int64_t> frozen;
+  std::unordered_map<int64_t, std::string> names;
+  for (const LiveParam& p : model.params) {
+    live.insert(p.dsId);
+    names[p.dsId] = p.name;
+    if (!p.trainable) frozen.insert(p.dsId);
+  }
+  PlanSummary summary;
+  summary.signature = liveSignature(model);
+  checkSource(path, plan, model, live, summary.signature);
+  checkGraphs(path, plan, model);
+  summary.persistent = plan.persistent;
+  for (const schemas::PlanGraph& pg : plan.graphs) {
+    summary.prefetchGroups += static_cast<int64_t>(pg.prefetch.size());
+    summary.buckets += static_cast<int64_t>(pg.buckets.size());
+  }
+  auto cursor =
+      std::make_unique<PlanCursor>(path, followedGraphs(plan, frozen), plan.persistent, onMismatch,
+                                   model.gatherDtype.value_or(c10::ScalarType::Undefined), std::move(names));
   std::string loaded;
   withSchedule([&](SchedulePolicy& s) {
     if (PlanCursor* old = installedCursor(s)) {

@@ -4,7 +4,10 @@
 #include "dcplan/replayer/Plan.h"
 #include "dcplan/replayer/Schedule.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -18,16 +21,6 @@
 
 namespace dcplan::replayer {
 
-/// One graph of a plan, as the cursor follows it.
-struct CursorGraph {
-  int64_t id = 0;
-  bool backward = false;
-  /// position -> prefetch groups launched just before the op at that position, in plan order.
-  std::map<int64_t, std::vector<std::vector<int64_t>>> groups;
-  /// Buckets in gradient-ready order (frozen parameters left out, empty buckets dropped).
-  std::vector<std::vector<int64_t>> buckets;
-};
-
 /// Follows a plan: at each op a hook issues it counts the op's position in its
 /// graph (reset at start_forward / start_backward), launches the prefetch
 /// groups planned there, keeps the persistent parameters gathered, and flushes
@@ -40,8 +33,10 @@ class PlanCursor final : public SchedulePolicy {
  public:
   /// No plan: the default schedule, with positions counted for the replay log.
   PlanCursor() = default;
+  /// names: each parameter's qualified name by ds_id, for the departure messages.
   PlanCursor(std::string file, std::vector<CursorGraph> graphs, std::vector<int64_t> persistent,
-             OnMismatch onMismatch, c10::ScalarType gatherDtype);
+             OnMismatch onMismatch, c10::ScalarType gatherDtype,
+             std::unordered_map<int64_t, std::string> names = {});
   ~PlanCursor() override;
   PlanCursor(const PlanCursor&) = delete;
   PlanCursor& operator=(const PlanCursor&) = delete;
@@ -75,9 +70,23 @@ class PlanCursor final : public SchedulePolicy {
   void logPlan();
   /// Writes one raw JSON object line (already formatted) to the log.
   void logLine(const std::string& json);
+  /// Writes one JSON object as a line of the log.
+  void logJson(const nlohmann::ordered_json& line);
 
  private:
-  using Op = std::pair<std::string, int64_t>;  // op name, ds_id (-1: none)
+  /// One op as the cursor checks it. The runtime's op names are string literals: kept as such,
+  /// no string is built per op.
+  struct Op {
+    const char* name = "";
+    int64_t dsId = -1;  ///< -1: none
+    bool is(const char* op) const { return std::strcmp(name, op) == 0; }
+    bool operator==(const Op& o) const { return dsId == o.dsId && is(o.name); }
+  };
+  /// What a departure expected, and what happened instead.
+  struct Departure {
+    std::string expected;
+    std::string actual;
+  };
 
   /// Per-execution state of a planned graph.
   struct Run {
@@ -103,12 +112,18 @@ class PlanCursor final : public SchedulePolicy {
   void resetPositions();
   void startRun(Planned& g);
   /// Checks op at position pos of g; returns the departure (expected, actual) if any.
-  std::optional<std::pair<std::string, std::string>> check(Planned& g, int64_t pos, const Op& op);
+  std::optional<Departure> check(Planned& g, int64_t pos, const Op& op);
+  /// "reduce_grad of layers.0.w (ds_id 7<note>)": an op as a departure message names it (without
+  /// a name for the id: "reduce_grad of ds_id 7<note>").
+  std::string describe(const char* op, int64_t dsId, const std::string& note = "") const;
+  /// The gradient the plan expects next in g, with its bucket.
+  std::string expectedGradient(const Planned& g) const;
   void endRun(Planned& g, int64_t pos);
   /// Reports a departure: raises or switches to the default schedule.
-  void depart(int64_t graphId, int64_t pos, const std::string& expected, const std::string& actual);
+  void depart(int64_t graphId, int64_t pos, const Departure& d);
 
   std::string file_;
+  std::unordered_map<int64_t, std::string> names_;
   std::map<int64_t, Planned> graphs_;
   std::unordered_set<int64_t> persistent_;
   std::vector<int64_t> persistentSorted_;

@@ -82,7 +82,8 @@ TEST(PlanCursor, KeepsPersistentAndFlushesAfterTheLastGradient) {
 }
 
 TEST(PlanCursor, GradientOutOfOrderIsADeparture) {
-  PlanCursor c("p.json", twoGraphs(), {}, OnMismatch::Error, c10::ScalarType::Undefined);
+  PlanCursor c("p.json", twoGraphs(), {}, OnMismatch::Error, c10::ScalarType::Undefined,
+               {{1, "emb.weight"}, {2, "layers.0.w"}});
   forward(c);
   c.onStartBackward(true, true);
   c.beforeOp(op("reduce_grad", 1, 3));
@@ -92,7 +93,8 @@ TEST(PlanCursor, GradientOutOfOrderIsADeparture) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace())
                   .find("p.json: the run departs from the plan in graph 1 (backward) at position 1: expected "
-                        "reduce_grad of ds_id 2 (bucket 0 of the plan), got reduce_grad of ds_id 1"),
+                        "reduce_grad of layers.0.w (ds_id 2, bucket 0 of the plan), got reduce_grad of emb.weight "
+                        "(ds_id 1)"),
               std::string::npos)
         << e.what_without_backtrace();
   }

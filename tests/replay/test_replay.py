@@ -186,8 +186,9 @@ def first_difference(a, b):
     return min(len(a), len(b))
 
 
-def describe(op):
-    return f"{op[0]} of ds_id {op[1]}" if op[1] >= 0 else op[0]
+def describe(op, names):
+    """An op as the departure message names it: the parameter's qualified name and its ds_id."""
+    return f"{op[0]} of {names[op[1]]} (ds_id {op[1]})" if op[1] >= 0 else op[0]
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -198,8 +199,9 @@ def test_departure_error_names_the_position(runs, stage):
     normal = next(ops for g, ops in replay_cases.executions(base["op_log"]) if g == base["fwd"])
     twice = next(ops for g, ops in replay_cases.executions(ref["op_log"]) if g == ref["fwd"])
     q = first_difference(normal, twice)
+    names = {ds_id: name for ds_id, name, *_ in base["infos"]}
     want = (f"the run departs from the plan in graph {base['fwd']} (forward) at position {q}: "
-            f"expected {describe(normal[q])}, got {describe(twice[q])}")
+            f"expected {describe(normal[q], names)}, got {describe(twice[q], names)}")
     for got in value(per_rank, f"depart{stage}-error"):
         assert want in got["message"], got["message"]
 

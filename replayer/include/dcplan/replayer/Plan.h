@@ -1,11 +1,15 @@
 // Replay of a plan (dcplan.plan/v1): loading and checking it against the live model, and the replay log.
 #pragma once
 
+#include "dcplan/schemas/plan.h"
+
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -50,6 +54,21 @@ struct PlanSummary {
   int64_t prefetchGroups = 0;
   int64_t buckets = 0;
 };
+
+/// One graph of a plan as a replay follows it: the prefetch groups launched just before the op at
+/// each position (in plan order), and the buckets in gradient-ready order, frozen parameters left
+/// out and empty buckets dropped. The plan cursor follows these and the replay check
+/// (dcplan.replay_differences, through dcplan._C.followed_graphs) compares a replay log with them.
+struct CursorGraph {
+  int64_t id = 0;
+  bool backward = false;
+  std::map<int64_t, std::vector<std::vector<int64_t>>> groups;  ///< position -> groups
+  std::vector<std::vector<int64_t>> buckets;
+};
+
+/// The graphs of `plan` as a replay follows them, `frozen` parameters' gradients left out
+/// (freezing a parameter keeps the plan: its gradient never arrives).
+std::vector<CursorGraph> followedGraphs(const schemas::Plan& plan, const std::set<int64_t>& frozen);
 
 /// The parameter signature of docs/formats.md for the live model.
 std::string liveSignature(const LiveModel& model);
