@@ -126,17 +126,20 @@ void bindLifecycle(py::module_& m) {
 
 void bindRegistration(py::module_& m) {
   auto regParam = [](int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& dsTensor,
-                     const std::optional<at::Tensor>& gradBuffer, bool persistent, bool trainable) {
-    registerParam(dsId, shape, dsTensor, gradBuffer.value_or(at::Tensor()), persistent, trainable);
+                     const std::optional<at::Tensor>& gradBuffer, bool persistent, bool trainable,
+                     const std::string& name) {
+    registerParam(dsId, shape, dsTensor, gradBuffer.value_or(at::Tensor()), persistent, trainable, name);
   };
   m.def("register_param", regParam, py::arg("ds_id"), py::arg("ds_shape"), py::arg("ds_tensor"),
-        py::arg("grad_buffer"), py::arg("persistent") = false, py::arg("trainable") = false, Release(),
+        py::arg("grad_buffer"), py::arg("persistent") = false, py::arg("trainable") = false,
+        py::arg("name") = "", Release(),
         "Registers a parameter: its full shape, this rank's flat shard of ceil(numel/world_size) elements "
         "and the gradient buffer of the same size (None for a frozen parameter, or with trainable=True for "
-        "gradients given and taken each backward: set_grads, take_grads).");
+        "gradients given and taken each backward: set_grads, take_grads). name: its qualified name, which "
+        "error messages give beside the ds_id.");
   m.def("register_z3_param", regParam, py::arg("ds_id"), py::arg("ds_shape"), py::arg("ds_tensor"),
-        py::arg("grad_buffer"), py::arg("persistent") = false, py::arg("trainable") = false, Release(),
-        "Same as register_param.");
+        py::arg("grad_buffer"), py::arg("persistent") = false, py::arg("trainable") = false,
+        py::arg("name") = "", Release(), "Same as register_param.");
   m.def(
       "set_grads",
       [](const std::vector<int64_t>& ids, const std::vector<std::optional<at::Tensor>>& grads) {

@@ -248,6 +248,12 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
     graphs = {gid: {"backward": backward, "groups": [(pos, ids) for pos, ids in groups], "buckets": buckets}
               for gid, backward, groups, buckets in _C.followed_graphs(text, name, sorted(frozen))}
     diffs: List[str] = []
+    names = next((ev.get("names", {}) for ev in events if ev["ev"] == "plan"), {})
+
+    def param(i: int) -> str:
+        """A parameter as the runtime's messages name it."""
+        return f"{names[str(i)]} (ds_id {i})" if str(i) in names else f"ds_id {i}"
+
     for ev in events:
         if ev["ev"] == "departure":
             diffs.append(f"departure in graph {ev['graph']} at position {ev['pos']}: expected {ev['expected']}, "
@@ -276,7 +282,7 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
             if e["ev"] == "release":
                 want_kept = stage < 3 or e["ds_id"] in persistent
                 if e["kept"] != want_kept:
-                    diffs.append(f"{where}: ds_id {e['ds_id']} {'kept' if e['kept'] else 'dropped'} at its release "
+                    diffs.append(f"{where}: {param(e['ds_id'])} {'kept' if e['kept'] else 'dropped'} at its release "
                                  f"(position {e['pos']}), the plan {'keeps' if want_kept else 'drops'} it")
             elif e["ev"] in ("gather", "prefetch"):
                 for i in e["ds_ids"] if e["ev"] == "gather" else e["launched"]:
@@ -285,7 +291,7 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
                         gathers_per_step[key] = gathers_per_step.get(key, 0) + 1
     for (step, i), count in sorted(gathers_per_step.items()):
         if count > 1:
-            diffs.append(f"step {step}: persistent ds_id {i} gathered {count} times")
+            diffs.append(f"step {step}: persistent {param(i)} gathered {count} times")
     return diffs
 
 

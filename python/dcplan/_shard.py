@@ -302,10 +302,8 @@ def _shard_parameters(model: nn.Module, state: _ShardState, world_size: int, ran
             if info is None:
                 info = _make_shard(p, f"{mod_name}.{attr}" if mod_name else attr, _next_ds_id, world_size, rank)
                 _next_ds_id += 1
-                _C.register_param(
-                    info.ds_id, list(info.shape), info.shard.detach(), None, state.stage < 3,
-                    trainable=info.trainable
-                )
+                _C.register_param(info.ds_id, list(info.shape), info.shard.detach(), None, state.stage < 3,
+                                  trainable=info.trainable, name=info.name)
                 by_param[id(p)] = info
                 state.infos.append(info)
                 state.hooks.add_param(info.ds_id, info.shard)

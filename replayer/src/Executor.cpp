@@ -32,7 +32,7 @@ Param& Executor::param(const char* op, int64_t dsId) {
 at::Tensor Executor::allgatherParam(const at::Tensor& shard, int64_t dsId,
                                     std::optional<at::ScalarType> dtype) {
   Param& p = param("allgather_param", dsId);
-  TORCH_CHECK(shard.numel() == p.shardNumel_ || p.offloaded_, "allgather_param: ds_id ", dsId,
+  TORCH_CHECK(shard.numel() == p.shardNumel_ || p.offloaded_, "allgather_param: ", p.label(),
               ": the tensor should be the registered shard of ", p.shardNumel_, " elements, got ",
               shard.numel());
   const at::ScalarType gatherType = dtype.value_or(p.shard_.scalar_type());
@@ -55,7 +55,7 @@ void Executor::prefetchParamsFused(const std::vector<int64_t>& dsIds,
 
 at::Tensor Executor::waitAllgather(const at::Tensor& gathered, int64_t dsId) {
   Param& p = param("wait_allgather", dsId);
-  TORCH_CHECK(p.hasGathered(), "wait_allgather: ds_id ", dsId,
+  TORCH_CHECK(p.hasGathered(), "wait_allgather: ", p.label(),
               " has no gather in flight or held; call allgather_param first");
   rt_.registry_->waitGather(p);
   return gathered;
@@ -63,7 +63,7 @@ at::Tensor Executor::waitAllgather(const at::Tensor& gathered, int64_t dsId) {
 
 void Executor::releaseParam(int64_t dsId, int64_t nUsers) {
   Param& p = param("release_param", dsId);
-  TORCH_CHECK(nUsers >= 1, "release_param: n_users should be >= 1, got ", nUsers, " for ds_id ", dsId);
+  TORCH_CHECK(nUsers >= 1, "release_param: n_users should be >= 1, got ", nUsers, " for ", p.label());
   if (++p.uses_ < nUsers) return;
   p.uses_ = 0;
   const bool keep = !rt_.profiling_ && rt_.schedule_->keepGathered(dsId, p.persistent_, keepsAllGathered());
@@ -72,9 +72,9 @@ void Executor::releaseParam(int64_t dsId, int64_t nUsers) {
 
 void Executor::reduceGrad(const at::Tensor& grad, int64_t dsId) {
   Param& p = param("reduce_grad", dsId);
-  TORCH_CHECK(p.trainable(), "reduce_grad: ds_id ", dsId,
+  TORCH_CHECK(p.trainable(), "reduce_grad: ", p.label(),
               " was registered without a gradient buffer (frozen); it takes no gradient");
-  TORCH_CHECK(grad.numel() == p.numel_, "reduce_grad: ds_id ", dsId, ": gradient should have shape ",
+  TORCH_CHECK(grad.numel() == p.numel_, "reduce_grad: ", p.label(), ": gradient should have shape ",
               shapeString(p.shape_), " (", p.numel_, " elements), got ", grad.sizes());
   addGrad(p, grad.reshape({-1}));
 }

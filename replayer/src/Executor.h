@@ -29,6 +29,11 @@ inline int64_t shardNumelOf(int64_t numel, int worldSize) { return (numel + worl
 /// One registered parameter: its shard, gradient buffer, gathered copy and offload state.
 struct Param {
   int64_t id_ = -1;
+  std::string name_;  // qualified name (model.named_parameters()); may be empty
+  /// How messages name the parameter: "layers.0.w (ds_id 3)", or "ds_id 3" without a name.
+  std::string label() const {
+    return name_.empty() ? "ds_id " + std::to_string(id_) : name_ + " (ds_id " + std::to_string(id_) + ")";
+  }
   std::vector<int64_t> shape_;
   int64_t numel_ = 0;
   int64_t shardNumel_ = 0;
@@ -70,7 +75,8 @@ class ParamRegistry {
   ParamRegistry& operator=(const ParamRegistry&) = delete;
 
   void registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
-                     const at::Tensor& gradBuffer, bool persistent, bool trainable = false);
+                     const at::Tensor& gradBuffer, bool persistent, bool trainable = false,
+                     const std::string& name = "");
   bool contains(int64_t dsId) const { return params_.count(dsId) != 0; }
   /// The parameter, or a TORCH_CHECK error naming op and id.
   Param& get(const char* op, int64_t dsId);

@@ -10,30 +10,32 @@
 namespace dcplan::replayer {
 
 void ParamRegistry::registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
-                                  const at::Tensor& gradBuffer, bool persistent, bool trainable) {
+                                  const at::Tensor& gradBuffer, bool persistent, bool trainable,
+                                  const std::string& name) {
   TORCH_CHECK(dsId >= 0, "register_param: ds_id should be >= 0, got ", dsId);
   TORCH_CHECK(!contains(dsId), "register_param: ds_id ", dsId, " is already registered");
+  Param p;
+  p.id_ = dsId;
+  p.name_ = name;
+  const std::string label = p.label();
   int64_t numel = 1;
   for (int64_t d : shape) {
-    TORCH_CHECK(d >= 0, "register_param: ds_id ", dsId, ": shape should have dims >= 0, got ",
-                shapeString(shape));
+    TORCH_CHECK(d >= 0, "register_param: ", label, ": shape should have dims >= 0, got ", shapeString(shape));
     numel *= d;
   }
   const int64_t shardNumel = shardNumelOf(numel, worldSize_);
-  TORCH_CHECK(shard.defined() && shard.dim() == 1 && shard.is_contiguous(), "register_param: ds_id ", dsId,
+  TORCH_CHECK(shard.defined() && shard.dim() == 1 && shard.is_contiguous(), "register_param: ", label,
               ": ds_tensor should be a contiguous 1-D tensor");
-  TORCH_CHECK(shard.numel() == shardNumel, "register_param: ds_id ", dsId,
+  TORCH_CHECK(shard.numel() == shardNumel, "register_param: ", label,
               ": ds_tensor should have ceil(numel/world_size) = ", shardNumel, " elements for shape ",
               shapeString(shape), " and world size ", worldSize_, ", got ", shard.numel());
   if (gradBuffer.defined()) {
     TORCH_CHECK(gradBuffer.dim() == 1 && gradBuffer.is_contiguous() && gradBuffer.numel() == shardNumel,
-                "register_param: ds_id ", dsId, ": grad_buffer should be a contiguous 1-D tensor of ",
-                shardNumel, " elements, got ", gradBuffer.sizes());
-    TORCH_CHECK(gradBuffer.device() == shard.device(), "register_param: ds_id ", dsId,
+                "register_param: ", label, ": grad_buffer should be a contiguous 1-D tensor of ", shardNumel,
+                " elements, got ", gradBuffer.sizes());
+    TORCH_CHECK(gradBuffer.device() == shard.device(), "register_param: ", label,
                 ": grad_buffer should be on ", shard.device(), ", got ", gradBuffer.device());
   }
-  Param p;
-  p.id_ = dsId;
   p.shape_ = shape;
   p.numel_ = numel;
   p.shardNumel_ = shardNumel;

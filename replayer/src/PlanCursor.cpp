@@ -322,9 +322,18 @@ void PlanCursor::openLog(const std::string& path, MemoryGauge gauge) {
 }
 
 void PlanCursor::logPlan() {
-  logJson({{"ev", "plan"},
-           {"file", hasPlan() ? nlohmann::ordered_json(file_) : nlohmann::ordered_json(nullptr)},
-           {"persistent", persistentSorted_}});
+  nlohmann::ordered_json line{
+      {"ev", "plan"},
+      {"file", hasPlan() ? nlohmann::ordered_json(file_) : nlohmann::ordered_json(nullptr)},
+      {"persistent", persistentSorted_}};
+  if (!names_.empty()) {
+    // The checks name parameters as the messages here do (ds_id -> qualified name, by ds_id).
+    const std::map<int64_t, std::string> sorted(names_.begin(), names_.end());
+    nlohmann::ordered_json names = nlohmann::ordered_json::object();
+    for (const auto& [id, name] : sorted) names[std::to_string(id)] = name;
+    line["names"] = std::move(names);
+  }
+  logJson(line);
 }
 
 void PlanCursor::flushLog() {

@@ -19,7 +19,7 @@ std::unique_ptr<RuntimeState> gState;
 /// gradient is the caller's to give and take).
 Param& callerGradParam(RuntimeState& rt, const char* op, int64_t dsId) {
   Param& p = rt.registry_->get(op, dsId);
-  TORCH_CHECK(p.trainable_ && !p.fixedGrad_, op, ": ds_id ", dsId,
+  TORCH_CHECK(p.trainable_ && !p.fixedGrad_, op, ": ", p.label(),
               p.trainable_ ? " has a registered grad_buffer" : " is frozen (registered as not trainable)");
   return p;
 }
@@ -97,9 +97,10 @@ int rank() {
 }
 
 void registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
-                   const at::Tensor& gradBuffer, bool persistent, bool trainable) {
+                   const at::Tensor& gradBuffer, bool persistent, bool trainable, const std::string& name) {
   std::lock_guard<std::mutex> lock(gMutex);
-  state("register_param").registry_->registerParam(dsId, shape, shard, gradBuffer, persistent, trainable);
+  state("register_param")
+      .registry_->registerParam(dsId, shape, shard, gradBuffer, persistent, trainable, name);
 }
 
 void registerGraph(int64_t graphId, Stage stage, const std::vector<int64_t>& dsIds,
@@ -171,7 +172,7 @@ void setGrads(const std::vector<int64_t>& dsIds, const std::vector<at::Tensor>& 
     if (g.defined()) {
       TORCH_CHECK(g.dim() == 1 && g.numel() == p.shardNumel_ && g.device() == p.shard_.device() &&
                       at::isFloatingType(g.scalar_type()),
-                  "set_grads: grads[", i, "] (ds_id ", dsIds[i], ") should be a 1-D floating tensor of ",
+                  "set_grads: grads[", i, "] for ", p.label(), " should be a 1-D floating tensor of ",
                   p.shardNumel_, " elements on ", p.shard_.device(), ", got ", g.sizes(), " ",
                   g.scalar_type(), " on ", g.device());
     }

@@ -253,6 +253,13 @@ def test_errors_with_ids_and_expectations(C, group):
     C.register_param(3, [4], torch.zeros(4), None)
     with pytest.raises(RuntimeError, match="allgather_param: ds_id 3 is not a parameter of graph_id 0"):
         ops.allgather_param(torch.zeros(4), 0, 3)
+    # A parameter registered with its qualified name is named by it, beside its ds_id.
+    with pytest.raises(RuntimeError, match=r"register_param: layers\.0\.w \(ds_id 4\): ds_tensor should have"):
+        C.register_param(4, [2, 3], torch.zeros(5), None, name="layers.0.w")
+    C.register_param(4, [2, 3], torch.zeros(6), torch.zeros(6), name="layers.0.w")
+    C.register_graph_z1(6, [4])
+    with pytest.raises(RuntimeError, match=r"reduce_grad: layers\.0\.w \(ds_id 4\): gradient should have shape"):
+        ops.reduce_grad(torch.ones(7), 6, 4)
     with pytest.raises(RuntimeError, match="prefetch_params_fused: params and ids should have the same length"):
         ops.prefetch_params_fused(0, [C.shard0], [0, 1], None)
     with pytest.raises(RuntimeError, match="init: the dc runtime is already initialized"):
@@ -412,7 +419,7 @@ def test_gradients_are_the_callers_alone(dcplan_module, group, stage):
     for p in shards:
         p.grad = None
     assert [r() for r in refs] == [None] * len(refs)
-    with pytest.raises(RuntimeError, match=r"set_grads: grads\[0\] \(ds_id 0\) should be a 1-D floating tensor of"):
+    with pytest.raises(RuntimeError, match=r"set_grads: grads\[0\] for 0\.weight \(ds_id 0\) should be a 1-D floating tensor of"):
         dcplan_module._C.set_grads([0], [torch.zeros(3, 3)])
     dcplan_module.shutdown()
 

@@ -55,8 +55,10 @@ int rank();
 /// parameter). The caller keeps both alive. trainable without a gradBuffer: the
 /// gradient is the caller's to give (setGrads) and take (takeGrads) each backward,
 /// and the first reduction of a backward into none creates it.
+/// name: the parameter's qualified name, which error messages give beside its ds_id.
 void registerParam(int64_t dsId, const std::vector<int64_t>& shape, const at::Tensor& shard,
-                   const at::Tensor& gradBuffer, bool persistent, bool trainable = false);
+                   const at::Tensor& gradBuffer, bool persistent, bool trainable = false,
+                   const std::string& name = "");
 /// Before a backward: the gradients its reductions add to (undefined: none yet), for
 /// parameters registered trainable without a gradient buffer.
 void setGrads(const std::vector<int64_t>& dsIds, const std::vector<at::Tensor>& grads);
