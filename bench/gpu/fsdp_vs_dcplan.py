@@ -78,6 +78,8 @@ def parse_args():
     p.add_argument("--compiled-plan", help="dcplan-compiled: replay these plans (comma-separated; "
                    "dcplan-compiled:<file name> in the table), each made from a trace of the compiled model")
     p.add_argument("--bucket-mb", type=float, default=0, help="dcplan reduce bucket in MB (0: dcplan's default)")
+    p.add_argument("--adamw", default="foreach", choices=("foreach", "fused"),
+                   help="dcplan modes' torch AdamW implementation (graphed: capturable either way)")
     p.add_argument("--label", default="", help="a name for this shape in the output")
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the results here")
     p.add_argument("--memory-report", action="store_true",
@@ -406,7 +408,8 @@ class Bench:
             kw["plan"] = plan
         model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                              compile=compiled, **kw)
-        opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01, capturable=graphed)
+        opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01, capturable=graphed,
+                                fused=self.args.adamw == "fused")
         mode = ("dcplan-compiled" if compiled else "dcplan") + ("-graphed" if graphed else "")
         train_step = None
         if graphed:

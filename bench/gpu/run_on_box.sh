@@ -14,6 +14,8 @@
 #       measured: the bench's model recorded with $GMODE (dcplan-graphed or dcplan-compiled-graphed), planned
 #       for the hooks (hooks.json) and with --cuda-graph (graph.json), both replayed plainly and graphed in
 #       one process, interleaved over $ROUNDS rounds, with the bound
+#   bash bench/gpu/run_on_box.sh breakdown comm|compute [args]  # the graphed step's device time by category
+#       against the device's own bounds (bench/gpu/device_breakdown.py); NOPLAN=1: default schedule
 #   bash bench/gpu/run_on_box.sh deepspeed comm|compute [args]  # DeepSpeed ZeRO-3 eager and DeepCompile
 #       (wheels from .whl, carried) against $MODES (default fsdp2,dcplan-compiled,bound; $PLAN: a
 #       compiled plan), separate processes in turn over $ROUNDS rounds, merged into one table
@@ -179,6 +181,32 @@ case "$what" in
           && report with-without "$name" "$P/$name.json" "$P/$name.no-op-device.json" || true
       done
     fi
+    ;;
+  breakdown)
+    # The graphed step's device time by category, against the device's own bounds and the
+    # arithmetic floor (bench/gpu/device_breakdown.py), on $NPROC GPUs (default: all): the bench's
+    # model recorded as dcplan-compiled-graphed, planned with --cuda-graph, run with that plan and
+    # profiled. NOPLAN=1: the default schedule, without recording.
+    sh=${1:-comm}
+    shift || true
+    shape_args "$sh" "$what"
+    export NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
+    P=$OUT/breakdown-$sh
+    mkdir -p "$P"
+    planarg=()
+    if [ "${NOPLAN:-0}" != 1 ]; then
+      # Recorded with the fused AdamW: a slow optimizer lets the device catch up with the host in
+      # the device-lead step, and the trace then lacks optimizer_device_us.
+      args="$args --adamw fused"
+      record_bench "$P/trace.json" dcplan-compiled-graphed 2 400 2>&1 | tee "$P/record.log" \
+        | grep "per step:\|Warning: record\|error" || true
+      build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/graph.json" --cuda-graph > "$P/plan.log" 2>&1 \
+        || { cat "$P/plan.log"; exit 1; }
+      head -6 "$P/plan.log"
+      planarg=(--compiled-plan "$P/graph.json")
+    fi
+    "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" bench/gpu/device_breakdown.py $args "${planarg[@]}" \
+      --warmup 8 --steps 20 --profile-steps 5 --json "$P/breakdown.json" "$@" 2>&1 | tee "$P/breakdown.log" | quiet
     ;;
   graphed)
     sh=${1:-comm}
