@@ -97,6 +97,12 @@ void PlanCursor::startRun(Planned& g) {
   r.arrived.assign(g.plan.buckets.size(), 0);
 }
 
+std::optional<schemas::OpRole> PlanCursor::roleOf(const char* name) {
+  auto it = roles_.find(name);
+  if (it == roles_.end()) it = roles_.emplace(name, schemas::opRole(name)).first;
+  return it->second;
+}
+
 std::string PlanCursor::describe(const char* op, int64_t dsId, const std::string& note) const {
   if (dsId < 0) return op;
   const std::string id = "ds_id " + std::to_string(dsId) + note;
@@ -124,7 +130,8 @@ std::optional<PlanCursor::Departure> PlanCursor::check(Planned& g, int64_t pos, 
     if (!(expected == op)) return Departure{describe(expected.name, expected.dsId), actual()};
   }
   // What the plan itself implies: gradients arrive in the order of its buckets.
-  if (op.is("reduce_grad") && g.plan.backward && !g.readyOrder.empty() && !r.reduced.count(op.dsId)) {
+  if (op.role == schemas::OpRole::ReduceGrad && g.plan.backward && !g.readyOrder.empty() &&
+      !r.reduced.count(op.dsId)) {
     if (r.ready >= g.readyOrder.size()) {
       return Departure{"no further gradient (every bucket of the plan is complete)", actual()};
     }
@@ -132,7 +139,8 @@ std::optional<PlanCursor::Departure> PlanCursor::check(Planned& g, int64_t pos, 
     r.reduced.insert(op.dsId);
     ++r.ready;
   }
-  if (op.is("end_backward") && r.ready < g.readyOrder.size()) return Departure{expectedGradient(g), actual()};
+  if (op.role == schemas::OpRole::EndBackward && r.ready < g.readyOrder.size())
+    return Departure{expectedGradient(g), actual()};
   return std::nullopt;
 }
 
@@ -156,7 +164,7 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
   Planned* g = planned(event.graphId);
   if (g == nullptr) return {};
   if (!g->run.running) startRun(*g);
-  const Op op{event.op, event.dsId};
+  const Op op{event.op, roleOf(event.op), event.dsId};
   if (auto departure = check(*g, pos, op)) {
     depart(event.graphId, pos, *departure);
     return {};
@@ -172,7 +180,7 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
     }
   }
   // A parameter prefetched at or before this position is gathered by the op it was prefetched for.
-  if (op.is("allgather_param")) g->run.prefetched.erase(op.dsId);
+  if (op.role == schemas::OpRole::Gather) g->run.prefetched.erase(op.dsId);
   return out;
 }
 

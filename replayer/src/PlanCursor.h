@@ -74,14 +74,18 @@ class PlanCursor final : public SchedulePolicy {
   void logJson(const nlohmann::ordered_json& line);
 
  private:
-  /// One op as the cursor checks it. The runtime's op names are string literals: kept as such,
-  /// no string is built per op.
+  /// One op as the cursor checks it. The runtime's op names are string literals: kept as such (no
+  /// string is built per op), with the op's role from the trace format's table (roleOf).
   struct Op {
     const char* name = "";
+    std::optional<schemas::OpRole> role;
     int64_t dsId = -1;  ///< -1: none
-    bool is(const char* op) const { return std::strcmp(name, op) == 0; }
-    bool operator==(const Op& o) const { return dsId == o.dsId && is(o.name); }
+    bool operator==(const Op& o) const {
+      return dsId == o.dsId && role == o.role && (name == o.name || std::strcmp(name, o.name) == 0);
+    }
   };
+  /// The role of a runtime op name, looked up once per name (by its address: a string literal).
+  std::optional<schemas::OpRole> roleOf(const char* name);
   /// What a departure expected, and what happened instead.
   struct Departure {
     std::string expected;
@@ -124,6 +128,7 @@ class PlanCursor final : public SchedulePolicy {
 
   std::string file_;
   std::unordered_map<int64_t, std::string> names_;
+  std::unordered_map<const char*, std::optional<schemas::OpRole>> roles_;
   std::map<int64_t, Planned> graphs_;
   std::unordered_set<int64_t> persistent_;
   std::vector<int64_t> persistentSorted_;

@@ -13,6 +13,7 @@ namespace dcplan::replayer {
 /// (padded; 0 when a held copy serves the op), for reduce_grad the gradient,
 /// for the offload ops the tensor; 0 when none.
 struct OpEvent {
+  /// The op's name: a string literal, which observers and schedules may keep and key on.
   const char* op = "";
   int64_t graphId = -1;
   int64_t dsId = -1;
