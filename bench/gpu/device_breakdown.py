@@ -216,7 +216,8 @@ def report(meta: dict, step: dict, bounds: dict) -> None:
           f"{meta['world']} x {meta['device']}, torch {meta['torch']}, {meta['params'] / 1e9:.3f}B parameters, "
           f"{meta['tokens']} tokens per GPU")
     print(f"losses: first {step['losses'][0]:.4f}, last {step['losses'][-1]:.4f}")
-    print(f"step: {1e3 * step['step_s']:.2f} ms wall (mean of the timed steps, slowest rank); "
+    print(f"step: {1e3 * step['step_s']:.2f} ms wall (mean of the timed steps, slowest rank), peak "
+          f"{step['peak_bytes'] / 2**30:.2f} GiB (max over ranks); "
           f"device window {b['window_ms']:.2f} ms, busy {b['busy_ms']:.2f}, idle {b['idle_ms']:.2f} "
           f"(Kineto, {meta['profile_steps']} steps, rank 0)")
     print(f"  {'category':28s} {'ms/step':>8s} {'of window':>10s}")
