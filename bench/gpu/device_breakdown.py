@@ -38,8 +38,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import fsdp_vs_dcplan as fvd  # noqa: E402
 
-# Dense bf16 tensor rate of the devices this runs on, FLOP/s (NVIDIA's data sheets, SXM, no sparsity).
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
+# Dense bf16 tensor rate, FLOP/s, by device name (NVIDIA's data sheets, no sparsity): the SXM parts
+# (PCIe and NVL H100s are slower and not listed: no floor is printed for them).
+PEAK_BF16 = {"H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H200": 989e12}
 
 # (category, test on the lower-cased kernel name), first match wins; Kineto's own memset and
 # memcpy categories come before these.
@@ -148,7 +149,9 @@ def breakdown(kernels, steps: int) -> dict:
     ms = steps * 1e3
     cats = {c: length(union(iv)) / ms for c, iv in by_cat.items()}
     comm = union(by_cat.get("collectives", []))
-    rest = union([(lo, hi) for c, iv in by_cat.items() if c != "collectives" for lo, hi in iv])
+    # What hides a collective: compute kernels (not the copy engine's memcpy and memset).
+    rest = union([(lo, hi) for lo, hi, name, cat in kernels
+                  if cat == "kernel" and category(name, cat) != "collectives"])
     busy = length(union([(lo, hi) for lo, hi, _, _ in kernels]))
     window = max(hi for _, hi, _, _ in kernels) - min(lo for lo, _, _, _ in kernels)
     top = sorted(((t / ms, n // steps, c, name) for name, (t, n, c) in by_name.items()), reverse=True)[:15]

@@ -56,10 +56,10 @@ uint64_t RuntimeMemory::allocation(uint64_t bytes) const {
 }
 
 uint64_t RuntimeMemory::gatherScratchIssued(uint64_t callBytes, bool coalesced) const {
-  const uint64_t shards = callBytes / static_cast<uint64_t>(worldSize);
-  // (Gloo's single gather holds its cast shard until the wait: gatherScratchUntilWait.)
-  if (transport == Transport::Gloo && !coalesced) return 0;
-  return castsShards ? allocation(shards) : 0;
+  // NCCL casts each shard straight into its slot of the gathered buffer: no scratch. (Gloo's
+  // single gather holds its cast shard until the wait: gatherScratchUntilWait.)
+  if (transport != Transport::Gloo || !coalesced) return 0;
+  return castsShards ? allocation(callBytes / static_cast<uint64_t>(worldSize)) : 0;
 }
 
 uint64_t RuntimeMemory::gatherScratchUntilWait(uint64_t callBytes, bool coalesced) const {

@@ -64,8 +64,10 @@ def gather(state, shard: torch.Tensor, ds_id: int, recompute: bool = False) -> t
         # Code between graphs (a graph break) runs eagerly: autograd saves what it reads whole,
         # as the compiled graphs never do (their backward gathers again).
         state.eager_read_warned = True
-        warnings.warn(f"dcplan: parameter {ds_id} was read outside the compiled graphs (code around a graph "
-                      "break runs eagerly): autograd keeps such a gathered copy until backward; move the read "
+        name = next((i.name for i in state.infos if i.ds_id == ds_id), "?")  # looked up once, for the warning
+        warnings.warn(f"dcplan: parameter {name} (ds_id {ds_id}) was read outside the compiled graphs (code "
+                      "around a graph break runs eagerly): autograd keeps such a gathered copy until backward; "
+                      "move the read "
                       "into the compiled region or remove the break", RuntimeWarning, stacklevel=3)
     graph = state.bwd_graph if recompute else state.fwd_graph
     return _GatherParam.apply(shard, graph, state.bwd_graph, ds_id, state.param_dtype)

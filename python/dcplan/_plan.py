@@ -248,7 +248,10 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
     graphs = {gid: {"backward": backward, "groups": [(pos, ids) for pos, ids in groups], "buckets": buckets}
               for gid, backward, groups, buckets in _C.followed_graphs(text, name, sorted(frozen))}
     diffs: List[str] = []
-    names = next((ev.get("names", {}) for ev in events if ev["ev"] == "plan"), {})
+    names: Dict[str, str] = {}  # the plan line that loaded the plan has them (one opened before it has none)
+    for ev in events:
+        if ev["ev"] == "plan":
+            names.update(ev.get("names", {}))
 
     def param(i: int) -> str:
         """A parameter as the runtime's messages name it."""

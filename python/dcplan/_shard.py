@@ -104,7 +104,7 @@ class _ShardState:
         return self.forward_depth == 0 and torch._C._current_graph_task_id() != -1
 
     def read_outside(self, ds_id: int, recompute: bool) -> torch.Tensor:
-        """A parameter read outside its module's forward (_reader_class): gathered once per forward
+        """A parameter read outside its module's forward (_reader_body): gathered once per forward
         and grad mode (a copy gathered under no_grad has no gradient path); in a recomputation
         (activation checkpointing), on the backward graph at each read."""
         key = (ds_id, torch.is_grad_enabled())

@@ -25,7 +25,7 @@ Executor::Executor(int64_t graphId, Stage stage, std::vector<int64_t> dsIds,
 
 Param& Executor::param(const char* op, int64_t dsId) {
   Param& p = rt_.registry_->get(op, dsId);
-  TORCH_CHECK(inGraph_.count(dsId), op, ": ds_id ", dsId, " is not a parameter of graph_id ", graphId_);
+  TORCH_CHECK(inGraph_.count(dsId), op, ": ", p.label(), " is not a parameter of graph_id ", graphId_);
   return p;
 }
 

@@ -156,9 +156,9 @@ void prefetchParamsFused(int64_t graphId, const std::vector<at::Tensor>& shards,
     int64_t bytes = 0;
     for (size_t i = 0; i < dsIds.size(); ++i) {
       Param& p = ex.param("prefetch_params_fused", dsIds[i]);
-      TORCH_CHECK(shards[i].numel() == p.shardNumel_ || p.offloaded_, "prefetch_params_fused: ds_id ",
-                  dsIds[i], ": params[", i, "] should be the registered shard of ", p.shardNumel_,
-                  " elements, got ", shards[i].numel());
+      TORCH_CHECK(shards[i].numel() == p.shardNumel_ || p.offloaded_, "prefetch_params_fused: ", p.label(),
+                  ": params[", i, "] should be the registered shard of ", p.shardNumel_, " elements, got ",
+                  shards[i].numel());
       types.push_back(dtypes ? (*dtypes)[i] : p.shard_.scalar_type());
       bytes += gatherBytes(p, types.back(), rt.transport_->worldSize());
     }

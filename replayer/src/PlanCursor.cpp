@@ -105,14 +105,17 @@ std::optional<schemas::OpRole> PlanCursor::roleOf(const char* name) {
 
 std::string PlanCursor::describe(const char* op, int64_t dsId, const std::string& note) const {
   if (dsId < 0) return op;
-  const std::string id = "ds_id " + std::to_string(dsId) + note;
+  const std::string id = "ds_id " + std::to_string(dsId);
   auto it = names_.find(dsId);
-  return std::string(op) + " of " + (it == names_.end() ? id : it->second + " (" + id + ")");
+  if (it == names_.end() || it->second.empty()) {
+    return std::string(op) + " of " + id + (note.empty() ? "" : " (" + note + ")");
+  }
+  return std::string(op) + " of " + it->second + " (" + id + (note.empty() ? "" : ", " + note) + ")";
 }
 
 std::string PlanCursor::expectedGradient(const Planned& g) const {
   const int64_t id = g.readyOrder[g.run.ready];
-  return describe("reduce_grad", id, ", bucket " + std::to_string(g.bucketOf.at(id)) + " of the plan");
+  return describe("reduce_grad", id, "bucket " + std::to_string(g.bucketOf.at(id)) + " of the plan");
 }
 
 std::optional<PlanCursor::Departure> PlanCursor::check(Planned& g, int64_t pos, const Op& op) {
@@ -257,9 +260,9 @@ void PlanCursor::endRun(Planned& g, int64_t pos) {
   } else {
     for (const auto& [id, positions] : r.prefetched) {
       if (positions.empty()) continue;
-      departure = Departure{describe("allgather_param", id) + " (prefetched at position " +
-                                std::to_string(positions.front()) + ")",
-                            actual};
+      departure = Departure{
+          describe("allgather_param", id, "prefetched at position " + std::to_string(positions.front())),
+          actual};
       break;
     }
   }

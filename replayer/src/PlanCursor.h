@@ -117,8 +117,8 @@ class PlanCursor final : public SchedulePolicy {
   void startRun(Planned& g);
   /// Checks op at position pos of g; returns the departure (expected, actual) if any.
   std::optional<Departure> check(Planned& g, int64_t pos, const Op& op);
-  /// "reduce_grad of layers.0.w (ds_id 7<note>)": an op as a departure message names it (without
-  /// a name for the id: "reduce_grad of ds_id 7<note>").
+  /// "reduce_grad of layers.0.w (ds_id 7, <note>)": an op as a departure message names it
+  /// (without a name for the id: "reduce_grad of ds_id 7 (<note>)").
   std::string describe(const char* op, int64_t dsId, const std::string& note = "") const;
   /// The gradient the plan expects next in g, with its bucket.
   std::string expectedGradient(const Planned& g) const;

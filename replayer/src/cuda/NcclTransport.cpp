@@ -302,12 +302,15 @@ class NcclTransport final : public Transport {
     }
     std::vector<at::Tensor> sends;
     {
-      // The dtype conversion runs on the gather stream too; its temporary lives there.
+      // In place: each shard goes, cast to the gather dtype where it differs, straight into this
+      // rank's slot of the output, which NCCL gathers from. No temporary is allocated, and where
+      // the output is the whole collective (one rank) nothing is copied again.
       c10::cuda::CUDAStreamGuard onStream(stream);
       for (size_t i = 0; i < shards.size(); ++i) {
-        sends.push_back(shards[i].scalar_type() == outputs[i].scalar_type()
-                            ? shards[i]
-                            : shards[i].to(outputs[i].scalar_type()));
+        const int64_t n = shards[i].numel();
+        at::Tensor mine = outputs[i].narrow(0, static_cast<int64_t>(rank()) * n, n);
+        mine.copy_(shards[i]);
+        sends.push_back(std::move(mine));
       }
       DCPLAN_NCCL_CHECK_COMM(ncclGroupStart(), comm_->get());
       for (size_t i = 0; i < sends.size(); ++i) {

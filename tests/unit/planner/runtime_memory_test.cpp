@@ -76,13 +76,15 @@ TEST(RuntimeMemory, AReductionLeavesAShardGradientOnceAStep) {
   EXPECT_EQ(RuntimeMemory::of(m, 2).reduced(q, true).held, 0u);
 }
 
-TEST(RuntimeMemory, NcclGathersInPlaceAndCastsShardsOnlyWhileIssuing) {
+TEST(RuntimeMemory, NcclGathersAndCastsInPlace) {
   const RuntimeMemory fp32 = RuntimeMemory::of(meta("nccl", "x", "float32"), 4);
   EXPECT_EQ(fp32.gatherScratchIssued(4'000, true), 0u);
   EXPECT_EQ(fp32.gatherScratchUntilWait(4'000, true), 0u);
   EXPECT_EQ(fp32.reduceScatterScratch(4'000), 0u);
   const RuntimeMemory bf16 = RuntimeMemory::of(meta("nccl", "x", "bfloat16"), 4);
-  EXPECT_EQ(bf16.gatherScratchIssued(4'000, false), 1'024u);  // the shards cast to bf16, in 512-byte blocks
+  // Each shard is cast straight into its slot of the gathered buffer: no scratch, single or fused.
+  EXPECT_EQ(bf16.gatherScratchIssued(4'000, false), 0u);
+  EXPECT_EQ(bf16.gatherScratchIssued(4'000, true), 0u);
   EXPECT_EQ(bf16.gatherScratchUntilWait(4'000, false), 0u);
 }
 

@@ -54,11 +54,10 @@ struct RuntimeMemory {
   uint64_t allocation(uint64_t bytes) const;
 
   /// Scratch of one gather call of `callBytes` (the gathered size of its members) while it is
-  /// issued (counted in the memory right after the op that issues it): the shards cast to the
-  /// gather dtype (a shard's size each) when castsShards. On NCCL the host frees them once the
-  /// kernels are queued, and the caching allocator's statistics count them as freed then; a
-  /// fused Gloo call frees them once concatenated (a single Gloo gather's work holds its cast
-  /// shard until the wait: gatherScratchUntilWait).
+  /// issued (counted in the memory right after the op that issues it): a fused Gloo call's
+  /// shards cast to the gather dtype (a shard's size each) when castsShards, freed once
+  /// concatenated (a single Gloo gather's work holds its cast shard until the wait:
+  /// gatherScratchUntilWait). NCCL casts each shard into its slot of the gathered buffer: none.
   uint64_t gatherScratchIssued(uint64_t callBytes, bool coalesced) const;
   /// Scratch of a gather call held until one of its members is waited on. Gloo: its allgather
   /// gathers into a flat buffer of the call's size, which its work holds until the wait releases
