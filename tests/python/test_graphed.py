@@ -49,3 +49,36 @@ def test_graphed_step_needs_a_gpu(dcplan_module):
     with pytest.raises(RuntimeError, match=r"dcplan.graphed_step: CUDA graphs need a GPU; torch.cuda is not available"):
         step()
     assert calls == [] and not step.captured
+
+
+def test_optimizer_advice_names_float_learning_rates_and_unfused_adam(dcplan_module):
+    """What a capture warns about an optimizer: each param group with a float lr (the graph keeps it)
+    and an Adam(W) that is not fused (its capturable per-tensor kernels are slow)."""
+    from dcplan._graphed import optimizer_advice
+
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    groups = [{"params": [a]}, {"params": [b], "lr": torch.tensor(0.01)}]
+    advice = optimizer_advice(torch.optim.AdamW(groups, lr=0.1))
+    assert len(advice) == 2, advice
+    assert advice[0].startswith("AdamW param group 0: lr is the float 0.1, which the captured graph keeps")
+    assert "AdamW is not fused" in advice[1] and "fused=True" in advice[1]
+    assert optimizer_advice(torch.optim.SGD([{"params": [a], "lr": torch.tensor(0.1)}])) == []
+
+
+def test_the_capture_watches_each_optimizer_it_steps_once(dcplan_module):
+    """The hook a capture installs sees the optimizers the step steps (here on the CPU, without
+    a graph), each once, and is gone after close()."""
+    from dcplan._graphed import _OptimizerWatch
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.5)
+    watch = _OptimizerWatch()
+    for _ in range(2):
+        p.grad = torch.ones(4)
+        opt.step()
+    watch.close()
+    assert watch.advice == ["SGD param group 0: lr is the float 0.5, which the captured graph keeps; a "
+                            "learning-rate schedule must update a tensor in place (lr=torch.tensor(...))"]
+    p.grad = torch.ones(4)
+    opt.step()  # after close(): not watched
+    assert len(watch.advice) == 1
