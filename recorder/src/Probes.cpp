@@ -2,6 +2,7 @@
 #include "dcplan/recorder/Probes.h"
 
 #include "dcplan/replayer/DeviceSleep.h"
+#include "dcplan/replayer/HostClock.h"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -12,7 +13,6 @@
 
 #include <array>
 #include <atomic>
-#include <chrono>
 #include <fstream>
 #include <mutex>
 #include <new>
@@ -24,11 +24,7 @@ namespace {
 
 class HostTimer final : public DeviceTimer {
  public:
-  TimePoint mark(Stream) override {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
+  TimePoint mark(Stream) override { return replayer::monotonicNs(); }
   double elapsedUs(TimePoint from, TimePoint to) override { return static_cast<double>(to - from) / 1000.0; }
 };
 

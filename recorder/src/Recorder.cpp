@@ -1,12 +1,12 @@
 // Record mode: raw op events and collective spans in memory, assembled into a trace after the last step.
 #include "dcplan/recorder/Recorder.h"
 
+#include "dcplan/replayer/HostClock.h"
 #include "dcplan/schemas/io.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -71,11 +71,7 @@ Stream streamOf(const std::string& op) {
   }
 }
 
-HostTime hostClock() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+HostTime hostClock() { return replayer::monotonicNs(); }
 
 /// Microseconds between two host readings; none when either is missing (an op whose end was
 /// never seen), so that the field is left out and the planner does without a host lane.

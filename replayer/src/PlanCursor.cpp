@@ -1,25 +1,20 @@
 // The plan cursor, loading and checking a plan against the live model, and the replay log.
 #include "PlanCursor.h"
 
+#include "dcplan/replayer/HostClock.h"
 #include "dcplan/replayer/Runtime.h"
 #include "dcplan/schemas/io.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <chrono>
 
 namespace dcplan::replayer {
 
 namespace {
 
-/// The host's monotonic clock in microseconds (CLOCK_MONOTONIC, as Python's time.monotonic_ns(),
-/// which the log's step marks read): an op line's time, comparable with the marks'.
-int64_t monotonicUs() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+/// An op line's time: the host's monotonic clock in microseconds, comparable with the step marks'.
+int64_t monotonicUs() { return monotonicNs() / 1000; }
 
 std::string idList(const std::vector<int64_t>& ids) {
   std::string out;
