@@ -419,7 +419,8 @@ def test_gradients_are_the_callers_alone(dcplan_module, group, stage):
     for p in shards:
         p.grad = None
     assert [r() for r in refs] == [None] * len(refs)
-    with pytest.raises(RuntimeError, match=r"set_grads: grads\[0\] for 0\.weight \(ds_id 0\) should be a 1-D floating tensor of"):
+    with pytest.raises(RuntimeError,
+                       match=r"set_grads: grads\[0\] for 0\.weight \(ds_id 0\) should be a 1-D floating tensor of"):
         dcplan_module._C.set_grads([0], [torch.zeros(3, 3)])
     dcplan_module.shutdown()
 
