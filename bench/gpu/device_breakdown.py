@@ -140,18 +140,18 @@ def device_kernels(run_steps, steps: int):
 def breakdown(kernels, steps: int) -> dict:
     """Per step, in ms: each category's kernel time, the exposed collectives, busy, idle and the
     window from the first kernel's start to the last one's end; the top kernels by time."""
-    by_cat, by_name = {}, {}
+    by_cat, by_name, hiding = {}, {}, []
     for lo, hi, name, cat in kernels:
         c = category(name, cat)
         by_cat.setdefault(c, []).append((lo, hi))
         total, count, _ = by_name.get(name, (0.0, 0, c))
         by_name[name] = (total + hi - lo, count + 1, c)
+        if cat == "kernel" and c != "collectives":  # what hides a collective: compute kernels, not the
+            hiding.append((lo, hi))                  # copy engine's memcpy and memset
     ms = steps * 1e3
     cats = {c: length(union(iv)) / ms for c, iv in by_cat.items()}
     comm = union(by_cat.get("collectives", []))
-    # What hides a collective: compute kernels (not the copy engine's memcpy and memset).
-    rest = union([(lo, hi) for lo, hi, name, cat in kernels
-                  if cat == "kernel" and category(name, cat) != "collectives"])
+    rest = union(hiding)
     busy = length(union([(lo, hi) for lo, hi, _, _ in kernels]))
     window = max(hi for _, hi, _, _ in kernels) - min(lo for lo, _, _, _ in kernels)
     top = sorted(((t / ms, n // steps, c, name) for name, (t, n, c) in by_name.items()), reverse=True)[:15]
