@@ -41,11 +41,15 @@ CostModel::Curve CostModel::buildCurve(const std::vector<schemas::CalibrationPoi
     if (!c.bytes.empty() && b <= c.bytes.back()) continue;  // keep strictly increasing
     c.bytes.push_back(b);
     c.usec.push_back(p.us);
-    c.logBytes.push_back(std::log(b));
-    c.logUs.push_back(std::log(p.us));
   }
   if (c.bytes.empty()) return c;
   size_t n = c.bytes.size();
+  // A smaller message is never slower than a larger one: a point above its successor is noise.
+  for (size_t i = n - 1; i-- > 0;) c.usec[i] = std::min(c.usec[i], c.usec[i + 1]);
+  for (size_t i = 0; i < n; ++i) {
+    c.logBytes.push_back(std::log(c.bytes[i]));
+    c.logUs.push_back(std::log(c.usec[i]));
+  }
   if (n >= 2) {
     double slope = (c.usec[1] - c.usec[0]) / (c.bytes[1] - c.bytes[0]);
     c.latencyUs = std::clamp(c.usec[0] - slope * c.bytes[0], 0.0, c.usec[0]);
@@ -74,6 +78,9 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
       worldSize_(options.worldSize > 0 ? options.worldSize : traceWorldSize),
       h2dGBps_(calibration.h2dGBps),
       d2hGBps_(calibration.d2hGBps) {
+  if (!(options.inSituScale > 0))
+    throw std::invalid_argument("the in-situ scale of collectives should be > 0");
+  inSitu_ = options.inSituScale;
   if (options.launchUs) {
     if (!(*options.launchUs >= 0)) throw std::invalid_argument("launch overhead should be >= 0 us");
     launchUs_ = *options.launchUs;
@@ -164,12 +171,16 @@ double CostModel::us(Collective which, uint64_t fullBytes) const {
   const Curve& c = curve(which);
   double raw = rawUs(c, static_cast<double>(fullBytes));
   double lat = std::min(c.latencyUs, raw);
-  return lat + (raw - lat) * c.scale;
+  return inSitu_ * (lat + (raw - lat) * c.scale);
 }
 
-double CostModel::latencyUs(Collective which) const { return callsFree() ? 0 : curve(which).latencyUs; }
+double CostModel::latencyUs(Collective which) const {
+  return callsFree() ? 0 : inSitu_ * curve(which).latencyUs;
+}
 
-double CostModel::busGBps(Collective which) const { return callsFree() ? 0 : curve(which).plannedBusGBps; }
+double CostModel::busGBps(Collective which) const {
+  return callsFree() ? 0 : curve(which).plannedBusGBps / inSitu_;
+}
 
 double CostModel::copyUs(uint64_t bytes, bool hostToDevice) const {
   const std::optional<double>& rate = hostToDevice ? h2dGBps_ : d2hGBps_;

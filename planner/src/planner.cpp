@@ -7,6 +7,7 @@
 #include <limits>
 #include <stdexcept>
 
+#include "dcplan/planner/in_situ.h"
 #include "dcplan/planner/units.h"
 #include "dcplan/schemas/dtype.h"
 #include "dcplan/schemas/io.h"
@@ -470,7 +471,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     throw std::invalid_argument(
         "--bandwidth: a bus bandwidth is a what-if for the collectives between ranks; this "
         "plan is for 1 rank, which has none (plan for more with --world-size N)");
-  CostModel cost(trace.calibration, w.traceWorldSize, costOptions(w, req.bandwidthGBps));
+  std::optional<InSituFit> inSitu;
+  CostModel cost = plannedCostModel(trace, w, req.bandwidthGBps, &inSitu);
   const uint64_t given = req.memoryBudgetBytes ? *req.memoryBudgetBytes
                          : w.capacityBytes > 0 ? w.capacityBytes
                                                : std::numeric_limits<uint64_t>::max();
@@ -554,6 +556,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
             ")" + "; baseline " + formatBytes(w.baselineBytes) + ", activations up to " + formatBytes(act));
     ex.line("cost model:");
     for (const std::string& s : cost.describe()) ex.line("  " + s);
+    if (inSitu) ex.line("  " + inSituText(*inSitu));
     ex.line("default schedule: " + predictionLine(def.sim.prediction));
     if (req.strategy == Strategy::Optimized) {
       ex.line("strategy optimized: " + std::to_string(all.size()) + " candidate schedules simulated");

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <vector>
@@ -13,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcplan/planner/diff.h"
+#include "dcplan/planner/in_situ.h"
 #include "dcplan/planner/planner.h"
 #include "dcplan/planner/simulator.h"
 #include "dcplan/planner/units.h"
@@ -53,18 +55,20 @@ struct Simulated {
   Workload w;
   SimResult plan;
   SimResult def;
+  std::optional<InSituFit> inSitu;
 };
 
 Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   Workload w = makeWorkload(trace, plan.source.worldSize,
                             plan.options.cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
-  CostModel cost(trace.calibration, w.traceWorldSize, costOptions(w, plan.options.bandwidthGBps));
+  std::optional<InSituFit> inSitu;
+  CostModel cost = plannedCostModel(trace, w, plan.options.bandwidthGBps, &inSitu);
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
   SimOptions withLaunches{true};
   withLaunches.referenceCalls = d.gatherCalls + d.reduceCalls;  // = recordedCalls(w, cost)
   withLaunches.reference = &d;
   SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), withLaunches);
-  return Simulated{std::move(w), std::move(p), std::move(d)};
+  return Simulated{std::move(w), std::move(p), std::move(d), inSitu};
 }
 
 std::string count(size_t n, const std::string& noun) {
@@ -160,6 +164,7 @@ void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& t
   } else {
     s << "  host lane: none (the trace has no host times; the step is simulated on the device's times)\n";
   }
+  if (sim.inSitu) s << "  " << inSituText(*sim.inSitu) << "\n";
 }
 
 /// One row of the per-layer table: gathers per step, how far ahead they were issued,

@@ -64,6 +64,16 @@ double Workload::opDeviceUs() const {
   return total;
 }
 
+double Workload::recordedHostUs() const {
+  if (!hostLane) return 0;
+  double total = optimizerHostUs;
+  for (const GraphRun& r : runs) {
+    total = std::accumulate(r.hostUs.begin(), r.hostUs.end(), total);
+    total = std::accumulate(r.issueUs.begin(), r.issueUs.end(), total);
+  }
+  return total;
+}
+
 std::vector<int32_t> gathersPerStep(const Workload& w) {
   std::vector<int32_t> count(w.params.size(), 0);
   std::vector<char> allocated(w.params.size(), 0);

@@ -36,6 +36,33 @@ TEST(CostModel, IsMonotoneAndHasALatencyFloor) {
   EXPECT_EQ(m.us(Collective::AllGather, 0), 0);
 }
 
+TEST(CostModel, APointSlowerThanALargerMessagesIsTakenAtTheLargersTime) {
+  // Measured on 2 CPU ranks sharing 2 cores: 64 KiB in 3,513 us, 256 KiB in 458 us.
+  schemas::Calibration c;
+  c.allGather = {{64 << 10, 3513.0}, {256 << 10, 458.0}, {1 << 20, 1193.0}, {4 << 20, 4052.0}};
+  CostModel m(c, 2);
+  EXPECT_NEAR(m.us(Collective::AllGather, 64 << 10), 458.0, 1e-9);
+  EXPECT_NEAR(m.us(Collective::AllGather, 256 << 10), 458.0, 1e-9);
+  EXPECT_NEAR(m.us(Collective::AllGather, 1 << 20), 1193.0, 1e-9);  // the points that agree are kept
+  EXPECT_LE(m.us(Collective::AllGather, 100 << 10), 458.0 * (1 + 1e-12));
+}
+
+TEST(CostModel, AnInSituScaleMultipliesEveryCollectivesTime) {
+  const schemas::Calibration c = linearCalibration(20, 100e3);
+  const CostModel plain(c, 8);
+  CostModelOptions o;
+  o.inSituScale = 2.5;
+  const CostModel scaled(c, 8, o);
+  for (uint64_t b : {uint64_t{1000}, uint64_t{1} << 20, uint64_t{3} << 30}) {
+    EXPECT_NEAR(scaled.us(Collective::AllGather, b), 2.5 * plain.us(Collective::AllGather, b), 1e-9);
+    EXPECT_NEAR(scaled.us(Collective::AllReduce, b), 2.5 * plain.us(Collective::AllReduce, b), 1e-9);
+  }
+  EXPECT_NEAR(scaled.latencyUs(Collective::AllGather), 50, 1e-6);
+  EXPECT_NEAR(scaled.busGBps(Collective::AllGather), plain.busGBps(Collective::AllGather) / 2.5, 1e-9);
+  o.inSituScale = 0;
+  EXPECT_THROW(CostModel(c, 8, o), std::invalid_argument);
+}
+
 TEST(CostModel, ExtrapolatesWithTheLastBandwidth) {
   CostModel m(linearCalibration(20, 100e3), 8);
   double at1g = m.us(Collective::AllGather, 1ull << 30);

@@ -1,0 +1,101 @@
+// Tests of the in-situ scale of collectives: on CPU ranks the recorded run, a measurement of the
+// default schedule, sets how long its collectives take.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "dcplan/planner/in_situ.h"
+#include "dcplan/planner/planner.h"
+#include "dcplan/planner/simulator.h"
+#include "tiny_trace.h"
+
+namespace dcplan::planner {
+namespace {
+
+/// The tiny trace as 2 Gloo ranks record it: the host is the compute, each op issues in 5 us, and
+/// each wait stood still `waitUs` (its gather as the job ran it), the optimizer 50 us.
+schemas::Trace glooTrace(double waitUs) {
+  schemas::Trace t = test::tinyTrace();
+  t.meta.backend = "gloo";
+  t.meta.device = "cpu";
+  for (schemas::TraceStep& step : t.steps) {
+    step.optimizerHostUs = 50.0;
+    for (schemas::TraceGraph& g : step.graphs) {
+      for (schemas::OpEvent& e : g.events) {
+        e.hostUs = e.computeUs;
+        e.issueUs = e.op == "wait_allgather" ? waitUs
+                    : e.op == "end_backward" ? 3 * test::kTinyGatherUs
+                                             : 5.0;
+      }
+    }
+  }
+  return t;
+}
+
+double defaultStepUs(const schemas::Trace& t, const Workload& w, const CostModel& cost) {
+  return simulate(w, cost, compileSchedule(w, defaultSchedule(w))).prediction.stepUs;
+}
+
+TEST(InSitu, TheDefaultScheduleTakesTheRecordedStep) {
+  const schemas::Trace t = glooTrace(4 * test::kTinyGatherUs);  // gathers 4x slower than calibrated
+  const Workload w = makeWorkload(t);
+  ASSERT_TRUE(w.hostLane && w.waitsBlockHost);
+  std::optional<InSituFit> fit;
+  const CostModel cost = plannedCostModel(t, w, std::nullopt, &fit);
+  ASSERT_TRUE(fit && fit->fitted());
+  EXPECT_NEAR(fit->recordedUs, w.recordedHostUs(), 1e-9);
+  EXPECT_LT(fit->calibratedUs, fit->recordedUs);
+  EXPECT_GT(fit->scale, 2.0);
+  EXPECT_FALSE(fit->atBound);
+  EXPECT_NEAR(cost.inSituScale(), fit->scale, 1e-12);
+  // Bisected to 2^-24 of the log range: the step agrees to far better than 0.1%.
+  EXPECT_NEAR(defaultStepUs(t, w, cost), fit->recordedUs, 1e-3 * fit->recordedUs);
+  // The plan's own prediction of the default schedule is the recorded step, and the line says so.
+  PlanRequest req;
+  req.explain = true;
+  const PlanResult r = makePlan(t, req);
+  EXPECT_NEAR(r.plan.predictedDefault.stepUs, fit->recordedUs, 1e-3 * fit->recordedUs);
+  bool said = false;
+  for (const std::string& line : r.explanation)
+    said = said || line.find("collectives in situ") != std::string::npos;
+  EXPECT_TRUE(said);
+}
+
+TEST(InSitu, ARecordedRunFasterThanTheCalibrationScalesBelowOne) {
+  const schemas::Trace t = glooTrace(0.0);  // every wait returned at once
+  const Workload w = makeWorkload(t);
+  const std::optional<InSituFit> fit = fitInSitu(t, w, std::nullopt);
+  ASSERT_TRUE(fit);
+  EXPECT_LT(fit->scale, 1.0);
+  EXPECT_GE(fit->scale, kInSituMin);
+}
+
+TEST(InSitu, ARecordedStepTheCollectivesCannotExplainStopsAtTheBound) {
+  // Waits 50x the calibrated gather: more than the largest scale explains.
+  const schemas::Trace t = glooTrace(50 * test::kTinyGatherUs);
+  const Workload w = makeWorkload(t);
+  const std::optional<InSituFit> fit = fitInSitu(t, w, std::nullopt);
+  ASSERT_TRUE(fit);
+  EXPECT_TRUE(fit->atBound);
+  EXPECT_DOUBLE_EQ(fit->scale, kInSituMax);
+  EXPECT_NE(inSituText(*fit).find("at its bound"), std::string::npos);
+}
+
+TEST(InSitu, OnlyCpuRanksRecordedAndPlannedOnMoreThanOneWithoutABandwidthWhatIf) {
+  const schemas::Trace gloo = glooTrace(4 * test::kTinyGatherUs);
+  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo), 100.0));            // another cluster's bus
+  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo, 1), std::nullopt));  // one rank: no collectives
+  schemas::Trace nccl = gloo;
+  nccl.meta.backend = "nccl";
+  nccl.meta.device = "cuda";
+  EXPECT_FALSE(fitInSitu(nccl, makeWorkload(nccl), std::nullopt));  // a GPU's waits do not block the host
+  schemas::Trace noHost = gloo;
+  noHost.steps[0].optimizerHostUs.reset();
+  EXPECT_FALSE(fitInSitu(noHost, makeWorkload(noHost), std::nullopt));
+  std::optional<InSituFit> fit = InSituFit{};
+  EXPECT_EQ(plannedCostModel(nccl, makeWorkload(nccl), std::nullopt, &fit).inSituScale(), 1.0);
+  EXPECT_FALSE(fit);
+}
+
+}  // namespace
+}  // namespace dcplan::planner
