@@ -15,10 +15,10 @@ echo "\$ pip install .   # into .venv: builds the runtime against the installed 
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1
 unset PYTHONPATH DCPLAN_BUILD_DIR
 work=$(mktemp -d)
-train=(python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_llama.py --steps 6)
+train=(python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_llama.py --steps 10)
 
 run() { echo; echo "\$ $*"; "$@"; }
-run dcplan record -o "$work/trace.json" -- "${train[@]}"   # 3 steps after 2 warm-up steps (the defaults)
+run dcplan record --steps 5 -o "$work/trace.json" -- "${train[@]}"   # 5 steps after 2 warm-up steps: the median of 5 is steadier than of 3
 run dcplan plan "$work/trace.json" -o "$work/plan.json"
 run dcplan inspect "$work/plan.json"
 echo; echo "\$ ${train[*]}   # without a plan"

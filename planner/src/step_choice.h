@@ -16,8 +16,8 @@ namespace dcplan::planner::detail {
 std::vector<size_t> microStepsEndingAt(const schemas::Trace& trace, size_t end, int64_t gradAccumSteps);
 
 /// The recorded step to plan from: the last one after which the optimizer ran, unless the
-/// recorded optimizer steps disagree on host time (kStepsAgreeShare): then the fastest of them,
-/// with `note` saying so. A CUDA graph's plan takes the device's own times, which the recorder
+/// recorded optimizer steps disagree on host time (kStepsAgreeShare): then the median of them
+/// (what dcplan check measures of a replay), with `note` saying so. A CUDA graph's plan takes the device's own times, which the recorder
 /// measures once: the last step.
 size_t steadyOptimizerStep(const schemas::Trace& trace, int64_t gradAccumSteps, StepReplay replay,
                            std::string& note);

@@ -561,9 +561,9 @@ TEST(Simulator, AnOpsHostTimeIsWhenTheHostEntersIt) {
     if (!m.atOp && m.seq >= 0) entered[{m.run, m.seq}] = m.hostUs;
   }
   EXPECT_NEAR((entered[{0, 0}]), 0, 1e-9);
-  EXPECT_NEAR((entered[{0, 2}]), 500 + 2 * 10, 1e-9);   // after the forward's first compute
-  EXPECT_NEAR((entered[{0, 5}]), 1000 + 5 * 10, 1e-9);  // the forward's last op
-  EXPECT_NEAR((entered[{1, 0}]), 1000 + 6 * 10, 1e-9);  // the backward's first, after 6 ops
+  EXPECT_NEAR((entered[{0, 2}]), 500 + 2 * 10, 1e-9);    // after the forward's first compute
+  EXPECT_NEAR((entered[{0, 5}]), 1000 + 5 * 10, 1e-9);   // the forward's last op
+  EXPECT_NEAR((entered[{1, 0}]), 1000 + 6 * 10, 1e-9);   // the backward's first, after 6 ops
   EXPECT_NEAR((entered[{1, 8}]), 3000 + 14 * 10, 1e-9);  // end_backward
   // Without host times the device's clock stands in.
   Fixture f;
@@ -650,20 +650,23 @@ TEST(Workload, StepsThatAgreeArePlannedFromTheLast) {
   EXPECT_EQ(w.stepChoice, "");
 }
 
-TEST(Workload, StepsThatDisagreeArePlannedFromTheFastestAndSaySo) {
-  // The last of three steps took twice the host time: the fastest is step 0.
+TEST(Workload, StepsThatDisagreeArePlannedFromTheMedianAndSaySo) {
+  // The last of three steps took twice the host time: the median is step 1.
   Workload three = makeWorkload(traceWithHostTimes({1.0, 1.05, 2.0}));
-  EXPECT_EQ(three.traceStep, 0);
+  EXPECT_EQ(three.traceStep, 1);
   EXPECT_NE(three.stepChoice.find("disagree on host time by more than 10%"), std::string::npos)
       << three.stepChoice;
-  EXPECT_NE(three.stepChoice.find("planned from step 0, the fastest, not the last"), std::string::npos)
+  EXPECT_NE(three.stepChoice.find("planned from step 1, the median, not the last"), std::string::npos)
       << three.stepChoice;
-  // A machine warming up: each step faster than the one before; the last is the fastest, and the
-  // plan still says the steps disagree.
+  // A machine warming up: each step faster than the one before; the median is the middle one.
   Workload warming = makeWorkload(traceWithHostTimes({1.8, 1.2, 1.0}));
-  EXPECT_EQ(warming.traceStep, 2);
-  EXPECT_NE(warming.stepChoice.find("planned from step 2, the fastest;"), std::string::npos)
-      << warming.stepChoice;
+  EXPECT_EQ(warming.traceStep, 1);
+  // Of an even count, the faster of the two middle steps.
+  EXPECT_EQ(makeWorkload(traceWithHostTimes({1.0, 1.6, 1.3, 2.0})).traceStep, 2);
+  // The last is the median: planned from it, and the plan still says the steps disagree.
+  Workload last = makeWorkload(traceWithHostTimes({2.0, 1.0, 1.5}));
+  EXPECT_EQ(last.traceStep, 2);
+  EXPECT_NE(last.stepChoice.find("planned from step 2, the median;"), std::string::npos) << last.stepChoice;
   // The plan carries the choice as a warning (dcplan plan prints it).
   PlanRequest req;
   req.strategy = Strategy::Default;
@@ -672,7 +675,7 @@ TEST(Workload, StepsThatDisagreeArePlannedFromTheFastestAndSaySo) {
   EXPECT_EQ(r.warnings[0], three.stepChoice);
 }
 
-TEST(Workload, AStepRecordedPartWayIsNotTheFastest) {
+TEST(Workload, AStepRecordedPartWayIsLeftOutOfTheChoice) {
   // 2 micro-steps per optimizer step, the first recorded part-way (its first micro-step dropped):
   // with half the host time it would be the fastest; it is left out, and the complete ones agree.
   schemas::Trace t = traceWithHostTimes({1.0, 1.0, 1.0, 1.0, 1.05, 1.05}, 2);

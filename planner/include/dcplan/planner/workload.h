@@ -100,7 +100,7 @@ struct Workload {
   bool cudaGraph = false;
   int64_t traceStep = 0;  ///< index of the recorded step used
   /// Where the recorded optimizer steps disagree on host time (kStepsAgreeShare): each one's, and
-  /// which traceStep is (the fastest); empty where they agree and traceStep is the last.
+  /// which traceStep is (the median); empty where they agree and traceStep is the last.
   std::string stepChoice;
   std::vector<WorkParam> params;
   std::vector<WorkGraph> graphs;  ///< distinct graph ids, in first-run order
@@ -129,12 +129,12 @@ enum class StepReplay {
 };
 
 /// Recorded optimizer steps whose host times differ by more than this share of the fastest's
-/// disagree: the step planned from is then the fastest, not the last (a machine still warming up
-/// or busy with something else only adds time), and the plan says so.
+/// disagree: the step planned from is then the median (the statistic dcplan check measures of a
+/// replay), not the last, and the plan says so.
 inline constexpr double kStepsAgreeShare = 0.10;
 
 /// Builds the planner's view from one recorded optimizer step of `trace` (the last, or the
-/// fastest where the steps disagree: kStepsAgreeShare), for `worldSize` ranks (0: as recorded).
+/// median where the steps disagree: kStepsAgreeShare), for `worldSize` ranks (0: as recorded).
 /// Throws std::invalid_argument naming the trace element (JSON pointer) when the trace cannot be
 /// planned: graphs of one id whose runs differ, an op on an unknown parameter, no steps, and for
 /// a CUDA graph an op or optimizer step without the device's own time.
