@@ -1,13 +1,16 @@
 // `dcplan plan TRACE -o PLAN`: plans a trace's communication and writes the plan.
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dcplan/planner/planner.h"
 #include "dcplan/planner/units.h"
 #include "dcplan/schemas/io.h"
+#include "dcplan/schemas/replay_log.h"
 #include "subcommands.h"
 
 namespace dcplan::cli {
@@ -22,7 +25,41 @@ struct PlanCliOptions {
   std::string bandwidth;
   bool explain = false;
   bool cudaGraph = false;
+  std::vector<std::string> calibrate;  ///< replay logs of an earlier plan's replay
 };
+
+/// What --calibrate's replay logs measured: the plan they replayed (the one their "plan" lines
+/// name) and its step, the slowest rank's median. InputError naming the log that cannot serve.
+planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs) {
+  planner::ReplayMeasurement m;
+  std::string planFile;
+  std::string names;
+  for (const std::string& path : logs) {
+    const schemas::ReplayLog log = schemas::readReplayLog(path);
+    if (log.planFile.empty()) {
+      throw schemas::InputError(path, {{"",
+                                        "--calibrate: the log names no plan (its run replayed none): "
+                                        "calibrate on the replay logs of a run with DCPLAN_PLAN"}});
+    }
+    if (!planFile.empty() && log.planFile != planFile) {
+      throw schemas::InputError(path, {{"", "--calibrate: the log replayed " + log.planFile + ", " + logs[0] +
+                                                " replayed " + planFile + ": give the logs of one run"}});
+    }
+    planFile = log.planFile;
+    if (!log.steps.medianUs) {
+      throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.steps.count) +
+                                                " steps after the first; run at least 3 steps"}});
+    }
+    m.stepUs = std::max(m.stepUs, *log.steps.medianUs);
+    names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
+  }
+  const schemas::Plan replayed = schemas::readPlan(planFile);
+  m.schedule = planner::scheduleOf(replayed);
+  m.worldSize = replayed.source.worldSize;
+  m.cudaGraph = replayed.options.cudaGraph;
+  m.description = names + " (a replay of " + std::filesystem::path(planFile).filename().string() + ")";
+  return m;
+}
 
 void runPlan(const PlanCliOptions& o) {
   planner::PlanRequest req;
@@ -43,6 +80,7 @@ void runPlan(const PlanCliOptions& o) {
   req.cudaGraph = o.cudaGraph;
 
   schemas::Trace trace = schemas::readTrace(o.trace);
+  if (!o.calibrate.empty()) req.calibrate = measuredReplay(o.calibrate);
   // Progress only when planning is slow enough for someone to wonder.
   auto start = std::chrono::steady_clock::now();
   planner::ProgressFn progress = [start](const std::string& what) {
@@ -56,6 +94,7 @@ void runPlan(const PlanCliOptions& o) {
     throw schemas::InputError(o.trace, {{"", e.what()}});
   }
   for (const std::string& w : result.warnings) std::cerr << "dcplan: warning: " << w << "\n";
+  if (req.calibrate) std::cout << result.inSitu << "\n";
   schemas::writeFileAtomically(o.output, schemas::writePlan(result.plan));
   for (const std::string& line : result.explanation) std::cout << line << "\n";
 }
@@ -82,6 +121,11 @@ void setupPlan(CLI::App& app) {
       "--cuda-graph", o->cudaGraph,
       "plan and predict for a step replayed as one CUDA graph (dcplan.graphed_step): the device's own "
       "times, recorded on a GPU, without the host's");
+  cmd->add_option(
+         "--calibrate", o->calibrate,
+         "the replay logs (DCPLAN_REPLAY_LOG) of a run of an earlier plan of this trace: plan again "
+         "with the collectives' time fitted to the step they measured (docs/planning.md, \"In situ\")")
+      ->expected(1, -1);
   cmd->callback([o] { runPlan(*o); });
 }
 

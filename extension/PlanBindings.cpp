@@ -5,6 +5,7 @@
 #include "dcplan/replayer/Plan.h"
 #include "dcplan/replayer/Runtime.h"
 #include "dcplan/schemas/io.h"
+#include "dcplan/schemas/replay_log.h"
 
 #include <nlohmann/json.hpp>
 
@@ -43,6 +44,15 @@ py::list followedGraphsOf(const std::string& text, const std::string& name,
     }
     out.append(py::make_tuple(g.id, g.backward, groups, g.buckets));
   }
+  return out;
+}
+
+/// A replay log's events as the step rule reads them (dcplan/schemas/replay_log.h).
+std::vector<schemas::ReplayLogEvent> stepEvents(
+    const std::vector<std::tuple<std::string, int64_t, bool>>& events) {
+  std::vector<schemas::ReplayLogEvent> out;
+  out.reserve(events.size());
+  for (const auto& [ev, tUs, sync] : events) out.push_back({ev, tUs, sync});
   return out;
 }
 
@@ -130,6 +140,24 @@ void bindPlan(py::module_& m) {
       "Writes this rank's replay log (JSON lines) to path from now on; '' stops. With device "
       "('cpu', 'cuda:N'), each op line carries the memory in use there (and on the CPU the peak "
       "since the op before).");
+  m.def(
+      "replay_step_starts",
+      [](const std::vector<std::tuple<std::string, int64_t, bool>>& events) {
+        return schemas::stepStarts(stepEvents(events));
+      },
+      py::arg("events"),
+      "The t_us of each optimizer step's start in a replay log's (ev, t_us, sync) events "
+      "(dcplan/schemas/replay_log.h).");
+  m.def(
+      "replay_steps",
+      [](const std::vector<std::tuple<std::string, int64_t, bool>>& events) {
+        const schemas::MeasuredSteps m = schemas::measuredSteps(schemas::stepStarts(stepEvents(events)));
+        return py::make_tuple(m.medianUs ? py::object(py::float_(*m.medianUs)) : py::object(py::none()),
+                              m.count);
+      },
+      py::arg("events"),
+      "(median step in us or None, intervals timed) of a replay log's (ev, t_us, sync) events: the step "
+      "rule of dcplan check and dcplan plan --calibrate.");
   m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
   m.def("log_replay_event", &logReplayEvent, py::arg("json"), py::call_guard<py::gil_scoped_release>(),
         "Appends one JSON object (one line) to this rank's replay log, if one is open.");

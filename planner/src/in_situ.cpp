@@ -2,9 +2,9 @@
 #include "dcplan/planner/in_situ.h"
 
 #include <cmath>
+#include <functional>
 
 #include "dcplan/planner/planner.h"
-#include "dcplan/planner/simulator.h"
 #include "dcplan/planner/units.h"
 #include "dcplan/schemas/units.h"
 
@@ -12,29 +12,30 @@ namespace dcplan::planner {
 
 using schemas::formatMs;
 
-std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& w,
-                                   std::optional<double> bandwidthGBps) {
-  if (!w.hostLane || !w.waitsBlockHost || w.cudaGraph || bandwidthGBps) return std::nullopt;
-  if (w.traceWorldSize <= 1 || w.worldSize <= 1) return std::nullopt;
-  const CompiledSchedule recorded = compileSchedule(w, defaultSchedule(w));
-  auto simulatedUs = [&](double scale) {
-    CostModelOptions o = costOptions(w, std::nullopt);
-    o.inSituScale = scale;
-    return simulate(w, CostModel(trace.calibration, w.traceWorldSize, o), recorded).prediction.stepUs;
-  };
+namespace {
+
+CostModel scaledCost(const schemas::Trace& trace, const Workload& w, std::optional<double> bandwidthGBps,
+                     double scale) {
+  CostModelOptions o = costOptions(w, bandwidthGBps);
+  o.inSituScale = scale;
+  return CostModel(trace.calibration, w.traceWorldSize, o);
+}
+
+/// The scale at which stepAt(scale), which grows with it, is measuredUs: bisected on a log scale.
+InSituFit bisect(InSituFit::Source source, double measuredUs, const std::function<double(double)>& stepAt) {
   InSituFit fit;
-  fit.recordedUs = w.recordedHostUs();
-  fit.calibratedUs = simulatedUs(1.0);
-  // The simulated step grows with the collectives' times: bisect the scale, on a log scale.
+  fit.source = source;
+  fit.measuredUs = measuredUs;
+  fit.calibratedUs = stepAt(1.0);
   double lo = std::log(kInSituMin), hi = std::log(kInSituMax);
-  if (simulatedUs(kInSituMax) <= fit.recordedUs) {
+  if (stepAt(kInSituMax) <= measuredUs) {
     lo = hi;
-  } else if (simulatedUs(kInSituMin) >= fit.recordedUs) {
+  } else if (stepAt(kInSituMin) >= measuredUs) {
     hi = lo;
   } else {
     for (int i = 0; i < 24; ++i) {
       const double mid = 0.5 * (lo + hi);
-      (simulatedUs(std::exp(mid)) > fit.recordedUs ? hi : lo) = mid;
+      (stepAt(std::exp(mid)) > measuredUs ? hi : lo) = mid;
     }
   }
   fit.scale = std::exp(0.5 * (lo + hi));
@@ -42,23 +43,66 @@ std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& 
   return fit;
 }
 
+}  // namespace
+
+std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& w,
+                                   std::optional<double> bandwidthGBps) {
+  if (!w.hostLane || !w.waitsBlockHost || w.cudaGraph || bandwidthGBps) return std::nullopt;
+  if (w.traceWorldSize <= 1 || w.worldSize <= 1) return std::nullopt;
+  const CompiledSchedule recorded = compileSchedule(w, defaultSchedule(w));
+  return bisect(InSituFit::Source::Recording, w.recordedHostUs(), [&](double scale) {
+    return simulate(w, scaledCost(trace, w, std::nullopt, scale), recorded).prediction.stepUs;
+  });
+}
+
+InSituFit fitToReplay(const schemas::Trace& trace, const Workload& w, const Schedule& replayed,
+                      double measuredUs, std::optional<double> bandwidthGBps) {
+  const CompiledSchedule def = compileSchedule(w, defaultSchedule(w));
+  const CompiledSchedule plan = compileSchedule(w, replayed);
+  return bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
+    const CostModel cost = scaledCost(trace, w, bandwidthGBps, scale);
+    const SimResult d = simulate(w, cost, def);
+    SimOptions withLaunches;  // as dcplan inspect simulates a plan: launches beyond the recorded run's
+    withLaunches.referenceCalls = d.gatherCalls + d.reduceCalls;
+    withLaunches.reference = &d;
+    return simulate(w, cost, plan, withLaunches).prediction.stepUs;
+  });
+}
+
 std::string inSituText(const InSituFit& fit) {
-  std::string text = "collectives in situ: the recorded step took " + formatMs(fit.recordedUs) +
-                     " on the host, its own schedule simulated on the calibration " +
-                     formatMs(fit.calibratedUs) + "; every collective is taken at " +
-                     formatFixed(fit.scale, 2) +
-                     "x the calibration's time (CPU ranks: compute and Gloo's threads share the cores)";
-  if (fit.atBound) text += "; the scale is at its bound, so the collectives do not explain the difference";
-  return text;
+  const std::string scale = formatFixed(fit.scale, 2) + "x the calibration's time";
+  switch (fit.source) {
+    case InSituFit::Source::Plan:
+      return "collectives in situ: " + scale + ", as the plan was calibrated on a replay (--calibrate)";
+    case InSituFit::Source::Replay:
+      return "collectives calibrated on a replay: it measured " + formatMs(fit.measuredUs) +
+             " a step, its plan simulated on the trace's calibration " + formatMs(fit.calibratedUs) +
+             "; every collective is taken at " + scale +
+             (fit.atBound ? "; the scale is at its bound, so the collectives do not explain the difference"
+                          : "");
+    case InSituFit::Source::Recording:
+      break;
+  }
+  return "collectives in situ: the recorded step took " + formatMs(fit.measuredUs) +
+         " on the host, its own schedule simulated on the calibration " + formatMs(fit.calibratedUs) +
+         "; every collective is taken at " + scale +
+         " (CPU ranks: compute and Gloo's threads share the cores)" +
+         (fit.atBound ? "; the scale is at its bound, so the collectives do not explain the difference" : "");
 }
 
 CostModel plannedCostModel(const schemas::Trace& trace, const Workload& w,
-                           std::optional<double> bandwidthGBps, std::optional<InSituFit>* fitOut) {
-  CostModelOptions o = costOptions(w, bandwidthGBps);
-  std::optional<InSituFit> fit = fitInSitu(trace, w, bandwidthGBps);
-  if (fit) o.inSituScale = fit->scale;
+                           std::optional<double> bandwidthGBps, std::optional<double> planScale,
+                           std::optional<InSituFit>* fitOut) {
+  std::optional<InSituFit> fit;
+  if (planScale) {
+    fit = InSituFit{};
+    fit->source = InSituFit::Source::Plan;
+    fit->scale = *planScale;
+  } else {
+    fit = fitInSitu(trace, w, bandwidthGBps);
+  }
   if (fitOut) *fitOut = fit;
-  return CostModel(trace.calibration, w.traceWorldSize, o);
+  return scaledCost(trace, w, bandwidthGBps, fit ? fit->scale : 1.0);
 }
 
 }  // namespace dcplan::planner

@@ -445,6 +445,33 @@ class Explainer {
   std::vector<std::string>& out_;
 };
 
+/// The in-situ scale of a --calibrate request, or std::invalid_argument saying why the replay
+/// cannot calibrate this plan.
+InSituFit calibrationFit(const schemas::Trace& trace, const Workload& w, const PlanRequest& req) {
+  const ReplayMeasurement& m = *req.calibrate;
+  const std::string what = "--calibrate " + m.description + ": ";
+  if (w.cudaGraph || m.cudaGraph) {
+    throw std::invalid_argument(what +
+                                "a step replayed as one CUDA graph writes no replay log, and a plan for "
+                                "one (--cuda-graph) is predicted from the device's own times: calibrate "
+                                "an eager or compiled replay");
+  }
+  if (m.worldSize != w.worldSize) {
+    throw std::invalid_argument(what + "the replayed plan is for " + std::to_string(m.worldSize) +
+                                " ranks, this plan for " + std::to_string(w.worldSize));
+  }
+  InSituFit fit = fitToReplay(trace, w, m.schedule, m.stepUs, req.bandwidthGBps);
+  if (fit.atBound) {
+    throw std::invalid_argument(what + "the replay measured " + formatMs(m.stepUs) +
+                                " a step where its plan is " + "predicted at " + formatMs(fit.calibratedUs) +
+                                " on the trace's calibration; " + "no collective time between " +
+                                formatFixed(kInSituMin, 3) + "x and " + formatFixed(kInSituMax, 0) +
+                                "x explains that (the host or the device, not " +
+                                "the communication, differs from the recording): not calibrated");
+  }
+  return fit;
+}
+
 }  // namespace
 
 CostModelOptions costOptions(const Workload& w, std::optional<double> bandwidthGBps) {
@@ -472,7 +499,12 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
         "--bandwidth: a bus bandwidth is a what-if for the collectives between ranks; this "
         "plan is for 1 rank, which has none (plan for more with --world-size N)");
   std::optional<InSituFit> inSitu;
-  CostModel cost = plannedCostModel(trace, w, req.bandwidthGBps, &inSitu);
+  std::optional<double> calibrated;
+  if (req.calibrate) {
+    inSitu = calibrationFit(trace, w, req);
+    calibrated = inSitu->scale;
+  }
+  CostModel cost = plannedCostModel(trace, w, req.bandwidthGBps, calibrated, calibrated ? nullptr : &inSitu);
   const uint64_t given = req.memoryBudgetBytes ? *req.memoryBudgetBytes
                          : w.capacityBytes > 0 ? w.capacityBytes
                                                : std::numeric_limits<uint64_t>::max();
@@ -525,6 +557,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   plan.options.bandwidthGBps = req.bandwidthGBps;
   plan.options.gradAccumSteps = w.gradAccumSteps;
   plan.options.cudaGraph = w.cudaGraph;
+  plan.options.inSituScale = calibrated;
+  if (inSitu) result.inSitu = inSituText(*inSitu);
   plan.persistent = chosen.schedule.persistent;
   plan.graphs = chosen.schedule.graphs;
   plan.predicted = rounded(chosen.sim.prediction);

@@ -62,7 +62,7 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   Workload w = makeWorkload(trace, plan.source.worldSize,
                             plan.options.cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
   std::optional<InSituFit> inSitu;
-  CostModel cost = plannedCostModel(trace, w, plan.options.bandwidthGBps, &inSitu);
+  CostModel cost = plannedCostModel(trace, w, plan.options.bandwidthGBps, plan.options.inSituScale, &inSitu);
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
   SimOptions withLaunches{true};
   withLaunches.referenceCalls = d.gatherCalls + d.reduceCalls;  // = recordedCalls(w, cost)

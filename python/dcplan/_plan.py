@@ -303,11 +303,11 @@ def measured(events: List[Dict]) -> Dict:
     steps, the first step left out as warm-up; None with fewer than 3 steps), ``steps`` (how many
     intervals that is) and ``peak_bytes`` (the highest memory at a forward's start, None without
     marks). Host time: on a GPU it is the step time when the loop waits for each step (a
-    ``loss.item()``), as training loops do."""
-    starts = _step_starts(events)
+    ``loss.item()``), as training loops do. The step rule is the one ``dcplan plan --calibrate``
+    reads logs with (dcplan/schemas/replay_log.h)."""
     peak = max((ev["peak_bytes"] for ev in events if ev["ev"] == "mark"), default=None)
-    gaps = [b - a for a, b in zip(starts[1:], starts[2:])]
-    return {"step_us": statistics.median(gaps) if gaps else None, "steps": len(gaps), "peak_bytes": peak}
+    median, steps = _C.replay_steps(_step_events(events))
+    return {"step_us": median, "steps": steps, "peak_bytes": peak}
 
 
 def _mib(b) -> str:
@@ -346,17 +346,14 @@ def _last_complete_step(execs: List[Dict]) -> Optional[int]:
     return steps[-2] if len(steps) >= 2 else None  # the final step may be cut short by the end of the run
 
 
+def _step_events(events: List[Dict]) -> List[tuple]:
+    """(ev, t_us, sync) of each event: what the step rule reads."""
+    return [(ev["ev"], int(ev.get("t_us", 0)), bool(ev.get("sync", True))) for ev in events]
+
+
 def _step_starts(events: List[Dict]) -> List[int]:
     """The host time (``t_us``) of each optimizer step's start: its first forward's mark."""
-    starts: List[int] = []
-    new_step = True
-    for ev in events:
-        if ev["ev"] == "mark" and new_step:
-            starts.append(ev["t_us"])
-            new_step = False
-        elif ev["ev"] == "start_backward":
-            new_step = ev.get("sync", True)  # an optimizer step ends with a synchronizing backward
-    return starts
+    return _C.replay_step_starts(_step_events(events))
 
 
 def last_step_ops(events: List[Dict], execs: Optional[List[Dict]] = None) -> Dict[tuple, Dict]:

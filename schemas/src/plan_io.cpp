@@ -90,6 +90,7 @@ class PlanValidator {
     o.bandwidthGBps = r.positiveNumber("bandwidth_gbps", P::Optional);
     o.gradAccumSteps = r.integer("grad_accum_steps", 1).value_or(1);
     o.cudaGraph = r.boolean("cuda_graph", P::Optional).value_or(false);
+    o.inSituScale = r.positiveNumber("in_situ_scale", P::Optional);
     r.rejectUnknownFields();
   }
 
@@ -212,6 +213,7 @@ std::string writePlan(const Plan& plan) {
   if (plan.options.bandwidthGBps) options["bandwidth_gbps"] = *plan.options.bandwidthGBps;
   options["grad_accum_steps"] = plan.options.gradAccumSteps;
   if (plan.options.cudaGraph) options["cuda_graph"] = true;
+  if (plan.options.inSituScale) options["in_situ_scale"] = *plan.options.inSituScale;
 
   ordered_json graphs = ordered_json::array();
   for (const auto& g : plan.graphs) {

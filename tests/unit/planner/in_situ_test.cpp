@@ -41,20 +41,20 @@ TEST(InSitu, TheDefaultScheduleTakesTheRecordedStep) {
   const Workload w = makeWorkload(t);
   ASSERT_TRUE(w.hostLane && w.waitsBlockHost);
   std::optional<InSituFit> fit;
-  const CostModel cost = plannedCostModel(t, w, std::nullopt, &fit);
-  ASSERT_TRUE(fit && fit->fitted());
-  EXPECT_NEAR(fit->recordedUs, w.recordedHostUs(), 1e-9);
-  EXPECT_LT(fit->calibratedUs, fit->recordedUs);
+  const CostModel cost = plannedCostModel(t, w, std::nullopt, std::nullopt, &fit);
+  ASSERT_TRUE(fit);
+  EXPECT_NEAR(fit->measuredUs, w.recordedHostUs(), 1e-9);
+  EXPECT_LT(fit->calibratedUs, fit->measuredUs);
   EXPECT_GT(fit->scale, 2.0);
   EXPECT_FALSE(fit->atBound);
   EXPECT_NEAR(cost.inSituScale(), fit->scale, 1e-12);
   // Bisected to 2^-24 of the log range: the step agrees to far better than 0.1%.
-  EXPECT_NEAR(defaultStepUs(t, w, cost), fit->recordedUs, 1e-3 * fit->recordedUs);
+  EXPECT_NEAR(defaultStepUs(t, w, cost), fit->measuredUs, 1e-3 * fit->measuredUs);
   // The plan's own prediction of the default schedule is the recorded step, and the line says so.
   PlanRequest req;
   req.explain = true;
   const PlanResult r = makePlan(t, req);
-  EXPECT_NEAR(r.plan.predictedDefault.stepUs, fit->recordedUs, 1e-3 * fit->recordedUs);
+  EXPECT_NEAR(r.plan.predictedDefault.stepUs, fit->measuredUs, 1e-3 * fit->measuredUs);
   bool said = false;
   for (const std::string& line : r.explanation)
     said = said || line.find("collectives in situ") != std::string::npos;
@@ -93,8 +93,60 @@ TEST(InSitu, OnlyCpuRanksRecordedAndPlannedOnMoreThanOneWithoutABandwidthWhatIf)
   noHost.steps[0].optimizerHostUs.reset();
   EXPECT_FALSE(fitInSitu(noHost, makeWorkload(noHost), std::nullopt));
   std::optional<InSituFit> fit = InSituFit{};
-  EXPECT_EQ(plannedCostModel(nccl, makeWorkload(nccl), std::nullopt, &fit).inSituScale(), 1.0);
+  EXPECT_EQ(plannedCostModel(nccl, makeWorkload(nccl), std::nullopt, std::nullopt, &fit).inSituScale(), 1.0);
   EXPECT_FALSE(fit);
+}
+
+PlanRequest calibrated(const Schedule& replayed, double stepUs, int64_t worldSize = 2) {
+  PlanRequest req;
+  req.calibrate =
+      ReplayMeasurement{replayed, worldSize, false, stepUs, "replay.0.jsonl (a replay of p.json)"};
+  return req;
+}
+
+TEST(InSituReplay, APlanIsCalibratedToTheStepItsReplayMeasured) {
+  const schemas::Trace t = glooTrace(test::kTinyGatherUs);
+  const Workload w = makeWorkload(t);
+  const schemas::Plan first = makePlan(t, PlanRequest{}).plan;
+  // Its replay measured the step 30% longer than predicted.
+  const double measured = 1.3 * first.predicted.stepUs;
+  const InSituFit fit = fitToReplay(t, w, scheduleOf(first), measured, std::nullopt);
+  EXPECT_EQ(fit.source, InSituFit::Source::Replay);
+  EXPECT_FALSE(fit.atBound);
+  EXPECT_GT(fit.scale, 1.0);
+  // Replanned with the scale, the replayed schedule is predicted at the measured step.
+  const PlanResult again = makePlan(t, calibrated(scheduleOf(first), measured));
+  ASSERT_TRUE(again.plan.options.inSituScale);
+  EXPECT_NEAR(*again.plan.options.inSituScale, fit.scale, 1e-12);
+  EXPECT_NE(again.inSitu.find("collectives calibrated on a replay"), std::string::npos) << again.inSitu;
+  const CostModel cost = plannedCostModel(t, w, std::nullopt, again.plan.options.inSituScale);
+  const SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)));
+  SimOptions o;
+  o.referenceCalls = d.gatherCalls + d.reduceCalls;
+  o.reference = &d;
+  EXPECT_NEAR(simulate(w, cost, compileSchedule(w, scheduleOf(first)), o).prediction.stepUs, measured,
+              1e-3 * measured);
+}
+
+TEST(InSituReplay, WhatCannotCalibrateIsRefusedSayingWhy) {
+  const schemas::Trace t = glooTrace(test::kTinyGatherUs);
+  const Schedule replayed = scheduleOf(makePlan(t, PlanRequest{}).plan);
+  auto refusal = [&](const PlanRequest& req) {
+    try {
+      makePlan(t, req);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("planned");
+  };
+  // A step a hundred times the prediction: no collective time explains it.
+  EXPECT_NE(refusal(calibrated(replayed, 1e8)).find("no collective time between 0.125x and 8x explains that"),
+            std::string::npos);
+  EXPECT_NE(refusal(calibrated(replayed, 5000, 4)).find("the replayed plan is for 4 ranks, this plan for 2"),
+            std::string::npos);
+  PlanRequest graph = calibrated(replayed, 5000);
+  graph.calibrate->cudaGraph = true;
+  EXPECT_NE(refusal(graph).find("one CUDA graph writes no replay log"), std::string::npos);
 }
 
 }  // namespace

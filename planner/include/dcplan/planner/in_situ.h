@@ -1,45 +1,60 @@
-// The collectives' cost as the recorded run paid it, on CPU ranks.
+// The collectives' cost as a run paid it: fitted to the recorded run on CPU ranks, or to a replay of
+// a plan (dcplan plan --calibrate).
 #pragma once
 
 #include <optional>
 #include <string>
 
 #include "dcplan/planner/cost_model.h"
+#include "dcplan/planner/simulator.h"
 #include "dcplan/planner/workload.h"
 #include "dcplan/schemas/trace.h"
 
 namespace dcplan::planner {
 
-/// How far the recorded run's collectives were from the calibration's times. The calibration times
-/// each collective alone; in the job, on CPU ranks, the ranks' compute threads and Gloo's share
-/// the cores, and a collective waits for the other ranks to arrive (2 ranks on 2 cores: the demo's
-/// recorded step 66 ms, its own schedule simulated on the calibration 38 ms). The recorded run is
-/// a measurement of the default schedule, so every collective's time is scaled until the default
-/// schedule, simulated, takes the recorded step's host time.
+/// How far a run's collectives were from the calibration's times. The calibration times each
+/// collective alone; in the job, on CPU ranks, the ranks' compute threads and Gloo's share the
+/// cores, and a collective waits for the other ranks to arrive (2 ranks on 2 cores: the demo's
+/// recorded step 66 ms, its own schedule simulated on the calibration 38 ms). A run is a
+/// measurement of the schedule it ran, so every collective's time is scaled until that schedule,
+/// simulated, takes the run's step.
 struct InSituFit {
+  enum class Source {
+    Recording,  ///< the recorded run, which ran the default schedule (CPU ranks)
+    Replay,     ///< a replay of a plan, measured by its replay logs (dcplan plan --calibrate)
+    Plan,       ///< the scale a calibrated plan carries (options.in_situ_scale)
+  };
+  Source source = Source::Recording;
   double scale = 1.0;       ///< CostModelOptions::inSituScale
-  double recordedUs = 0;    ///< the recorded step's host time (Workload::recordedHostUs)
-  double calibratedUs = 0;  ///< the default schedule simulated on the calibration as measured
-  bool atBound = false;     ///< the scale hit kInSituBounds: the collectives do not explain it
-  bool fitted() const { return recordedUs > 0; }
+  double measuredUs = 0;    ///< the run's step (the recorded step's host time, or the replay's)
+  double calibratedUs = 0;  ///< its schedule simulated on the calibration as measured
+  bool atBound = false;     ///< the scale hit its bound: the collectives do not explain the run
 };
 
-/// The scales a fit may take; beyond them the recorded step differs for some other reason.
+/// The scales a fit may take; beyond them the run's step differs for some other reason.
 inline constexpr double kInSituMin = 0.125;
 inline constexpr double kInSituMax = 8.0;
 
-/// The fit, where it applies: a host lane whose host blocks in waits (CPU ranks), collectives
-/// between ranks both recorded and planned, and no --bandwidth (a what-if of another cluster,
-/// whose contention this run says nothing about). nullopt elsewhere.
+/// The fit to the recorded run, where it applies: a host lane whose host blocks in waits (CPU
+/// ranks), collectives between ranks both recorded and planned, and no --bandwidth (a what-if of
+/// another cluster, whose contention this run says nothing about). nullopt elsewhere.
 std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& workload,
                                    std::optional<double> bandwidthGBps);
 
-/// One line for --explain and dcplan inspect: the recorded and calibrated steps and the scale.
+/// The fit to a replay of `replayed` (a plan made from this trace) whose step measured measuredUs.
+/// Any path the replay log can watch (not a CUDA graph); atBound where no scale explains it.
+InSituFit fitToReplay(const schemas::Trace& trace, const Workload& workload, const Schedule& replayed,
+                      double measuredUs, std::optional<double> bandwidthGBps);
+
+/// One line for --explain and dcplan inspect: the run's step, the calibrated one and the scale.
 std::string inSituText(const InSituFit& fit);
 
 /// The cost model a plan is made and simulated with (dcplan plan and dcplan inspect alike): the
-/// trace's calibration, the what-ifs (costOptions) and the in-situ fit where it applies.
+/// trace's calibration, the what-ifs (costOptions), and the plan's own in-situ scale where it
+/// carries one (planScale), else the fit to the recorded run where it applies. `fit`: which.
 CostModel plannedCostModel(const schemas::Trace& trace, const Workload& workload,
-                           std::optional<double> bandwidthGBps, std::optional<InSituFit>* fit = nullptr);
+                           std::optional<double> bandwidthGBps,
+                           std::optional<double> planScale = std::nullopt,
+                           std::optional<InSituFit>* fit = nullptr);
 
 }  // namespace dcplan::planner

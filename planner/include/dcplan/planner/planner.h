@@ -41,6 +41,15 @@ inline uint64_t plannedLimit(uint64_t limit) {
   return limit - static_cast<uint64_t>(static_cast<double>(limit) * kUnseenReserveShare);
 }
 
+/// A replay of an earlier plan of the same trace, measured (dcplan plan --calibrate).
+struct ReplayMeasurement {
+  Schedule schedule;        ///< the replayed plan's decisions (scheduleOf)
+  int64_t worldSize = 0;    ///< the replayed plan's
+  bool cudaGraph = false;   ///< a CUDA graph's replay has no replay log: refused
+  double stepUs = 0;        ///< the measured step (the slowest rank's median)
+  std::string description;  ///< what was measured, for messages ("replay.0.jsonl, replay.1.jsonl of p.json")
+};
+
 struct PlanRequest {
   Strategy strategy = Strategy::Optimized;
   std::optional<uint64_t> memoryBudgetBytes;  ///< absent: the device capacity, if known
@@ -49,12 +58,15 @@ struct PlanRequest {
   std::string traceName;                      ///< recorded in plan.source.trace
   bool explain = false;                       ///< fill PlanResult::explanation
   bool cudaGraph = false;                     ///< for dcplan.graphed_step (StepReplay::CudaGraph)
+  /// Plan with the collectives' in-situ scale fitted to this replay (InSituFit::Source::Replay).
+  std::optional<ReplayMeasurement> calibrate;
 };
 
 struct PlanResult {
   schemas::Plan plan;
   std::vector<std::string> explanation;  ///< why each decision was taken (with explain)
   std::vector<std::string> warnings;     ///< e.g. a default schedule over the budget
+  std::string inSitu;                    ///< the in-situ line (in_situ.h), where a scale was fitted
 };
 
 /// Called between planning phases with a short description of what is next.

@@ -1,0 +1,42 @@
+// What a replay log (JSON lines, docs/replay.md) measured of a run's steps. One rule for the
+// planner (dcplan plan --calibrate) and the check (dcplan check, through dcplan._C).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dcplan::schemas {
+
+/// The fields of a log line the step times come from.
+struct ReplayLogEvent {
+  std::string ev;    ///< "mark", "start_backward", "op", ...
+  int64_t tUs = 0;   ///< "mark": the host's monotonic clock, microseconds
+  bool sync = true;  ///< "start_backward": false on a micro-step before an accumulation boundary
+};
+
+/// The host time of each optimizer step's start: its first forward's mark (a backward with
+/// sync false leaves the step open, so the next forward's mark does not start one).
+std::vector<int64_t> stepStarts(const std::vector<ReplayLogEvent>& events);
+
+/// The median time between step starts, the first step left out as warm-up; nullopt with fewer
+/// than 3 starts (no interval after the first).
+struct MeasuredSteps {
+  std::optional<double> medianUs;
+  int64_t count = 0;  ///< intervals the median is taken over
+};
+MeasuredSteps measuredSteps(const std::vector<int64_t>& starts);
+
+/// A replay log read for its steps: the plan file its "plan" line names (the last one with a
+/// file; "" if none) and the measured steps.
+struct ReplayLog {
+  std::string path;
+  std::string planFile;
+  MeasuredSteps steps;
+};
+
+/// Reads a replay log; throws InputError naming the file and the line that is not JSON.
+ReplayLog readReplayLog(const std::string& path);
+
+}  // namespace dcplan::schemas

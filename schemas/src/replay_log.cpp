@@ -1,0 +1,66 @@
+// Step times of a replay log (see replay_log.h).
+#include "dcplan/schemas/replay_log.h"
+
+#include <algorithm>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "dcplan/schemas/io.h"
+
+namespace dcplan::schemas {
+
+std::vector<int64_t> stepStarts(const std::vector<ReplayLogEvent>& events) {
+  std::vector<int64_t> starts;
+  bool newStep = true;
+  for (const ReplayLogEvent& e : events) {
+    if (e.ev == "mark" && newStep) {
+      starts.push_back(e.tUs);
+      newStep = false;
+    } else if (e.ev == "start_backward") {
+      newStep = e.sync;  // an optimizer step ends with a synchronizing backward
+    }
+  }
+  return starts;
+}
+
+MeasuredSteps measuredSteps(const std::vector<int64_t>& starts) {
+  std::vector<double> gaps;
+  for (size_t i = 2; i < starts.size(); ++i) gaps.push_back(static_cast<double>(starts[i] - starts[i - 1]));
+  MeasuredSteps m;
+  m.count = static_cast<int64_t>(gaps.size());
+  if (gaps.empty()) return m;
+  std::sort(gaps.begin(), gaps.end());
+  const size_t n = gaps.size();
+  m.medianUs = n % 2 ? gaps[n / 2] : 0.5 * (gaps[n / 2 - 1] + gaps[n / 2]);
+  return m;
+}
+
+ReplayLog readReplayLog(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw InputError(path, {{"", "cannot open the replay log"}});
+  ReplayLog log;
+  log.path = path;
+  std::vector<ReplayLogEvent> events;
+  std::string line;
+  for (int64_t number = 1; std::getline(in, line); ++number) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("ev") || !j["ev"].is_string()) {
+      throw InputError(path,
+                       {{"", "line " + std::to_string(number) +
+                                 ": expected a JSON object with \"ev\" (a replay log, docs/replay.md)"}});
+    }
+    ReplayLogEvent e;
+    e.ev = j["ev"].get<std::string>();
+    if (j.contains("t_us") && j["t_us"].is_number()) e.tUs = j["t_us"].get<int64_t>();
+    if (j.contains("sync") && j["sync"].is_boolean()) e.sync = j["sync"].get<bool>();
+    if (e.ev == "plan" && j.contains("file") && j["file"].is_string())
+      log.planFile = j["file"].get<std::string>();
+    events.push_back(std::move(e));
+  }
+  log.steps = measuredSteps(stepStarts(events));
+  return log;
+}
+
+}  // namespace dcplan::schemas
