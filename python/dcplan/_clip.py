@@ -18,6 +18,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     every rank, as ``torch.nn.utils.clip_grad_norm_`` does for the unsharded model, and returns
     that total norm (the same on every rank). A collective: every rank of the model calls it,
     after ``backward()`` and before ``optimizer.step()``.
+
+    On a GPU nothing here waits for the device: the ranks' parts are combined by a collective the
+    stream waits for, and the scale is applied on the device, so it runs inside a step captured by
+    ``dcplan.graphed_step``. ``error_if_nonfinite=True`` reads the norm on the host, which a
+    captured step cannot: it is refused there (check the returned norm after the step instead).
     """
     state = getattr(model, "_dcplan", None)
     if state is None:
@@ -26,6 +31,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not (norm_type > 0 or math.isinf(norm_type)):
         raise ValueError(f"dcplan.clip_grad_norm_: norm_type should be > 0 or inf, got {norm_type}")
+    if error_if_nonfinite and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("dcplan.clip_grad_norm_: error_if_nonfinite=True reads the norm on the host, which a "
+                           "step captured in a CUDA graph (dcplan.graphed_step) cannot; pass "
+                           "error_if_nonfinite=False and check the returned norm after the step")
     grads = [i.shard.grad for i in state.trainable_infos if i.shard.grad is not None]
     device = state.infos[0].shard.device if state.infos else torch.device("cpu")
     # This rank's part: the padding past each parameter's end holds zero gradients.
@@ -36,7 +45,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     else:
         local = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32)
                              for g in grads]).pow(norm_type).sum()
-    parts = _C.all_gather_flat(local.reshape(1).float())  # every rank's part, in rank order
+    # Every rank's part, in rank order; the caller's stream waits for it, the host does not.
+    parts = _C.all_gather_flat(local.reshape(1).float())
     total = parts.max() if math.isinf(norm_type) else parts.sum().pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"dcplan.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "

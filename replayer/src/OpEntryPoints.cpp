@@ -366,7 +366,9 @@ at::Tensor allGatherFlat(const char* op, const at::Tensor& flat) {
   TORCH_CHECK(flat.dim() == 1, op, ": the tensor should be flat (1-D), got ", flat.sizes());
   at::Tensor in = flat.contiguous();
   at::Tensor out = at::empty({rt.transport_->worldSize() * in.numel()}, in.options());
-  guarded(rt, op, -1, -1, [&] { rt.transport_->allGather(out, in)->synchronize(); });
+  // wait(), not synchronize(): a device transport makes the caller's stream wait, so the host goes
+  // on and a CUDA graph can capture the call (clip_grad_norm_ inside dcplan.graphed_step).
+  guarded(rt, op, -1, -1, [&] { rt.transport_->allGather(out, in)->wait(); });
   return out;
 }
 

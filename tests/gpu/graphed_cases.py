@@ -15,9 +15,22 @@ from train_harness import run_cases  # noqa: E402
 
 STEPS = 6     # 2 warm-up calls, the capture (whose call replays once), 3 more replays
 LOGGED = 4    # the step whose host ops are logged: a replay
+MAX_NORM = 0.05  # small enough that every step clips
 
 
-def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: bool) -> Dict:
+def clipped(model) -> torch.Tensor:
+    """dcplan.clip_grad_norm_ with CUDA's sync debug mode at "error": any host synchronisation
+    inside raises (it must not have one, to be captured)."""
+    import dcplan
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return dcplan.clip_grad_norm_(model, MAX_NORM)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: bool, clip: bool = False) -> Dict:
     import dcplan
 
     torch._dynamo.reset()
@@ -35,9 +48,10 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
             loss = cc.loss_of(model, idx, tgt) / accum
             loss.backward()
             total += loss.detach()
+        norm = clipped(model) if clip else torch.zeros((), device="cuda")
         opt.step()
         opt.zero_grad()
-        return total
+        return torch.stack([total, norm])
 
     run = dcplan.graphed_step(step, warmup=2) if graphed else step
     losses: List[float] = []
@@ -47,7 +61,7 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
         micro = [(idx[mine], tgt[mine]) for idx, tgt in data[s % len(data)]]  # cc.data has cc.STEPS batches
         if graphed and s == LOGGED:
             dcplan._C.start_op_log()
-        losses.append(run(micro).item())
+        losses.append(run(micro).tolist())  # the loss and the clipped norm
         if graphed and s == LOGGED:
             host_ops = dcplan._C.take_op_log()
             dcplan._C.stop_op_log()
@@ -59,24 +73,37 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
             refused = str(e)
         assert model._dcplan.forward_depth == 0  # the refused forward left no forward open
         run.close()
+    refused_check = None
+    if graphed and clip:
+        # error_if_nonfinite reads the norm on the host: refused inside a capture, before any work.
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                dcplan.clip_grad_norm_(model, MAX_NORM, error_if_nonfinite=True)
+        except RuntimeError as e:
+            refused_check = str(e)
     # One eager step after the graph (after close() in the graphed run).
-    losses.append(step([(idx[mine], tgt[mine]) for idx, tgt in data[0]]).item())
+    losses.append(step([(idx[mine], tgt[mine]) for idx, tgt in data[0]]).tolist())
     params = {k: v.cpu() for k, v in dcplan.full_parameters(model).items()}
     return {"losses": losses, "params": params, "host_ops": host_ops, "refused": refused,
+            "refused_check": refused_check,
             "captured": graphed and run is not step}
 
 
-def both(variant: str, stage: int, accum: int, rank: int, ws: int) -> Dict:
+def both(variant: str, stage: int, accum: int, rank: int, ws: int, clip: bool = False) -> Dict:
     """The graphed run, then the plain one on a fresh runtime (both on every rank)."""
     import dcplan
 
-    graphed = train(variant, stage, accum, rank, ws, True)
+    graphed = train(variant, stage, accum, rank, ws, True, clip)
     dcplan.shutdown()
-    return {"graphed": graphed, "plain": train(variant, stage, accum, rank, ws, False)}
+    return {"graphed": graphed, "plain": train(variant, stage, accum, rank, ws, False, clip)}
+
+
+def case_name(variant: str, stage: int, accum: int, clip: bool = False) -> str:
+    return f"{variant}-zero{stage}-accum{accum}" + ("-clip" if clip else "")
 
 
 def worker(rank: int, ws: int, store: str, out_dir: str, cases: List[tuple], device: str = "cuda") -> None:
-    """cases: (variant "eager" | "compiled", stage, micro-steps); NCCL, rank r on GPU r."""
+    """cases: (variant "eager" | "compiled", stage, micro-steps, clip); NCCL, rank r on GPU r."""
     run_cases(rank, ws, store, out_dir,
-              [(f"{v}-zero{s}-accum{a}", lambda v=v, s=s, a=a: both(v, s, a, rank, ws), None) for v, s, a in cases],
+              [(case_name(*c), lambda c=c: both(c[0], c[1], c[2], rank, ws, c[3]), None) for c in cases],
               backend="nccl")

@@ -12,7 +12,9 @@ from mp_harness import entry, require_gpus, run_ranks
 
 pytestmark = pytest.mark.gpu
 
-CASES = [("eager", 3, 1), ("eager", 2, 2), ("compiled", 3, 1), ("compiled", 1, 1)]
+# (variant, stage, micro-steps, clip): clip runs dcplan.clip_grad_norm_ inside the step, captured.
+CASES = [("eager", 3, 1, False), ("eager", 2, 2, False), ("compiled", 3, 1, False), ("compiled", 1, 1, False),
+         ("eager", 3, 1, True), ("compiled", 3, 2, True)]
 # Both runs launch the same kernels with the same inputs, in fp32, except where a kernel's
 # reduction order is not fixed (atomics in scatter-adds, e.g. the embedding's backward): the GPU
 # matrix's tolerances (test_gpu_equivalence.py), not bit equality.
@@ -27,20 +29,24 @@ def results(dcplan_module):
     return run_ranks(gc.worker, min(2, torch.cuda.device_count()), CASES, "cuda")
 
 
-@pytest.mark.parametrize("variant,stage,accum", CASES, ids=[f"{v}-zero{s}-accum{a}" for v, s, a in CASES])
-def test_graphed_step_trains_like_the_plain_step(results, variant, stage, accum):
+@pytest.mark.parametrize("variant,stage,accum,clip", CASES, ids=[gc.case_name(*c) for c in CASES])
+def test_graphed_step_trains_like_the_plain_step(results, variant, stage, accum, clip):
     import torch
 
-    res = entry(results, f"{variant}-zero{stage}-accum{accum}")["value"]
+    res = entry(results, gc.case_name(variant, stage, accum, clip))["value"]
     graphed, plain = res["graphed"], res["plain"]
-    # The replays did the step's work: the losses (one per call, the last after close())
-    # and the final parameters follow the plain run's.
+    # The replays did the step's work: the losses and clipped norms (one per call, the last after
+    # close()) and the final parameters follow the plain run's. Clipping ran without a host
+    # synchronisation (clipped() raises at one) and clipped every step.
     torch.testing.assert_close(torch.tensor(graphed["losses"]), torch.tensor(plain["losses"]), **TOL)
     assert graphed["params"].keys() == plain["params"].keys()
     for name in plain["params"]:
         torch.testing.assert_close(graphed["params"][name], plain["params"][name], **TOL, msg=name)
     # ... and the host ran none of the dc ops of a replayed step (the op log saw nothing).
     assert graphed["host_ops"] == []
+    if clip:
+        assert all(norm > gc.MAX_NORM for _, norm in plain["losses"]), plain["losses"]
+        assert "error_if_nonfinite=True reads the norm on the host" in graphed["refused_check"]
     # An eager forward while the graph replays the steps is refused, naming the way out.
     assert "captured in a CUDA graph (dcplan.graphed_step)" in graphed["refused"]
     assert "close()" in graphed["refused"]

@@ -536,6 +536,15 @@ def test_clip_grad_norm_on_one_rank_and_the_warning_for_torchs(dcplan_module, gr
     torch.testing.assert_close(got, want)
     for p, s in zip(plain.parameters(), sharded.parameters()):
         torch.testing.assert_close(s.grad, p.grad.reshape(-1))  # clipped alike
+    # Nothing is read back to the host (what makes it capturable in a CUDA graph; tests/gpu checks
+    # the stream's side): no item(), tolist() or truth test of a tensor.
+    def read_back(*args, **kwargs):
+        raise AssertionError("clip_grad_norm_ read a tensor on the host")
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("item", "tolist", "__bool__"):
+            mp.setattr(torch.Tensor, name, read_back)
+        dcplan_module.clip_grad_norm_(sharded, 0.5)
     with pytest.warns(UserWarning, match="clips each rank by the norm of its own shards"):
         torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1.0)
     with warnings.catch_warnings():

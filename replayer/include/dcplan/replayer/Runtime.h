@@ -124,7 +124,9 @@ void reloadParameter(const at::Tensor& token, int64_t graphId, int64_t dsId);
 void allReduceInPlace(const char* op, const at::Tensor& tensor);
 /// Every rank's flat tensor, concatenated in rank order (world_size * numel elements): a
 /// collective over the runtime's transport. Its tensors are C++-owned, so that no Gloo worker
-/// ever holds a Python tensor (dropping one needs the GIL, which aborts at interpreter exit).
+/// ever holds a Python tensor (dropping one needs the GIL, which aborts at interpreter exit). On
+/// a GPU the caller's stream waits for it and the host does not (it captures in a CUDA graph);
+/// on CPU ranks the host waits.
 at::Tensor allGatherFlat(const char* op, const at::Tensor& flat);
 /// The shared-memory communicator of the ranks of this machine (LocalAllReduce.h), used by
 /// allReduceInPlace until cleanup(); null: none.
