@@ -18,6 +18,13 @@ LOGGED = 4    # the step whose host ops are logged: a replay
 MAX_NORM = 0.05  # small enough that every step clips
 
 
+def warmup_cosine(step: int) -> float:
+    """The learning rate's factor: 2 steps of linear warmup, then a cosine to 0 over STEPS."""
+    import math
+
+    return min(1.0, (step + 1) / 2) * 0.5 * (1 + math.cos(math.pi * step / (STEPS + 1)))
+
+
 def clipped(model) -> torch.Tensor:
     """dcplan.clip_grad_norm_ with CUDA's sync debug mode at "error": any host synchronisation
     inside raises (it must not have one, to be captured)."""
@@ -36,8 +43,12 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
     torch._dynamo.reset()
     model = cc.make("base", "cuda")
     dcplan.shard(model, stage=stage, reduce_bucket_bytes=1024, compile=variant == "compiled")
-    # capturable: the step count lives on the GPU, so that a replay advances it.
-    opt = torch.optim.AdamW(model.parameters(), lr=cc.LR, weight_decay=0.01, capturable=True)
+    # capturable: the step count lives on the GPU, so that a replay advances it. With clip, the
+    # recipe of a real run: a tensor learning rate that a warmup-cosine schedule updates in place
+    # between the replays (torch's schedulers fill a tensor lr), and clipping inside the step.
+    lr = torch.tensor(cc.LR, device="cuda") if clip else cc.LR
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, capturable=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine) if clip else None
     per = cc.BATCH // ws
     mine = slice(rank * per, (rank + 1) * per)
 
@@ -62,6 +73,8 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
         if graphed and s == LOGGED:
             dcplan._C.start_op_log()
         losses.append(run(micro).tolist())  # the loss and the clipped norm
+        if sched is not None:
+            sched.step()
         if graphed and s == LOGGED:
             host_ops = dcplan._C.take_op_log()
             dcplan._C.stop_op_log()

@@ -12,7 +12,8 @@ from mp_harness import entry, require_gpus, run_ranks
 
 pytestmark = pytest.mark.gpu
 
-# (variant, stage, micro-steps, clip): clip runs dcplan.clip_grad_norm_ inside the step, captured.
+# (variant, stage, micro-steps, clip): clip runs dcplan.clip_grad_norm_ inside the step, captured,
+# with a tensor learning rate on a warmup-cosine schedule stepped between the replays.
 CASES = [("eager", 3, 1, False), ("eager", 2, 2, False), ("compiled", 3, 1, False), ("compiled", 1, 1, False),
          ("eager", 3, 1, True), ("compiled", 3, 2, True)]
 # Both runs launch the same kernels with the same inputs, in fp32, except where a kernel's
@@ -37,7 +38,8 @@ def test_graphed_step_trains_like_the_plain_step(results, variant, stage, accum,
     graphed, plain = res["graphed"], res["plain"]
     # The replays did the step's work: the losses and clipped norms (one per call, the last after
     # close()) and the final parameters follow the plain run's. Clipping ran without a host
-    # synchronisation (clipped() raises at one) and clipped every step.
+    # synchronisation (clipped() raises at one) and clipped every step; the replays read the
+    # learning rate the schedule wrote (a frozen one would part the parameters).
     torch.testing.assert_close(torch.tensor(graphed["losses"]), torch.tensor(plain["losses"]), **TOL)
     assert graphed["params"].keys() == plain["params"].keys()
     for name in plain["params"]:
