@@ -25,6 +25,7 @@ struct PlanCliOptions {
   std::string bandwidth;
   bool explain = false;
   bool cudaGraph = false;
+  bool noCudaGraph = false;
   std::vector<std::string> calibrate;  ///< replay logs of an earlier plan's replay
 };
 
@@ -77,7 +78,7 @@ void runPlan(const PlanCliOptions& o) {
   req.worldSize = o.worldSize;
   req.traceName = std::filesystem::path(o.trace).filename().string();
   req.explain = o.explain;
-  req.cudaGraph = o.cudaGraph;
+  if (o.cudaGraph || o.noCudaGraph) req.cudaGraph = o.cudaGraph;  // else as the trace says
 
   schemas::Trace trace = schemas::readTrace(o.trace);
   if (!o.calibrate.empty()) req.calibrate = measuredReplay(o.calibrate);
@@ -120,7 +121,12 @@ void setupPlan(CLI::App& app) {
   cmd->add_flag(
       "--cuda-graph", o->cudaGraph,
       "plan and predict for a step replayed as one CUDA graph (dcplan.graphed_step): the device's own "
-      "times, recorded on a GPU, without the host's");
+      "times, recorded on a GPU, without the host's (the default for a trace whose step ran in "
+      "dcplan.graphed_step, meta.graphed)");
+  cmd->add_flag("--no-cuda-graph", o->noCudaGraph,
+                "plan for the host's replay (hooks or compiled graphs) even where the trace's step ran in "
+                "dcplan.graphed_step")
+      ->excludes("--cuda-graph");
   cmd->add_option(
          "--calibrate", o->calibrate,
          "the replay logs (DCPLAN_REPLAY_LOG) of a run of an earlier plan of this trace: plan again "

@@ -29,7 +29,8 @@ void printTraceSummary(std::ostream& out, const std::string& file, const Trace& 
   out << "trace:    " << file << " (" << kTraceSchema << ", " << t.meta.createdBy << ")\n"
       << "cluster:  " << t.meta.worldSize << " x " << t.meta.device << ", " << t.meta.backend << ", ZeRO-"
       << t.meta.stage << ", grad accum " << t.meta.gradAccumSteps << ", gather " << t.meta.paramDtype
-      << ", reduce " << t.meta.reduceDtype << "\n"
+      << ", reduce " << t.meta.reduceDtype << (t.meta.replay == "compiled" ? ", compiled" : "")
+      << (t.meta.graphed ? ", step in dcplan.graphed_step (planned for one CUDA graph per step)" : "") << "\n"
       << "model:    " << s.params << " parameters (" << s.trainableParams << " trainable), " << s.elements
       << " elements, " << formatBytes(s.masterBytes) << " master\n"
       << "memory:   capacity " << formatBytes(t.memory.capacityBytes) << ", baseline "

@@ -105,6 +105,7 @@ void bindPlan(py::module_& m) {
         out["signature"] = summary.signature;
         out["persistent"] = summary.persistent;
         out["prefetch_groups"] = summary.prefetchGroups;
+        out["cuda_graph"] = summary.cudaGraph;
         out["buckets"] = summary.buckets;
         return out;
       },

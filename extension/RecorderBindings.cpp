@@ -185,6 +185,9 @@ void bindRecorder(py::module_& m) {
       },
       py::arg("stage"), py::arg("forward_graph"), py::arg("backward_graph"), py::arg("param_dtype"),
       py::arg("reduce_dtype"), py::arg("params"), py::arg("compiled") = false);
+  m.def(
+      "record_graphed", [] { current("record_graphed")->markGraphed(); },
+      "The recorded script runs its step through dcplan.graphed_step: the trace says so (meta.graphed).");
   bindRecordingState(m);
   bindProbes(m);
 }

@@ -493,7 +493,9 @@ Schedule defaultSchedule(const Workload& w) {
 PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const ProgressFn& progress) {
   if (req.worldSize < 0)
     throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
-  Workload w = makeWorkload(trace, req.worldSize, req.cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
+  // A trace whose step ran in dcplan.graphed_step is planned for the graph without being asked.
+  const bool cudaGraph = req.cudaGraph.value_or(trace.meta.graphed);
+  Workload w = makeWorkload(trace, req.worldSize, cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
   if (req.bandwidthGBps && w.worldSize <= 1)  // the cost model has no bus to scale: refused, not ignored
     throw std::invalid_argument(
         "--bandwidth: a bus bandwidth is a what-if for the collectives between ranks; this "
@@ -578,11 +580,12 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
                                : ""));
     if (w.cudaGraph) {
       const double ops = w.opDeviceUs();
-      ex.line(
-          "replay: one CUDA graph per step (--cuda-graph): the device's own compute (device_us), the dc ops' "
-          "own work (op_device_us, " +
-          (ops > 0 ? formatMs(ops) : std::string("none in this trace")) + ") and optimizer (" +
-          formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
+      ex.line("replay: one CUDA graph per step (" +
+              std::string(req.cudaGraph ? "--cuda-graph" : "the trace's step ran in dcplan.graphed_step") +
+              "): the device's own compute (device_us), the dc ops' "
+              "own work (op_device_us, " +
+              (ops > 0 ? formatMs(ops) : std::string("none in this trace")) + ") and optimizer (" +
+              formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
     }
     uint64_t act = 0;
     for (const GraphRun& r : w.runs) act = std::max(act, r.mostActivationBytes());

@@ -98,7 +98,8 @@ void renderHeader(std::ostream& s, const schemas::Plan& plan, const std::string&
     << "made for: " << (plan.source.trace.empty() ? "?" : plan.source.trace) << " ("
     << plan.source.traceDigest << "), " << plan.source.worldSize << " ranks, ZeRO-" << plan.source.stage
     << ", grad accum " << plan.options.gradAccumSteps
-    << (plan.source.replay == "compiled" ? ", compiled" : "") << "\n"
+    << (plan.source.replay == "compiled" ? ", compiled" : "")
+    << (plan.options.cudaGraph ? ", one CUDA graph per step" : "") << "\n"
     << "options:  strategy " << plan.options.strategy << ", memory budget " << budgetText(plan)
     << ", bandwidth "
     << (plan.options.bandwidthGBps ? formatFixed(*plan.options.bandwidthGBps, 1) + " GB/s"

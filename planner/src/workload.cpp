@@ -179,7 +179,9 @@ void chooseTimes(Workload& w, const schemas::Trace& trace, size_t end, const std
   w.hostLane = false;
   w.optimizerHostUs = 0;
   const std::string lacks =
-      ": a plan for a CUDA graph (--cuda-graph) needs the device's own times, which the "
+      std::string(": a plan for a CUDA graph (") +
+      (trace.meta.graphed ? "the trace's step ran in dcplan.graphed_step, meta.graphed" : "--cuda-graph") +
+      ") needs the device's own times, which the "
       "recorder measures on a GPU in the last warm-up step (dcplan record --warmup of at "
       "least 2; docs/recording.md); this trace has none here (or the device caught up with "
       "the host in that step: the recorder warned)";

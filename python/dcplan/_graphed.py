@@ -25,7 +25,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import _C, _record
+from . import _C, _plan, _record
 
 
 _REUSE_SETTING = "graph_capture_record_stream_reuse"
@@ -153,13 +153,19 @@ class GraphedStep:
     def __call__(self, *args, **kwargs):
         if self._graph is None and _record.active():
             # The recorder observes every op, which a capture cannot: the step runs as written until
-            # the trace is written (the process then ends, unless DCPLAN_RECORD_EXIT=0).
-            return self._run_warmup(args, kwargs)
+            # the trace is written (the process then ends, unless DCPLAN_RECORD_EXIT=0); the trace
+            # says the step is graphed, so that its plan is for one CUDA graph.
+            _record.mark_graphed()
+            with _plan.graphed_call():
+                return self._run_warmup(args, kwargs)
         if self._graph is None and self._calls < self._warmup:
             self._calls += 1
-            return self._run_warmup(args, kwargs)
+            with _plan.graphed_call():
+                return self._run_warmup(args, kwargs)
         if self._graph is None:
-            self._capture(args, kwargs)
+            _plan.check_graphed_plan()
+            with _plan.graphed_call():
+                self._capture(args, kwargs)
         self._inputs.load(args, kwargs)
         self._graph.replay()
         self._calls += 1
@@ -198,7 +204,8 @@ class GraphedStep:
                 _reuse_freed_blocks(False)
             raise RuntimeError(
                 f"dcplan.graphed_step: capturing the step failed: {e}\nA captured step must run the same shapes "
-                "every call and must not synchronise the host (.item(), printing a tensor, dcplan.clip_grad_norm_), "
+                "every call and must not synchronise the host (.item(), printing a tensor, "
+                "dcplan.clip_grad_norm_(..., error_if_nonfinite=True)), "
                 "its optimizer must be capturable (capturable=True), and nothing may record it "
                 "(docs/compiled.md, 'CUDA graphs')") from e
         finally:

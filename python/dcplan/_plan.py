@@ -9,10 +9,10 @@ log (``DCPLAN_REPLAY_LOG``) and reads it back.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -84,7 +84,51 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
     )
     device = state.infos[0].shard.device if state.infos else torch.device("cpu")
     check_same_plan(path, before, _digest(path), device)
+    global _loaded
+    _loaded = (path, bool(loaded["cuda_graph"]))
     return loaded
+
+
+# The plan the runtime follows, (path, made for one CUDA graph per step), and how many
+# dcplan.graphed_step calls are running now: each kind of plan is refused by the other replay.
+_loaded: Optional[tuple] = None
+_graphed_depth = 0
+
+
+@contextlib.contextmanager
+def graphed_call():
+    """Inside a dcplan.graphed_step call (its warm-up, recorded or captured runs of the step)."""
+    global _graphed_depth
+    _graphed_depth += 1
+    try:
+        yield
+    finally:
+        _graphed_depth -= 1
+
+
+def check_graphed_plan() -> None:
+    """Before dcplan.graphed_step captures: the loaded plan, if any, was made for one CUDA graph."""
+    if _loaded is not None and not _loaded[1]:
+        raise ValueError(
+            f"dcplan.graphed_step: plan {_loaded[0]} was made for a replay by the host (hooks or compiled "
+            "graphs), and this step is captured in one CUDA graph; plan with dcplan plan --cuda-graph, or from a "
+            "trace recorded through dcplan.graphed_step (dcplan plan then plans for the graph by itself)")
+
+
+def check_forward() -> None:
+    """At each forward of a sharded model: a plan made for one CUDA graph is refused by a training
+    forward outside dcplan.graphed_step (an eval forward, without grad, may run between steps)."""
+    if _loaded is not None and _loaded[1] and _graphed_depth == 0 and torch.is_grad_enabled():
+        raise ValueError(
+            f"dcplan.shard: plan {_loaded[0]} was made for one CUDA graph per step (dcplan plan --cuda-graph, or a "
+            "trace recorded through dcplan.graphed_step), and this forward runs outside dcplan.graphed_step; run "
+            "the step through dcplan.graphed_step, or plan from a trace of this replay without --cuda-graph")
+
+
+def forget() -> None:
+    """dcplan.shutdown(): no plan is loaded any more."""
+    global _loaded
+    _loaded = None
 
 
 def _digest(path: str) -> bytes:

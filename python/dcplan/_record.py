@@ -144,6 +144,12 @@ def add_model(stage: int, fwd_graph: int, bwd_graph: int, infos, world_size: int
                         compiled)
 
 
+def mark_graphed() -> None:
+    """The recorded script runs its step through dcplan.graphed_step: the trace says so, and
+    dcplan plan plans for one CUDA graph per step."""
+    _C.record_graphed()
+
+
 def after_start_forward() -> None:
     """Called by the root forward pre-hook after start_forward(): finishes once every step is recorded."""
     global _active

@@ -491,6 +491,8 @@ def _make_root_pre_hook(state: _ShardState):
                 "dcplan: the sharded model's own forward runs inside a backward (activation checkpointing "
                 "around the whole model?); checkpoint its blocks instead, e.g. "
                 "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) inside forward")
+        if state.forward_depth == 0:
+            _plan.check_forward()  # before the forward opens: a refused one leaves nothing behind
         state.forward_depth += 1
         if state.forward_depth > 1:
             return
@@ -612,6 +614,7 @@ def shutdown() -> None:
     global _runtime_group, _next_ds_id, _next_graph_id
     _record.stop()
     _plan.stop_marks()
+    _plan.forget()
     _C.cleanup()
     _runtime_group = None
     _next_ds_id = 0

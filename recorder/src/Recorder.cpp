@@ -123,6 +123,11 @@ void Recorder::addModel(const ModelInfo& model) {
   models_.push_back(model);
 }
 
+void Recorder::markGraphed() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  graphed_ = true;
+}
+
 fs::path Recorder::tracePath() const {
   return config_.directory / ("rank" + std::to_string(transport_ ? transport_->rank() : 0) + ".trace.json");
 }
@@ -465,6 +470,7 @@ schemas::Trace Recorder::traceHeader(const schemas::Calibration& calibration, Tr
   t.meta.paramDtype = first.paramDtype;
   t.meta.reduceDtype = first.reduceDtype;
   t.meta.replay = first.compiled ? "compiled" : "eager";
+  t.meta.graphed = graphed_;
   t.meta.versions = config_.versions;
   t.meta.versions["dcplan"] = DCPLAN_VERSION;
   t.memory.capacityBytes = memory_->capacityBytes();

@@ -527,6 +527,7 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
   checkSource(path, plan, model, live, summary.signature);
   checkGraphs(path, plan, model);
   summary.persistent = plan.persistent;
+  summary.cudaGraph = plan.options.cudaGraph;
   for (const schemas::PlanGraph& pg : plan.graphs) {
     summary.prefetchGroups += static_cast<int64_t>(pg.prefetch.size());
     summary.buckets += static_cast<int64_t>(pg.buckets.size());

@@ -109,6 +109,7 @@ class TraceValidator {
     meta.paramDtype = r.dtype("param_dtype").value_or("");
     meta.reduceDtype = r.dtype("reduce_dtype").value_or("");
     meta.replay = r.oneOf("replay", {"eager", "compiled"}, FieldReader::Optional).value_or("eager");
+    meta.graphed = r.boolean("graphed", FieldReader::Optional).value_or(false);
     if (auto* versions = r.object("versions")) {
       for (const auto& [key, v] : versions->items()) {
         if (!v.is_string()) {
@@ -414,6 +415,7 @@ std::string writeTrace(const Trace& t) {
   meta["versions"] = ordered_json::object();
   for (const auto& [k, v] : t.meta.versions) meta["versions"][k] = v;
   if (t.meta.replay != "eager") meta["replay"] = t.meta.replay;  // absent: eager, as before the field
+  if (t.meta.graphed) meta["graphed"] = true;                    // absent: not graphed
 
   ordered_json params = ordered_json::array();
   for (const auto& p : t.params) {

@@ -89,15 +89,23 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
     device = sum(e["device_us"] for e in events)
     recorded = sum(e["compute_us"] for e in events)
     assert device < 0.8 * recorded, (device, recorded)
-    out = subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--cuda-graph", "--explain"], check=True,
+    # The trace says its step ran in dcplan.graphed_step: its plan is for the graph without --cuda-graph.
+    assert t["meta"]["graphed"] is True
+    out = subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--explain"], check=True,
                          env=env, capture_output=True, text=True).stdout
-    assert "replay: one CUDA graph per step (--cuda-graph)" in out
+    assert "replay: one CUDA graph per step (the trace's step ran in dcplan.graphed_step)" in out
     p = json.loads(plan.read_text())
     assert p["options"]["cuda_graph"] is True
     # The graph's prediction: the device's own compute and optimizer, without the host's time.
-    subprocess.run([cli, "plan", str(trace), "-o", str(tmp_path / "eager.json")], check=True, env=env,
-                   capture_output=True, text=True)
+    subprocess.run([cli, "plan", str(trace), "-o", str(tmp_path / "eager.json"), "--no-cuda-graph"], check=True,
+                   env=env, capture_output=True, text=True)
     assert p["predicted"]["step_us"] < json.loads((tmp_path / "eager.json").read_text())["predicted"]["step_us"]
     run = subprocess.run(script, env=dict(env, DCPLAN_PLAN=str(plan)), cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step   7" in run.stdout
+    # The plan for the host's replay is refused at the capture, naming the file and both kinds.
+    eager = tmp_path / "eager.json"
+    run = subprocess.run(script, env=dict(env, DCPLAN_PLAN=str(eager)), cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert (f"plan {eager} was made for a replay by the host (hooks or compiled graphs), and this step is "
+            "captured in one CUDA graph") in run.stderr, run.stderr[-3000:]

@@ -580,3 +580,25 @@ def test_capture_is_refused_while_ops_are_observed(C):
             C.begin_capture()
     finally:
         C.stop_op_log()
+
+
+def test_a_plan_is_refused_by_the_other_kind_of_replay(dcplan_module, monkeypatch):
+    """A plan made for one CUDA graph per step and a plan for the hooks: each refused by the other
+    replay (the wiring is tested end to end by test_record_e2e and tests/gpu)."""
+    from dcplan import _plan
+
+    monkeypatch.setattr(_plan, "_loaded", ("graph.json", True))
+    with pytest.raises(ValueError, match="plan graph.json was made for one CUDA graph per step"):
+        _plan.check_forward()
+    with torch.no_grad():
+        _plan.check_forward()  # an eval forward between graphed steps
+    with _plan.graphed_call():
+        _plan.check_forward()  # the warm-up and captured runs of dcplan.graphed_step
+        _plan.check_graphed_plan()
+    monkeypatch.setattr(_plan, "_loaded", ("hooks.json", False))
+    _plan.check_forward()
+    with pytest.raises(ValueError, match="plan hooks.json was made for a replay by the host .* captured in one "
+                                         "CUDA graph; plan with dcplan plan --cuda-graph"):
+        _plan.check_graphed_plan()
+    _plan.forget()
+    assert _plan._loaded is None

@@ -308,3 +308,15 @@ def test_plan_of_the_other_replay_mode_is_refused(dcplan_ok, tmp_path):
     assert r.returncode != 0
     assert (f"{eager_plan}: /source/replay: the plan was made from a trace of the eager model, this run is "
             "compiled") in r.stderr, r.stderr[-3000:]
+    # A plan for one CUDA graph per step (here the same schedule, marked so) is refused by a training
+    # forward outside dcplan.graphed_step, naming both kinds and the file.
+    graph_plan = tmp_path / "graph-plan.json"
+    marked = json.loads(eager_plan.read_text())
+    marked["options"]["cuda_graph"] = True
+    graph_plan.write_text(json.dumps(marked))
+    r = subprocess.run(torchrun("--steps", "2"), capture_output=True, text=True,
+                       env=env(DCPLAN_PLAN=str(graph_plan)), timeout=600)
+    assert r.returncode != 0
+    assert (f"plan {graph_plan} was made for one CUDA graph per step (dcplan plan --cuda-graph, or a trace "
+            "recorded through dcplan.graphed_step), and this forward runs outside dcplan.graphed_step") \
+        in r.stderr, r.stderr[-3000:]

@@ -57,7 +57,8 @@ struct PlanRequest {
   std::optional<double> bandwidthGBps;        ///< what-if bus bandwidth
   std::string traceName;                      ///< recorded in plan.source.trace
   bool explain = false;                       ///< fill PlanResult::explanation
-  bool cudaGraph = false;                     ///< for dcplan.graphed_step (StepReplay::CudaGraph)
+  /// For dcplan.graphed_step (StepReplay::CudaGraph); absent: as the trace says (meta.graphed).
+  std::optional<bool> cudaGraph;
   /// Plan with the collectives' in-situ scale fitted to this replay (InSituFit::Source::Replay).
   std::optional<ReplayMeasurement> calibrate;
 };

@@ -76,6 +76,8 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   /// and the calibration's collectives.
   void attachTransport(std::shared_ptr<replayer::Transport> transport);
   void addModel(const ModelInfo& model);
+  /// The script runs its step through dcplan.graphed_step (recorded uncaptured): trace meta.graphed.
+  void markGraphed();
 
   void onOpBegin(const replayer::OpEvent& event) override;
   void onOpEnd(const replayer::OpEvent& event) override;
@@ -219,6 +221,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   mutable std::recursive_mutex mutex_;
   bool recording_ = false;  // the current micro-step is recorded
   bool done_ = false;
+  bool graphed_ = false;  ///< markGraphed()
   bool finished_ = false;
   int64_t optimizerStepsSeen_ = 0;  // completed optimizer steps, warm-up included
   int64_t recordedSteps_ = 0;

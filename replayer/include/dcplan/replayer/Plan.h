@@ -53,6 +53,7 @@ struct PlanSummary {
   std::vector<int64_t> persistent;  ///< ds_ids kept gathered between uses
   int64_t prefetchGroups = 0;
   int64_t buckets = 0;
+  bool cudaGraph = false;  ///< made for one CUDA graph per step (options.cuda_graph)
 };
 
 /// One graph of a plan as a replay follows it: the prefetch groups launched just before the op at

@@ -25,6 +25,9 @@ struct TraceMeta {
   /// How the recorded run replayed: "eager" (module hooks) or "compiled" (torch.compile graphs,
   /// dcplan.shard(compile=True)); the two issue different op sequences.
   std::string replay = "eager";
+  /// The recorded script ran its step through dcplan.graphed_step (recorded uncaptured): its plan
+  /// is for one CUDA graph per step (dcplan plan plans so by itself).
+  bool graphed = false;
 };
 
 /// Device memory facts of the recording rank(s).
