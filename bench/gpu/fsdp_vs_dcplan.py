@@ -546,6 +546,17 @@ def merge_files(paths):
     report({mode: merge_rounds(rs) for mode, rs in runs.items()}, docs[0])
 
 
+def plans_for(plans, graphed: bool) -> list:
+    """The plans of a comma-separated list made for this kind of replay (options.cuda_graph): the
+    runtime refuses a plan for one CUDA graph outside dcplan.graphed_step, and the other way round."""
+    out = []
+    for plan in plans.split(",") if plans else []:
+        with open(plan) as f:
+            if json.load(f)["options"].get("cuda_graph", False) == graphed:
+                out.append(plan)
+    return out
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--merge":
         merge_files(sys.argv[2:])
@@ -568,16 +579,16 @@ def main():
     for _ in range(args.rounds):
         for mode in args.modes.split(","):
             if mode == "dcplan" and args.plan:
-                for plan in args.plan.split(","):
+                for plan in plans_for(args.plan, False):
                     name = "dcplan:" + os.path.basename(plan).removesuffix(".json")
                     runs.setdefault(name, []).append(bench.dcplan(plan))
             elif mode in ("dcplan-compiled", "dcplan-compiled-graphed"):
-                for plan in [None] + (args.compiled_plan.split(",") if args.compiled_plan else []):
+                for plan in [None] + plans_for(args.compiled_plan, mode.endswith("-graphed")):
                     name = mode + (":" + os.path.basename(plan).removesuffix(".json") if plan else "")
                     runs.setdefault(name, []).append(
                         bench.dcplan(plan, compiled=True, graphed=mode.endswith("-graphed")))
             elif mode == "dcplan-graphed":
-                for plan in [None] + (args.plan.split(",") if args.plan else []):
+                for plan in [None] + plans_for(args.plan, True):
                     name = mode + (":" + os.path.basename(plan).removesuffix(".json") if plan else "")
                     runs.setdefault(name, []).append(bench.dcplan(plan, graphed=True))
             elif mode == "fsdp2-compiled":

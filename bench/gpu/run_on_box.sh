@@ -12,8 +12,8 @@
 #       (default schedule and the plan) and the bound in one process, interleaved over rounds
 #   bash bench/gpu/run_on_box.sh graphed comm|compute [args]  # a step in one CUDA graph, predicted against
 #       measured: the bench's model recorded with $GMODE (dcplan-graphed or dcplan-compiled-graphed), planned
-#       for the hooks (hooks.json) and with --cuda-graph (graph.json), both replayed plainly and graphed in
-#       one process, interleaved over $ROUNDS rounds, with the bound
+#       for the hooks (hooks.json, --no-cuda-graph) and for the graph (graph.json), each replayed the way it
+#       was planned for, in one process, interleaved over $ROUNDS rounds, with the bound
 #   bash bench/gpu/run_on_box.sh breakdown comm|compute [args]  # the graphed step's device time by category
 #       against the device's own bounds (bench/gpu/device_breakdown.py); NOPLAN=1: default schedule
 #   bash bench/gpu/run_on_box.sh deepspeed comm|compute [args]  # DeepSpeed ZeRO-3 eager and DeepCompile
@@ -221,7 +221,7 @@ case "$what" in
     echo "== record ($mode: the step runs uncaptured while recorded)"
     record_bench "$P/trace.json" "$mode" 2 400 2>&1 | tee "$P/record.log" | grep "per step:\|Warning: record\|error" || true
     echo "== plan for the hooks, and for the graph"
-    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/hooks.json" > /dev/null
+    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/hooks.json" --no-cuda-graph > /dev/null
     build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/graph.json" --cuda-graph --explain | grep "^replay\|^predicted"
     bench $args --modes "$plain,$mode,bound" "$planflag" "$P/hooks.json,$P/graph.json" --warmup 8 --steps 20 \
       --rounds "${ROUNDS:-2}" --profile-steps 3 --json "$P/modes.json" "$@" 2>&1 | tee "$P/modes.log" | quiet
