@@ -166,9 +166,15 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=1,
                    help="with --no-shard: train the global batch of a run on this many ranks")
     p.add_argument("--losses", metavar="FILE", help="write the per-step losses to FILE as JSON")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="after every N-th step, an eval forward without grad on that step's first micro-batch "
+                        "(not a training step: dcplan record does not count it)")
     args = p.parse_args(argv)
     if args.cuda_graph and (args.no_shard or args.device == "cpu"):
         p.error("--cuda-graph captures a dcplan-sharded step on a GPU: not with --no-shard or --device cpu")
+    if args.cuda_graph and args.eval_every:
+        p.error("--eval-every with --cuda-graph: an eval forward between graphed steps is refused while the step "
+                "is captured (not supported yet)")
     if args.hidden % args.heads:
         p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
     kv = args.kv_heads or args.heads
@@ -269,6 +275,14 @@ def main(argv=None) -> int:
         losses.append(value)
         if rank == 0:
             print(f"step {step:3d}  loss {value:.6f}  {1e3 * (time.perf_counter() - start):8.1f} ms", flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            inputs, targets = micro_batches[0]
+            model.eval()
+            with torch.no_grad():
+                eval_loss = F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
+            model.train()
+            if rank == 0:
+                print(f"eval after step {step:3d}  loss {float(eval_loss):.6f}", flush=True)
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump({"losses": losses}, f)

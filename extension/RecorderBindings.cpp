@@ -186,6 +186,9 @@ void bindRecorder(py::module_& m) {
       py::arg("stage"), py::arg("forward_graph"), py::arg("backward_graph"), py::arg("param_dtype"),
       py::arg("reduce_dtype"), py::arg("params"), py::arg("compiled") = false);
   m.def(
+      "record_pause", [](bool paused) { current("record_pause")->setPaused(paused); }, py::arg("paused"),
+      "Pauses (True) or resumes recording around a forward that is not a training micro-step.");
+  m.def(
       "record_graphed", [] { current("record_graphed")->markGraphed(); },
       "The recorded script runs its step through dcplan.graphed_step: the trace says so (meta.graphed).");
   bindRecordingState(m);

@@ -144,6 +144,12 @@ def add_model(stage: int, fwd_graph: int, bwd_graph: int, infos, world_size: int
                         compiled)
 
 
+def pause(paused: bool) -> None:
+    """Around a forward that is not a training micro-step (no grad: an eval forward, generate()):
+    the recorder neither records it nor counts it as a step."""
+    _C.record_pause(paused)
+
+
 def mark_graphed() -> None:
     """The recorded script runs its step through dcplan.graphed_step: the trace says so, and
     dcplan plan plans for one CUDA graph per step."""

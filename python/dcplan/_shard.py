@@ -83,6 +83,7 @@ class _ShardState:
         self.infos: List[_ParamInfo] = []
         self.forward_depth = 0
         self.saved_hooks = None
+        self.record_paused = False  # this forward (no grad) is not recorded as a micro-step
         self.outside: Dict[tuple, torch.Tensor] = {}  # this forward's reads outside the owning module
         self.trainable_infos: List[_ParamInfo] = []
         self.trainable_ids: List[int] = []
@@ -498,8 +499,11 @@ def _make_root_pre_hook(state: _ShardState):
             return
         state.hooks.refresh()  # stale copies go before a planned prefetch could find them held
         _plan.mark_step()
+        state.record_paused = _record.active() and not torch.is_grad_enabled()
+        if state.record_paused:
+            _record.pause(True)  # an eval forward: not a micro-step of the recorded steps
         _C.start_forward()
-        if _record.active():
+        if _record.active() and not state.record_paused:
             _record.after_start_forward()  # ends the process once every step is recorded
         if state.stage == 3 and not state.compiled:  # compiled: the partitioner re-gathers
             state.saved_hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
@@ -518,6 +522,9 @@ def _make_root_post_hook(state: _ShardState):
             hooks, state.saved_hooks = state.saved_hooks, None
             hooks.__exit__(None, None, None)
         _C.end_forward()
+        if state.record_paused:
+            state.record_paused = False
+            _record.pause(False)
         _plan.warn_departure()
         if state.compiled and torch.is_grad_enabled():
             _begin_backward_before(state, output)

@@ -123,6 +123,11 @@ void Recorder::addModel(const ModelInfo& model) {
   models_.push_back(model);
 }
 
+void Recorder::setPaused(bool paused) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  paused_ = paused;
+}
+
 void Recorder::markGraphed() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   graphed_ = true;
@@ -150,7 +155,7 @@ void Recorder::writeProgress() {
 void Recorder::onStartForward() {
   const HostTime hostNow = hostClock();  // the optimizer's host time ends here, the step's starts below
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (finished_ || done_) return;
+  if (finished_ || done_ || paused_) return;
   const TimePoint now = timer_->mark(Stream::Compute);
   const double lastSpanUs = haveMicro_ ? hostUs(current_.hostStart, hostNow).value_or(0) : 0;
   bool drain = false;
@@ -222,7 +227,7 @@ void Recorder::onOptimizerStepIssued() {
 void Recorder::onOpBegin(const replayer::OpEvent& event) {
   const HostTime called = hostClock();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (!observing() || finished_ || event.graphId < 0) return;
+  if (!observing() || finished_ || paused_ || event.graphId < 0) return;
   // The op starts now: what the recorder does below lies inside the op's span, not in the
   // compute before it (a host-bound GPU would idle through it, and the planner would count
   // the recorder's bookkeeping as model compute).
@@ -271,7 +276,7 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
 void Recorder::onOpEnd(const replayer::OpEvent& event) {
   const HostTime returning = hostClock();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (finished_ || done_ || event.graphId < 0) return;
+  if (finished_ || done_ || paused_ || event.graphId < 0) return;
   const std::string_view op(event.op);
   // A mark may cost a device event: only for what is recorded, and step boundaries.
   if (op != "end_backward" && (!observing() || currentEvent_ < 0)) return;

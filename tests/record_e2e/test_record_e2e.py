@@ -320,3 +320,25 @@ def test_plan_of_the_other_replay_mode_is_refused(dcplan_ok, tmp_path):
     assert (f"plan {graph_plan} was made for one CUDA graph per step (dcplan plan --cuda-graph, or a trace "
             "recorded through dcplan.graphed_step), and this forward runs outside dcplan.graphed_step") \
         in r.stderr, r.stderr[-3000:]
+
+
+def test_eval_forwards_between_steps_are_not_recorded_as_steps(dcplan_ok, tmp_path):
+    """An eval forward (no grad) after every step is neither a micro-step nor a graph run of the
+    trace: the trace of the same job without it has the same steps, graphs and ops."""
+    def trace_of(name, *extra):
+        out = tmp_path / f"{name}.json"
+        r = subprocess.run([dcplan_ok, "record", "-o", str(out), "--steps", "2", "--warmup", "1", "--",
+                            *torchrun("--steps", "5", *extra)], capture_output=True, text=True, env=env(),
+                           timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(out.read_text())
+
+    evaluated, plain = trace_of("eval", "--eval-every", "1"), trace_of("plain")
+    assert evaluated["meta"]["grad_accum_steps"] == plain["meta"]["grad_accum_steps"] == 1
+
+    def shape(t):
+        return [[(g["kind"], [(e["op"], e.get("ds_id")) for e in g["events"]]) for g in s["graphs"]]
+                for s in t["steps"]]
+
+    assert len(evaluated["steps"]) == 2
+    assert shape(evaluated) == shape(plain)

@@ -78,6 +78,9 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   void addModel(const ModelInfo& model);
   /// The script runs its step through dcplan.graphed_step (recorded uncaptured): trace meta.graphed.
   void markGraphed();
+  /// A forward that is not a training micro-step (an eval forward, without grad) runs while
+  /// paused: its start and ops are not recorded and it counts as no step.
+  void setPaused(bool paused);
 
   void onOpBegin(const replayer::OpEvent& event) override;
   void onOpEnd(const replayer::OpEvent& event) override;
@@ -222,6 +225,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   bool recording_ = false;  // the current micro-step is recorded
   bool done_ = false;
   bool graphed_ = false;  ///< markGraphed()
+  bool paused_ = false;   ///< setPaused()
   bool finished_ = false;
   int64_t optimizerStepsSeen_ = 0;  // completed optimizer steps, warm-up included
   int64_t recordedSteps_ = 0;
