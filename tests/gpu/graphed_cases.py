@@ -46,8 +46,9 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
     # capturable: the step count lives on the GPU, so that a replay advances it. With clip, the
     # recipe of a real run: a tensor learning rate that a warmup-cosine schedule updates in place
     # between the replays (torch's schedulers fill a tensor lr), and clipping inside the step.
+    # The recipe's optimizer is also the fused one (docs/compiled.md), as README's snippet has it.
     lr = torch.tensor(cc.LR, device="cuda") if clip else cc.LR
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, capturable=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, capturable=True, fused=clip or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine) if clip else None
     per = cc.BATCH // ws
     mine = slice(rank * per, (rank + 1) * per)
