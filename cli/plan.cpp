@@ -29,9 +29,27 @@ struct PlanCliOptions {
   std::vector<std::string> calibrate;  ///< replay logs of an earlier plan's replay
 };
 
+/// The plan a replay log names: as the job gave it, or, relative and not found from here, beside
+/// the log. InputError naming the log where it cannot be read.
+schemas::Plan replayedPlan(const std::string& log, const std::string& planFile) {
+  std::filesystem::path path(planFile);
+  if (path.is_relative() && !std::filesystem::exists(path)) {
+    const std::filesystem::path beside = std::filesystem::path(log).parent_path() / path;
+    if (std::filesystem::exists(beside)) path = beside;
+  }
+  try {
+    return schemas::readPlan(path);
+  } catch (const schemas::InputError& e) {
+    throw schemas::InputError(log, {{"", "--calibrate: the log replayed " + planFile +
+                                             ", which cannot be read as a plan: " + e.what()}});
+  }
+}
+
 /// What --calibrate's replay logs measured: the plan they replayed (the one their "plan" lines
-/// name) and its step, the slowest rank's median. InputError naming the log that cannot serve.
-planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs) {
+/// name, which must be a plan of `trace`) and its step, the slowest rank's median. InputError
+/// naming the log or plan that cannot serve.
+planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, const schemas::Trace& trace,
+                                          const std::string& traceFile) {
   planner::ReplayMeasurement m;
   std::string planFile;
   std::string names;
@@ -54,7 +72,15 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs) 
     m.stepUs = std::max(m.stepUs, *log.steps.medianUs);
     names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
   }
-  const schemas::Plan replayed = schemas::readPlan(planFile);
+  const schemas::Plan replayed = replayedPlan(logs.back(), planFile);
+  const std::string digest = schemas::traceDigest(trace);
+  if (replayed.source.traceDigest != digest) {
+    throw schemas::InputError(planFile,
+                              {{"/source/trace_digest",
+                                "--calibrate: the replayed plan was made from "
+                                "another trace (" +
+                                    replayed.source.traceDigest + "), " + traceFile + " is " + digest}});
+  }
   m.schedule = planner::scheduleOf(replayed);
   m.worldSize = replayed.source.worldSize;
   m.cudaGraph = replayed.options.cudaGraph;
@@ -81,7 +107,7 @@ void runPlan(const PlanCliOptions& o) {
   if (o.cudaGraph || o.noCudaGraph) req.cudaGraph = o.cudaGraph;  // else as the trace says
 
   schemas::Trace trace = schemas::readTrace(o.trace);
-  if (!o.calibrate.empty()) req.calibrate = measuredReplay(o.calibrate);
+  if (!o.calibrate.empty()) req.calibrate = measuredReplay(o.calibrate, trace, o.trace);
   // Progress only when planning is slow enough for someone to wonder.
   auto start = std::chrono::steady_clock::now();
   planner::ProgressFn progress = [start](const std::string& what) {

@@ -49,10 +49,10 @@ py::list followedGraphsOf(const std::string& text, const std::string& name,
 
 /// A replay log's events as the step rule reads them (dcplan/schemas/replay_log.h).
 std::vector<schemas::ReplayLogEvent> stepEvents(
-    const std::vector<std::tuple<std::string, int64_t, bool>>& events) {
+    const std::vector<std::tuple<std::string, int64_t, bool, bool>>& events) {
   std::vector<schemas::ReplayLogEvent> out;
   out.reserve(events.size());
-  for (const auto& [ev, tUs, sync] : events) out.push_back({ev, tUs, sync});
+  for (const auto& [ev, tUs, sync, grad] : events) out.push_back({ev, tUs, sync, grad});
   return out;
 }
 
@@ -143,21 +143,22 @@ void bindPlan(py::module_& m) {
       "since the op before).");
   m.def(
       "replay_step_starts",
-      [](const std::vector<std::tuple<std::string, int64_t, bool>>& events) {
+      [](const std::vector<std::tuple<std::string, int64_t, bool, bool>>& events) {
         return schemas::stepStarts(stepEvents(events));
       },
       py::arg("events"),
-      "The t_us of each optimizer step's start in a replay log's (ev, t_us, sync) events "
+      "The t_us of each optimizer step's start in a replay log's (ev, t_us, sync, grad) events "
       "(dcplan/schemas/replay_log.h).");
   m.def(
       "replay_steps",
-      [](const std::vector<std::tuple<std::string, int64_t, bool>>& events) {
+      [](const std::vector<std::tuple<std::string, int64_t, bool, bool>>& events) {
         const schemas::MeasuredSteps m = schemas::measuredSteps(schemas::stepStarts(stepEvents(events)));
         return py::make_tuple(m.medianUs ? py::object(py::float_(*m.medianUs)) : py::object(py::none()),
                               m.count);
       },
       py::arg("events"),
-      "(median step in us or None, intervals timed) of a replay log's (ev, t_us, sync) events: the step "
+      "(median step in us or None, intervals timed) of a replay log's (ev, t_us, sync, grad) events: the "
+      "step "
       "rule of dcplan check and dcplan plan --calibrate.");
   m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
   m.def("log_replay_event", &logReplayEvent, py::arg("json"), py::call_guard<py::gil_scoped_release>(),

@@ -49,9 +49,13 @@ std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& 
                                    std::optional<double> bandwidthGBps) {
   if (!w.hostLane || !w.waitsBlockHost || w.cudaGraph || bandwidthGBps) return std::nullopt;
   if (w.traceWorldSize <= 1 || w.worldSize <= 1) return std::nullopt;
-  const CompiledSchedule recorded = compileSchedule(w, defaultSchedule(w));
-  return bisect(InSituFit::Source::Recording, w.recordedHostUs(), [&](double scale) {
-    return simulate(w, scaledCost(trace, w, std::nullopt, scale), recorded).prediction.stepUs;
+  // Fitted where the recorded run ran (the traced world size); a --world-size what-if keeps the
+  // scale, with its own ring factor and shards on top.
+  const Workload traced =
+      w.worldSize == w.traceWorldSize ? w : makeWorkload(trace, w.traceWorldSize, StepReplay::Issued);
+  const CompiledSchedule recorded = compileSchedule(traced, defaultSchedule(traced));
+  return bisect(InSituFit::Source::Recording, traced.recordedHostUs(), [&](double scale) {
+    return simulate(traced, scaledCost(trace, traced, std::nullopt, scale), recorded).prediction.stepUs;
   });
 }
 
@@ -73,7 +77,7 @@ std::string inSituText(const InSituFit& fit) {
   const std::string scale = formatFixed(fit.scale, 2) + "x the calibration's time";
   switch (fit.source) {
     case InSituFit::Source::Plan:
-      return "collectives in situ: " + scale + ", as the plan was calibrated on a replay (--calibrate)";
+      return "collectives in situ: " + scale + ", the scale the plan was made with (options.in_situ_scale)";
     case InSituFit::Source::Replay:
       return "collectives calibrated on a replay: it measured " + formatMs(fit.measuredUs) +
              " a step, its plan simulated on the trace's calibration " + formatMs(fit.calibratedUs) +
@@ -87,7 +91,9 @@ std::string inSituText(const InSituFit& fit) {
          " on the host, its own schedule simulated on the calibration " + formatMs(fit.calibratedUs) +
          "; every collective is taken at " + scale +
          " (CPU ranks: compute and Gloo's threads share the cores)" +
-         (fit.atBound ? "; the scale is at its bound, so the collectives do not explain the difference" : "");
+         (fit.atBound ? "; that is the scale's bound, so the collectives do not explain the difference: not "
+                        "applied, planned with the calibration as measured"
+                      : "");
 }
 
 CostModel plannedCostModel(const schemas::Trace& trace, const Workload& w,
@@ -102,7 +108,7 @@ CostModel plannedCostModel(const schemas::Trace& trace, const Workload& w,
     fit = fitInSitu(trace, w, bandwidthGBps);
   }
   if (fitOut) *fitOut = fit;
-  return scaledCost(trace, w, bandwidthGBps, fit ? fit->scale : 1.0);
+  return scaledCost(trace, w, bandwidthGBps, fit && !fit->atBound ? fit->scale : 1.0);
 }
 
 }  // namespace dcplan::planner

@@ -490,6 +490,41 @@ Schedule defaultSchedule(const Workload& w) {
   return assemble(c, stagePersistent(w), greedyBuckets(c, kDefaultBucketBytes), {});
 }
 
+namespace {
+
+/// --explain's first lines: the trace, the cluster, how the step is replayed, the memory limit and
+/// the cost model the plan is made with.
+void explainSetting(Explainer& ex, const Workload& w, const PlanRequest& req, const std::string& limitText,
+                    const std::string& limitNote, const CostModel& cost,
+                    const std::optional<InSituFit>& inSitu) {
+  const size_t runs = w.runs.size();
+  ex.line("trace: " + req.traceName + ": " + std::to_string(w.params.size()) + " params, " +
+          std::to_string(w.graphs.size()) + " graphs, " + std::to_string(runs) +
+          " graph runs per step, step " + std::to_string(w.traceStep));
+  ex.line(
+      "cluster: " + std::to_string(w.worldSize) + " ranks (traced on " + std::to_string(w.traceWorldSize) +
+      "), stage " + std::to_string(w.stage) + ", grad accum " + std::to_string(w.gradAccumSteps) +
+      (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)" : ""));
+  if (w.cudaGraph) {
+    const double ops = w.opDeviceUs();
+    ex.line("replay: one CUDA graph per step (" +
+            std::string(req.cudaGraph ? "--cuda-graph" : "the trace's step ran in dcplan.graphed_step") +
+            "): the device's own compute (device_us), the dc ops' "
+            "own work (op_device_us, " +
+            (ops > 0 ? formatMs(ops) : std::string("none in this trace")) + ") and optimizer (" +
+            formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
+  }
+  uint64_t act = 0;
+  for (const GraphRun& r : w.runs) act = std::max(act, r.mostActivationBytes());
+  ex.line("memory limit: " + limitText + " (" + limitNote + ")" + "; baseline " +
+          formatBytes(w.baselineBytes) + ", activations up to " + formatBytes(act));
+  ex.line("cost model:");
+  for (const std::string& s : cost.describe()) ex.line("  " + s);
+  if (inSitu) ex.line("  " + inSituText(*inSitu));
+}
+
+}  // namespace
+
 PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const ProgressFn& progress) {
   if (req.worldSize < 0)
     throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
@@ -559,8 +594,10 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   plan.options.bandwidthGBps = req.bandwidthGBps;
   plan.options.gradAccumSteps = w.gradAccumSteps;
   plan.options.cudaGraph = w.cudaGraph;
-  plan.options.inSituScale = calibrated;
+  // The scale the plan was made with, so that inspect simulates it alike without fitting again.
+  if (cost.inSituScale() != 1.0) plan.options.inSituScale = cost.inSituScale();
   if (inSitu) result.inSitu = inSituText(*inSitu);
+  if (inSitu && inSitu->atBound) result.warnings.push_back(result.inSitu);
   plan.persistent = chosen.schedule.persistent;
   plan.graphs = chosen.schedule.graphs;
   plan.predicted = rounded(chosen.sim.prediction);
@@ -569,31 +606,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   if (req.explain) {
     std::vector<std::string>& out = result.explanation;
     Explainer ex(w, c, out);
-    size_t runs = w.runs.size();
-    ex.line("trace: " + req.traceName + ": " + std::to_string(w.params.size()) + " params, " +
-            std::to_string(w.graphs.size()) + " graphs, " + std::to_string(runs) +
-            " graph runs per step, step " + std::to_string(w.traceStep));
-    ex.line("cluster: " + std::to_string(w.worldSize) + " ranks (traced on " +
-            std::to_string(w.traceWorldSize) + "), stage " + std::to_string(w.stage) + ", grad accum " +
-            std::to_string(w.gradAccumSteps) +
-            (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)"
-                               : ""));
-    if (w.cudaGraph) {
-      const double ops = w.opDeviceUs();
-      ex.line("replay: one CUDA graph per step (" +
-              std::string(req.cudaGraph ? "--cuda-graph" : "the trace's step ran in dcplan.graphed_step") +
-              "): the device's own compute (device_us), the dc ops' "
-              "own work (op_device_us, " +
-              (ops > 0 ? formatMs(ops) : std::string("none in this trace")) + ") and optimizer (" +
-              formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
-    }
-    uint64_t act = 0;
-    for (const GraphRun& r : w.runs) act = std::max(act, r.mostActivationBytes());
-    ex.line("memory limit: " + (unlimited ? std::string("none") : formatBytes(limit)) + " (" + limitNote +
-            ")" + "; baseline " + formatBytes(w.baselineBytes) + ", activations up to " + formatBytes(act));
-    ex.line("cost model:");
-    for (const std::string& s : cost.describe()) ex.line("  " + s);
-    if (inSitu) ex.line("  " + inSituText(*inSitu));
+    explainSetting(ex, w, req, unlimited ? std::string("none") : formatBytes(limit), limitNote, cost, inSitu);
     ex.line("default schedule: " + predictionLine(def.sim.prediction));
     if (req.strategy == Strategy::Optimized) {
       ex.line("strategy optimized: " + std::to_string(all.size()) + " candidate schedules simulated");

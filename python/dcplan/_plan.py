@@ -86,11 +86,14 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
     check_same_plan(path, before, _digest(path), device)
     global _loaded
     _loaded = (path, bool(loaded["cuda_graph"]))
+    state.plan = _loaded
     return loaded
 
 
-# The plan the runtime follows, (path, made for one CUDA graph per step), and how many
-# dcplan.graphed_step calls are running now: each kind of plan is refused by the other replay.
+# The plan the runtime follows (one per process), (path, made for one CUDA graph per step), and how
+# many dcplan.graphed_step calls are running now: each kind of plan is refused by the other replay.
+# Each sharded model keeps its own (its _ShardState.plan): a model sharded without one is not held
+# to another's.
 _loaded: Optional[tuple] = None
 _graphed_depth = 0
 
@@ -115,12 +118,13 @@ def check_graphed_plan() -> None:
             "trace recorded through dcplan.graphed_step (dcplan plan then plans for the graph by itself)")
 
 
-def check_forward() -> None:
-    """At each forward of a sharded model: a plan made for one CUDA graph is refused by a training
-    forward outside dcplan.graphed_step (an eval forward, without grad, may run between steps)."""
-    if _loaded is not None and _loaded[1] and _graphed_depth == 0 and torch.is_grad_enabled():
+def check_forward(plan: Optional[tuple]) -> None:
+    """At each forward of a sharded model whose plan is `plan` ((path, for one CUDA graph), or None):
+    a plan made for one CUDA graph is refused by a training forward outside dcplan.graphed_step
+    (the plan check lets a forward without grad pass; a captured step refuses any eager forward)."""
+    if plan is not None and plan[1] and _graphed_depth == 0 and torch.is_grad_enabled():
         raise ValueError(
-            f"dcplan.shard: plan {_loaded[0]} was made for one CUDA graph per step (dcplan plan --cuda-graph, or a "
+            f"dcplan.shard: plan {plan[0]} was made for one CUDA graph per step (dcplan plan --cuda-graph, or a "
             "trace recorded through dcplan.graphed_step), and this forward runs outside dcplan.graphed_step; run "
             "the step through dcplan.graphed_step, or plan from a trace of this replay without --cuda-graph")
 
@@ -174,7 +178,10 @@ class _StepMarks:
     def mark(self) -> None:
         self.peak = max(self.peak, self.probe.peak())
         t_us = time.monotonic_ns() // 1000  # the clock of the op lines' t_us (CLOCK_MONOTONIC)
-        _C.log_replay_event(json.dumps({"ev": "mark", "t_us": t_us, "peak_bytes": self.peak}))
+        line = {"ev": "mark", "t_us": t_us, "peak_bytes": self.peak}
+        if not torch.is_grad_enabled():
+            line["grad"] = False  # an eval forward: it starts no step (dcplan/schemas/replay_log.h)
+        _C.log_replay_event(json.dumps(line))
 
 
 _marks: Optional[_StepMarks] = None
@@ -391,8 +398,9 @@ def _last_complete_step(execs: List[Dict]) -> Optional[int]:
 
 
 def _step_events(events: List[Dict]) -> List[tuple]:
-    """(ev, t_us, sync) of each event: what the step rule reads."""
-    return [(ev["ev"], int(ev.get("t_us", 0)), bool(ev.get("sync", True))) for ev in events]
+    """(ev, t_us, sync, grad) of each event: what the step rule reads."""
+    return [(ev["ev"], int(ev.get("t_us", 0)), bool(ev.get("sync", True)), bool(ev.get("grad", True)))
+            for ev in events]
 
 
 def _step_starts(events: List[Dict]) -> List[int]:

@@ -84,6 +84,7 @@ class _ShardState:
         self.forward_depth = 0
         self.saved_hooks = None
         self.record_paused = False  # this forward (no grad) is not recorded as a micro-step
+        self.plan: Optional[tuple] = None  # (path, made for one CUDA graph) of the plan it follows
         self.outside: Dict[tuple, torch.Tensor] = {}  # this forward's reads outside the owning module
         self.trainable_infos: List[_ParamInfo] = []
         self.trainable_ids: List[int] = []
@@ -271,6 +272,7 @@ def _start_runtime(model: nn.Module, pg: dist.ProcessGroup, recording, reduce_bu
     if _runtime_group is None or not _C.is_initialized():
         if recording is not None and not _record.active():
             _record.begin(recording, _model_device(model))  # before init: the recorder times its transport
+        _plan.forget()  # a new runtime follows no plan yet
         _init_runtime(pg, _param_device(model), reduce_bucket_bytes)
         _runtime_group = group_name
         _plan.runtime_device = _param_device(model)
@@ -493,15 +495,17 @@ def _make_root_pre_hook(state: _ShardState):
                 "around the whole model?); checkpoint its blocks instead, e.g. "
                 "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) inside forward")
         if state.forward_depth == 0:
-            _plan.check_forward()  # before the forward opens: a refused one leaves nothing behind
+            _plan.check_forward(state.plan)  # before the forward opens: a refused one leaves nothing
         state.forward_depth += 1
         if state.forward_depth > 1:
             return
         state.hooks.refresh()  # stale copies go before a planned prefetch could find them held
         _plan.mark_step()
         state.record_paused = _record.active() and not torch.is_grad_enabled()
-        if state.record_paused:
-            _record.pause(True)  # an eval forward: not a micro-step of the recorded steps
+        if _record.active():
+            # An eval forward is not a micro-step of the recorded steps; every training forward
+            # resumes, also after an eval forward that raised before its post-hook.
+            _record.pause(state.record_paused)
         _C.start_forward()
         if _record.active() and not state.record_paused:
             _record.after_start_forward()  # ends the process once every step is recorded

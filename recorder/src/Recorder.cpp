@@ -124,7 +124,14 @@ void Recorder::addModel(const ModelInfo& model) {
 }
 
 void Recorder::setPaused(bool paused) {
+  const HostTime hostNow = hostClock();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  // The first paused forward after the backward ends the optimizer's span there.
+  if (paused && !paused_ && haveMicro_ && current_.sawEndBackward && !current_.hostOptimizerEnd &&
+      observing()) {
+    current_.optimizerEnd = timer_->mark(Stream::Compute);
+    current_.hostOptimizerEnd = hostNow;
+  }
   paused_ = paused;
 }
 
@@ -163,8 +170,10 @@ void Recorder::onStartForward() {
     ++microInStep_;
     const bool endsStep = current_.sync && current_.sawEndBackward;
     if (observing() && endsStep) {
-      current_.optimizerUs = std::max(timer_->elapsedUs(current_.endBackward, now), 1e-3);
-      current_.optimizerHostUs = hostUs(current_.hostEndBackward, hostNow);
+      current_.optimizerUs =
+          std::max(timer_->elapsedUs(current_.endBackward, current_.optimizerEnd.value_or(now)), 1e-3);
+      current_.optimizerHostUs =
+          hostUs(current_.hostEndBackward, current_.hostOptimizerEnd.value_or(hostNow));
     }
     if (recording_) {
       recorded_.push_back(std::move(current_));

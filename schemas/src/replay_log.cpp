@@ -14,7 +14,7 @@ std::vector<int64_t> stepStarts(const std::vector<ReplayLogEvent>& events) {
   std::vector<int64_t> starts;
   bool newStep = true;
   for (const ReplayLogEvent& e : events) {
-    if (e.ev == "mark" && newStep) {
+    if (e.ev == "mark" && e.grad && newStep) {
       starts.push_back(e.tUs);
       newStep = false;
     } else if (e.ev == "start_backward") {
@@ -55,6 +55,7 @@ ReplayLog readReplayLog(const std::string& path) {
     e.ev = j["ev"].get<std::string>();
     if (j.contains("t_us") && j["t_us"].is_number()) e.tUs = j["t_us"].get<int64_t>();
     if (j.contains("sync") && j["sync"].is_boolean()) e.sync = j["sync"].get<bool>();
+    if (j.contains("grad") && j["grad"].is_boolean()) e.grad = j["grad"].get<bool>();
     if (e.ev == "plan" && j.contains("file") && j["file"].is_string())
       log.planFile = j["file"].get<std::string>();
     events.push_back(std::move(e));

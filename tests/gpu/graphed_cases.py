@@ -26,8 +26,9 @@ def warmup_cosine(step: int) -> float:
 
 
 def clipped(model) -> torch.Tensor:
-    """dcplan.clip_grad_norm_ with CUDA's sync debug mode at "error": any host synchronisation
-    inside raises (it must not have one, to be captured)."""
+    """dcplan.clip_grad_norm_ with CUDA's sync debug mode at "error": torch's synchronising calls
+    inside raise (.item(), a copy to the host); the runtime's own host waits are refused by the
+    capture itself (begin_capture), so the graphed run checks those."""
     import dcplan
 
     torch.cuda.set_sync_debug_mode("error")

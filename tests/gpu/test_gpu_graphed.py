@@ -37,8 +37,9 @@ def test_graphed_step_trains_like_the_plain_step(results, variant, stage, accum,
     res = entry(results, gc.case_name(variant, stage, accum, clip))["value"]
     graphed, plain = res["graphed"], res["plain"]
     # The replays did the step's work: the losses and clipped norms (one per call, the last after
-    # close()) and the final parameters follow the plain run's. Clipping ran without a host
-    # synchronisation (clipped() raises at one) and clipped every step; the replays read the
+    # close()) and the final parameters follow the plain run's. Clipping ran without torch's host
+    # synchronisations (clipped()) and was captured (the runtime refuses a host wait under capture)
+    # and clipped every step; the replays read the
     # learning rate the schedule wrote (a frozen one would part the parameters).
     torch.testing.assert_close(torch.tensor(graphed["losses"]), torch.tensor(plain["losses"]), **TOL)
     assert graphed["params"].keys() == plain["params"].keys()

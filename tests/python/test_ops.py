@@ -587,16 +587,18 @@ def test_a_plan_is_refused_by_the_other_kind_of_replay(dcplan_module, monkeypatc
     replay (the wiring is tested end to end by test_record_e2e and tests/gpu)."""
     from dcplan import _plan
 
-    monkeypatch.setattr(_plan, "_loaded", ("graph.json", True))
+    graph = ("graph.json", True)
+    monkeypatch.setattr(_plan, "_loaded", graph)
     with pytest.raises(ValueError, match="plan graph.json was made for one CUDA graph per step"):
-        _plan.check_forward()
+        _plan.check_forward(graph)
+    _plan.check_forward(None)  # another model, sharded without a plan
     with torch.no_grad():
-        _plan.check_forward()  # an eval forward between graphed steps
+        _plan.check_forward(graph)  # a forward without grad passes the plan check
     with _plan.graphed_call():
-        _plan.check_forward()  # the warm-up and captured runs of dcplan.graphed_step
+        _plan.check_forward(graph)  # the warm-up and captured runs of dcplan.graphed_step
         _plan.check_graphed_plan()
     monkeypatch.setattr(_plan, "_loaded", ("hooks.json", False))
-    _plan.check_forward()
+    _plan.check_forward(("hooks.json", False))
     with pytest.raises(ValueError, match="plan hooks.json was made for a replay by the host .* captured in one "
                                          "CUDA graph; plan with dcplan plan --cuda-graph"):
         _plan.check_graphed_plan()

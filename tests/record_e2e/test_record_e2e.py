@@ -342,3 +342,17 @@ def test_eval_forwards_between_steps_are_not_recorded_as_steps(dcplan_ok, tmp_pa
 
     assert len(evaluated["steps"]) == 2
     assert shape(evaluated) == shape(plain)
+    # A plan replayed with an eval forward after every step: followed, the same losses as without
+    # eval, and the eval forwards' marks start no step (as many steps timed as without them).
+    plan = tmp_path / "plan.json"
+    (tmp_path / "plain-trace.json").write_text(json.dumps(plain))
+    p = subprocess.run([dcplan_ok, "plan", str(tmp_path / "plain-trace.json"), "-o", str(plan)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    logs = str(tmp_path / "replay.{rank}.jsonl")
+    with_eval = losses_of(tmp_path, "planned-eval", ["--steps", "5", "--eval-every", "1"], DCPLAN_PLAN=str(plan),
+                          DCPLAN_REPLAY_LOG=logs)
+    assert with_eval == losses_of(tmp_path, "unplanned", ["--steps", "5"])
+    c = check_replay(plan, [logs.format(rank=0), logs.format(rank=1)])
+    assert c.returncode == 0 and c.stdout.count(f"follows {plan}") == 2, c.stdout + c.stderr
+    assert c.stdout.count("(3 steps timed)") == 2, c.stdout  # 5 steps: 4 intervals, the first left out

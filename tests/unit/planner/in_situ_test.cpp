@@ -55,10 +55,25 @@ TEST(InSitu, TheDefaultScheduleTakesTheRecordedStep) {
   req.explain = true;
   const PlanResult r = makePlan(t, req);
   EXPECT_NEAR(r.plan.predictedDefault.stepUs, fit->measuredUs, 1e-3 * fit->measuredUs);
+  ASSERT_TRUE(r.plan.options.inSituScale);  // carried, so that inspect simulates it alike
+  EXPECT_NEAR(*r.plan.options.inSituScale, fit->scale, 1e-12);
   bool said = false;
   for (const std::string& line : r.explanation)
     said = said || line.find("collectives in situ") != std::string::npos;
   EXPECT_TRUE(said);
+}
+
+TEST(InSitu, AWorldSizeWhatIfKeepsTheScaleFittedWhereTheRunRan) {
+  const schemas::Trace t = glooTrace(4 * test::kTinyGatherUs);
+  const std::optional<InSituFit> traced = fitInSitu(t, makeWorkload(t), std::nullopt);
+  const std::optional<InSituFit> whatIf = fitInSitu(t, makeWorkload(t, 8), std::nullopt);
+  ASSERT_TRUE(traced && whatIf);
+  EXPECT_DOUBLE_EQ(whatIf->scale, traced->scale);
+  // ... so 8 ranks' longer rings are not scaled away: the default schedule is slower than recorded.
+  const Workload eight = makeWorkload(t, 8);
+  const CostModel cost = plannedCostModel(t, eight, std::nullopt);
+  EXPECT_GT(simulate(eight, cost, compileSchedule(eight, defaultSchedule(eight))).prediction.stepUs,
+            traced->measuredUs * 1.01);
 }
 
 TEST(InSitu, ARecordedRunFasterThanTheCalibrationScalesBelowOne) {
@@ -78,7 +93,16 @@ TEST(InSitu, ARecordedStepTheCollectivesCannotExplainStopsAtTheBound) {
   ASSERT_TRUE(fit);
   EXPECT_TRUE(fit->atBound);
   EXPECT_DOUBLE_EQ(fit->scale, kInSituMax);
-  EXPECT_NE(inSituText(*fit).find("at its bound"), std::string::npos);
+  EXPECT_NE(inSituText(*fit).find("not applied, planned with the calibration as measured"),
+            std::string::npos);
+  // Not applied: the calibration as measured, and the plan warns.
+  EXPECT_EQ(plannedCostModel(t, w, std::nullopt).inSituScale(), 1.0);
+  const PlanResult r = makePlan(t, PlanRequest{});
+  EXPECT_FALSE(r.plan.options.inSituScale);
+  bool warned = false;
+  for (const std::string& warning : r.warnings)
+    warned = warned || warning.find("not applied") != std::string::npos;
+  EXPECT_TRUE(warned);
 }
 
 TEST(InSitu, OnlyCpuRanksRecordedAndPlannedOnMoreThanOneWithoutABandwidthWhatIf) {

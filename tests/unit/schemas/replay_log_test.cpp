@@ -27,6 +27,10 @@ TEST(ReplayLog, AStepStartsAtItsFirstForwardsMark) {
                                                   mark(250),
                                                   {"op", 999, true}});
   EXPECT_EQ(starts, (std::vector<int64_t>{0, 100, 250}));
+  // An eval forward (no grad) after a step's backward starts no step; the training forward does.
+  const ReplayLogEvent eval{"mark", 150, true, false};
+  EXPECT_EQ(stepStarts({mark(0), backward(true), eval, mark(170), backward(true), mark(300)}),
+            (std::vector<int64_t>{0, 170, 300}));
 }
 
 TEST(ReplayLog, TheMedianLeavesTheFirstStepOut) {

@@ -28,7 +28,7 @@ struct InSituFit {
   double scale = 1.0;       ///< CostModelOptions::inSituScale
   double measuredUs = 0;    ///< the run's step (the recorded step's host time, or the replay's)
   double calibratedUs = 0;  ///< its schedule simulated on the calibration as measured
-  bool atBound = false;     ///< the scale hit its bound: the collectives do not explain the run
+  bool atBound = false;     ///< the scale hit its bound: the collectives do not explain the run (not applied)
 };
 
 /// The scales a fit may take; beyond them the run's step differs for some other reason.
@@ -51,7 +51,8 @@ std::string inSituText(const InSituFit& fit);
 
 /// The cost model a plan is made and simulated with (dcplan plan and dcplan inspect alike): the
 /// trace's calibration, the what-ifs (costOptions), and the plan's own in-situ scale where it
-/// carries one (planScale), else the fit to the recorded run where it applies. `fit`: which.
+/// carries one (planScale), else the fit to the recorded run where it applies and is not at its
+/// bound (then 1). `fit`: which.
 CostModel plannedCostModel(const schemas::Trace& trace, const Workload& workload,
                            std::optional<double> bandwidthGBps,
                            std::optional<double> planScale = std::nullopt,

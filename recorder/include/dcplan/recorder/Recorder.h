@@ -157,6 +157,10 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     bool sawEndBackward = false;
     TimePoint endBackward = 0;
     HostTime hostEndBackward = 0;
+    // Where the optimizer's span ended when a paused forward (an eval) came before the next
+    // training one: its time is not the optimizer's.
+    std::optional<TimePoint> optimizerEnd;
+    std::optional<HostTime> hostOptimizerEnd;
     double optimizerUs = 0;
     std::optional<double> optimizerHostUs;  // none when a host reading is missing
     std::vector<RawEvent> events;

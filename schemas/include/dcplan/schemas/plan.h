@@ -36,9 +36,9 @@ struct PlanOptions {
   /// Planned and predicted for a step replayed as one CUDA graph (dcplan.graphed_step): the
   /// device's own times (device_us), no host lane, no host cost per collective.
   bool cudaGraph = false;
-  /// Every collective taken at this multiple of the trace's calibration, as a replay of an earlier
-  /// plan measured the step (dcplan plan --calibrate); absent: fitted from the recorded run on CPU
-  /// ranks, else 1 (docs/planning.md, "In situ").
+  /// The plan was made with every collective at this multiple of the trace's calibration: fitted to
+  /// the recorded run (CPU ranks) or to a replay (dcplan plan --calibrate); absent: 1, or from an
+  /// older dcplan (inspect fits it again) (docs/planning.md, "In situ").
   std::optional<double> inSituScale;
 };
 

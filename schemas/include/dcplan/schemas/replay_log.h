@@ -14,10 +14,12 @@ struct ReplayLogEvent {
   std::string ev;    ///< "mark", "start_backward", "op", ...
   int64_t tUs = 0;   ///< "mark": the host's monotonic clock, microseconds
   bool sync = true;  ///< "start_backward": false on a micro-step before an accumulation boundary
+  bool grad = true;  ///< "mark": false for a forward without grad (an eval forward)
 };
 
-/// The host time of each optimizer step's start: its first forward's mark (a backward with
-/// sync false leaves the step open, so the next forward's mark does not start one).
+/// The host time of each optimizer step's start: its first training forward's mark (a backward
+/// with sync false leaves the step open, so the next forward's mark does not start one; an eval
+/// forward's mark, without grad, starts none).
 std::vector<int64_t> stepStarts(const std::vector<ReplayLogEvent>& events);
 
 /// The median time between step starts, the first step left out as warm-up; nullopt with fewer
