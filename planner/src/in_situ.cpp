@@ -54,7 +54,7 @@ std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& 
   const Workload traced =
       w.worldSize == w.traceWorldSize ? w : makeWorkload(trace, w.traceWorldSize, StepReplay::Issued);
   const CompiledSchedule recorded = compileSchedule(traced, defaultSchedule(traced));
-  return bisect(InSituFit::Source::Recording, traced.recordedHostUs(), [&](double scale) {
+  return bisect(InSituFit::Source::Recording, traced.recordedHostUs, [&](double scale) {
     return simulate(traced, scaledCost(trace, traced, std::nullopt, scale), recorded).prediction.stepUs;
   });
 }

@@ -8,11 +8,7 @@
 #include "dcplan/planner/units.h"
 
 namespace dcplan::planner::detail {
-namespace {
 
-/// The host time of the optimizer step made of the recorded micro-steps `micro` (every op's
-/// host_us and issue_us, and the last one's optimizer_host_us), or nothing where the trace lacks
-/// one of them.
 std::optional<double> stepHostUs(const schemas::Trace& trace, const std::vector<size_t>& micro) {
   if (!trace.steps[micro.back()].optimizerHostUs) return std::nullopt;
   double us = *trace.steps[micro.back()].optimizerHostUs;
@@ -26,8 +22,6 @@ std::optional<double> stepHostUs(const schemas::Trace& trace, const std::vector<
   }
   return us;
 }
-
-}  // namespace
 
 std::vector<size_t> microStepsEndingAt(const schemas::Trace& trace, size_t end, int64_t gradAccumSteps) {
   std::vector<size_t> micro{end};

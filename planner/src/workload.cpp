@@ -64,16 +64,6 @@ double Workload::opDeviceUs() const {
   return total;
 }
 
-double Workload::recordedHostUs() const {
-  if (!hostLane) return 0;
-  double total = optimizerHostUs;
-  for (const GraphRun& r : runs) {
-    total = std::accumulate(r.hostUs.begin(), r.hostUs.end(), total);
-    total = std::accumulate(r.issueUs.begin(), r.issueUs.end(), total);
-  }
-  return total;
-}
-
 std::vector<int32_t> gathersPerStep(const Workload& w) {
   std::vector<int32_t> count(w.params.size(), 0);
   std::vector<char> allocated(w.params.size(), 0);
@@ -173,11 +163,13 @@ void chooseTimes(Workload& w, const schemas::Trace& trace, size_t end, const std
     }
   }
   w.optimizerHostUs = w.hostLane ? *trace.steps[end].optimizerHostUs : 0;
+  w.recordedHostUs = w.hostLane ? detail::stepHostUs(trace, micro).value_or(0) : 0;
   if (replay != StepReplay::CudaGraph) return;
   // A graph replays the step without the host: the device's own times, no host lane.
   w.cudaGraph = true;
   w.hostLane = false;
   w.optimizerHostUs = 0;
+  w.recordedHostUs = 0;
   const std::string lacks =
       std::string(": a plan for a CUDA graph (") +
       (trace.meta.graphed ? "the trace's step ran in dcplan.graphed_step, meta.graphed" : "--cuda-graph") +

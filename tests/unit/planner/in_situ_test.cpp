@@ -43,7 +43,7 @@ TEST(InSitu, TheDefaultScheduleTakesTheRecordedStep) {
   std::optional<InSituFit> fit;
   const CostModel cost = plannedCostModel(t, w, std::nullopt, std::nullopt, &fit);
   ASSERT_TRUE(fit);
-  EXPECT_NEAR(fit->measuredUs, w.recordedHostUs(), 1e-9);
+  EXPECT_NEAR(fit->measuredUs, w.recordedHostUs, 1e-9);
   EXPECT_LT(fit->calibratedUs, fit->measuredUs);
   EXPECT_GT(fit->scale, 2.0);
   EXPECT_FALSE(fit->atBound);

@@ -115,8 +115,8 @@ struct Workload {
   /// The ops' own device work of the step (CUDA graph: op_device_us), microseconds; in computeUs.
   double opDeviceUs() const;
   /// The recorded step's host time (hostLane: every op's host_us and issue_us, and
-  /// optimizer_host_us), microseconds; 0 without a host lane.
-  double recordedHostUs() const;
+  /// optimizer_host_us: detail::stepHostUs), microseconds; 0 without a host lane.
+  double recordedHostUs = 0;
 
   std::vector<int64_t> sortedIds_;  ///< ds_ids ascending, for paramIndex
   std::vector<int32_t> sortedIdx_;
