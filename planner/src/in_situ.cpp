@@ -65,11 +65,8 @@ InSituFit fitToReplay(const schemas::Trace& trace, const Workload& w, const Sche
   const CompiledSchedule plan = compileSchedule(w, replayed);
   return bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
     const CostModel cost = scaledCost(trace, w, bandwidthGBps, scale);
-    const SimResult d = simulate(w, cost, def);
-    SimOptions withLaunches;  // as dcplan inspect simulates a plan: launches beyond the recorded run's
-    withLaunches.referenceCalls = d.gatherCalls + d.reduceCalls;
-    withLaunches.reference = &d;
-    return simulate(w, cost, plan, withLaunches).prediction.stepUs;
+    const SimResult d = simulate(w, cost, def);  // as dcplan inspect simulates a plan
+    return simulate(w, cost, plan, againstRecorded(d)).prediction.stepUs;
   });
 }
 

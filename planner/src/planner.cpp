@@ -113,7 +113,7 @@ class Search {
                         w_.stage < 3 ? "all (stage " + std::to_string(w_.stage) + ")" : "none",
                         greedyBuckets(c_, kDefaultBucketBytes), "greedy, " + formatBytes(kDefaultBucketBytes),
                         {}, "on use");
-    referenceCalls_ = default_.sim.gatherCalls + default_.sim.reduceCalls;
+    haveDefault_ = true;
   }
 
   const Context& context() const { return c_; }
@@ -134,10 +134,8 @@ class Search {
     k.prefetchLabel = std::move(prefetchLabel);
     if (k.prefetch.groups.empty()) k.prefetch.groups.resize(w_.graphs.size());
     k.schedule = assemble(c_, k.persist.persistent, k.buckets, k.prefetch.groups);
-    SimOptions sim;
-    sim.referenceCalls = referenceCalls_;
-    if (referenceCalls_ >= 0) sim.reference = &default_.sim;
-    k.sim = simulate(w_, cost_, compileSchedule(w_, k.schedule), sim);
+    k.sim = simulate(w_, cost_, compileSchedule(w_, k.schedule),
+                     haveDefault_ ? againstRecorded(default_.sim) : SimOptions{});
     k.feasible = k.sim.prediction.peakMemoryBytes <= c_.limit;
     return k;
   }
@@ -353,7 +351,7 @@ class Search {
   std::string limitNote_;
   const ProgressFn& progress_;
   Candidate default_;
-  int64_t referenceCalls_ = -1;  ///< until default_ is simulated: no launch charge
+  bool haveDefault_ = false;  ///< until default_ is simulated: no launch charge
 };
 
 schemas::Prediction rounded(const schemas::Prediction& p) {

@@ -64,10 +64,7 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   std::optional<InSituFit> inSitu;
   CostModel cost = plannedCostModel(trace, w, plan.options.bandwidthGBps, plan.options.inSituScale, &inSitu);
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
-  SimOptions withLaunches{true};
-  withLaunches.referenceCalls = d.gatherCalls + d.reduceCalls;  // = recordedCalls(w, cost)
-  withLaunches.reference = &d;
-  SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), withLaunches);
+  SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), againstRecorded(d, true));
   return Simulated{std::move(w), std::move(p), std::move(d), inSitu};
 }
 

@@ -501,13 +501,14 @@ def _make_root_pre_hook(state: _ShardState):
             return
         state.hooks.refresh()  # stale copies go before a planned prefetch could find them held
         _plan.mark_step()
-        state.record_paused = _record.active() and not torch.is_grad_enabled()
-        if _record.active():
+        recording = _record.active()
+        state.record_paused = recording and not torch.is_grad_enabled()
+        if recording:
             # An eval forward is not a micro-step of the recorded steps; every training forward
             # resumes, also after an eval forward that raised before its post-hook.
             _record.pause(state.record_paused)
         _C.start_forward()
-        if _record.active() and not state.record_paused:
+        if recording and not state.record_paused:
             _record.after_start_forward()  # ends the process once every step is recorded
         if state.stage == 3 and not state.compiled:  # compiled: the partitioner re-gathers
             state.saved_hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)

@@ -116,6 +116,16 @@ struct SimOptions {
   const SimResult* reference = nullptr;
 };
 
+/// Options that simulate a schedule against `recorded`, the simulation of the recorded run (the
+/// default schedule): its calls are the launch charge's reference, and with a host lane its wait.
+inline SimOptions againstRecorded(const SimResult& recorded, bool record = false) {
+  SimOptions o;
+  o.record = record;
+  o.referenceCalls = recorded.gatherCalls + recorded.reduceCalls;
+  o.reference = &recorded;
+  return o;
+}
+
 /// Runs one optimizer step. Rules: the compute stream runs the recorded compute
 /// between ops and blocks at a wait until its gather is done; with a host lane
 /// (Workload::hostLane) the host issues each stretch of compute in its recorded host time
