@@ -5,15 +5,18 @@ The API follows torch.distributed.checkpoint.state_dict, which FSDP2 users call:
 ``get_model_state_dict`` / ``set_model_state_dict``, ``get_optimizer_state_dict`` /
 ``set_optimizer_state_dict`` and ``StateDictOptions`` (ours, or torch's: the same fields).
 
-Sharded form: each parameter is a 1-D DTensor of its numel elements, placement Shard(0) over the
-model's ranks; this rank's local tensor is its shard without the padding, a view of the shard
-itself, so that ``dcp.load`` writes straight into the model. A checkpoint saved on N ranks loads
-on M: DCP reads the element ranges each rank needs. Parameters are flattened (a flat shard is not
-a box of the original shape); the full form has the original shapes.
+Sharded form: each parameter is a DTensor of its original shape, placement Shard(0) over the
+model's ranks (a 0-dim one Replicate), as FSDP2 gives it: so a checkpoint converts with DCP's
+tools, loads into FSDP2 models and plain models, and reshards on load. A rank's flat shard is a
+range of elements, its Shard(0) part a block of rows: where the two coincide (dim 0 divisible by
+the world size) the DTensor's local tensor is a view of the shard and ``dcp.load`` writes straight
+into the model; elsewhere one all-to-all per tensor moves the elements between the layouts, at
+save and at load, so no rank ever holds a whole parameter.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -34,12 +37,16 @@ class StateDictOptions:
     cpu_offload: full tensors on the CPU, and only rank 0 keeps them (the others get {}).
     broadcast_from_rank0: set_*: only rank 0 passes a full state dict; the others pass {}.
     strict: set_model_state_dict: missing or unexpected keys are an error.
+    flat_shards (dcplan's own): the sharded form dcplan checkpoints had before they kept the
+    original shapes, each parameter a 1-D DTensor of its numel elements; to load such a
+    checkpoint, then save it again (docs/checkpoints.md).
     """
 
     full_state_dict: bool = False
     cpu_offload: bool = False
     broadcast_from_rank0: bool = False
     strict: bool = True
+    flat_shards: bool = False
 
 
 class IncompatibleKeys(NamedTuple):
@@ -58,7 +65,7 @@ def _state(model: nn.Module, caller: str):
 def _options(options, caller: str) -> StateDictOptions:
     if options is None:
         return StateDictOptions()
-    fields = [f.name for f in dataclasses.fields(StateDictOptions)]
+    fields = [f.name for f in dataclasses.fields(StateDictOptions) if f.name not in _DCPLAN_ONLY]
     if not all(hasattr(options, f) for f in fields):
         raise ValueError(f"dcplan.{caller}: options should be a dcplan.StateDictOptions (or torch's), "
                          f"got {type(options).__name__}")
@@ -67,13 +74,18 @@ def _options(options, caller: str) -> StateDictOptions:
         if hasattr(options, name) and getattr(options, name) != default:
             raise ValueError(f"dcplan.{caller}: options.{name}={getattr(options, name)!r} is not supported "
                              f"(only {', '.join(fields)}); leave it at {default!r}")
-    opts = StateDictOptions(**{f: bool(getattr(options, f)) for f in fields})
+    opts = StateDictOptions(**{f: bool(getattr(options, f, False)) for f in fields + list(_DCPLAN_ONLY)})
     if opts.broadcast_from_rank0 and not opts.full_state_dict:
         raise ValueError(f"dcplan.{caller}: broadcast_from_rank0=True needs full_state_dict=True")
     if opts.cpu_offload and not opts.full_state_dict:
         raise ValueError(f"dcplan.{caller}: cpu_offload=True needs full_state_dict=True (the sharded form's "
                          "local tensors stay where the shards are)")
+    if opts.flat_shards and opts.full_state_dict:
+        raise ValueError(f"dcplan.{caller}: flat_shards=True is a sharded form; it excludes full_state_dict=True")
     return opts
+
+
+_DCPLAN_ONLY = ("flat_shards",)
 
 
 _TORCH_ONLY_DEFAULTS = {"ignore_frozen_params": False, "keep_submodule_prefixes": True,
@@ -117,6 +129,34 @@ def _valid(info, rank: int, world_size: int) -> Tuple[int, int]:
     return lo, min(lo + s, info.numel) - lo
 
 
+def _rows(info, rank: int, world_size: int) -> Tuple[int, int]:
+    """(first row, rows) of dim 0 that Shard(0) gives rank: torch.chunk's split, ceil(rows / world
+    size) each, the last ranks fewer or none (torch's Shard.local_shard_size_and_offset)."""
+    rows = info.shape[0]
+    per = -(-rows // world_size)
+    first = min(rank * per, rows)
+    return first, min(first + per, rows) - first
+
+
+def _row_elements(info, rank: int, world_size: int) -> Tuple[int, int]:
+    """(offset, length) of rank's Shard(0) rows of info's parameter, in elements."""
+    row = info.numel // info.shape[0] if info.shape[0] else 0
+    first, rows = _rows(info, rank, world_size)
+    return first * row, rows * row
+
+
+def _contiguous_stride(shape) -> Tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _overlap(a: Tuple[int, int], b: Tuple[int, int]) -> int:
+    return max(0, min(a[0] + a[1], b[0] + b[1]) - max(a[0], b[0]))
+
+
 class _Sharder:
     """Turns a shard-shaped tensor into its full or sharded state-dict form, and back."""
 
@@ -146,36 +186,85 @@ class _Sharder:
                 return None
             full = full[: info.numel].view(info.shape)
             return full.cpu() if self.opts.cpu_offload else full.clone()
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
         lo, n = _valid(info, self.rank, self.world_size)
-        return DTensor.from_local(t.detach()[:n], self.mesh(t.device), [Shard(0)], run_check=False,
-                                  shape=torch.Size([info.numel]), stride=(1,))
+        mesh = self.mesh(t.device)
+        if self.opts.flat_shards:
+            return DTensor.from_local(t.detach()[:n], mesh, [Shard(0)], run_check=False,
+                                      shape=torch.Size([info.numel]), stride=(1,))
+        if not info.shape:  # 0-dim: one element, whole on every rank
+            return DTensor.from_local(_C.all_gather_flat(t.detach())[:1].view(()), mesh, [Replicate()],
+                                      run_check=False)
+        if self._aligned(info):
+            local = t.detach()[:n]  # a view: dcp.load writes straight into t
+        else:
+            local = t.new_empty(_row_elements(info, self.rank, self.world_size)[1])
+            self._exchange(info, t.detach()[:n], local, to_rows=True)
+        local = local.view((_rows(info, self.rank, self.world_size)[1],) + tuple(info.shape[1:]))
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=info.shape,
+                                  stride=_contiguous_stride(info.shape))
+
+    def _aligned(self, info) -> bool:
+        """Whether every rank's shard holds exactly its Shard(0) rows (the same answer on every rank)."""
+        return all(_valid(info, q, self.world_size) == _row_elements(info, q, self.world_size)
+                   for q in range(self.world_size))
+
+    def _exchange(self, info, src: torch.Tensor, dst: torch.Tensor, to_rows: bool) -> None:
+        """One all-to-all: src holds this rank's elements of info's parameter in one layout (shards,
+        or Shard(0) rows), dst receives its elements in the other. Both layouts give the ranks
+        contiguous element ranges in rank order, so what a rank sends to each other rank is one
+        contiguous piece, in order."""
+        ws = self.world_size
+        shards = [_valid(info, q, ws) for q in range(ws)]
+        rows = [_row_elements(info, q, ws) for q in range(ws)]
+        have, want = (shards, rows) if to_rows else (rows, shards)
+        sends = [_overlap(have[self.rank], want[q]) for q in range(ws)]
+        receives = [_overlap(have[q], want[self.rank]) for q in range(ws)]
+        dist.all_to_all_single(dst, src.contiguous(), receives, sends, group=self.pg)
 
     def load(self, info, dst: torch.Tensor, value, key: str, caller: str) -> None:
-        """Copies value (this key's state-dict form) into dst, shard-shaped."""
+        """Copies value (this key's state-dict form) into dst, shard-shaped. A DTensor not
+        aligned with the shards is a collective (every rank loads the same keys)."""
         from torch.distributed.tensor import DTensor
 
         lo, n = _valid(info, self.rank, self.world_size)
         with torch.no_grad():
             if isinstance(value, DTensor):
-                if tuple(value.shape) != (info.numel,):
-                    raise ValueError(f"dcplan.{caller}: '{key}' should be a DTensor of shape ({info.numel},) "
-                                     f"(sharded state dict), got {tuple(value.shape)}")
-                local = value.to_local()
-                if local.numel() != n:
-                    raise ValueError(f"dcplan.{caller}: '{key}': this rank's DTensor part has {local.numel()} "
-                                     f"elements, expected {n} (placement Shard(0) over {self.world_size} ranks)")
-                src = local.reshape(-1)
+                self._check_dtensor(info, value, key, caller)
+                local = value.to_local().reshape(-1)
+                if self.opts.flat_shards:
+                    src = local
+                elif not info.shape:  # Replicate: every rank has the element
+                    src = local[lo:lo + n]
+                elif not self._aligned(info):
+                    self._exchange(info, local, dst[:n], to_rows=False)
+                    src = dst
+                else:
+                    src = local
             else:
-                if not isinstance(value, torch.Tensor) or value.numel() != info.numel:
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(f"dcplan.{caller}: '{key}' should be a tensor of {info.numel} elements "
-                                     f"(shape {tuple(info.shape)}), got {got}")
-                src = value.detach().reshape(-1)[lo:lo + n]
+                src = value.detach().reshape(-1)[lo:lo + n]  # shape checked by the caller
             if src.data_ptr() != dst.data_ptr():  # else dcp.load wrote into the shard itself
                 dst[:n].copy_(src)
             dst[n:].zero_()
+
+    def _check_dtensor(self, info, value, key: str, caller: str) -> None:
+        """value's global shape, placement and mesh size are the sharded form's."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        flat = self.opts.flat_shards
+        shape = (info.numel,) if flat else tuple(info.shape)
+        placements = (Replicate(),) if not shape else (Shard(0),)
+        if tuple(value.shape) != shape:
+            raise ValueError(f"dcplan.{caller}: '{key}' should be a DTensor of shape {shape}"
+                             f"{' (flat_shards)' if flat else ''}, got {tuple(value.shape)}")
+        if tuple(value.placements) != placements or value.device_mesh.size() != self.world_size:
+            raise ValueError(f"dcplan.{caller}: '{key}' should be placed {list(placements)} over the model's "
+                             f"{self.world_size} ranks, got {list(value.placements)} over "
+                             f"{value.device_mesh.size()}")
+        if flat and value.to_local().numel() != _valid(info, self.rank, self.world_size)[1]:
+            raise ValueError(f"dcplan.{caller}: '{key}': this rank's DTensor part has {value.to_local().numel()} "
+                             f"elements, expected {_valid(info, self.rank, self.world_size)[1]} (flat_shards)")
 
     def broadcast(self, value: Optional[torch.Tensor], like: torch.Tensor, shape, dtype) -> torch.Tensor:
         """Rank 0's value (already checked: numel and type), on every rank (broadcast_from_rank0)."""
@@ -247,7 +336,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *, 
         raise ValueError(f"dcplan.{caller}: model_state_dict should be a dict, got {type(given_dict).__name__}")
     given = sorted(given_dict)
     if opts.broadcast_from_rank0:
-        error = _check_model_values(given_dict, own, caller) if sharder.rank == 0 else None
+        error = _check_model_values(given_dict, own, opts.flat_shards, caller) if sharder.rank == 0 else None
         given = sharder.agree(error, given)
     missing = sorted(set(own) - set(given))
     unexpected = sorted(set(given) - set(own))
@@ -255,7 +344,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *, 
         raise ValueError(f"dcplan.{caller}: the state dict does not match the model: missing keys {missing}, "
                          f"unexpected keys {unexpected} (pass StateDictOptions(strict=False) to load the rest)")
     if not opts.broadcast_from_rank0:
-        error = _check_model_values(given_dict, own, caller)
+        error = _check_model_values(given_dict, own, opts.flat_shards, caller)
         if error:
             raise ValueError(error)
     loaded = set()
@@ -274,21 +363,33 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *, 
     return IncompatibleKeys(missing, unexpected)
 
 
-def _check_model_values(given: Dict[str, Any], own, caller: str) -> Optional[str]:
+def _check_model_values(given: Dict[str, Any], own, flat: bool, caller: str) -> Optional[str]:
     """The first value of given that cannot load into its key of the model, described; or None."""
     from torch.distributed.tensor import DTensor
 
     for key in sorted(set(given) & set(own)):
         info, dst = own[key]
         value = given[key]
-        numel = info.numel if info is not None else dst.numel()
-        if not isinstance(value, torch.Tensor):
-            return f"dcplan.{caller}: '{key}' should be a tensor, got {type(value).__name__}"
         if isinstance(value, DTensor) and info is None:
             return f"dcplan.{caller}: '{key}' is a buffer; expected a plain tensor, got a DTensor"
-        if value.numel() != numel:
-            want = f"{numel} elements (shape {tuple(info.shape if info is not None else dst.shape)})"
-            return f"dcplan.{caller}: '{key}' should have {want}, got shape {tuple(value.shape)}"
+        error = _value_error(key, value, info.shape if info is not None else dst.shape, flat, caller)
+        if error:
+            return error
+    return None
+
+
+def _value_error(key: str, value, shape, flat: bool, caller: str) -> Optional[str]:
+    """Why value cannot load as key, of the model's shape, or None: it should be a tensor of that
+    shape (a DTensor of (numel,) with flat_shards)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, torch.Tensor):
+        return f"dcplan.{caller}: '{key}' should be a tensor, got {type(value).__name__}"
+    want, form = tuple(shape), "the model's"
+    if flat and isinstance(value, DTensor):
+        want, form = (math.prod(want),), "flat_shards"
+    if tuple(value.shape) != want:
+        return f"dcplan.{caller}: '{key}' should have shape {want} ({form}), got {tuple(value.shape)}"
     return None
 
 
@@ -407,12 +508,12 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
         # per-element tensors one by one.
         error, skeleton = None, None
         if sharder.rank == 0:
-            error = _check_optim(optim_state_dict, groups, per_element, caller)
+            error = _check_optim(optim_state_dict, groups, per_element, opts.flat_shards, caller)
             skeleton = None if error else _skeleton(optim_state_dict, groups, per_element)
         skeleton = sharder.agree(error, skeleton)
         given_state, given_groups = skeleton["state"], skeleton["param_groups"]
     else:
-        error = _check_optim(optim_state_dict, groups, per_element, caller)
+        error = _check_optim(optim_state_dict, groups, per_element, opts.flat_shards, caller)
         if error:
             raise ValueError(error)
         given_state, given_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
@@ -441,10 +542,8 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
     optim.load_state_dict({"state": torch_state, "param_groups": torch_groups})
 
 
-def _check_optim(optim_state_dict, groups, per_element, caller: str) -> Optional[str]:
+def _check_optim(optim_state_dict, groups, per_element, flat: bool, caller: str) -> Optional[str]:
     """What is wrong with an optimizer state dict for this optimizer, or None."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(optim_state_dict, dict) or "state" not in optim_state_dict \
             or "param_groups" not in optim_state_dict:
         return (f"dcplan.{caller}: optim_state_dict should have 'state' and 'param_groups' "
@@ -459,11 +558,9 @@ def _check_optim(optim_state_dict, groups, per_element, caller: str) -> Optional
         for info in infos:
             for key, value in optim_state_dict["state"].get(info.name, {}).items():
                 if key in per_element[info.ds_id]:
-                    if not isinstance(value, torch.Tensor) or (not isinstance(value, DTensor)
-                                                               and value.numel() != info.numel):
-                        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                        return (f"dcplan.{caller}: state.{info.name}.{key} should hold {info.numel} elements "
-                                f"(shape {tuple(info.shape)}), got {got}")
+                    error = _value_error(f"state.{info.name}.{key}", value, info.shape, flat, caller)
+                    if error:
+                        return error
                 elif isinstance(value, torch.Tensor) and value.dim() > 0:
                     return (f"dcplan.{caller}: state.{info.name}.{key} should be a scalar (the optimizer holds "
                             f"no per-element '{key}'), got shape {tuple(value.shape)}")

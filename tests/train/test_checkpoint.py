@@ -92,8 +92,8 @@ def test_bad_state_dicts_are_named(resumed, stage):
         assert "missing keys ['ln_f.bias']" in errors["missing"]
         assert "unexpected keys ['bogus']" in errors["unexpected"]
         assert errors["lenient"] == "IncompatibleKeys(missing_keys=[], unexpected_keys=['bogus'])"
-        assert "'block.attn.proj.weight' should have 100 elements (shape (10, 10)), got shape (3, 3)" in errors["shape"]
-        assert "'block.attn.proj.weight' should have 100 elements" in errors["shape_broadcast"]
+        assert "'block.attn.proj.weight' should have shape (10, 10) (the model's), got (3, 3)" in errors["shape"]
+        assert "'block.attn.proj.weight' should have shape (10, 10)" in errors["shape_broadcast"]
         assert ("param group" in errors["optim_broadcast"]) and (rank == 0 or "found on rank 0" in
                                                                  errors["optim_broadcast"])
         assert "cpu_offload=True needs full_state_dict=True" in errors["offload_sharded"]
