@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what dcplan needs to build and test, only what is missing:
 # Debian packages (compiler tools, CLI11, nlohmann-json, GoogleTest, FileCheck/lit)
-# and Python packages (torch 2.13.0 CPU if no torch is importable, pytest, jsonschema, transformers).
+# and Python packages (torch 2.13.0 CPU if no torch is importable, pytest, jsonschema, transformers,
+# lightning).
 set -euo pipefail
 
 need_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -32,6 +33,9 @@ done
 # The transformers models of tests/train and examples/train_transformers.py (the version the
 # tests were written against; it does not depend on torch, so pip leaves torch as it is).
 "$PYTHON" -c "import transformers" >/dev/null 2>&1 || py_missing+=("transformers==5.23.0")
+# The Lightning strategy's test (tests/train/test_lightning.py); lightning needs torch>=2.1, which
+# the torch above satisfies, so pip leaves it as it is.
+"$PYTHON" -c "import lightning" >/dev/null 2>&1 || py_missing+=("lightning==2.6.6")
 if [ ${#py_missing[@]} -gt 0 ]; then
   echo "setup: installing Python packages: ${py_missing[*]}"
   "$PYTHON" -m pip install -q "${py_missing[@]}"

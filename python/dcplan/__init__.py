@@ -69,13 +69,20 @@ from ._graphed import GraphedStep, graphed_step  # noqa: E402
 from ._clip import clip_grad_norm_, install_warning as _install_clip_warning  # noqa: E402
 
 _install_clip_warning()
+from ._shard_param import ShardParameter  # noqa: E402
 from ._state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,  # noqa: E402
                           set_model_state_dict, set_optimizer_state_dict)
 from ._plan import (  # noqa: E402
     PlanDepartureWarning, curve_comparison, read_replay_log, replay_differences, replay_log)
 
+from . import _after_import  # noqa: E402
+
+# Trainer(strategy="dcplan"): registered once Lightning is imported, before or after dcplan.
+_after_import.after_import("lightning.pytorch", lambda: __import__("dcplan.lightning"))
+
 __all__ = ["shard", "init", "full_parameters", "shutdown", "clip_grad_norm_", "ShmFallbackWarning", "graphed_step",
            "GraphedStep"]
 __all__ += ["StateDictOptions", "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
             "set_optimizer_state_dict"]
+__all__ += ["ShardParameter"]
 __all__ += ["replay_log", "read_replay_log", "replay_differences", "curve_comparison", "PlanDepartureWarning"]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import _C
+from ._shard_param import ShardParameter
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -68,7 +69,7 @@ def _warn_on_shards(torch_clip):
         global _warned
         if not _warned:
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if any(getattr(p, "_dcplan_shard", False) for p in params):
+            if any(isinstance(p, ShardParameter) for p in params):
                 _warned = True
                 warnings.warn(
                     "torch.nn.utils.clip_grad_norm_ on dcplan shards clips each rank by the norm of its "

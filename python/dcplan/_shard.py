@@ -33,6 +33,7 @@ from torch import nn
 
 from . import _plan
 from . import _C, _class_swap, _compile, _record, _shm
+from ._shard_param import ShardParameter
 
 _DEFAULT_BUCKET_BYTES = _C.DEFAULT_BUCKET_BYTES  # the runtime's own default (schemas::kDefaultBucketBytes)
 _EXIT_GRACE_S = 0.05  # at exit, time for Gloo's worker threads to drop what they hold (_cleanup_at_exit)
@@ -431,8 +432,7 @@ def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: i
     lo = min(rank * shard_numel, numel)
     hi = min(lo + shard_numel, numel)
     data[: hi - lo].copy_(flat[lo:hi])
-    shard_param = nn.Parameter(data, requires_grad=p.requires_grad)
-    shard_param._dcplan_shard = True  # torch.nn.utils.clip_grad_norm_ warns on these (_clip.py)
+    shard_param = ShardParameter(data, p.requires_grad, p.shape)
     return _ParamInfo(ds_id=ds_id, name=name, shape=p.shape, numel=numel, shard=shard_param)
 
 

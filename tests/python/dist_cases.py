@@ -201,7 +201,7 @@ def train_sharded(case: Case, rank: int, ws: int) -> Dict:
     return {
         "losses": losses,
         "params": full,
-        "shard_shapes": [tuple(p.shape) for p in shards],
+        "shard_shapes": [tuple(p.detach().shape) for p in shards],  # the shard; p.shape is the original
         "num_params": len(model._dcplan.infos),
         "gathered_after_forward": gathered_after_forward,
         "op_log": op_log,

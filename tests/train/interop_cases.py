@@ -9,6 +9,7 @@ import os
 from typing import Dict, List
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
@@ -51,7 +52,14 @@ def train(model, opt, steps: range, rank: int, ws: int) -> List[float]:
         g = torch.Generator().manual_seed(100 + s)
         idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)[rank * per:(rank + 1) * per]
         logits = model(idx[:, :-1])
-        losses.append(step(F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()), opt, ws))
+        loss = F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+        if dist.is_initialized():
+            losses.append(step(loss, opt, ws))
+        else:  # the one-process reference
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
     return losses
 
 
@@ -123,6 +131,40 @@ def full(state: Dict) -> Dict:
     return {"model": state["model"], "state": state["optim"]["state"], "groups": groups}
 
 
+# -- parameters grouped by their shape ------------------------------------------------------------
+
+def groups_by_shape(model) -> Dict[str, List[str]]:
+    """The names each common recipe puts in its decay group (nanoGPT's p.dim() >= 2, p.ndim >= 2,
+    len(p.shape) > 1, transformers' Trainer where installed), and the shapes and count."""
+    named = list(model.named_parameters())
+    out = {"nanogpt": [n for n, p in named if p.dim() >= 2], "ndim": [n for n, p in named if p.ndim >= 2],
+           "shape": [n for n, p in named if len(p.shape) > 1],
+           "shapes": [(n, tuple(p.shape), tuple(p.size())) for n, p in named],
+           "count": sum(p.numel() for _, p in named)}
+    try:
+        from transformers import Trainer
+    except ImportError:
+        return out
+    out["transformers"] = sorted(Trainer.get_decay_parameter_names(None, model))  # reads no Trainer state
+    return out
+
+
+def nanogpt_adamw(model) -> torch.optim.Optimizer:
+    """nanoGPT's configure_optimizers: weight decay for the parameters of 2 and more dimensions."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=LR)
+
+
+def grouped_reference() -> Dict:
+    """nanoGPT's groups on the unsharded model, trained in one process on the global batch."""
+    model = make_net(1234)
+    groups = groups_by_shape(model)
+    opt = nanogpt_adamw(model)
+    losses = train(model, opt, range(HALF), 0, 1)
+    return {"groups": groups, "losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
 # -- the worker ---------------------------------------------------------------------------------
 
 def worker(rank: int, ws: int, store: str, out_dir: str, ckpt_dir: str) -> None:
@@ -164,6 +206,17 @@ def worker(rank: int, ws: int, store: str, out_dir: str, ckpt_dir: str) -> None:
         return {"saved": saved, "loaded": full(dcplan_state(model, opt, full_state_dict=True)),
                 "flat_as_new": refusal(lambda: dcplan_load(*dcplan_net(3, 7), path["flat"]))}
 
+    def grouped() -> Dict:
+        import dcplan
+
+        model = make_net(1234)
+        dcplan.shard(model, stage=3)
+        groups = groups_by_shape(model)
+        losses = train(model, nanogpt_adamw(model), range(HALF), rank, ws)
+        model.to("cpu")  # where the shards are: nothing to do
+        return {"groups": groups, "losses": losses, "params": dcplan.full_parameters(model),
+                "cast": refusal(lambda: model.to(torch.float64))}
+
     def refusals() -> Dict:
         def other_shape():
             dcplan_load(*dcplan_net(3, 7, rows=VOCAB + 2), path["dcplan"])
@@ -178,7 +231,7 @@ def worker(rank: int, ws: int, store: str, out_dir: str, ckpt_dir: str) -> None:
 
     run_cases(rank, ws, store, out_dir, [(name, fn, None) for name, fn in [
         ("dcplan_save", dcplan_save), ("to_fsdp", to_fsdp), ("fsdp_save", fsdp_save), ("from_fsdp", from_fsdp),
-        ("flat", flat), ("refusals", refusals)]])
+        ("flat", flat), ("refusals", refusals)]] + [("grouped", grouped, grouped_reference)])
 
 
 def refusal(fn) -> str:

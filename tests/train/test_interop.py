@@ -84,3 +84,20 @@ def test_other_models_are_refused_by_name(run):
         assert "Size mismatch between saved torch.Size([41, 20]) and current: torch.Size([43, 20]) for " \
                "model.emb.weight" in got["other_shape"], f"rank {rank}: {got['other_shape']}"
         assert "model.extra.weight" in got["missing_key"], f"rank {rank}: {got['missing_key']}"
+
+
+def test_recipes_group_parameters_as_unsharded(run):
+    """Grouping by dimension (nanoGPT, p.ndim, len(p.shape), transformers' Trainer) puts each
+    parameter where it goes on the unsharded model: a shard reports its parameter's shape, and
+    training with nanoGPT's groups equals the one-process run. Casting the sharded model after
+    the fact is refused (it would detach the shards from the runtime)."""
+    results, _ = run
+    res = entry(results, "grouped")
+    got, ref = res["value"], res["reference"]
+    assert got["groups"] == ref["groups"]
+    assert "emb.weight" in got["groups"]["nanogpt"] and "up.bias" not in got["groups"]["nanogpt"]
+    assert "a shard's storage belongs to dcplan's runtime; it cannot become a torch.float64 tensor" in got["cast"]
+    # The equivalence matrix's fp32 tolerances (tests/python): 2 ranks sum in another order.
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
