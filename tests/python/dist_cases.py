@@ -209,8 +209,8 @@ def train_sharded(case: Case, rank: int, ws: int) -> Dict:
         "graphs": (state.fwd_graph, state.bwd_graph),
         "trainable_ids": sorted(i.ds_id for i in state.infos if i.trainable),
         "frozen_ids": sorted(i.ds_id for i in state.infos if not i.trainable),
-        "all_gather_bytes": sum(ws * i.shard.numel() * elem for i in state.infos),
-        "trainable_gather_bytes": sum(ws * i.shard.numel() * elem for i in state.infos if i.trainable),
+        "all_gather_bytes": sum(ws * i.shard.detach().numel() * elem for i in state.infos),
+        "trainable_gather_bytes": sum(ws * i.shard.detach().numel() * elem for i in state.infos if i.trainable),
     }
 
 

@@ -106,7 +106,7 @@ def train(stage: int, rank: int, ws: int, plan: Optional[str] = None, on_mismatc
         "params": {k: v.cpu() for k, v in dcplan.full_parameters(model).items()},
         "fwd": state.fwd_graph,
         "bwd": state.bwd_graph,
-        "infos": [(i.ds_id, i.name, list(i.shape), i.shard.numel(), i.trainable) for i in state.infos],
+        "infos": [(i.ds_id, i.name, list(i.shape), i.shard.detach().numel(), i.trainable) for i in state.infos],
         "signature": dcplan._plan.signature(state.infos, ws),
         "op_log": op_log,
         "held_in_backward": model.held_in_backward,
