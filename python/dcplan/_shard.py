@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _plan
-from . import _C, _class_swap, _compile, _record, _shm
+from . import _C, _class_swap, _compile, _meta_init, _record, _shm
 from ._shard_param import ShardParameter
 
 _DEFAULT_BUCKET_BYTES = _C.DEFAULT_BUCKET_BYTES  # the runtime's own default (schemas::kDefaultBucketBytes)
@@ -181,11 +181,6 @@ def _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_b
                 f"dcplan.shard: parameter '{name}' should be a floating-point tensor (shards are fp32 master "
                 f"copies), got {p.dtype}; keep it as a buffer (register_buffer) instead"
             )
-        if p.device.type == "meta":
-            raise ValueError(
-                f"dcplan.shard: parameter '{name}' is on the meta device (no data to shard); materialize the "
-                "model first, e.g. model.to_empty(device=...) and initialize its parameters"
-            )
 
 
 def _check_group(caller: str, process_group) -> None:
@@ -209,6 +204,8 @@ def shard(
     record=None,
     on_mismatch: str = "error",
     compile=False,
+    device=None,
+    init=None,
 ) -> nn.Module:
     """Shards model's parameters over process_group (default: the world) for ZeRO stage 1, 2 or 3.
 
@@ -233,9 +230,14 @@ def shard(
     ``compile``: True, or a dict of ``torch.compile`` arguments (``fullgraph``, ``dynamic``,
     ``options``): ``model.forward`` runs as torch.compile graphs with the dc ops inside them, and
     its backward as the graph AOTAutograd derives (docs/compiled.md).
+    A model built on the meta device (``with torch.device("meta")``) is made one module at a
+    time on ``device`` (default: the current CUDA device, else the CPU), initialised by
+    ``init(module)`` (default: the module's ``reset_parameters()``), and only this rank's shard
+    kept (docs/runtime.md).
     """
     global _next_graph_id
     _check_args(model, stage, process_group, param_dtype, reduce_dtype, reduce_bucket_bytes)
+    meta_device = _meta_init.check(model, device, init)
     _compile.check_settings(compile)
     plan_path = _plan.resolve_plan(plan)
     _plan.check_on_mismatch(on_mismatch)
@@ -246,13 +248,13 @@ def shard(
             "or recording (record= / DCPLAN_RECORD)"
         )
     pg = process_group if process_group is not None else dist.group.WORLD
-    _start_runtime(model, pg, recording, reduce_bucket_bytes)
+    _start_runtime(meta_device or _param_device(model), pg, recording, reduce_bucket_bytes)
     if reduce_dtype is None:
         reduce_dtype = param_dtype
     fwd_graph, bwd_graph = _next_graph_id, _next_graph_id + 1
     _next_graph_id += 2
     state = _ShardState(stage, pg, param_dtype, fwd_graph, bwd_graph, compiled=compile is not False)
-    owned = _shard_parameters(model, state, pg.size(), pg.rank())
+    owned = _shard_parameters(model, state, pg.size(), pg.rank(), meta_device, init)
     _register_graphs(state, reduce_dtype)
     if plan_path is not None:
         state.hooks.set_keep(_plan.load(state, plan_path, on_mismatch, reduce_dtype)["persistent"])
@@ -265,18 +267,18 @@ def shard(
     return model
 
 
-def _start_runtime(model: nn.Module, pg: dist.ProcessGroup, recording, reduce_bucket_bytes: int) -> None:
+def _start_runtime(device: torch.device, pg: dist.ProcessGroup, recording, reduce_bucket_bytes: int) -> None:
     """Starts the runtime on pg at the process's first shard() (arming the recorder first where
     recording); later calls must use the same group."""
     global _runtime_group
     group_name = pg.group_name
     if _runtime_group is None or not _C.is_initialized():
         if recording is not None and not _record.active():
-            _record.begin(recording, _model_device(model))  # before init: the recorder times its transport
+            _record.begin(recording, device)  # before init: the recorder times its transport
         _plan.forget()  # a new runtime follows no plan yet
-        _init_runtime(pg, _param_device(model), reduce_bucket_bytes)
+        _init_runtime(pg, device, reduce_bucket_bytes)
         _runtime_group = group_name
-        _plan.runtime_device = _param_device(model)
+        _plan.runtime_device = device
         _plan.start_env_replay_log(pg.rank())
         if _record.active():
             _record.attach()
@@ -292,13 +294,18 @@ def _start_runtime(model: nn.Module, pg: dist.ProcessGroup, recording, reduce_bu
 _Owned = Dict[int, Tuple[nn.Module, List[str], List[int]]]  # id(module) -> (module, attrs, ds_ids)
 
 
-def _shard_parameters(model: nn.Module, state: _ShardState, world_size: int, rank: int) -> _Owned:
+def _shard_parameters(model: nn.Module, state: _ShardState, world_size: int, rank: int,
+                      meta_device: Optional[torch.device], init) -> _Owned:
     """Replaces every parameter by this rank's flat shard, registered with the runtime (a tied
-    parameter once); returns each module's sharded attributes."""
+    parameter once); returns each module's sharded attributes. A meta-device model's modules are
+    made (_meta_init) one at a time, just before their parameters are sharded."""
     global _next_ds_id
-    by_param: Dict[int, _ParamInfo] = {}
+    by_param: Dict[int, _ParamInfo] = {}  # id(parameter) -> its shard; a made one by its meta original's
+    replaced_meta: List[nn.Parameter] = []  # alive until the end: by_param's ids stay theirs
     owned: _Owned = {}
     for mod_name, module in model.named_modules():
+        replaced = _meta_init.materialize(module, meta_device, init, by_param) if meta_device else {}
+        replaced_meta.extend(replaced.values())
         for attr, p in list(module._parameters.items()):
             if p is None:
                 continue
@@ -308,7 +315,9 @@ def _shard_parameters(model: nn.Module, state: _ShardState, world_size: int, ran
                 _next_ds_id += 1
                 _C.register_param(info.ds_id, list(info.shape), info.shard.detach(), None, state.stage < 3,
                                   trainable=info.trainable, name=info.name)
-                by_param[id(p)] = info
+                # Keyed by an object that stays alive, so that no id is reused: a made parameter is
+                # freed once sharded, and a later module tied to it holds its meta original.
+                by_param[id(replaced[attr]) if attr in replaced else id(p)] = info
                 state.infos.append(info)
                 state.hooks.add_param(info.ds_id, info.shard)
             module._parameters[attr] = info.shard
@@ -358,11 +367,6 @@ def _gradient_sync_setter(model_ref):
             m._dcplan.requires_sync = requires_gradient_sync
 
     return set_requires_gradient_sync
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    p = next(iter(model.parameters()), None)
-    return p.device if p is not None else torch.device("cpu")
 
 
 def _param_device(model: nn.Module) -> torch.device:
