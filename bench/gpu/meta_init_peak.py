@@ -45,7 +45,7 @@ def measure(how: str, layers: int, hidden: int, device: torch.device) -> None:
     full = sum(p.numel() for p in model.parameters()) * 4 / 2**20  # ShardParameter: the original's
     shard = sum(p.detach().numel() for p in model.parameters()) * 4 / 2**20
     gpu = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-    row = torch.tensor([full, shard, gpu, peak_rss_mib() - rss0], dtype=torch.float64)
+    row = torch.tensor([full, shard, gpu, peak_rss_mib() - rss0], dtype=torch.float64, device=device)
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row)
     if dist.get_rank() == 0:
