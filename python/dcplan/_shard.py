@@ -324,6 +324,7 @@ def _shard_parameters(model: nn.Module, state: _ShardState, world_size: int, ran
             _, attrs, ids_of_module = owned.setdefault(id(module), (module, [], []))
             attrs.append(attr)
             ids_of_module.append(info.ds_id)
+        p = None  # a made parameter must not outlive its module's turn (the next module is made next)
     state.trainable_infos = [i for i in state.infos if i.trainable]
     state.trainable_ids = [i.ds_id for i in state.trainable_infos]
     return owned

@@ -7,7 +7,9 @@ silently lose its weight decay. FSDP2 answers with a DTensor of the original sha
 shard answers ``shape``, ``size()``, ``ndim``, ``dim()`` and ``numel()`` with the original
 parameter's to code outside torch and dcplan. torch's own Python (optimizers, Dynamo, the
 autograd and C++ kernels) and dcplan see the tensor as it is, the flat shard: that is what they
-compute on. ``p.data`` and ``p.detach()`` are plain tensors of the shard's shape.
+compute on. ``p.data`` and ``p.detach()`` are plain tensors of the shard's shape; ``len(p)``,
+``stride()`` and indexing are the shard's too. A package outside torch that sizes state from
+``p.shape`` (a third-party optimizer) sees the original shape: give it ``p.detach()``'s.
 """
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ _INSIDE = ("torch", "dcplan")
 
 def _user_asks() -> bool:
     """Whether the code asking (two frames up: past the property or method) is the user's."""
-    module = sys._getframe(2).f_globals.get("__name__", "")
+    try:
+        module = sys._getframe(2).f_globals.get("__name__", "")
+    except ValueError:  # asked from C with no Python caller: not user code
+        return False
     return module.partition(".")[0] not in _INSIDE
 
 
@@ -68,6 +73,9 @@ class ShardParameter(nn.Parameter):
             f"dcplan: a shard's storage belongs to dcplan's runtime; it cannot become a {new.dtype} tensor of "
             f"{new.numel()} elements on {new.device} (model.to(), to_empty() or half() after dcplan.shard()?). "
             "Move, cast and initialise the model before dcplan.shard(); param_dtype= sets the compute dtype")
+
+    def nelement(self) -> int:
+        return self.original_shape.numel() if _user_asks() else super().nelement()
 
     def __repr__(self) -> str:
         return (f"dcplan shard of a parameter of shape {tuple(self.original_shape)} "

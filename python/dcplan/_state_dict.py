@@ -16,7 +16,6 @@ save and at load, so no rank ever holds a whole parameter.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -230,8 +229,7 @@ class _Sharder:
 
         lo, n = _valid(info, self.rank, self.world_size)
         with torch.no_grad():
-            if isinstance(value, DTensor):
-                self._check_dtensor(info, value, key, caller)
+            if isinstance(value, DTensor):  # its shape, placement and part: dtensor_error, checked before
                 local = value.to_local().reshape(-1)
                 if self.opts.flat_shards:
                     src = local
@@ -248,23 +246,28 @@ class _Sharder:
                 dst[:n].copy_(src)
             dst[n:].zero_()
 
-    def _check_dtensor(self, info, value, key: str, caller: str) -> None:
-        """value's global shape, placement and mesh size are the sharded form's."""
+    def dtensor_error(self, info, value, key: str, caller: str) -> Optional[str]:
+        """Why DTensor value cannot load as info's key, or None: its global shape, placement,
+        mesh size and this rank's part must be the sharded form's."""
         from torch.distributed.tensor import Replicate, Shard
 
         flat = self.opts.flat_shards
         shape = (info.numel,) if flat else tuple(info.shape)
         placements = (Replicate(),) if not shape else (Shard(0),)
         if tuple(value.shape) != shape:
-            raise ValueError(f"dcplan.{caller}: '{key}' should be a DTensor of shape {shape}"
-                             f"{' (flat_shards)' if flat else ''}, got {tuple(value.shape)}")
+            form = "flat_shards" if flat else "the model's"
+            return f"dcplan.{caller}: '{key}' should be a DTensor of shape {shape} ({form}), got {tuple(value.shape)}"
         if tuple(value.placements) != placements or value.device_mesh.size() != self.world_size:
-            raise ValueError(f"dcplan.{caller}: '{key}' should be placed {list(placements)} over the model's "
-                             f"{self.world_size} ranks, got {list(value.placements)} over "
-                             f"{value.device_mesh.size()}")
-        if flat and value.to_local().numel() != _valid(info, self.rank, self.world_size)[1]:
-            raise ValueError(f"dcplan.{caller}: '{key}': this rank's DTensor part has {value.to_local().numel()} "
-                             f"elements, expected {_valid(info, self.rank, self.world_size)[1]} (flat_shards)")
+            return (f"dcplan.{caller}: '{key}' should be placed {list(placements)} over the model's "
+                    f"{self.world_size} ranks, got {list(value.placements)} over {value.device_mesh.size()}")
+        if flat:
+            want = _valid(info, self.rank, self.world_size)[1]
+        else:
+            want = 1 if not info.shape else _row_elements(info, self.rank, self.world_size)[1]
+        if value.to_local().numel() != want:
+            return (f"dcplan.{caller}: '{key}': rank {self.rank}'s part of the DTensor has "
+                    f"{value.to_local().numel()} elements, expected {want}")
+        return None
 
     def broadcast(self, value: Optional[torch.Tensor], like: torch.Tensor, shape, dtype) -> torch.Tensor:
         """Rank 0's value (already checked: numel and type), on every rank (broadcast_from_rank0)."""
@@ -336,7 +339,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *, 
         raise ValueError(f"dcplan.{caller}: model_state_dict should be a dict, got {type(given_dict).__name__}")
     given = sorted(given_dict)
     if opts.broadcast_from_rank0:
-        error = _check_model_values(given_dict, own, opts.flat_shards, caller) if sharder.rank == 0 else None
+        error = _check_model_values(given_dict, own, sharder, caller) if sharder.rank == 0 else None
         given = sharder.agree(error, given)
     missing = sorted(set(own) - set(given))
     unexpected = sorted(set(given) - set(own))
@@ -344,7 +347,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *, 
         raise ValueError(f"dcplan.{caller}: the state dict does not match the model: missing keys {missing}, "
                          f"unexpected keys {unexpected} (pass StateDictOptions(strict=False) to load the rest)")
     if not opts.broadcast_from_rank0:
-        error = _check_model_values(given_dict, own, opts.flat_shards, caller)
+        error = _check_model_values(given_dict, own, sharder, caller)
         if error:
             raise ValueError(error)
     loaded = set()
@@ -363,7 +366,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *, 
     return IncompatibleKeys(missing, unexpected)
 
 
-def _check_model_values(given: Dict[str, Any], own, flat: bool, caller: str) -> Optional[str]:
+def _check_model_values(given: Dict[str, Any], own, sharder: _Sharder, caller: str) -> Optional[str]:
     """The first value of given that cannot load into its key of the model, described; or None."""
     from torch.distributed.tensor import DTensor
 
@@ -372,24 +375,23 @@ def _check_model_values(given: Dict[str, Any], own, flat: bool, caller: str) -> 
         value = given[key]
         if isinstance(value, DTensor) and info is None:
             return f"dcplan.{caller}: '{key}' is a buffer; expected a plain tensor, got a DTensor"
-        error = _value_error(key, value, info.shape if info is not None else dst.shape, flat, caller)
+        error = _value_error(key, value, info, dst.shape, sharder, caller)
         if error:
             return error
     return None
 
 
-def _value_error(key: str, value, shape, flat: bool, caller: str) -> Optional[str]:
-    """Why value cannot load as key, of the model's shape, or None: it should be a tensor of that
-    shape (a DTensor of (numel,) with flat_shards)."""
+def _value_error(key: str, value, info, shape, sharder: _Sharder, caller: str) -> Optional[str]:
+    """Why value cannot load as key (info's parameter or state, or a buffer of shape), or None:
+    a tensor of the model's shape, or a DTensor of the sharded form (Sharder.dtensor_error)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(value, torch.Tensor):
         return f"dcplan.{caller}: '{key}' should be a tensor, got {type(value).__name__}"
-    want, form = tuple(shape), "the model's"
-    if flat and isinstance(value, DTensor):
-        want, form = (math.prod(want),), "flat_shards"
-    if tuple(value.shape) != want:
-        return f"dcplan.{caller}: '{key}' should have shape {want} ({form}), got {tuple(value.shape)}"
+    if isinstance(value, DTensor) and info is not None:
+        return sharder.dtensor_error(info, value, key, caller)
+    if tuple(value.shape) != tuple(shape):
+        return f"dcplan.{caller}: '{key}' should have shape {tuple(shape)} (the model's), got {tuple(value.shape)}"
     return None
 
 
@@ -508,12 +510,12 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
         # per-element tensors one by one.
         error, skeleton = None, None
         if sharder.rank == 0:
-            error = _check_optim(optim_state_dict, groups, per_element, opts.flat_shards, caller)
+            error = _check_optim(optim_state_dict, groups, per_element, sharder, caller)
             skeleton = None if error else _skeleton(optim_state_dict, groups, per_element)
         skeleton = sharder.agree(error, skeleton)
         given_state, given_groups = skeleton["state"], skeleton["param_groups"]
     else:
-        error = _check_optim(optim_state_dict, groups, per_element, opts.flat_shards, caller)
+        error = _check_optim(optim_state_dict, groups, per_element, sharder, caller)
         if error:
             raise ValueError(error)
         given_state, given_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
@@ -542,7 +544,7 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
     optim.load_state_dict({"state": torch_state, "param_groups": torch_groups})
 
 
-def _check_optim(optim_state_dict, groups, per_element, flat: bool, caller: str) -> Optional[str]:
+def _check_optim(optim_state_dict, groups, per_element, sharder: _Sharder, caller: str) -> Optional[str]:
     """What is wrong with an optimizer state dict for this optimizer, or None."""
     if not isinstance(optim_state_dict, dict) or "state" not in optim_state_dict \
             or "param_groups" not in optim_state_dict:
@@ -558,7 +560,7 @@ def _check_optim(optim_state_dict, groups, per_element, flat: bool, caller: str)
         for info in infos:
             for key, value in optim_state_dict["state"].get(info.name, {}).items():
                 if key in per_element[info.ds_id]:
-                    error = _value_error(f"state.{info.name}.{key}", value, info.shape, flat, caller)
+                    error = _value_error(f"state.{info.name}.{key}", value, info, info.shape, sharder, caller)
                     if error:
                         return error
                 elif isinstance(value, torch.Tensor) and value.dim() > 0:

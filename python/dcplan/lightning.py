@@ -97,6 +97,14 @@ class DcplanStrategy(DDPStrategy):
                 "DcplanStrategy(param_dtype=torch.bfloat16)")
         self.precision_plugin = _DcplanPrecision(self.lightning_module)
 
+    def teardown(self) -> None:
+        """Lightning's own moves the module and its optimizers' state to the CPU; the shards'
+        storage is dcplan's runtime's and stays on its device (a move would be refused)."""
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
     # -- steps ----------------------------------------------------------------------------------
 
     def training_step(self, *args: Any, **kwargs: Any):

@@ -227,7 +227,28 @@ def worker(rank: int, ws: int, store: str, out_dir: str, ckpt_dir: str) -> None:
             sd["model"]["extra.weight"] = sd["model"]["down.weight"]
             dcp.load(sd, checkpoint_id=path["dcplan"])
 
-        return {"other_shape": refusal(other_shape), "missing_key": refusal(missing_key)}
+        def dtensor(placement: str):
+            """A DTensor of the right shape but another placement, or with a part of the wrong
+            size, for head.weight: refused before emb.weight (loaded first) is written."""
+            import dcplan
+            from torch.distributed.tensor import DTensor, Replicate, Shard
+
+            model, opt = dcplan_net(3, 7)
+            sd = dcplan_state(model, opt)["model"]
+            mesh = sd["emb.weight"].device_mesh
+            sd["emb.weight"] = DTensor.from_local(torch.ones_like(sd["emb.weight"].to_local()), mesh, [Shard(0)],
+                                                  run_check=False, shape=(VOCAB, D), stride=(D, 1))
+            if placement == "replicate":
+                sd["head.weight"] = DTensor.from_local(torch.zeros(VOCAB, D), mesh, [Replicate()], run_check=False)
+            else:
+                sd["head.weight"] = DTensor.from_local(torch.zeros(1, D), mesh, [Shard(0)], run_check=False,
+                                                       shape=(VOCAB, D), stride=(D, 1))
+            before = dcplan.full_parameters(model)["emb.weight"]
+            error = refusal(lambda: dcplan.set_model_state_dict(model, sd))
+            return {"error": error, "unchanged": torch.equal(dcplan.full_parameters(model)["emb.weight"], before)}
+
+        return {"other_shape": refusal(other_shape), "missing_key": refusal(missing_key),
+                "replicated": dtensor("replicate"), "wrong_part": dtensor("part")}
 
     run_cases(rank, ws, store, out_dir, [(name, fn, None) for name, fn in [
         ("dcplan_save", dcplan_save), ("to_fsdp", to_fsdp), ("fsdp_save", fsdp_save), ("from_fsdp", from_fsdp),

@@ -3,6 +3,7 @@ makes one module at a time and keeps each rank's shard; the values equal a model
 rank from the same seed, and what cannot be made is refused before anything changes."""
 from __future__ import annotations
 
+import gc
 from typing import Dict, List
 
 import torch
@@ -79,8 +80,9 @@ def worker(rank: int, ws: int, store: str, out_dir: str) -> None:
         held: List[int] = []
 
         def counting_init(module):
-            held.append(sum(p.numel() for p in model.parameters()
-                            if not p.is_meta and not isinstance(p, dcplan.ShardParameter)))
+            # Every full-size parameter alive in the process, not only the model's: one that
+            # shard() still referenced would count too.
+            held.append(sum(o.numel() for o in gc.get_objects() if type(o) is nn.Parameter and not o.is_meta))
             module.reset_parameters()
 
         torch.manual_seed(SEED)

@@ -84,6 +84,12 @@ def test_other_models_are_refused_by_name(run):
         assert "Size mismatch between saved torch.Size([41, 20]) and current: torch.Size([43, 20]) for " \
                "model.emb.weight" in got["other_shape"], f"rank {rank}: {got['other_shape']}"
         assert "model.extra.weight" in got["missing_key"], f"rank {rank}: {got['missing_key']}"
+        # dcplan's own checks of a DTensor given to set_model_state_dict, before any key is written.
+        assert "'head.weight' should be placed [Shard(dim=0)] over the model's 2 ranks, got [Replicate()] " \
+               "over 2" in got["replicated"]["error"], got["replicated"]["error"]
+        assert f"'head.weight': rank {rank}'s part of the DTensor has 20 elements, expected {420 if rank == 0 else 400}" \
+            in got["wrong_part"]["error"], got["wrong_part"]["error"]
+        assert got["replicated"]["unchanged"] and got["wrong_part"]["unchanged"]
 
 
 def test_recipes_group_parameters_as_unsharded(run):
