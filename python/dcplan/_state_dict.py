@@ -375,7 +375,7 @@ def _check_model_values(given: Dict[str, Any], own, sharder: _Sharder, caller: s
         value = given[key]
         if isinstance(value, DTensor) and info is None:
             return f"dcplan.{caller}: '{key}' is a buffer; expected a plain tensor, got a DTensor"
-        error = _value_error(key, value, info, dst.shape, sharder, caller)
+        error = _value_error(key, value, info, info.shape if info is not None else dst.shape, sharder, caller)
         if error:
             return error
     return None
