@@ -288,8 +288,11 @@ def test_shard_argument_errors(dcplan_module, group):
     counter.steps = nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
     with pytest.raises(ValueError, match="parameter 'steps' should be a floating-point tensor .* got torch.int64"):
         dcplan_module.shard(counter)
-    with pytest.raises(ValueError, match="parameter 'weight' is on the meta device"):
-        dcplan_module.shard(nn.Linear(2, 2, device="meta"))
+    partly_meta = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="some parameters are on the meta device and others are not"):
+        dcplan_module.shard(partly_meta)
+    with pytest.raises(ValueError, match="init= is for a model built on the meta device"):
+        dcplan_module.shard(nn.Linear(2, 2), init=lambda m: None)
     assert not dcplan_module._C.is_initialized(), "a refused shard() starts nothing"
     m = dcplan_module.shard(nn.Linear(2, 2), stage=2)
     with pytest.raises(ValueError, match="model is already sharded"):
