@@ -93,3 +93,18 @@ class ShardParameter(nn.Parameter):
 
 def _rebuild(data: torch.Tensor, requires_grad: bool, original_shape) -> ShardParameter:
     return ShardParameter(data, requires_grad, original_shape)
+
+
+def _register_with_torch_foreach() -> None:
+    """torch's optimizers take their foreach and fused kernels by default only for the parameter
+    types it lists (torch.distributed.tensor adds DTensor the same way): without this, a default
+    AdamW over GPU shards would run its per-tensor loop."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if ShardParameter not in types:
+            types.append(ShardParameter)
+
+
+_register_with_torch_foreach()

@@ -607,3 +607,13 @@ def test_a_plan_is_refused_by_the_other_kind_of_replay(dcplan_module, monkeypatc
         _plan.check_graphed_plan()
     _plan.forget()
     assert _plan._loaded is None
+
+
+def test_shards_take_torchs_foreach_and_fused_optimizers(dcplan_module):
+    """torch's optimizers default to their foreach/fused kernels only for the parameter types it
+    lists; a ShardParameter must be one, or a default AdamW over GPU shards loops per tensor."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    assert dcplan_module.ShardParameter in optimizer._foreach_supported_types
+    assert dcplan_module.ShardParameter in _foreach_utils._foreach_supported_types
