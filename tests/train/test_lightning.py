@@ -8,6 +8,7 @@ import tempfile
 import pytest
 import torch
 
+import interop_cases as ic
 import lightning_cases as lc
 from mp_harness import entry, run_ranks
 
@@ -62,11 +63,5 @@ def test_checkpoint_resumes_exactly(run):
         for name, want in v["straight"]["params"].items():
             assert torch.equal(v["resumed"]["params"][name], want), f"rank {rank}: {name}"
     # The checkpoint is DCP in the original shapes: torch's converter reads it.
-    assert converted["state_dict"]["net.emb.weight"].shape == (ic_vocab(), 20)
+    assert converted["state_dict"]["net.emb.weight"].shape == (ic.VOCAB, ic.D)
     assert converted["optimizer_0"]["state"]["net.down.weight"]["exp_avg"].shape == (20, 33)
-
-
-def ic_vocab() -> int:
-    import interop_cases
-
-    return interop_cases.VOCAB
