@@ -107,6 +107,7 @@ void bindPlan(py::module_& m) {
         out["prefetch_groups"] = summary.prefetchGroups;
         out["cuda_graph"] = summary.cudaGraph;
         out["buckets"] = summary.buckets;
+        out["optimizer_offload"] = summary.optimizerOffload;
         return out;
       },
       py::arg("path"), py::arg("params"), py::arg("world_size"), py::arg("stage"), py::arg("forward_graph"),

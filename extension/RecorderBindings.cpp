@@ -191,6 +191,13 @@ void bindRecorder(py::module_& m) {
   m.def(
       "record_graphed", [] { current("record_graphed")->markGraphed(); },
       "The recorded script runs its step through dcplan.graphed_step: the trace says so (meta.graphed).");
+  m.def(
+      "record_optimizer_state",
+      [](const std::map<int64_t, uint64_t>& bytesById) {
+        current("record_optimizer_state")->setOptimizerState(bytesById);
+      },
+      py::arg("bytes_by_id"),
+      "After an optimizer step: the per-element optimizer state of each shard it stepped, bytes by ds_id.");
   bindRecordingState(m);
   bindProbes(m);
 }

@@ -24,6 +24,8 @@ struct Context {
   uint64_t limit;  ///< memory limit the plan must respect
   std::vector<GraphView> views;
   Collective reduceOp;
+  /// Optimizer state kept on the host (planned offload): every schedule assembled carries it.
+  std::vector<schemas::OffloadGroup> offload;
   int32_t runOfGraph(int32_t g) const { return views[static_cast<size_t>(g)].run; }
 };
 

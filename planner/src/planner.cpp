@@ -1,5 +1,6 @@
 // The strategies (default, heuristic, optimized), candidate search and --explain text.
 #include "dcplan/planner/planner.h"
+#include "dcplan/planner/offload.h"
 
 #include <algorithm>
 #include <cmath>
@@ -43,7 +44,9 @@ std::optional<Strategy> parseStrategy(std::string_view name) {
   return std::nullopt;
 }
 
-Schedule scheduleOf(const schemas::Plan& plan) { return Schedule{plan.persistent, plan.graphs}; }
+Schedule scheduleOf(const schemas::Plan& plan) {
+  return Schedule{plan.persistent, plan.graphs, plan.optimizerOffload};
+}
 
 namespace {
 
@@ -117,6 +120,10 @@ class Search {
   }
 
   const Context& context() const { return c_; }
+
+  /// Every schedule evaluated from now on keeps this optimizer state on the host (the default
+  /// candidate, the recorded run, keeps none).
+  void setOffload(std::vector<schemas::OffloadGroup> groups) { c_.offload = std::move(groups); }
 
   Candidate evaluate(std::string label, std::vector<char> persistent, std::string persistLabel,
                      BucketSet buckets, std::string bucketLabel, PrefetchResult prefetch,
@@ -365,6 +372,85 @@ std::string predictionLine(const schemas::Prediction& p) {
          formatBytes(p.peakMemoryBytes);
 }
 
+/// The offload the optimized strategy chose, for --explain.
+struct OffloadChoice {
+  size_t least = 0;   ///< the fewest parameters whose offload lets a schedule fit
+  size_t chosen = 0;  ///< offloaded in the plan
+  size_t of = 0;      ///< parameters with optimizer state
+  std::vector<std::string> tried;
+};
+
+/// Strategy::Optimized under a limit no schedule meets with the optimizer state on the device:
+/// offloads the state of the fewest parameters (the most state first, offloadOrder) with which
+/// one does, found by bisection, then tries up to three larger offloads (more headroom for
+/// prefetch against more copies) and keeps the fastest. Fills all/best as
+/// Search::optimizedCandidates does. Throws naming the floor where offloading all of it is not
+/// enough, and why no offload can be planned where the trace lacks what it needs.
+OffloadChoice planOffload(Search& search, const Workload& w, const CostModel& cost, uint64_t defaultPeak,
+                          const std::string& noFit, const std::string& limitNote, std::vector<Candidate>& all,
+                          size_t& best, const ProgressFn& progress) {
+  const std::string why = offloadUnavailable(w, cost);
+  if (!why.empty()) throw std::invalid_argument(noFit + "; and no optimizer state can be offloaded: " + why);
+  OffloadChoice choice;
+  const std::vector<int32_t> order = offloadOrder(w);
+  choice.of = order.size();
+  auto attempt = [&](size_t n, std::vector<Candidate>& out, size_t& b) {
+    if (progress) progress("planning an offload of " + std::to_string(n) + " of " + count(order.size(), "parameter") +
+                           "' optimizer state");
+    search.setOffload(offloadGroups(w, order, n));
+    out.clear();
+    Candidate heur = search.heuristicCandidate(defaultPeak);
+    try {
+      b = search.optimizedCandidates(out, search.defaultCandidate(), heur);
+      return true;
+    } catch (const std::invalid_argument&) {
+      return false;
+    }
+  };
+  std::vector<Candidate> tried;
+  size_t b = 0;
+  if (!attempt(order.size(), tried, b)) {
+    uint64_t least = std::numeric_limits<uint64_t>::max();
+    for (const Candidate& k : tried) least = std::min(least, k.sim.prediction.peakMemoryBytes);
+    throw std::invalid_argument("memory limit " + formatBytes(search.context().limit) + " (" + limitNote +
+                                ") is below what any plan needs with all optimizer state offloaded (" +
+                                formatBytes(compileOffload(w, search.context().offload).bytes) +
+                                "): at least " + formatBytes(least));
+  }
+  size_t lo = 0, hi = order.size();  // lo: does not fit (the search without offload); hi: fits
+  std::vector<Candidate> fastest = std::move(tried);
+  size_t fastestBest = b;
+  while (hi - lo > 1) {
+    const size_t mid = lo + (hi - lo) / 2;
+    if (attempt(mid, tried, b)) {
+      hi = mid;
+      fastest = std::move(tried);
+      fastestBest = b;
+    } else {
+      lo = mid;
+    }
+  }
+  choice.least = choice.chosen = hi;
+  auto stepOf = [](const std::vector<Candidate>& v, size_t i) { return v[i].sim.prediction.stepUs; };
+  choice.tried.push_back(std::to_string(hi) + ": " + us(stepOf(fastest, fastestBest)));
+  const size_t stride = std::max<size_t>(1, (order.size() - hi + 3) / 4);
+  for (size_t n = hi + stride; n < order.size() + stride && n - hi <= 3 * stride; n += stride) {
+    const size_t m = std::min(n, order.size());
+    if (!attempt(m, tried, b)) continue;
+    choice.tried.push_back(std::to_string(m) + ": " + us(stepOf(tried, b)));
+    if (stepOf(tried, b) < stepOf(fastest, fastestBest) * (1 - kCallTieShare)) {
+      fastest = std::move(tried);
+      fastestBest = b;
+      choice.chosen = m;
+    }
+    if (m == order.size()) break;
+  }
+  search.setOffload(offloadGroups(w, order, choice.chosen));
+  all = std::move(fastest);
+  best = fastestBest;
+  return choice;
+}
+
 class Explainer {
  public:
   Explainer(const Workload& w, const Context& c, std::vector<std::string>& out) : w_(w), c_(c), out_(out) {}
@@ -556,6 +642,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
 
   Candidate def = search.defaultCandidate();
   Candidate chosen;
+  std::optional<OffloadChoice> offload;
   std::vector<Candidate> all;
   size_t best = 0;
   switch (req.strategy) {
@@ -567,7 +654,13 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
       break;
     case Strategy::Optimized: {
       Candidate heur = search.heuristicCandidate(def.sim.prediction.peakMemoryBytes);
-      best = search.optimizedCandidates(all, def, heur);
+      try {
+        best = search.optimizedCandidates(all, def, heur);
+      } catch (const std::invalid_argument& noFit) {
+        if (unlimited) throw;
+        offload = planOffload(search, w, cost, def.sim.prediction.peakMemoryBytes, noFit.what(), limitNote, all,
+                              best, progress);
+      }
       chosen = all[best];
       break;
     }
@@ -598,6 +691,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   if (inSitu && inSitu->atBound) result.warnings.push_back(result.inSitu);
   plan.persistent = chosen.schedule.persistent;
   plan.graphs = chosen.schedule.graphs;
+  plan.optimizerOffload = chosen.schedule.optimizerOffload;
   plan.predicted = rounded(chosen.sim.prediction);
   plan.predictedDefault = rounded(def.sim.prediction);
 
@@ -619,10 +713,24 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
       ex.line("strategy " + std::string(strategyName(req.strategy)) + ": " +
               predictionLine(chosen.sim.prediction));
     }
+    if (offload) {
+      std::string tried;
+      for (const std::string& t : offload->tried) tried += (tried.empty() ? "" : ", ") + t;
+      ex.line("offload: no schedule fits with the optimizer state on the device; the state of " +
+              std::to_string(offload->chosen) + " of " + count(offload->of, "parameter") + " (the most first) is kept " +
+              "on the host between steps, in " + count(plan.optimizerOffload.size(), "group") + " (at least " +
+              std::to_string(offload->least) + " needed; parameters offloaded: step " + tried + ")");
+    }
     ex.buckets(chosen);
     ex.persistence(chosen, gathersPerStep(w));
     ex.prefetch(chosen, gatherUses(c, chosen.persist.persistent));
     ex.line("predicted: " + predictionLine(plan.predicted));
+    if (plan.predicted.offloadBytes > 0) {
+      const schemas::Prediction& p = plan.predicted;
+      ex.line("  offload: " + formatBytes(p.offloadBytes) + " of optimizer state on the host; copies per step in " +
+              us(p.reloadUs) + ", out " + us(p.offloadUs) + "; they make the optimizer step " +
+              us(p.exposedCopyUs) + " longer");
+    }
     ex.line("  against default: step " + formatChange(plan.predictedDefault.stepUs, plan.predicted.stepUs) +
             ", exposed comm " +
             formatChange(plan.predictedDefault.exposedCommUs, plan.predicted.exposedCommUs) +

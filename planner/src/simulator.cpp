@@ -154,6 +154,7 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
   for (size_t g = 0; g < w.graphs.size(); ++g) {
     if (!planned[g]) compileUnplanned(w.graphs[g], c.graphs[g]);
   }
+  c.offload = compileOffload(w, s.optimizerOffload);
   return c;
 }
 
@@ -190,10 +191,13 @@ class Simulation {
     const double behind =
         w_.hostLane ? std::max(0.0, start - hostNow_) : 0.0;  // the device, at the backward's end
     if (w_.hostLane) start = std::max(start, hostNow_);  // the optimizer's kernels come after the backward's
+    // Offloaded state comes back a group or two at a time (CompiledOffload::stepBytes).
+    momentary_ += s_.offload.stepBytes;
     sample(start, 0, -1, -1, false);
-    double stepUs = start + w_.optimizerUs;
+    const OptimizerPhase phase = optimizerPhase(start);
+    double stepUs = phase.endUs;
     if (w_.hostLane) {
-      double after = w_.optimizerHostUs;
+      double after = w_.optimizerHostUs + (w_.waitsBlockHost ? phase.exposedUs : 0.0);
       if (w_.waitsBlockHost) {
         hostNow_ = start;  // the host runs the optimizer itself, once the reductions are done
       } else if (reference_) {
@@ -223,10 +227,35 @@ class Simulation {
     res_.prediction.stepUs = stepUs + (reference_ ? 0.0 : res_.launchDeltaUs);
     res_.prediction.exposedCommUs = std::max(0.0, stepUs - res_.computeUs - res_.optimizerUs);
     res_.prediction.peakMemoryBytes = peak_;
+    res_.prediction.offloadBytes = s_.offload.bytes;
+    res_.prediction.reloadUs = phase.reloadUs;
+    res_.prediction.offloadUs = phase.offloadUs;
+    res_.prediction.exposedCopyUs = phase.exposedUs;
     return std::move(res_);
   }
 
  private:
+  OptimizerPhase optimizerPhase(double start) {
+    if (s_.offload.groups.empty()) {
+      OptimizerPhase alone;
+      alone.endUs = start + w_.optimizerUs;
+      return alone;
+    }
+    OptimizerPhase ph = simulateOptimizerPhase(w_, cost_, s_.offload, start, w_.waitsBlockHost);
+    if (record_) {
+      const int32_t last = static_cast<int32_t>(w_.runs.size()) - 1;
+      for (const OptimizerPhase::Copy& c : ph.copies) {
+        const auto& group = s_.offload.groups[c.group];
+        std::vector<int64_t> ids;
+        for (int32_t p : group.params) ids.push_back(w_.params[static_cast<size_t>(p)].id);
+        event(c.toDevice ? Stream::Reload : Stream::Offload,
+              std::string(c.toDevice ? "reload" : "offload") + " optimizer state, group " + std::to_string(c.group),
+              last, -1, std::move(ids), group.bytes, c.startUs, c.endUs);
+      }
+    }
+    return ph;
+  }
+
   void runGraph(int32_t r) {
     const GraphRun& run = w_.runs[static_cast<size_t>(r)];
     const WorkGraph& g = w_.graphs[static_cast<size_t>(run.graph)];
@@ -473,7 +502,8 @@ class Simulation {
   }
 
   void sample(double now, uint64_t activation, int32_t r, int64_t seq, bool atOp) {
-    uint64_t m = w_.baselineBytes + livePersistent_ + activation + liveGathered_ + filling_ + pendingBytes_ +
+    // Offloaded optimizer state is on the host outside the optimizer step.
+    uint64_t m = w_.baselineBytes - std::min(w_.baselineBytes, s_.offload.bytes) + livePersistent_ + activation + liveGathered_ + filling_ + pendingBytes_ +
                  liveScratch_ + momentary_ + shardGrads_;
     momentary_ = 0;  // scratch of a call while it is issued: in the sample right after it only
     peak_ = std::max(peak_, m);

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import _C
+from . import _C, _offload
 
 _VERSION = "0.1.0"
 _DEFAULTS = {"DCPLAN_RECORD_STEPS": 3, "DCPLAN_RECORD_WARMUP": 2, "DCPLAN_RECORD_EXIT": 1}
@@ -94,6 +94,7 @@ _optimizer_hook = None  # torch's global optimizer post-hook while recording
 def _optimizer_stepped(optimizer, args, kwargs) -> None:
     # The device-lead step checks that the device had not caught up while the optimizer was issued.
     _C.record_optimizer_step_issued()
+    _C.record_optimizer_state(_offload.state_bytes(optimizer))
 
 
 def _unhook_optimizers() -> None:

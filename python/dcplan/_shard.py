@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _plan
-from . import _C, _class_swap, _compile, _meta_init, _record, _shm
+from . import _C, _class_swap, _compile, _meta_init, _offload, _record, _shm
 from ._shard_param import ShardParameter
 
 _DEFAULT_BUCKET_BYTES = _C.DEFAULT_BUCKET_BYTES  # the runtime's own default (schemas::kDefaultBucketBytes)
@@ -257,7 +257,9 @@ def shard(
     owned = _shard_parameters(model, state, pg.size(), pg.rank(), meta_device, init)
     _register_graphs(state, reduce_dtype)
     if plan_path is not None:
-        state.hooks.set_keep(_plan.load(state, plan_path, on_mismatch, reduce_dtype)["persistent"])
+        loaded = _plan.load(state, plan_path, on_mismatch, reduce_dtype)
+        state.hooks.set_keep(loaded["persistent"])
+        _offload.register(state.infos, loaded["optimizer_offload"])
     if _record.active():
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, pg.size(), param_dtype, reduce_dtype,
                           state.compiled)
@@ -438,6 +440,7 @@ def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: i
     hi = min(lo + shard_numel, numel)
     data[: hi - lo].copy_(flat[lo:hi])
     shard_param = ShardParameter(data, p.requires_grad, p.shape)
+    shard_param._dcplan_ds_id = ds_id  # the trace's and the plan's id of it (optimizer state, offload)
     return _ParamInfo(ds_id=ds_id, name=name, shape=p.shape, numel=numel, shard=shard_param)
 
 
@@ -632,6 +635,7 @@ def shutdown() -> None:
     _record.stop()
     _plan.stop_marks()
     _plan.forget()
+    _offload.forget()
     _C.cleanup()
     _runtime_group = None
     _next_ds_id = 0

@@ -184,11 +184,15 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
     if (static_cast<int>(cal.allGather.size()) >= o.minPoints && mean + next > o.budgetSeconds) break;
   }
 
-  if (!o.device.is_cpu()) {
-    // Host<->device copy rate with pinned host memory, as offloading copies.
+  {
+    // Host<->device copy rate with pinned host memory, as offloading copies; on CPU ranks the
+    // offload copies into a host pool of its own, a memcpy each way.
     const int64_t n = 16 * 1024 * 1024;  // 64 MiB of float32
-    at::Tensor host = at::empty({n}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+    at::Tensor host =
+        at::empty({n}, at::TensorOptions().dtype(at::kFloat).pinned_memory(!o.device.is_cpu()));
     at::Tensor dev = at::empty({n}, opts);
+    host.zero_();
+    dev.zero_();
     auto rate = [&](at::Tensor& dst, const at::Tensor& src) {
       std::vector<double> gbps;
       dst.copy_(src);

@@ -140,6 +140,11 @@ void Recorder::markGraphed() {
   graphed_ = true;
 }
 
+void Recorder::setOptimizerState(const std::map<int64_t, uint64_t>& bytesById) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  for (const auto& [id, bytes] : bytesById) optimizerState_[id] = bytes;
+}
+
 fs::path Recorder::tracePath() const {
   return config_.directory / ("rank" + std::to_string(transport_ ? transport_->rank() : 0) + ".trace.json");
 }
@@ -496,6 +501,9 @@ schemas::Trace Recorder::traceHeader(const schemas::Calibration& calibration, Tr
     model.registered.insert(m.backwardGraph);
     for (const auto& p : m.params) {
       t.params.push_back(p);
+      if (auto it = optimizerState_.find(p.id); it != optimizerState_.end()) {
+        t.params.back().optimizerStateBytes = it->second;
+      }
       model.shardNumel[p.id] = p.shardNumel;
     }
   }

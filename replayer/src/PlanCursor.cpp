@@ -528,6 +528,18 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
   checkGraphs(path, plan, model);
   summary.persistent = plan.persistent;
   summary.cudaGraph = plan.options.cudaGraph;
+  for (size_t g = 0; g < plan.optimizerOffload.size(); ++g) {
+    const auto& ids = plan.optimizerOffload[g].dsIds;
+    for (size_t k = 0; k < ids.size(); ++k) {
+      if (!live.count(ids[k]) || frozen.count(ids[k])) {
+        refuse(path, "/offload/optimizer_state/" + std::to_string(g) + "/ds_ids/" + std::to_string(k),
+               "ds_id " + std::to_string(ids[k]) + (live.count(ids[k]) ? " is frozen in this run: it has no "
+                                                                         "optimizer state to offload"
+                                                                       : " is not a parameter of this model"));
+      }
+    }
+    summary.optimizerOffload.push_back(ids);
+  }
   for (const schemas::PlanGraph& pg : plan.graphs) {
     summary.prefetchGroups += static_cast<int64_t>(pg.prefetch.size());
     summary.buckets += static_cast<int64_t>(pg.buckets.size());

@@ -39,6 +39,7 @@ class PlanValidator {
       out_.persistent = *persistent;
     }
     if (auto* graphs = root.array("graphs")) readGraphs(*graphs);
+    if (auto* offload = root.object("offload", P::Optional)) readOffload(*offload);
     if (auto* predicted = root.object("predicted")) out_.predicted = readPrediction(*predicted, "/predicted");
     if (auto* predicted = root.object("predicted_default")) {
       out_.predictedDefault = readPrediction(*predicted, "/predicted_default");
@@ -166,12 +167,40 @@ class PlanValidator {
     }
   }
 
+  void readOffload(const ordered_json& value) {
+    FieldReader r(value, "/offload", diags_);
+    auto* groups = r.array("optimizer_state");
+    if (groups && groups->empty()) diags_.add("/offload/optimizer_state", "expected at least one group");
+    std::map<int64_t, size_t> groupOf;
+    for (size_t i = 0; groups && i < groups->size(); ++i) {
+      const std::string itemPtr = "/offload/optimizer_state/" + std::to_string(i);
+      FieldReader item((*groups)[i], itemPtr, diags_);
+      OffloadGroup group;
+      group.dsIds = readIds(item, "ds_ids");
+      for (size_t k = 0; k < group.dsIds.size(); ++k) {
+        auto [it, fresh] = groupOf.emplace(group.dsIds[k], i);
+        if (!fresh && it->second != i) {
+          diags_.add(itemPtr + "/ds_ids/" + std::to_string(k),
+                     "id " + std::to_string(group.dsIds[k]) + " is already in group " + std::to_string(it->second));
+        }
+      }
+      group.bytes = item.bytes("bytes").value_or(0);
+      item.rejectUnknownFields();
+      out_.optimizerOffload.push_back(std::move(group));
+    }
+    r.rejectUnknownFields();
+  }
+
   Prediction readPrediction(const ordered_json& value, const std::string& ptr) {
     FieldReader r(value, ptr, diags_);
     Prediction p;
     p.stepUs = r.number("step_us", 0).value_or(0);
     p.exposedCommUs = r.number("exposed_comm_us", 0).value_or(0);
     p.peakMemoryBytes = r.bytes("peak_memory_bytes").value_or(0);
+    p.offloadBytes = r.bytes("offload_bytes", P::Optional).value_or(0);
+    p.reloadUs = r.number("reload_us", 0, P::Optional).value_or(0);
+    p.offloadUs = r.number("offload_us", 0, P::Optional).value_or(0);
+    p.exposedCopyUs = r.number("exposed_copy_us", 0, P::Optional).value_or(0);
     r.rejectUnknownFields();
     return p;
   }
@@ -181,8 +210,15 @@ class PlanValidator {
 };
 
 ordered_json predictionJson(const Prediction& p) {
-  return {
+  ordered_json out{
       {"step_us", p.stepUs}, {"exposed_comm_us", p.exposedCommUs}, {"peak_memory_bytes", p.peakMemoryBytes}};
+  if (p.offloadBytes > 0) {
+    out["offload_bytes"] = p.offloadBytes;
+    out["reload_us"] = p.reloadUs;
+    out["offload_us"] = p.offloadUs;
+    out["exposed_copy_us"] = p.exposedCopyUs;
+  }
+  return out;
 }
 
 }  // namespace
@@ -240,9 +276,16 @@ std::string writePlan(const Plan& plan) {
       {"options", std::move(options)},
       {"persistent", plan.persistent},
       {"graphs", std::move(graphs)},
+  };
+  if (!plan.optimizerOffload.empty()) {
+    ordered_json groups = ordered_json::array();
+    for (const auto& g : plan.optimizerOffload) groups.push_back({{"ds_ids", g.dsIds}, {"bytes", g.bytes}});
+    doc["offload"] = {{"optimizer_state", std::move(groups)}};
+  }
+  doc.update(ordered_json{
       {"predicted", predictionJson(plan.predicted)},
       {"predicted_default", predictionJson(plan.predictedDefault)},
-  };
+  });
   return doc.dump(2) + "\n";
 }
 

@@ -145,6 +145,7 @@ class TraceValidator {
       auto numel = r.integer("numel", 0);
       auto shardNumel = r.integer("shard_numel", 0);
       auto requiresGrad = r.boolean("requires_grad");
+      p.optimizerStateBytes = r.bytes("optimizer_state_bytes", P::Optional);
       r.rejectUnknownFields();
       if (id) {
         auto [it, fresh] = firstById.emplace(*id, i);
@@ -419,13 +420,15 @@ std::string writeTrace(const Trace& t) {
 
   ordered_json params = ordered_json::array();
   for (const auto& p : t.params) {
-    params.push_back({{"id", p.id},
-                      {"name", p.name},
-                      {"shape", p.shape},
-                      {"dtype", p.dtype},
-                      {"numel", p.numel},
-                      {"shard_numel", p.shardNumel},
-                      {"requires_grad", p.requiresGrad}});
+    ordered_json row{{"id", p.id},
+                     {"name", p.name},
+                     {"shape", p.shape},
+                     {"dtype", p.dtype},
+                     {"numel", p.numel},
+                     {"shard_numel", p.shardNumel},
+                     {"requires_grad", p.requiresGrad}};
+    if (p.optimizerStateBytes) row["optimizer_state_bytes"] = *p.optimizerStateBytes;
+    params.push_back(std::move(row));
   }
   ordered_json calibration{{"all_gather", curveJson(t.calibration.allGather)},
                            {"reduce_scatter", curveJson(t.calibration.reduceScatter)},

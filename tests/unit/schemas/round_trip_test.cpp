@@ -115,8 +115,8 @@ TEST(RoundTrip, ReplayModeIsAbsentForEagerAndKeptForCompiled) {
 }
 
 TEST(Signature, DependsOnNamesShapesDtypesAndWorldSizeOnly) {
-  std::vector<TraceParam> params{{0, "a.weight", {4, 3}, "float32", 12, 6, true},
-                                 {1, "a.bias", {3}, "float32", 3, 2, true}};
+  std::vector<TraceParam> params{{0, "a.weight", {4, 3}, "float32", 12, 6, true, std::nullopt},
+                                 {1, "a.bias", {3}, "float32", 3, 2, true, std::nullopt}};
   const std::string base = paramSignature(params, 2);
   EXPECT_EQ(base, "fnv1a64:" + base.substr(8));
   EXPECT_EQ(base.size(), 8u + 16u);
@@ -141,7 +141,7 @@ TEST(Signature, DependsOnNamesShapesDtypesAndWorldSizeOnly) {
 TEST(Signature, MatchesTheDocumentedByteString) {
   // docs/formats.md: "<id>\t<name>\t<dims joined by x>\t<dtype>\n" per parameter by id,
   // then "world_size\t<N>\n", hashed with FNV-1a 64. Python computes the same value.
-  std::vector<TraceParam> params{{0, "w", {2, 3}, "float32", 6, 3, true}};
+  std::vector<TraceParam> params{{0, "w", {2, 3}, "float32", 6, 3, true, std::nullopt}};
   EXPECT_EQ(paramSignature(params, 2), "fnv1a64:f7984124c8ca94da");
 }
 

@@ -63,6 +63,8 @@ class CostModel {
   double launchUs() const { return worldSize_ <= 1 && !launchMeasured_ ? 0 : launchUs_; }
   /// Host<->device copy time; 0 when the trace has no copy rate.
   double copyUs(uint64_t bytes, bool hostToDevice) const;
+  /// The trace measured the host link both ways (calibration h2d_gbps, d2h_gbps).
+  bool copyRated() const { return h2dGBps_.has_value() && d2hGBps_.has_value(); }
 
   int64_t worldSize() const { return worldSize_; }
   double inSituScale() const { return inSitu_; }

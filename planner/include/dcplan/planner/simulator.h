@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "dcplan/planner/cost_model.h"
+#include "dcplan/planner/offload.h"
 #include "dcplan/planner/workload.h"
 #include "dcplan/schemas/plan.h"
 
@@ -15,6 +16,7 @@ namespace dcplan::planner {
 struct Schedule {
   std::vector<int64_t> persistent;         ///< ds_ids kept gathered
   std::vector<schemas::PlanGraph> graphs;  ///< prefetch groups and buckets per graph id
+  std::vector<schemas::OffloadGroup> optimizerOffload;  ///< state kept on the host between steps
 };
 
 /// A Schedule resolved against a Workload: indices instead of ids, for speed.
@@ -30,6 +32,7 @@ struct CompiledSchedule {
     std::vector<uint64_t> bucketBytes;
   };
   std::vector<Graph> graphs;  ///< by Workload graph index
+  CompiledOffload offload;
 };
 
 /// Resolves `schedule` against `workload`. Throws std::invalid_argument with a

@@ -43,6 +43,9 @@ struct WorkParam {
   uint64_t gradBytes = 0;    ///< full padded size in the reduce dtype, planned world size
   ParamMemory mem;           ///< what the runtime allocates for it, on the planned world size
   bool requiresGrad = true;
+  /// The optimizer's per-element state of one rank's shard at the planned world size (the
+  /// trace's optimizer_state_bytes, rescaled with the shard); 0: none recorded.
+  uint64_t optimizerStateBytes = 0;
 };
 
 /// The op structure of a graph id; every run of it must have the same structure.
@@ -85,6 +88,8 @@ struct Workload {
   std::string paramDtype;
   std::string reduceDtype;
   uint64_t baselineBytes = 0;  ///< shards and optimizer state, re-scaled to the planned world
+  /// Every trainable parameter's optimizer_state_bytes is in the trace (an offload can be planned).
+  bool optimizerStateRecorded = false;
   RuntimeMemory memory;        ///< the transport's transient buffers and allocator rounding
   uint64_t capacityBytes = 0;
   double optimizerUs = 0;

@@ -78,6 +78,9 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   void addModel(const ModelInfo& model);
   /// The script runs its step through dcplan.graphed_step (recorded uncaptured): trace meta.graphed.
   void markGraphed();
+  /// After an optimizer step: the optimizer's per-element state of each shard it steps, bytes by
+  /// ds_id (trace params' optimizer_state_bytes; the planner offloads it under a tight budget).
+  void setOptimizerState(const std::map<int64_t, uint64_t>& bytesById);
   /// A forward that is not a training micro-step (an eval forward, without grad) runs while
   /// paused: its start and ops are not recorded and it counts as no step.
   void setPaused(bool paused);
@@ -229,6 +232,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   bool recording_ = false;  // the current micro-step is recorded
   bool done_ = false;
   bool graphed_ = false;  ///< markGraphed()
+  std::map<int64_t, uint64_t> optimizerState_;  ///< setOptimizerState(), by ds_id
   bool paused_ = false;   ///< setPaused()
   bool finished_ = false;
   int64_t optimizerStepsSeen_ = 0;  // completed optimizer steps, warm-up included

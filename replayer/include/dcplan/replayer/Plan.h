@@ -54,6 +54,8 @@ struct PlanSummary {
   int64_t prefetchGroups = 0;
   int64_t buckets = 0;
   bool cudaGraph = false;  ///< made for one CUDA graph per step (options.cuda_graph)
+  /// ds_ids whose optimizer state the plan keeps on the host, per group in stepping order.
+  std::vector<std::vector<int64_t>> optimizerOffload;
 };
 
 /// One graph of a plan as a replay follows it: the prefetch groups launched just before the op at

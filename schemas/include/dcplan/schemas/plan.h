@@ -62,11 +62,26 @@ struct PlanGraph {
   std::vector<PlanBucket> buckets;
 };
 
+/// Parameters whose optimizer state lives in host memory between optimizer steps (planned
+/// offload): the optimizer steps the other parameters first, then these group by group, each
+/// group's state copied back before its update and out again after it (docs/planning.md, "Offload").
+struct OffloadGroup {
+  std::vector<int64_t> dsIds;
+  uint64_t bytes = 0;  ///< the group's optimizer state, as recorded
+};
+
 /// Simulated outcome of a schedule.
 struct Prediction {
   double stepUs = 0;
   double exposedCommUs = 0;
   uint64_t peakMemoryBytes = 0;
+  /// Planned offload only (absent from the plan file without one): the optimizer state kept on
+  /// the host, the copies' time per step each way (host to device, device to host), and how
+  /// much of the step the copies lengthen it by (the rest runs beside the optimizer's updates).
+  uint64_t offloadBytes = 0;
+  double reloadUs = 0;
+  double offloadUs = 0;
+  double exposedCopyUs = 0;
 };
 
 struct Plan {
@@ -75,6 +90,7 @@ struct Plan {
   PlanOptions options;
   std::vector<int64_t> persistent;  ///< ds_ids kept gathered, ascending
   std::vector<PlanGraph> graphs;
+  std::vector<OffloadGroup> optimizerOffload;  ///< in stepping order; empty: no offload
   Prediction predicted;         ///< this plan
   Prediction predictedDefault;  ///< the default schedule on the same trace
 };

@@ -45,6 +45,9 @@ struct TraceParam {
   int64_t numel = 0;       ///< product of shape
   int64_t shardNumel = 0;  ///< ceil(numel / world_size): padded shard length
   bool requiresGrad = true;
+  /// The optimizer's per-element state of this rank's shard (AdamW: exp_avg and exp_avg_sq),
+  /// bytes, after a recorded optimizer step; absent: not recorded (no planned offload of it).
+  std::optional<uint64_t> optimizerStateBytes;
 };
 
 /// A measured collective time for one message size.

@@ -1,0 +1,77 @@
+// Planned offload of optimizer state: which shards' state lives on the host between optimizer
+// steps, and what the optimizer step then costs in time and memory (docs/planning.md, "Offload").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dcplan/planner/cost_model.h"
+#include "dcplan/planner/workload.h"
+#include "dcplan/schemas/plan.h"
+
+namespace dcplan::planner {
+
+/// Offloaded parameters are stepped in groups of consecutive ds_ids of at least this much state
+/// (unless one parameter is larger): one optimizer call and two copies per group, so that many
+/// small shards (norm weights, biases) cost one launch, not one each.
+inline constexpr uint64_t kOffloadGroupMinBytes = 16ull << 20;
+/// ... or of 1/kOffloadGroupsAtLeast of all the offloaded state, where that is less.
+inline constexpr uint64_t kOffloadGroupsAtLeast = 16;
+
+/// A plan's offload groups resolved against a Workload.
+struct CompiledOffload {
+  struct Group {
+    std::vector<int32_t> params;  ///< param indices
+    uint64_t bytes = 0;           ///< their optimizer state at the planned world size
+  };
+  std::vector<Group> groups;  ///< in stepping order
+  uint64_t bytes = 0;         ///< all of it: off the device outside the optimizer step
+  /// The most state on the device at once during the step: a group being updated and the next
+  /// one being copied back (a group's device copy is freed once its copy out is issued).
+  uint64_t stepBytes = 0;
+  double share = 0;  ///< of the optimizer's recorded time: the offloaded parameters' share
+};
+
+/// Resolves `groups` (a plan's offload.optimizer_state) against `w`. Throws std::invalid_argument
+/// with a JSON pointer ("/offload/optimizer_state/2/ds_ids/0: ...") for an unknown or frozen
+/// parameter, or one without recorded optimizer state.
+CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::OffloadGroup>& groups);
+
+/// The optimizer step with offload, on the device's clock from `startUs` (when it may start).
+struct OptimizerPhase {
+  double endUs = 0;       ///< the last update done and the last copy out finished
+  double reloadUs = 0;    ///< host-to-device copy time, summed
+  double offloadUs = 0;   ///< device-to-host copy time, summed
+  double exposedUs = 0;   ///< how much longer than the optimizer alone
+  struct Copy {
+    bool toDevice = false;
+    size_t group = 0;
+    double startUs = 0;
+    double endUs = 0;
+  };
+  std::vector<Copy> copies;
+};
+
+/// The step of `w`'s optimizer (Workload::optimizerUs, split by state bytes) with `offload`:
+/// the resident parameters first while the first group is copied in; then each group once it is
+/// in, the next group's copy in beside its update, its copy out after it (one copy stream each
+/// way, at the trace's host link rates). `copiesBlockHost`: the host makes the copies itself
+/// (CPU ranks), so nothing overlaps.
+OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost, const CompiledOffload& offload,
+                                      double startUs, bool copiesBlockHost);
+
+/// The parameters whose state may be offloaded, the most state first (ties by ds_id): the planner
+/// offloads a prefix of this list.
+std::vector<int32_t> offloadOrder(const Workload& w);
+
+/// Groups for offloading the first `count` parameters of `order` (offloadOrder): in ds_id order,
+/// consecutive ones merged up to kOffloadGroupMinBytes (or the share kOffloadGroupsAtLeast).
+std::vector<schemas::OffloadGroup> offloadGroups(const Workload& w, const std::vector<int32_t>& order,
+                                                 size_t count);
+
+/// Why `w` cannot have its optimizer state offloaded ("" where it can): no state recorded, or no
+/// host link rate.
+std::string offloadUnavailable(const Workload& w, const CostModel& cost);
+
+}  // namespace dcplan::planner

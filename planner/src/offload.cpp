@@ -1,0 +1,126 @@
+// Planned offload of optimizer state: resolving a plan's groups, choosing them, and the
+// optimizer step's time with them.
+#include "dcplan/planner/offload.h"
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+
+namespace dcplan::planner {
+
+CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::OffloadGroup>& groups) {
+  CompiledOffload c;
+  uint64_t total = 0;
+  for (const WorkParam& p : w.params) total += p.requiresGrad ? p.optimizerStateBytes : 0;
+  std::vector<char> seen(w.params.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    CompiledOffload::Group group;
+    for (size_t k = 0; k < groups[g].dsIds.size(); ++k) {
+      const int64_t id = groups[g].dsIds[k];
+      const std::string ptr = "/offload/optimizer_state/" + std::to_string(g) + "/ds_ids/" + std::to_string(k);
+      const int32_t p = w.paramIndex(id);
+      if (p < 0) throw std::invalid_argument(ptr + ": ds_id " + std::to_string(id) + " is not a parameter of the trace");
+      const WorkParam& wp = w.params[static_cast<size_t>(p)];
+      if (!wp.requiresGrad || wp.optimizerStateBytes == 0) {
+        throw std::invalid_argument(ptr + ": ds_id " + std::to_string(id) + " (" + wp.name + ") has no optimizer " +
+                                    "state in the trace (frozen, or optimizer_state_bytes not recorded)");
+      }
+      if (seen[static_cast<size_t>(p)]++)
+        throw std::invalid_argument(ptr + ": ds_id " + std::to_string(id) + " is offloaded twice");
+      group.params.push_back(p);
+      group.bytes += wp.optimizerStateBytes;
+    }
+    c.bytes += group.bytes;
+    c.groups.push_back(std::move(group));
+  }
+  for (size_t g = 0; g < c.groups.size(); ++g) {
+    const uint64_t next = g + 1 < c.groups.size() ? c.groups[g + 1].bytes : 0;
+    c.stepBytes = std::max(c.stepBytes, c.groups[g].bytes + next);
+  }
+  c.share = total > 0 ? static_cast<double>(c.bytes) / static_cast<double>(total) : 0.0;
+  return c;
+}
+
+OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost, const CompiledOffload& offload,
+                                      double startUs, bool copiesBlockHost) {
+  OptimizerPhase ph;
+  const double share = offload.bytes > 0 ? 1.0 / static_cast<double>(offload.bytes) : 0.0;
+  const double offloadedUs = w.optimizerUs * offload.share;
+  double update = startUs + (w.optimizerUs - offloadedUs);  // the resident parameters' update
+  double in = startUs;                                      // the copy-in stream
+  double out = startUs;                                     // the copy-out stream
+  if (copiesBlockHost) in = update;                         // one thread does it all, in turn
+  for (size_t g = 0; g < offload.groups.size(); ++g) {
+    const uint64_t bytes = offload.groups[g].bytes;
+    const double inUs = cost.copyUs(bytes, true);
+    const double outUs = cost.copyUs(bytes, false);
+    const double own = offloadedUs * static_cast<double>(bytes) * share;
+    if (copiesBlockHost) {
+      ph.copies.push_back({true, g, update, update + inUs});
+      update += inUs + own;
+      ph.copies.push_back({false, g, update, update + outUs});
+      update += outUs;
+      out = update;
+    } else {
+      const double inStart = in;
+      in += inUs;
+      ph.copies.push_back({true, g, inStart, in});
+      update = std::max(update, in) + own;
+      const double outStart = std::max(out, update);
+      out = outStart + outUs;
+      ph.copies.push_back({false, g, outStart, out});
+    }
+    ph.reloadUs += inUs;
+    ph.offloadUs += outUs;
+  }
+  ph.endUs = std::max(update, out);
+  ph.exposedUs = std::max(0.0, ph.endUs - (startUs + w.optimizerUs));
+  return ph;
+}
+
+std::vector<int32_t> offloadOrder(const Workload& w) {
+  std::vector<int32_t> order;
+  for (size_t p = 0; p < w.params.size(); ++p) {
+    if (w.params[p].requiresGrad && w.params[p].optimizerStateBytes > 0) order.push_back(static_cast<int32_t>(p));
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    const WorkParam& pa = w.params[static_cast<size_t>(a)];
+    const WorkParam& pb = w.params[static_cast<size_t>(b)];
+    return pa.optimizerStateBytes != pb.optimizerStateBytes ? pa.optimizerStateBytes > pb.optimizerStateBytes
+                                                            : pa.id < pb.id;
+  });
+  return order;
+}
+
+std::vector<schemas::OffloadGroup> offloadGroups(const Workload& w, const std::vector<int32_t>& order,
+                                                 size_t count) {
+  std::vector<int32_t> chosen(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(std::min(count, order.size())));
+  std::sort(chosen.begin(), chosen.end(),
+            [&](int32_t a, int32_t b) { return w.params[static_cast<size_t>(a)].id < w.params[static_cast<size_t>(b)].id; });
+  uint64_t total = 0;
+  for (int32_t p : chosen) total += w.params[static_cast<size_t>(p)].optimizerStateBytes;
+  // A small model's groups stay a small share of what is offloaded: two are on the device at once.
+  const uint64_t least = std::min(kOffloadGroupMinBytes, total / kOffloadGroupsAtLeast);
+  std::vector<schemas::OffloadGroup> groups;
+  for (int32_t p : chosen) {
+    const WorkParam& wp = w.params[static_cast<size_t>(p)];
+    if (groups.empty() || groups.back().bytes >= least) groups.emplace_back();
+    groups.back().dsIds.push_back(wp.id);
+    groups.back().bytes += wp.optimizerStateBytes;
+  }
+  return groups;
+}
+
+std::string offloadUnavailable(const Workload& w, const CostModel& cost) {
+  if (!w.optimizerStateRecorded) {
+    return "the trace has no optimizer_state_bytes (recorded by an older dcplan, or no optimizer step was "
+           "recorded): record again to plan an offload";
+  }
+  if (offloadOrder(w).empty()) return "no trainable parameter has optimizer state in the trace";
+  if (!cost.copyRated()) {
+    return "the trace's calibration has no host link rate (h2d_gbps, d2h_gbps): record again to plan an offload";
+  }
+  return "";
+}
+
+}  // namespace dcplan::planner
