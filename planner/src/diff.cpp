@@ -157,6 +157,29 @@ void diffPrediction(Differ& d, const std::string& path, const std::string& label
   d.predicted(path + "/exposed_comm_us", label + " exposed_comm_us", a.exposedCommUs, b.exposedCommUs);
   d.predicted(path + "/peak_memory_bytes", label + " peak_memory_bytes",
               static_cast<double>(a.peakMemoryBytes), static_cast<double>(b.peakMemoryBytes));
+  if (a.offloadBytes > 0 || b.offloadBytes > 0) {
+    d.predicted(path + "/offload_bytes", label + " offload_bytes", static_cast<double>(a.offloadBytes),
+                static_cast<double>(b.offloadBytes));
+    d.predicted(path + "/exposed_copy_us", label + " exposed_copy_us", a.exposedCopyUs, b.exposedCopyUs);
+  }
+}
+
+/// Which parameters' optimizer state each plan keeps on the host, and in how many groups.
+void diffOffload(Differ& d, const std::vector<schemas::OffloadGroup>& a, const std::vector<schemas::OffloadGroup>& b) {
+  auto ids = [](const std::vector<schemas::OffloadGroup>& groups) {
+    std::vector<int64_t> out;
+    for (const auto& g : groups) out.insert(out.end(), g.dsIds.begin(), g.dsIds.end());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  const std::vector<int64_t> ia = ids(a), ib = ids(b);
+  std::vector<int64_t> added, removed;
+  std::set_difference(ib.begin(), ib.end(), ia.begin(), ia.end(), std::back_inserter(added));
+  std::set_difference(ia.begin(), ia.end(), ib.begin(), ib.end(), std::back_inserter(removed));
+  const std::string path = "/offload/optimizer_state";
+  if (!added.empty()) d.ids(path, "offloaded optimizer state", Change::Added, std::nullopt, added);
+  if (!removed.empty()) d.ids(path, "offloaded optimizer state", Change::Removed, removed, std::nullopt);
+  d.exact(path + " (groups)", "offload groups", static_cast<double>(a.size()), static_cast<double>(b.size()));
 }
 
 }  // namespace
@@ -221,6 +244,7 @@ PlanDiff diffPlans(const schemas::Plan& a, const schemas::Plan& b, double tolera
         std::any_of(a.graphs.begin(), a.graphs.end(), [&](const auto& g) { return g.id == b.graphs[ib].id; });
     if (!inA) d.text("/graphs/" + std::to_string(ib), graphLabel(b.graphs[ib]), "absent", "present");
   }
+  diffOffload(d, a.optimizerOffload, b.optimizerOffload);
   diffPrediction(d, "/predicted", "predicted", a.predicted, b.predicted);
   diffPrediction(d, "/predicted_default", "predicted_default", a.predictedDefault, b.predictedDefault);
   return out;

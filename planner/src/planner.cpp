@@ -364,7 +364,9 @@ class Search {
 schemas::Prediction rounded(const schemas::Prediction& p) {
   // Three decimals of a microsecond: enough for any decision, and stable text.
   auto r = [](double v) { return std::round(v * 1000.0) / 1000.0; };
-  return schemas::Prediction{r(p.stepUs), r(p.exposedCommUs), p.peakMemoryBytes};
+  schemas::Prediction out = p;
+  for (double* v : {&out.stepUs, &out.exposedCommUs, &out.reloadUs, &out.offloadUs, &out.exposedCopyUs}) *v = r(*v);
+  return out;
 }
 
 std::string predictionLine(const schemas::Prediction& p) {
@@ -377,6 +379,7 @@ struct OffloadChoice {
   size_t least = 0;   ///< the fewest parameters whose offload lets a schedule fit
   size_t chosen = 0;  ///< offloaded in the plan
   size_t of = 0;      ///< parameters with optimizer state
+  uint64_t floor = 0;  ///< the least any schedule needs with the state on the device
   std::vector<std::string> tried;
 };
 
@@ -392,6 +395,8 @@ OffloadChoice planOffload(Search& search, const Workload& w, const CostModel& co
   const std::string why = offloadUnavailable(w, cost);
   if (!why.empty()) throw std::invalid_argument(noFit + "; and no optimizer state can be offloaded: " + why);
   OffloadChoice choice;
+  choice.floor = std::numeric_limits<uint64_t>::max();
+  for (const Candidate& k : all) choice.floor = std::min(choice.floor, k.sim.prediction.peakMemoryBytes);
   const std::vector<int32_t> order = offloadOrder(w);
   choice.of = order.size();
   auto attempt = [&](size_t n, std::vector<Candidate>& out, size_t& b) {
@@ -716,7 +721,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     if (offload) {
       std::string tried;
       for (const std::string& t : offload->tried) tried += (tried.empty() ? "" : ", ") + t;
-      ex.line("offload: no schedule fits with the optimizer state on the device; the state of " +
+      ex.line("offload: no schedule fits with the optimizer state on the device (they need at least " +
+              formatBytes(offload->floor) + "); the state of " +
               std::to_string(offload->chosen) + " of " + count(offload->of, "parameter") + " (the most first) is kept " +
               "on the host between steps, in " + count(plan.optimizerOffload.size(), "group") + " (at least " +
               std::to_string(offload->least) + " needed; parameters offloaded: step " + tried + ")");

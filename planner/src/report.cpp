@@ -129,6 +129,20 @@ void renderSchedule(std::ostream& s, const schemas::Plan& plan) {
     }
     s << "\n";
   }
+  if (!plan.optimizerOffload.empty()) {
+    size_t ids = 0;
+    uint64_t bytes = 0;
+    for (const auto& g : plan.optimizerOffload) {
+      ids += g.dsIds.size();
+      bytes += g.bytes;
+    }
+    const schemas::Prediction& p = plan.predicted;
+    s << "  offload: optimizer state of " << count(ids, "param") << " on the host between steps ("
+      << formatBytes(bytes) << ", " << count(plan.optimizerOffload.size(), "group") << "); per step "
+      << formatMs(p.reloadUs) << " of copies in, " << formatMs(p.offloadUs) << " out, "
+      << formatMs(std::max(0.0, p.reloadUs + p.offloadUs - p.exposedCopyUs)) << " of it beside the "
+      << "optimizer's updates, " << formatMs(p.exposedCopyUs) << " added to the step\n";
+  }
 }
 
 /// The plan's predicted step, exposed communication and peak against the default schedule's.
@@ -298,6 +312,11 @@ std::string renderChromeTrace(const schemas::Plan& plan, const std::string& plan
   auto emit = [&](int pid, const SimResult& r) {
     for (Stream st : {Stream::Compute, Stream::AllGather, Stream::Reduce, Stream::Copy}) {
       meta(pid, static_cast<int>(st) + 1, "thread_name", streamName(st));
+    }
+    if (!plan.optimizerOffload.empty()) {  // the planned offload's copy streams, each way
+      for (Stream st : {Stream::Reload, Stream::Offload}) {
+        meta(pid, static_cast<int>(st) + 1, "thread_name", streamName(st));
+      }
     }
     for (const TimelineEvent& t : r.timeline) {
       const GraphRun& run = sim.w.runs[static_cast<size_t>(t.run)];

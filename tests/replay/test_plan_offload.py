@@ -1,0 +1,77 @@
+"""Planned offload on 2 CPU ranks, for a model and sizes the demo does not use (wide layers, short
+sequences: the optimizer state is most of what a rank holds): dcplan record -> plan at a budget
+under the least any schedule needs with the optimizer state on the device -> inspect -> replay ->
+check. Asserted: the plan offloads and predicts a peak within its budget, inspect shows it, the
+replay's losses equal training without a plan bit for bit, and each rank's peak stays within the
+budget and within 3% of the prediction. The step time is a benchmark (docs/benchmarks.md)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from mp_harness import dcplan_binary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = ["--layers", "3", "--hidden", "384", "--heads", "6", "--seq", "16", "--vocab", "768", "--fused"]
+PEAK_TOLERANCE = 0.03  # the issue's target for the peak, as in test_plan_promise.py
+# The budget: this far above the least the plan needs with all the optimizer state offloaded, so that
+# the planner must offload most of it; the recording's activations vary a little from run to run.
+ABOVE_OFFLOAD_FLOOR = 1.08
+
+pytestmark = pytest.mark.multiprocess
+
+
+def train(steps):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            os.path.join(ROOT, "examples", "train_llama.py"), "--steps", str(steps), *MODEL]
+
+
+def run(cmd, env=None, expect=0):
+    res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == expect, \
+        f"{' '.join(cmd)} exited {res.returncode}, expected {expect}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res
+
+
+def size(text):
+    number, unit = re.fullmatch(r"([0-9.]+) (B|KiB|MiB|GiB)", text).groups()
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+def losses(out):
+    return re.findall(r"^step +\d+ +loss (\S+)", out, re.M)
+
+
+def test_a_budget_under_the_on_device_floor_is_planned_with_offload_and_kept(tmp_path, dcplan_module):
+    from dcplan import _plan
+
+    exe = dcplan_binary()
+    trace, plan = tmp_path / "trace.json", tmp_path / "offload.json"
+    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6)])
+    refused = run([exe, "plan", str(trace), "-o", str(plan), "--memory-budget", "1MiB"], expect=2).stderr
+    floor = size(re.search(r"with all optimizer state offloaded \([^)]*\): at least (\S+ \S+)", refused).group(1))
+    budget = int(floor * ABOVE_OFFLOAD_FLOOR)
+    explain = run([exe, "plan", str(trace), "-o", str(plan), "--memory-budget", f"{budget}B", "--explain"]).stdout
+    on_device = size(re.search(r"optimizer state on the device \(they need at least (\S+ \S+)\)", explain).group(1))
+    assert budget < 0.75 * on_device, (budget, on_device)  # well under what no offload can meet
+    p = json.loads(plan.read_text())
+    assert p["offload"]["optimizer_state"] and p["predicted"]["offload_bytes"] > 0
+    assert p["predicted"]["peak_memory_bytes"] <= budget
+    shown = run([exe, "inspect", str(plan)]).stdout
+    assert re.search(r"offload: optimizer state of \d+ params on the host between steps", shown), shown
+
+    log = tmp_path / "offload.{rank}.jsonl"
+    replayed = run(train(6), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)}).stdout
+    reference = run(train(6)).stdout
+    assert losses(replayed) == losses(reference) and len(losses(reference)) == 6, (replayed, reference)
+    logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
+    check = run([exe, "check", str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable}).stdout
+    assert check.count("follows") == 2 and "OVER BUDGET" not in check, check
+    predicted = p["predicted"]["peak_memory_bytes"]
+    for rank, path in enumerate(logs):
+        m = _plan.measured(_plan.read_replay_log(path))
+        assert m["peak_bytes"] <= budget, (rank, m["peak_bytes"], budget)
+        assert abs(m["peak_bytes"] / predicted - 1) <= PEAK_TOLERANCE, (rank, m["peak_bytes"], predicted)

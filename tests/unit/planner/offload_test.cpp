@@ -1,0 +1,146 @@
+// Planned offload of optimizer state: the groups, the optimizer step's copies, the memory it
+// saves, and the planner's choice under a budget no schedule meets with the state on the device.
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "dcplan/planner/offload.h"
+#include "dcplan/planner/planner.h"
+#include "dcplan/planner/simulator.h"
+#include "tiny_trace.h"
+
+namespace dcplan::planner {
+namespace {
+
+using schemas::GraphKind;
+using test::kTinyBase;
+using test::kTinyParam;
+using test::kTinyShard;
+
+constexpr uint64_t kState = 2 * kTinyShard;  // AdamW: exp_avg and exp_avg_sq of a 51,200-byte shard
+
+schemas::Trace offloadableTrace() {
+  schemas::Trace t = test::tinyTrace();
+  for (auto& p : t.params) p.optimizerStateBytes = kState;
+  t.calibration.h2dGBps = 1.0;  // 102,400 bytes in 102.4 us
+  t.calibration.d2hGBps = 0.5;  // and out in 204.8 us
+  return t;
+}
+
+struct Fixture {
+  schemas::Trace trace = offloadableTrace();
+  Workload w = makeWorkload(trace);
+  CostModel cost{trace.calibration, 2};
+
+  SimResult run(std::vector<schemas::OffloadGroup> offload) const {
+    Schedule s;
+    s.graphs.push_back({0, GraphKind::Forward, {}, {}});
+    s.graphs.push_back({1, GraphKind::Backward, {}, {{{1, 0}, 0, "float32"}}});
+    s.optimizerOffload = std::move(offload);
+    return simulate(w, cost, compileSchedule(w, s));
+  }
+};
+
+TEST(Offload, StateLeavesTheDeviceOutsideTheOptimizerStep) {
+  Fixture f;
+  SimResult kept = f.run({});
+  SimResult off = f.run({{{0}, kState}, {{1}, kState}});
+  // The backward's peak (gathered 0, both gradients and their bucket) less both shards' state;
+  // in the optimizer step both groups are back at once (one updated, the next coming in), which
+  // with the two gradient shards stays under it.
+  EXPECT_EQ(kept.prediction.peakMemoryBytes, kTinyBase + 5 * kTinyParam);
+  EXPECT_EQ(off.prediction.peakMemoryBytes, kTinyBase + 5 * kTinyParam - 2 * kState);
+  EXPECT_EQ(off.prediction.offloadBytes, 2 * kState);
+  EXPECT_EQ(kept.prediction.offloadBytes, 0u);
+}
+
+TEST(Offload, CopiesRunBesideTheUpdatesOneStreamEachWay) {
+  Fixture f;
+  SimResult kept = f.run({});
+  SimResult off = f.run({{{0}, kState}, {{1}, kState}});
+  // From the optimizer's start S: group 0 in [S, S+102.4], updated to S+127.4 (half of 50 us),
+  // out [S+127.4, S+332.2]; group 1 in [S+102.4, S+204.8], updated to S+229.8, out once the
+  // stream is free [S+332.2, S+537]. The step ends with the last copy out: 537 us after S
+  // where 50 us was the optimizer alone.
+  EXPECT_NEAR(off.prediction.stepUs - kept.prediction.stepUs, 537 - 50, 1e-6);
+  EXPECT_NEAR(off.prediction.reloadUs, 2 * 102.4, 1e-9);
+  EXPECT_NEAR(off.prediction.offloadUs, 2 * 204.8, 1e-9);
+  EXPECT_NEAR(off.prediction.exposedCopyUs, 487, 1e-6);
+}
+
+TEST(Offload, ResidentParametersUpdateWhileTheFirstGroupComesIn) {
+  Fixture f;
+  CompiledOffload one = compileOffload(f.w, {{{1}, kState}});
+  EXPECT_DOUBLE_EQ(one.share, 0.5);
+  EXPECT_EQ(one.stepBytes, kState);
+  OptimizerPhase ph = simulateOptimizerPhase(f.w, f.cost, one, 1000, false);
+  // Parameter 0 (25 us) runs during the copy in (102.4 us), then 1's 25 us, then its copy out.
+  EXPECT_NEAR(ph.endUs, 1000 + 102.4 + 25 + 204.8, 1e-9);
+  // On CPU ranks one thread does it all in turn.
+  OptimizerPhase serial = simulateOptimizerPhase(f.w, f.cost, one, 1000, true);
+  EXPECT_NEAR(serial.endUs, 1000 + 50 + 102.4 + 204.8, 1e-9);
+  EXPECT_NEAR(serial.exposedUs, 102.4 + 204.8, 1e-9);
+}
+
+TEST(Offload, GroupsFollowDsIdsAndStaySmallAgainstTheWhole) {
+  Fixture f;
+  const std::vector<int32_t> order = offloadOrder(f.w);
+  ASSERT_EQ(order.size(), 2u);  // equal state: by ds_id
+  EXPECT_EQ(f.w.params[static_cast<size_t>(order[0])].id, 0);
+  // 204,800 bytes in all: groups of at least 1/16 of it, so each parameter is its own.
+  auto groups = offloadGroups(f.w, order, 2);
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].dsIds, std::vector<int64_t>{0});
+  EXPECT_EQ(groups[1].bytes, kState);
+  EXPECT_EQ(offloadGroups(f.w, order, 1).size(), 1u);
+}
+
+TEST(Offload, PlanGroupsThatDoNotFitTheTraceAreRefusedByPointer) {
+  Fixture f;
+  auto message = [&](std::vector<schemas::OffloadGroup> g) {
+    try {
+      compileOffload(f.w, g);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(message({{{0, 7}, 0}}), "/offload/optimizer_state/0/ds_ids/1: ds_id 7 is not a parameter of the trace");
+  EXPECT_EQ(message({{{0}, 0}, {{0}, 0}}), "/offload/optimizer_state/1/ds_ids/0: ds_id 0 is offloaded twice");
+  Fixture none;
+  none.trace.params[1].optimizerStateBytes.reset();
+  none.w = makeWorkload(none.trace);
+  EXPECT_THROW(compileOffload(none.w, {{{1}, 0}}), std::invalid_argument);
+}
+
+TEST(Offload, PlannerOffloadsOnlyUnderABudgetNoScheduleMeetsOnTheDevice) {
+  const schemas::Trace t = offloadableTrace();
+  PlanRequest req;
+  req.memoryBudgetBytes = 1'600'000;  // the gather-on-use floor, 1,512,000, fits
+  EXPECT_TRUE(makePlan(t, req).plan.optimizerOffload.empty());
+  // 1,400,000 less the reserve: one shard's state off (1,409,600) is not enough, both are.
+  req.memoryBudgetBytes = 1'400'000;
+  req.explain = true;
+  PlanResult r = makePlan(t, req);
+  ASSERT_EQ(r.plan.optimizerOffload.size(), 2u);
+  EXPECT_LE(r.plan.predicted.peakMemoryBytes, plannedLimit(1'400'000));
+  EXPECT_EQ(r.plan.predicted.offloadBytes, 2 * kState);
+  bool explained = false;
+  for (const std::string& line : r.explanation) explained |= line.rfind("offload: no schedule fits", 0) == 0;
+  EXPECT_TRUE(explained);
+  // Below what the plan needs with all of it offloaded: refused, naming that floor.
+  req.memoryBudgetBytes = 1'200'000;
+  try {
+    makePlan(t, req);
+    FAIL() << "a budget under the all-offloaded floor was planned";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("below what any plan needs with all optimizer state offloaded (200 KiB): "
+                                         "at least 1.25 MiB"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dcplan::planner
