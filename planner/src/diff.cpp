@@ -165,7 +165,8 @@ void diffPrediction(Differ& d, const std::string& path, const std::string& label
 }
 
 /// Which parameters' optimizer state each plan keeps on the host, and in how many groups.
-void diffOffload(Differ& d, const std::vector<schemas::OffloadGroup>& a, const std::vector<schemas::OffloadGroup>& b) {
+void diffOffload(Differ& d, const std::vector<schemas::OffloadGroup>& a,
+                 const std::vector<schemas::OffloadGroup>& b) {
   auto ids = [](const std::vector<schemas::OffloadGroup>& groups) {
     std::vector<int64_t> out;
     for (const auto& g : groups) out.insert(out.end(), g.dsIds.begin(), g.dsIds.end());

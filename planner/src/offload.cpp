@@ -17,12 +17,16 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
     CompiledOffload::Group group;
     for (size_t k = 0; k < groups[g].dsIds.size(); ++k) {
       const int64_t id = groups[g].dsIds[k];
-      const std::string ptr = "/offload/optimizer_state/" + std::to_string(g) + "/ds_ids/" + std::to_string(k);
+      const std::string ptr =
+          "/offload/optimizer_state/" + std::to_string(g) + "/ds_ids/" + std::to_string(k);
       const int32_t p = w.paramIndex(id);
-      if (p < 0) throw std::invalid_argument(ptr + ": ds_id " + std::to_string(id) + " is not a parameter of the trace");
+      if (p < 0)
+        throw std::invalid_argument(ptr + ": ds_id " + std::to_string(id) +
+                                    " is not a parameter of the trace");
       const WorkParam& wp = w.params[static_cast<size_t>(p)];
       if (!wp.requiresGrad || wp.optimizerStateBytes == 0) {
-        throw std::invalid_argument(ptr + ": ds_id " + std::to_string(id) + " (" + wp.name + ") has no optimizer " +
+        throw std::invalid_argument(ptr + ": ds_id " + std::to_string(id) + " (" + wp.name +
+                                    ") has no optimizer " +
                                     "state in the trace (frozen, or optimizer_state_bytes not recorded)");
       }
       if (seen[static_cast<size_t>(p)]++)
@@ -41,8 +45,8 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
   return c;
 }
 
-OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost, const CompiledOffload& offload,
-                                      double startUs, bool copiesBlockHost) {
+OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost,
+                                      const CompiledOffload& offload, double startUs, bool copiesBlockHost) {
   OptimizerPhase ph;
   const double share = offload.bytes > 0 ? 1.0 / static_cast<double>(offload.bytes) : 0.0;
   const double offloadedUs = w.optimizerUs * offload.share;
@@ -81,7 +85,8 @@ OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost, 
 std::vector<int32_t> offloadOrder(const Workload& w) {
   std::vector<int32_t> order;
   for (size_t p = 0; p < w.params.size(); ++p) {
-    if (w.params[p].requiresGrad && w.params[p].optimizerStateBytes > 0) order.push_back(static_cast<int32_t>(p));
+    if (w.params[p].requiresGrad && w.params[p].optimizerStateBytes > 0)
+      order.push_back(static_cast<int32_t>(p));
   }
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
     const WorkParam& pa = w.params[static_cast<size_t>(a)];
@@ -94,9 +99,11 @@ std::vector<int32_t> offloadOrder(const Workload& w) {
 
 std::vector<schemas::OffloadGroup> offloadGroups(const Workload& w, const std::vector<int32_t>& order,
                                                  size_t count) {
-  std::vector<int32_t> chosen(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(std::min(count, order.size())));
-  std::sort(chosen.begin(), chosen.end(),
-            [&](int32_t a, int32_t b) { return w.params[static_cast<size_t>(a)].id < w.params[static_cast<size_t>(b)].id; });
+  std::vector<int32_t> chosen(order.begin(),
+                              order.begin() + static_cast<std::ptrdiff_t>(std::min(count, order.size())));
+  std::sort(chosen.begin(), chosen.end(), [&](int32_t a, int32_t b) {
+    return w.params[static_cast<size_t>(a)].id < w.params[static_cast<size_t>(b)].id;
+  });
   uint64_t total = 0;
   for (int32_t p : chosen) total += w.params[static_cast<size_t>(p)].optimizerStateBytes;
   // A small model's groups stay a small share of what is offloaded: two are on the device at once.
@@ -118,7 +125,8 @@ std::string offloadUnavailable(const Workload& w, const CostModel& cost) {
   }
   if (offloadOrder(w).empty()) return "no trainable parameter has optimizer state in the trace";
   if (!cost.copyRated()) {
-    return "the trace's calibration has no host link rate (h2d_gbps, d2h_gbps): record again to plan an offload";
+    return "the trace's calibration has no host link rate (h2d_gbps, d2h_gbps): record again to plan an "
+           "offload";
   }
   return "";
 }

@@ -365,7 +365,8 @@ schemas::Prediction rounded(const schemas::Prediction& p) {
   // Three decimals of a microsecond: enough for any decision, and stable text.
   auto r = [](double v) { return std::round(v * 1000.0) / 1000.0; };
   schemas::Prediction out = p;
-  for (double* v : {&out.stepUs, &out.exposedCommUs, &out.reloadUs, &out.offloadUs, &out.exposedCopyUs}) *v = r(*v);
+  for (double* v : {&out.stepUs, &out.exposedCommUs, &out.reloadUs, &out.offloadUs, &out.exposedCopyUs})
+    *v = r(*v);
   return out;
 }
 
@@ -376,9 +377,9 @@ std::string predictionLine(const schemas::Prediction& p) {
 
 /// The offload the optimized strategy chose, for --explain.
 struct OffloadChoice {
-  size_t least = 0;   ///< the fewest parameters whose offload lets a schedule fit
-  size_t chosen = 0;  ///< offloaded in the plan
-  size_t of = 0;      ///< parameters with optimizer state
+  size_t least = 0;    ///< the fewest parameters whose offload lets a schedule fit
+  size_t chosen = 0;   ///< offloaded in the plan
+  size_t of = 0;       ///< parameters with optimizer state
   uint64_t floor = 0;  ///< the least any schedule needs with the state on the device
   std::vector<std::string> tried;
 };
@@ -400,8 +401,9 @@ OffloadChoice planOffload(Search& search, const Workload& w, const CostModel& co
   const std::vector<int32_t> order = offloadOrder(w);
   choice.of = order.size();
   auto attempt = [&](size_t n, std::vector<Candidate>& out, size_t& b) {
-    if (progress) progress("planning an offload of " + std::to_string(n) + " of " + count(order.size(), "parameter") +
-                           "' optimizer state");
+    if (progress)
+      progress("planning an offload of " + std::to_string(n) + " of " + count(order.size(), "parameter") +
+               "' optimizer state");
     search.setOffload(offloadGroups(w, order, n));
     out.clear();
     Candidate heur = search.heuristicCandidate(defaultPeak);
@@ -663,8 +665,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
         best = search.optimizedCandidates(all, def, heur);
       } catch (const std::invalid_argument& noFit) {
         if (unlimited) throw;
-        offload = planOffload(search, w, cost, def.sim.prediction.peakMemoryBytes, noFit.what(), limitNote, all,
-                              best, progress);
+        offload = planOffload(search, w, cost, def.sim.prediction.peakMemoryBytes, noFit.what(), limitNote,
+                              all, best, progress);
       }
       chosen = all[best];
       break;
@@ -722,10 +724,11 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
       std::string tried;
       for (const std::string& t : offload->tried) tried += (tried.empty() ? "" : ", ") + t;
       ex.line("offload: no schedule fits with the optimizer state on the device (they need at least " +
-              formatBytes(offload->floor) + "); the state of " +
-              std::to_string(offload->chosen) + " of " + count(offload->of, "parameter") + " (the most first) is kept " +
-              "on the host between steps, in " + count(plan.optimizerOffload.size(), "group") + " (at least " +
-              std::to_string(offload->least) + " needed; parameters offloaded: step " + tried + ")");
+              formatBytes(offload->floor) + "); the state of " + std::to_string(offload->chosen) + " of " +
+              count(offload->of, "parameter") + " (the most first) is kept " +
+              "on the host between steps, in " + count(plan.optimizerOffload.size(), "group") +
+              " (at least " + std::to_string(offload->least) + " needed; parameters offloaded: step " +
+              tried + ")");
     }
     ex.buckets(chosen);
     ex.persistence(chosen, gathersPerStep(w));
@@ -733,9 +736,9 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     ex.line("predicted: " + predictionLine(plan.predicted));
     if (plan.predicted.offloadBytes > 0) {
       const schemas::Prediction& p = plan.predicted;
-      ex.line("  offload: " + formatBytes(p.offloadBytes) + " of optimizer state on the host; copies per step in " +
-              us(p.reloadUs) + ", out " + us(p.offloadUs) + "; they make the optimizer step " +
-              us(p.exposedCopyUs) + " longer");
+      ex.line("  offload: " + formatBytes(p.offloadBytes) +
+              " of optimizer state on the host; copies per step in " + us(p.reloadUs) + ", out " +
+              us(p.offloadUs) + "; they make the optimizer step " + us(p.exposedCopyUs) + " longer");
     }
     ex.line("  against default: step " + formatChange(plan.predictedDefault.stepUs, plan.predicted.stepUs) +
             ", exposed comm " +

@@ -249,7 +249,8 @@ class Simulation {
         std::vector<int64_t> ids;
         for (int32_t p : group.params) ids.push_back(w_.params[static_cast<size_t>(p)].id);
         event(c.toDevice ? Stream::Reload : Stream::Offload,
-              std::string(c.toDevice ? "reload" : "offload") + " optimizer state, group " + std::to_string(c.group),
+              std::string(c.toDevice ? "reload" : "offload") + " optimizer state, group " +
+                  std::to_string(c.group),
               last, -1, std::move(ids), group.bytes, c.startUs, c.endUs);
       }
     }
@@ -503,8 +504,9 @@ class Simulation {
 
   void sample(double now, uint64_t activation, int32_t r, int64_t seq, bool atOp) {
     // Offloaded optimizer state is on the host outside the optimizer step.
-    uint64_t m = w_.baselineBytes - std::min(w_.baselineBytes, s_.offload.bytes) + livePersistent_ + activation + liveGathered_ + filling_ + pendingBytes_ +
-                 liveScratch_ + momentary_ + shardGrads_;
+    uint64_t m = w_.baselineBytes - std::min(w_.baselineBytes, s_.offload.bytes) + livePersistent_ +
+                 activation + liveGathered_ + filling_ + pendingBytes_ + liveScratch_ + momentary_ +
+                 shardGrads_;
     momentary_ = 0;  // scratch of a call while it is issued: in the sample right after it only
     peak_ = std::max(peak_, m);
     if (record_) res_.memory.push_back(MemorySample{now, m, r, seq, atOp, w_.hostLane ? hostNow_ : now});

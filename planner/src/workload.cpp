@@ -138,14 +138,14 @@ Workload workloadShape(const schemas::Trace& trace, int64_t worldSize) {
     wp.requiresGrad = p.requiresGrad;
     if (p.optimizerStateBytes && p.shardNumel > 0) {
       // Per-element state: it shrinks and grows with the shard.
-      wp.optimizerStateBytes = static_cast<uint64_t>(static_cast<double>(*p.optimizerStateBytes) *
-                                                     static_cast<double>(shard) / static_cast<double>(p.shardNumel));
+      wp.optimizerStateBytes =
+          static_cast<uint64_t>(static_cast<double>(*p.optimizerStateBytes) * static_cast<double>(shard) /
+                                static_cast<double>(p.shardNumel));
     }
     w.params.push_back(std::move(wp));
   }
-  w.optimizerStateRecorded = std::any_of(trace.params.begin(), trace.params.end(), [](const auto& p) {
-    return p.optimizerStateBytes.has_value();
-  });
+  w.optimizerStateRecorded = std::any_of(trace.params.begin(), trace.params.end(),
+                                         [](const auto& p) { return p.optimizerStateBytes.has_value(); });
   std::vector<size_t> order(w.params.size());
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return w.params[a].id < w.params[b].id; });

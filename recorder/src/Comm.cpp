@@ -188,8 +188,7 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
     // Host<->device copy rate with pinned host memory, as offloading copies; on CPU ranks the
     // offload copies into a host pool of its own, a memcpy each way.
     const int64_t n = 16 * 1024 * 1024;  // 64 MiB of float32
-    at::Tensor host =
-        at::empty({n}, at::TensorOptions().dtype(at::kFloat).pinned_memory(!o.device.is_cpu()));
+    at::Tensor host = at::empty({n}, at::TensorOptions().dtype(at::kFloat).pinned_memory(!o.device.is_cpu()));
     at::Tensor dev = at::empty({n}, opts);
     host.zero_();
     dev.zero_();

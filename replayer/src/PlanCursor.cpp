@@ -533,9 +533,10 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
     for (size_t k = 0; k < ids.size(); ++k) {
       if (!live.count(ids[k]) || frozen.count(ids[k])) {
         refuse(path, "/offload/optimizer_state/" + std::to_string(g) + "/ds_ids/" + std::to_string(k),
-               "ds_id " + std::to_string(ids[k]) + (live.count(ids[k]) ? " is frozen in this run: it has no "
-                                                                         "optimizer state to offload"
-                                                                       : " is not a parameter of this model"));
+               "ds_id " + std::to_string(ids[k]) +
+                   (live.count(ids[k]) ? " is frozen in this run: it has no "
+                                         "optimizer state to offload"
+                                       : " is not a parameter of this model"));
       }
     }
     summary.optimizerOffload.push_back(ids);

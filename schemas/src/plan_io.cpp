@@ -180,8 +180,9 @@ class PlanValidator {
       for (size_t k = 0; k < group.dsIds.size(); ++k) {
         auto [it, fresh] = groupOf.emplace(group.dsIds[k], i);
         if (!fresh && it->second != i) {
-          diags_.add(itemPtr + "/ds_ids/" + std::to_string(k),
-                     "id " + std::to_string(group.dsIds[k]) + " is already in group " + std::to_string(it->second));
+          diags_.add(
+              itemPtr + "/ds_ids/" + std::to_string(k),
+              "id " + std::to_string(group.dsIds[k]) + " is already in group " + std::to_string(it->second));
         }
       }
       group.bytes = item.bytes("bytes").value_or(0);
@@ -270,12 +271,8 @@ std::string writePlan(const Plan& plan) {
                       {"stage", plan.source.stage}};
   if (plan.source.replay != "eager") source["replay"] = plan.source.replay;  // absent: eager
   ordered_json doc{
-      {"schema", kPlanSchema},
-      {"created_by", plan.createdBy},
-      {"source", std::move(source)},
-      {"options", std::move(options)},
-      {"persistent", plan.persistent},
-      {"graphs", std::move(graphs)},
+      {"schema", kPlanSchema},         {"created_by", plan.createdBy},  {"source", std::move(source)},
+      {"options", std::move(options)}, {"persistent", plan.persistent}, {"graphs", std::move(graphs)},
   };
   if (!plan.optimizerOffload.empty()) {
     ordered_json groups = ordered_json::array();

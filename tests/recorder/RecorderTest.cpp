@@ -275,8 +275,9 @@ TEST_F(RecorderTest, TheTimedTransportForwardsTheDeviceSeamsWithTheWrappedTransp
   now = 0;
   rec->onStartForward();
   CommHandlePtr reduce;
-  op(*rec, "reduce_grad", 1, 0, 1, 1,
-     [&] { reduce = timed->reduceScatter(at::empty({7}), at::empty({2, 7})); });
+  op(*rec, "reduce_grad", 1, 0, 1, 1, [&] {
+    reduce = timed->reduceScatter(at::empty({7}), at::empty({2, 7}));
+  });
   ASSERT_NE(reduce, local->last);  // the recorder's wrapper, timing the reduction
   bool ran = false;
   timed->runAfter(reduce, [&] { ran = true; });

@@ -106,7 +106,8 @@ TEST(Offload, PlanGroupsThatDoNotFitTheTraceAreRefusedByPointer) {
     }
     return std::string("accepted");
   };
-  EXPECT_EQ(message({{{0, 7}, 0}}), "/offload/optimizer_state/0/ds_ids/1: ds_id 7 is not a parameter of the trace");
+  EXPECT_EQ(message({{{0, 7}, 0}}),
+            "/offload/optimizer_state/0/ds_ids/1: ds_id 7 is not a parameter of the trace");
   EXPECT_EQ(message({{{0}, 0}, {{0}, 0}}), "/offload/optimizer_state/1/ds_ids/0: ds_id 0 is offloaded twice");
   Fixture none;
   none.trace.params[1].optimizerStateBytes.reset();
@@ -135,9 +136,10 @@ TEST(Offload, PlannerOffloadsOnlyUnderABudgetNoScheduleMeetsOnTheDevice) {
     makePlan(t, req);
     FAIL() << "a budget under the all-offloaded floor was planned";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("below what any plan needs with all optimizer state offloaded (200 KiB): "
-                                         "at least 1.25 MiB"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("below what any plan needs with all optimizer state offloaded (200 KiB): "
+                                   "at least 1.25 MiB"),
+        std::string::npos)
         << e.what();
   }
 }

@@ -40,10 +40,10 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
 
 /// The optimizer step with offload, on the device's clock from `startUs` (when it may start).
 struct OptimizerPhase {
-  double endUs = 0;       ///< the last update done and the last copy out finished
-  double reloadUs = 0;    ///< host-to-device copy time, summed
-  double offloadUs = 0;   ///< device-to-host copy time, summed
-  double exposedUs = 0;   ///< how much longer than the optimizer alone
+  double endUs = 0;      ///< the last update done and the last copy out finished
+  double reloadUs = 0;   ///< host-to-device copy time, summed
+  double offloadUs = 0;  ///< device-to-host copy time, summed
+  double exposedUs = 0;  ///< how much longer than the optimizer alone
   struct Copy {
     bool toDevice = false;
     size_t group = 0;
@@ -58,8 +58,8 @@ struct OptimizerPhase {
 /// in, the next group's copy in beside its update, its copy out after it (one copy stream each
 /// way, at the trace's host link rates). `copiesBlockHost`: the host makes the copies itself
 /// (CPU ranks), so nothing overlaps.
-OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost, const CompiledOffload& offload,
-                                      double startUs, bool copiesBlockHost);
+OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost,
+                                      const CompiledOffload& offload, double startUs, bool copiesBlockHost);
 
 /// The parameters whose state may be offloaded, the most state first (ties by ds_id): the planner
 /// offloads a prefix of this list.

@@ -14,8 +14,8 @@ namespace dcplan::planner {
 
 /// The decisions a plan carries, in the plan's own terms (ds_ids, positions).
 struct Schedule {
-  std::vector<int64_t> persistent;         ///< ds_ids kept gathered
-  std::vector<schemas::PlanGraph> graphs;  ///< prefetch groups and buckets per graph id
+  std::vector<int64_t> persistent;                      ///< ds_ids kept gathered
+  std::vector<schemas::PlanGraph> graphs;               ///< prefetch groups and buckets per graph id
   std::vector<schemas::OffloadGroup> optimizerOffload;  ///< state kept on the host between steps
 };
 

@@ -90,7 +90,7 @@ struct Workload {
   uint64_t baselineBytes = 0;  ///< shards and optimizer state, re-scaled to the planned world
   /// Every trainable parameter's optimizer_state_bytes is in the trace (an offload can be planned).
   bool optimizerStateRecorded = false;
-  RuntimeMemory memory;        ///< the transport's transient buffers and allocator rounding
+  RuntimeMemory memory;  ///< the transport's transient buffers and allocator rounding
   uint64_t capacityBytes = 0;
   double optimizerUs = 0;
   /// The trace has host times for every op of the step (host_us, issue_us, optimizer_host_us):

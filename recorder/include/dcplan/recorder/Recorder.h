@@ -231,9 +231,9 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   mutable std::recursive_mutex mutex_;
   bool recording_ = false;  // the current micro-step is recorded
   bool done_ = false;
-  bool graphed_ = false;  ///< markGraphed()
+  bool graphed_ = false;                        ///< markGraphed()
   std::map<int64_t, uint64_t> optimizerState_;  ///< setOptimizerState(), by ds_id
-  bool paused_ = false;   ///< setPaused()
+  bool paused_ = false;                         ///< setPaused()
   bool finished_ = false;
   int64_t optimizerStepsSeen_ = 0;  // completed optimizer steps, warm-up included
   int64_t recordedSteps_ = 0;

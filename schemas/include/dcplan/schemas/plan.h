@@ -91,8 +91,8 @@ struct Plan {
   std::vector<int64_t> persistent;  ///< ds_ids kept gathered, ascending
   std::vector<PlanGraph> graphs;
   std::vector<OffloadGroup> optimizerOffload;  ///< in stepping order; empty: no offload
-  Prediction predicted;         ///< this plan
-  Prediction predictedDefault;  ///< the default schedule on the same trace
+  Prediction predicted;                        ///< this plan
+  Prediction predictedDefault;                 ///< the default schedule on the same trace
 };
 
 }  // namespace dcplan::schemas
