@@ -71,7 +71,7 @@ def parse_args():
                    help="run the modes this many times in turn (A B C A B C ...) and report each mode's median")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="fsdp2,dcplan,bound",
-                   help="comma-separated: fsdp2, fsdp2-compiled, dcplan, dcplan-compiled, dcplan-graphed, "
+                   help="comma-separated: fsdp2, fsdp2-compiled, fsdp2-offload (CPUOffloadPolicy), dcplan, dcplan-compiled, dcplan-graphed, "
                         "dcplan-compiled-graphed (the whole step in a CUDA graph: dcplan.graphed_step), bound")
     p.add_argument("--plan", help="dcplan: replay this plan (default schedule without); several: comma-separated, "
                    "one dcplan run each (dcplan:<file name> in the table)")
@@ -343,20 +343,23 @@ class Bench:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def fsdp2(self, compiled=False):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    def fsdp2(self, compiled=False, offload=False):
+        """offload: FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state on the host, the
+        optimizer stepping there), the baseline of dcplan's planned offload."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.fresh()
         torch._dynamo.reset()
         model = self.model()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = CPUOffloadPolicy() if offload else OffloadPolicy()
         for block in model.layers:
-            fully_shard(block, mp_policy=mp)
+            fully_shard(block, mp_policy=mp, offload_policy=policy)
             if compiled:
                 block.compile()
-        fully_shard(model, mp_policy=mp)
+        fully_shard(model, mp_policy=mp, offload_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
-        step, losses = self.run(model, opt, "fsdp2-compiled" if compiled else "fsdp2")
+        step, losses = self.run(model, opt, "fsdp2-compiled" if compiled else "fsdp2-offload" if offload else "fsdp2")
         out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
                "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks}
         del model, opt
@@ -591,8 +594,9 @@ def main():
                 for plan in [None] + plans_for(args.plan, True):
                     name = mode + (":" + os.path.basename(plan).removesuffix(".json") if plan else "")
                     runs.setdefault(name, []).append(bench.dcplan(plan, graphed=True))
-            elif mode == "fsdp2-compiled":
-                runs.setdefault(mode, []).append(bench.fsdp2(compiled=True))
+            elif mode in ("fsdp2-compiled", "fsdp2-offload"):
+                runs.setdefault(mode, []).append(bench.fsdp2(compiled=mode == "fsdp2-compiled",
+                                                             offload=mode == "fsdp2-offload"))
             elif mode in ("deepspeed", "deepcompile"):
                 runs.setdefault(mode, []).append(bench.deepspeed(compiled=mode == "deepcompile"))
             else:

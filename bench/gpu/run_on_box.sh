@@ -14,6 +14,8 @@
 #       measured: the bench's model recorded with $GMODE (dcplan-graphed or dcplan-compiled-graphed), planned
 #       for the hooks (hooks.json, --no-cuda-graph) and for the graph (graph.json), each replayed the way it
 #       was planned for, in one process, interleaved over $ROUNDS rounds, with the bound
+#   bash bench/gpu/run_on_box.sh offload comm|compute  # planned offload at $BUDGETS of the on-device floor
+#       against fsdp2 and fsdp2-offload (CPUOffloadPolicy), in one process
 #   bash bench/gpu/run_on_box.sh breakdown comm|compute [args]  # the graphed step's device time by category
 #       against the device's own bounds (bench/gpu/device_breakdown.py); NOPLAN=1: default schedule
 #   bash bench/gpu/run_on_box.sh deepspeed comm|compute [args]  # DeepSpeed ZeRO-3 eager and DeepCompile
@@ -181,6 +183,47 @@ case "$what" in
           && report with-without "$name" "$P/$name.json" "$P/$name.no-op-device.json" || true
       done
     fi
+    ;;
+  offload)
+    # Planned offload against FSDP2's CPUOffloadPolicy, one shape (comm|compute) on $NPROC GPUs
+    # (default: all): the bench's model recorded (dcplan mode), planned without a budget and at
+    # $BUDGETS (fractions of the least any schedule needs with the optimizer state on the device,
+    # default "0.8 0.6 0.4"; "floor": just above the least with all of it offloaded); each plan's
+    # offload as inspect shows it; then fsdp2, fsdp2-offload and dcplan with each plan in one
+    # process, $ROUNDS rounds interleaved (default 1).
+    sh=${1:-comm}
+    shift || true
+    shape_args "$sh" "$what"
+    export NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
+    P=$OUT/offload-$sh
+    mkdir -p "$P"
+    D=build/cuda/bin/dcplan
+    record_bench "$P/trace.json" dcplan 2 240 2>&1 | quiet | tail -1
+    $D plan "$P/trace.json" -o "$P/free.json" > /dev/null
+    least=$($D plan "$P/trace.json" -o "$P/x.json" --memory-budget 1 2>&1 | sed -n 's/.*offloaded ([^)]*): at least //p' | tr -d ' ')
+    ondevice=$($D plan "$P/trace.json" -o "$P/x.json" --memory-budget "$least" --explain 2>/dev/null \
+      | sed -n 's/.*on the device (they need at least \([^)]*\)).*/\1/p' | tr -d ' ')
+    echo "least with the optimizer state on the device: $ondevice; with all of it offloaded: $least"
+    plans=$P/free.json
+    for f in ${BUDGETS:-0.8 0.6 0.4}; do
+      b=$("$PY" - "$f" "$ondevice" "$least" <<'PYEOF'
+import re, sys
+def size(t):
+    n, u = re.fullmatch(r"([0-9.]+)(B|KiB|MiB|GiB)", t).groups()
+    return float(n) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[u]
+f, ondevice, least = sys.argv[1:]
+print(int(size(least) * 1.01) if f == "floor" else int(float(f) * size(ondevice)))
+PYEOF
+)
+      if $D plan "$P/trace.json" -o "$P/budget-$f.json" --memory-budget "${b}B" > /dev/null 2> "$P/budget-$f.err"; then
+        echo "== budget-$f: $b bytes"; $D inspect "$P/budget-$f.json" | grep -E "offload:|^  plan "
+        plans="$plans,$P/budget-$f.json"
+      else
+        echo "== budget-$f: $b bytes refused: $(tail -1 "$P/budget-$f.err")"
+      fi
+    done
+    bench --modes fsdp2,fsdp2-offload,dcplan --plan "$plans" $args --warmup 3 --steps 10 --rounds "${ROUNDS:-1}" \
+      --json "$P/bench.json" 2>&1 | quiet | tail -25
     ;;
   breakdown)
     # The graphed step's device time by category, against the device's own bounds and the

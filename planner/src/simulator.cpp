@@ -191,8 +191,12 @@ class Simulation {
     const double behind =
         w_.hostLane ? std::max(0.0, start - hostNow_) : 0.0;  // the device, at the backward's end
     if (w_.hostLane) start = std::max(start, hostNow_);  // the optimizer's kernels come after the backward's
-    // Offloaded state comes back a group or two at a time (CompiledOffload::stepBytes).
-    momentary_ += s_.offload.stepBytes;
+    // Offloaded state comes back a group or two at a time (CompiledOffload::stepBytes), and the
+    // optimizer's temporaries (the recorded step's, less the gradient shards it held) are those
+    // of its largest call.
+    const uint64_t temporaries = optimizerExcess_ - std::min(optimizerExcess_, shardGrads_);
+    momentary_ +=
+        s_.offload.stepBytes + static_cast<uint64_t>(static_cast<double>(temporaries) * s_.offload.callShare);
     sample(start, 0, -1, -1, false);
     const OptimizerPhase phase = optimizerPhase(start);
     double stepUs = phase.endUs;
@@ -281,8 +285,15 @@ class Simulation {
       if (c > 0 && record_) event(Stream::Compute, "compute", r, op.seq, {}, 0, end - c, end);
       computeNow_ = end;
       const int64_t callsBefore = res_.gatherCalls + res_.reduceCalls;
-      // The compute's own peak, before this op changes what is held.
-      sample(computeNow_, run.computePeakBytes[i], r, op.seq, false);
+      // The compute's own peak, before this op changes what is held. Before the step's first
+      // op that holds the recorded optimizer step's; a grouped step (offload) is modelled at the
+      // optimizer instead, from what it left above the op's own activations.
+      uint64_t computePeak = run.computePeakBytes[i];
+      if (r == 0 && i == 0 && s_.offload.bytes > 0) {
+        optimizerExcess_ = computePeak - std::min(computePeak, run.activationBytes[i]);
+        computePeak = run.activationBytes[i];
+      }
+      sample(computeNow_, computePeak, r, op.seq, false);
       if (!run.opDeviceUs.empty() && run.opDeviceUs[i] > 0) {
         // A CUDA graph: the op's own kernels run in the stream's order, before its collective.
         if (record_)
@@ -536,6 +547,7 @@ class Simulation {
   std::vector<int32_t> callOf_;     ///< per param: its gather call whose scratch is live, -1: none
   std::vector<uint64_t> callScratch_;
   std::vector<char> hasShardGrad_;  ///< ZeRO-2/3, per param: its gradient shard exists this step
+  uint64_t optimizerExcess_ = 0;    ///< offload: the recorded optimizer step above the first op's activations
   uint64_t shardGrads_ = 0;         ///< ZeRO-2/3: the gradient shards this step's reductions made
   uint64_t liveScratch_ = 0;        ///< scratch of gather calls not waited on yet
   uint64_t momentary_ = 0;          ///< scratch of calls issued since the last sample
