@@ -200,21 +200,17 @@ case "$what" in
     D=build/cuda/bin/dcplan
     record_bench "$P/trace.json" dcplan 2 240 2>&1 | quiet | tail -1
     $D plan "$P/trace.json" -o "$P/free.json" > /dev/null
-    least=$($D plan "$P/trace.json" -o "$P/x.json" --memory-budget 1 2>&1 | sed -n 's/.*offloaded ([^)]*): at least //p' | tr -d ' ')
-    ondevice=$($D plan "$P/trace.json" -o "$P/x.json" --memory-budget "$least" --explain 2>/dev/null \
-      | sed -n 's/.*on the device (they need at least \([^)]*\)).*/\1/p' | tr -d ' ')
+    least=$( ($D plan "$P/trace.json" -o "$P/x.json" --memory-budget 1 2>&1 || true) \
+      | sed -n 's/.*offloaded ([^)]*): at least //p' | tr -d ' ')
+    # Sizes as dcplan prints them ("7.82 GiB", spaces dropped) to bytes: FRACTION of SIZE.
+    bytes_of() { "$PY" -c "import re,sys; n,u=re.fullmatch(r'([0-9.]+)(B|KiB|MiB|GiB)',sys.argv[2]).groups(); \
+print(int(float(sys.argv[1])*float(n)*{'B':1,'KiB':2**10,'MiB':2**20,'GiB':2**30}[u]))" "$1" "$2"; }
+    ondevice=$( ($D plan "$P/trace.json" -o "$P/x.json" --memory-budget "$(bytes_of 1.01 "$least")B" --explain \
+      2>/dev/null || true) | sed -n 's/.*on the device (they need at least \([^)]*\)).*/\1/p' | tr -d ' ')
     echo "least with the optimizer state on the device: $ondevice; with all of it offloaded: $least"
     plans=$P/free.json
     for f in ${BUDGETS:-0.8 0.6 0.4}; do
-      b=$("$PY" - "$f" "$ondevice" "$least" <<'PYEOF'
-import re, sys
-def size(t):
-    n, u = re.fullmatch(r"([0-9.]+)(B|KiB|MiB|GiB)", t).groups()
-    return float(n) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[u]
-f, ondevice, least = sys.argv[1:]
-print(int(size(least) * 1.01) if f == "floor" else int(float(f) * size(ondevice)))
-PYEOF
-)
+      if [ "$f" = floor ]; then b=$(bytes_of 1.01 "$least"); else b=$(bytes_of "$f" "$ondevice"); fi
       if $D plan "$P/trace.json" -o "$P/budget-$f.json" --memory-budget "${b}B" > /dev/null 2> "$P/budget-$f.err"; then
         echo "== budget-$f: $b bytes"; $D inspect "$P/budget-$f.json" | grep -E "offload:|^  plan "
         plans="$plans,$P/budget-$f.json"

@@ -42,10 +42,6 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
     c.stepBytes = std::max(c.stepBytes, c.groups[g].bytes + next);
   }
   c.share = total > 0 ? static_cast<double>(c.bytes) / static_cast<double>(total) : 0.0;
-  c.callShare = 1 - c.share;
-  for (const auto& g : c.groups) {
-    c.callShare = std::max(c.callShare, static_cast<double>(g.bytes) / static_cast<double>(total));
-  }
   return c;
 }
 

@@ -110,3 +110,50 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
     assert run.returncode != 0
     assert (f"plan {eager} was made for a replay by the host (hooks or compiled graphs), and this step is "
             "captured in one CUDA graph") in run.stderr, run.stderr[-3000:]
+
+
+def test_a_graphed_step_with_planned_offload_keeps_its_budget_and_trains_alike(dcplan_module, tmp_path):
+    """A plan under the least any schedule needs with the optimizer state on the device, for a
+    graphed step (train_llama.py --cuda-graph, recorded through graphed_step): the grouped optimizer
+    step with its copies in and out is captured with the rest, the run's peak stays within the
+    budget, and the losses follow the same graphed step without a plan."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from mp_harness import dcplan_binary
+
+    require_gpus(dcplan_module, 1)
+    cli = dcplan_binary()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # Wide and short: the optimizer state is most of what the rank holds.
+    script = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+              os.path.join(root, "examples", "train_llama.py"), "--device", "cuda", "--cuda-graph",
+              "--layers", "2", "--hidden", "1024", "--heads", "8", "--seq", "32", "--batch", "1", "--steps", "8"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+    trace, plan = tmp_path / "trace.json", tmp_path / "plan.json"
+    subprocess.run([cli, "record", "-o", str(trace), "--steps", "2", "--warmup", "2", "--timeout", "240", "--",
+                    *script], check=True, env=env, cwd=tmp_path)
+    refused = subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--memory-budget", "1"], env=env,
+                             capture_output=True, text=True)
+    least = re.search(r"with all optimizer state offloaded \([^)]*\): at least ([0-9.]+) (MiB|GiB)", refused.stderr)
+    assert least, refused.stderr
+    budget = int(float(least.group(1)) * {"MiB": 2**20, "GiB": 2**30}[least.group(2)] * 1.05)
+    subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--memory-budget", f"{budget}B"], check=True, env=env,
+                   capture_output=True, text=True)
+    p = json.loads(plan.read_text())
+    assert p["options"]["cuda_graph"] is True and p["offload"]["optimizer_state"]
+    runs = {}
+    for name, extra in (("offload", {"DCPLAN_PLAN": str(plan)}), ("plain", {})):
+        losses = tmp_path / f"{name}.losses.json"
+        run = subprocess.run([*script, "--losses", str(losses)], env=dict(env, **extra), cwd=tmp_path,
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        peak = int(re.search(r"peak memory: (\d+) bytes", run.stdout).group(1))
+        runs[name] = (json.loads(losses.read_text())["losses"], peak)
+    import torch
+
+    torch.testing.assert_close(torch.tensor(runs["offload"][0]), torch.tensor(runs["plain"][0]), **TOL)
+    assert runs["offload"][1] <= budget < runs["plain"][1], (runs["offload"][1], budget, runs["plain"][1])

@@ -31,10 +31,6 @@ struct CompiledOffload {
   /// one being copied back (a group's device copy is freed once its copy out is issued).
   uint64_t stepBytes = 0;
   double share = 0;  ///< of the optimizer's recorded time: the offloaded parameters' share
-  /// The most of the parameters (by state) one optimizer call steps: the resident ones or the
-  /// largest group. The recorded step's temporaries (a foreach AdamW's, over every parameter at
-  /// once) scale with it.
-  double callShare = 1;
 };
 
 /// Resolves `groups` (a plan's offload.optimizer_state) against `w`. Throws std::invalid_argument
