@@ -86,6 +86,10 @@ class _Mover:
             self.compute = torch.cuda.current_stream(device)
             self.to_device = torch.cuda.Stream(device)
             self.to_host = torch.cuda.Stream(device)
+            # Forked from the compute stream: a captured step (dcplan.graphed_step) takes both into
+            # its graph, which an event from a stream outside the capture would invalidate.
+            self.to_device.wait_stream(self.compute)
+            self.to_host.wait_stream(self.compute)
 
     def host_buffer(self, t: torch.Tensor) -> torch.Tensor:
         if self.cuda:
