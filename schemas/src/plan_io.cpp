@@ -148,14 +148,7 @@ class PlanValidator {
           FieldReader item((*buckets)[i], itemPtr, diags_);
           PlanBucket bucket;
           bucket.dsIds = readIds(item, "ds_ids");
-          for (size_t k = 0; k < bucket.dsIds.size(); ++k) {
-            auto [it, fresh] = bucketOf.emplace(bucket.dsIds[k], i);
-            if (!fresh && it->second != i) {
-              diags_.add(itemPtr + "/ds_ids/" + std::to_string(k), "id " + std::to_string(bucket.dsIds[k]) +
-                                                                       " is already in bucket " +
-                                                                       std::to_string(it->second));
-            }
-          }
+          claimIds(bucket.dsIds, itemPtr, i, bucketOf, "bucket");
           bucket.bytes = item.bytes("bytes").value_or(0);
           bucket.dtype = item.dtype("dtype").value_or("");
           item.rejectUnknownFields();
@@ -164,6 +157,19 @@ class PlanValidator {
       }
       r.rejectUnknownFields();
       out_.graphs.push_back(std::move(graph));
+    }
+  }
+
+  /// Each id in one item of a list at most (a bucket, an offload group): a repeat is named.
+  void claimIds(const std::vector<int64_t>& ids, const std::string& itemPtr, size_t item,
+                std::map<int64_t, size_t>& owner, const char* noun) {
+    for (size_t k = 0; k < ids.size(); ++k) {
+      auto [it, fresh] = owner.emplace(ids[k], item);
+      if (!fresh && it->second != item) {
+        diags_.add(
+            itemPtr + "/ds_ids/" + std::to_string(k),
+            "id " + std::to_string(ids[k]) + " is already in " + noun + " " + std::to_string(it->second));
+      }
     }
   }
 
@@ -177,14 +183,7 @@ class PlanValidator {
       FieldReader item((*groups)[i], itemPtr, diags_);
       OffloadGroup group;
       group.dsIds = readIds(item, "ds_ids");
-      for (size_t k = 0; k < group.dsIds.size(); ++k) {
-        auto [it, fresh] = groupOf.emplace(group.dsIds[k], i);
-        if (!fresh && it->second != i) {
-          diags_.add(
-              itemPtr + "/ds_ids/" + std::to_string(k),
-              "id " + std::to_string(group.dsIds[k]) + " is already in group " + std::to_string(it->second));
-        }
-      }
+      claimIds(group.dsIds, itemPtr, i, groupOf, "group");
       group.bytes = item.bytes("bytes").value_or(0);
       item.rejectUnknownFields();
       out_.optimizerOffload.push_back(std::move(group));

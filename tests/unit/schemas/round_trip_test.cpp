@@ -87,6 +87,21 @@ TEST(RoundTrip, OptionalPlanFieldsStayAbsentOrPresent) {
   ASSERT_TRUE(again.options.bandwidthGBps.has_value());
   EXPECT_EQ(*again.options.bandwidthGBps, 12.5);
   EXPECT_EQ(writePlan(again), text);
+  // Planned offload: absent without one, its groups and prediction kept with one.
+  EXPECT_EQ(text.find("offload"), std::string::npos);
+  plan.optimizerOffload = {{{0}, 64}};
+  plan.predicted.offloadBytes = 64;
+  plan.predicted.reloadUs = 1.5;
+  plan.predicted.offloadUs = 2.5;
+  plan.predicted.exposedCopyUs = 0.5;
+  const std::string offloaded = writePlan(plan);
+  Plan back;
+  ASSERT_TRUE(validatePlan(parseJson(offloaded, "plan"), back).empty());
+  ASSERT_EQ(back.optimizerOffload.size(), 1u);
+  EXPECT_EQ(back.optimizerOffload[0].dsIds, std::vector<int64_t>{0});
+  EXPECT_EQ(back.predicted.offloadUs, 2.5);
+  EXPECT_EQ(back.predictedDefault.offloadBytes, 0u);
+  EXPECT_EQ(writePlan(back), offloaded);
 }
 
 TEST(RoundTrip, ReplayModeIsAbsentForEagerAndKeptForCompiled) {

@@ -175,6 +175,20 @@ TEST(Validate, PlanProblems) {
                                 }));
 }
 
+TEST(Validate, OffloadGroupsHoldEachParameterOnce) {
+  ordered_json plan = minimalPlan();
+  plan["offload"] = {{"optimizer_state", {{{"ds_ids", {0}}, {"bytes", 8}}, {{"ds_ids", {1, 0}}, {"bytes", -1}}}}};
+  EXPECT_EQ(planProblems(plan), (std::vector<std::string>{
+                                    "/offload/optimizer_state/1/ds_ids/1: id 0 is already in group 0",
+                                    "/offload/optimizer_state/1/bytes: expected an integer >= 0, got -1",
+                                }));
+  plan["offload"] = {{"optimizer_state", ordered_json::array()}};
+  EXPECT_EQ(planProblems(plan),
+            std::vector<std::string>{"/offload/optimizer_state: expected at least one group"});
+  plan["offload"] = {{"optimizer_state", {{{"ds_ids", {0}}, {"bytes", 8}}}}, {"master", true}};
+  EXPECT_EQ(planProblems(plan).size(), 1u);  // an unknown field, named
+}
+
 TEST(Validate, PrefetchPositionsMustNotDecrease) {
   ordered_json plan = minimalPlan();
   plan["graphs"][0]["prefetch"] = {{{"position", 4}, {"ds_ids", {0}}}, {{"position", 2}, {"ds_ids", {1}}}};
