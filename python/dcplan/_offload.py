@@ -93,16 +93,18 @@ class _Mover:
 
     def host_buffer(self, t: torch.Tensor) -> torch.Tensor:
         if self.cuda:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        # Outside torch's CPU allocator, which dcplan counts as the device's memory on CPU ranks.
-        raw = np.empty(t.nbytes, dtype=np.uint8)
-        return torch.from_numpy(raw).view(t.dtype).view(t.shape)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        else:
+            # Outside torch's CPU allocator, which dcplan counts as the device's memory on CPU ranks.
+            host = torch.from_numpy(np.empty(t.nbytes, dtype=np.uint8)).view(t.dtype).view(t.shape)
+        host._dcplan_host_buffer = True  # on CPU ranks the device's tensors are CPU tensors too
+        return host
 
     def reload(self, optimizer, params) -> None:
         """Copies params' host state to new device tensors (queued on the copy-in stream)."""
         for p in params:
             for key, host in _per_element(optimizer, p).items():
-                if host.device.type != "cpu" or self.device.type == "cpu" and not _is_host_buffer(host):
+                if not getattr(host, "_dcplan_host_buffer", False):
                     continue  # on the device already (a state made by this step's update)
                 if self.cuda:
                     self.to_device.wait_stream(self.to_host)  # its copy out of the last step is done
@@ -128,7 +130,6 @@ class _Mover:
                 host = _host_of.pop(id(dev), None)
                 if host is None:
                     host = self.host_buffer(dev)  # the state's first step made it: its buffer, once
-                    _host_buffers.add(id(host))
                 if self.cuda:
                     with torch.cuda.stream(self.to_host):
                         host.copy_(dev, non_blocking=True)
@@ -144,11 +145,6 @@ class _Mover:
 
 
 _host_of: Dict[int, torch.Tensor] = {}  # id(device copy) -> its host buffer, during a step
-_host_buffers: set = set()  # ids of host buffers made here (on CPU ranks the device is the CPU too)
-
-
-def _is_host_buffer(t: torch.Tensor) -> bool:
-    return id(t) in _host_buffers
 
 
 def _planned_groups(optimizer) -> Optional[List[list]]:
