@@ -37,9 +37,11 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
     c.bytes += group.bytes;
     c.groups.push_back(std::move(group));
   }
+  // While group g is updated: g-1 still copying out, g, and g+1 coming in.
   for (size_t g = 0; g < c.groups.size(); ++g) {
+    const uint64_t before = g > 0 ? c.groups[g - 1].bytes : 0;
     const uint64_t next = g + 1 < c.groups.size() ? c.groups[g + 1].bytes : 0;
-    c.stepBytes = std::max(c.stepBytes, c.groups[g].bytes + next);
+    c.stepBytes = std::max(c.stepBytes, before + c.groups[g].bytes + next);
   }
   c.share = total > 0 ? static_cast<double>(c.bytes) / static_cast<double>(total) : 0.0;
   return c;
@@ -53,6 +55,7 @@ OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost,
   double update = startUs + (w.optimizerUs - offloadedUs);  // the resident parameters' update
   double in = startUs;                                      // the copy-in stream
   double out = startUs;                                     // the copy-out stream
+  std::vector<double> outEnd;                               // each group's copy out
   if (copiesBlockHost) in = update;                         // one thread does it all, in turn
   for (size_t g = 0; g < offload.groups.size(); ++g) {
     const uint64_t bytes = offload.groups[g].bytes;
@@ -66,12 +69,17 @@ OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost,
       update += outUs;
       out = update;
     } else {
+      // Group g is in before its update; its update also waits for group g-2's copy out (whose
+      // device copy the runtime then drops); the next group's copy in is queued at that point.
       const double inStart = in;
       in += inUs;
       ph.copies.push_back({true, g, inStart, in});
-      update = std::max(update, in) + own;
+      const double start = std::max({update, in, g >= 2 ? outEnd[g - 2] : startUs});
+      in = std::max(in, start);  // the next copy in is issued after this wait, on the compute stream
+      update = start + own;
       const double outStart = std::max(out, update);
       out = outStart + outUs;
+      outEnd.push_back(out);
       ph.copies.push_back({false, g, outStart, out});
     }
     ph.reloadUs += inUs;

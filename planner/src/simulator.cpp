@@ -228,7 +228,8 @@ class Simulation {
     res_.computeUs = w_.computeUs();
     res_.optimizerUs = w_.optimizerUs;
     res_.prediction.stepUs = stepUs + (reference_ ? 0.0 : res_.launchDeltaUs);
-    res_.prediction.exposedCommUs = std::max(0.0, stepUs - res_.computeUs - res_.optimizerUs);
+    res_.prediction.exposedCommUs =
+        std::max(0.0, stepUs - res_.computeUs - res_.optimizerUs - phase.exposedUs);
     res_.prediction.peakMemoryBytes = peak_;
     res_.prediction.offloadBytes = s_.offload.bytes;
     res_.prediction.reloadUs = phase.reloadUs;

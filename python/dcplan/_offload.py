@@ -24,9 +24,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 # ds_id -> the shard (weakly held: a model dropped takes its plan's offload with it) and its group.
 _shards: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 _group_of: Dict[int, int] = {}
-_groups: List[List[int]] = []  # ds_ids per group, in stepping order
+_group_count = 0  # groups registered so far, over every model: _group_of's stepping order
 _handles = []
-_emptied: Dict[int, list] = {}  # id(optimizer) -> its param groups' lists while its step() runs
+# An optimizer -> its param groups' lists while its own step() runs over none.
+_emptied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _running = False
 
 
@@ -43,23 +44,28 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
     return out
 
 
+def is_per_element(t, shard: torch.Tensor) -> bool:
+    """Whether optimizer state t holds one value per element of `shard` (Adam's moments), not a
+    scalar (its step count): the state that is sharded in state dicts and offloaded by a plan."""
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == shard.detach().numel()
+
+
 def _per_element(optimizer, p) -> Dict[str, torch.Tensor]:
-    """p's optimizer state tensors of p's own size (not the step count or other scalars)."""
-    n = p.detach().numel()
-    return {k: t for k, t in optimizer.state.get(p, {}).items()
-            if isinstance(t, torch.Tensor) and t.numel() == n and n > 1}
+    return {k: t for k, t in optimizer.state.get(p, {}).items() if is_per_element(t, p)}
 
 
 def register(infos, groups: List[List[int]]) -> None:
-    """A model sharded with a plan that offloads: infos its parameters, groups the plan's."""
+    """A model sharded with a plan that offloads: infos its parameters, groups the plan's (checked
+    against the model when the plan was loaded)."""
+    global _group_count
     if not groups:
         return
     by_id = {i.ds_id: i.shard for i in infos}
     for ids in groups:
-        _groups.append([i for i in ids if i in by_id])
         for i in ids:
             _shards[i] = by_id[i]
-            _group_of[i] = len(_groups) - 1
+            _group_of[i] = _group_count
+        _group_count += 1
     if not _handles:
         _handles.append(register_optimizer_step_pre_hook(_before_step))
         _handles.append(register_optimizer_step_post_hook(_after_step))
@@ -67,27 +73,42 @@ def register(infos, groups: List[List[int]]) -> None:
 
 def forget() -> None:
     """dcplan.shutdown(): no plan offloads any more."""
+    global _group_count
     _shards.clear()
     _group_of.clear()
-    _groups.clear()
+    _group_count = 0
     for h in _handles:
         h.remove()
     _handles.clear()
 
 
+# The copy streams of each device, made once: the caching allocator keeps a freed block for the
+# stream it was made on, so streams made anew each step would leave blocks behind.
+_streams: Dict[torch.device, tuple] = {}
+
+
+def _is_host_buffer(t: torch.Tensor) -> bool:
+    return getattr(t, "_dcplan_host_buffer", False)
+
+
 class _Mover:
-    """Copies optimizer state between the device and its host buffers; on a GPU on two streams
-    of their own, ordered by events against the compute stream."""
+    """Copies optimizer state between the device and its host buffers: on a GPU on a copy-in and a
+    copy-out stream, ordered by stream waits against the compute stream (no record_stream, which a
+    CUDA graph's capture would hold until its end). A group's device copy is dropped once the
+    compute stream has waited for its copy out, two groups later: at most three groups are on the
+    device at once (the one dropped next, the one updated, the one coming in)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
+        self.pending: List[tuple] = []  # per group copied out: (its device copies, copied-out event)
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
-            self.to_device = torch.cuda.Stream(device)
-            self.to_host = torch.cuda.Stream(device)
+            if device not in _streams:
+                _streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            self.to_device, self.to_host = _streams[device]
             # Forked from the compute stream: a captured step (dcplan.graphed_step) takes both into
-            # its graph, which an event from a stream outside the capture would invalidate.
+            # its graph, which a wait on work outside the capture would invalidate.
             self.to_device.wait_stream(self.compute)
             self.to_host.wait_stream(self.compute)
 
@@ -101,18 +122,19 @@ class _Mover:
         return host
 
     def reload(self, optimizer, params) -> None:
-        """Copies params' host state to new device tensors (queued on the copy-in stream)."""
+        """Copies params' host state into new device tensors (on the copy-in stream)."""
+        if self.cuda:
+            self.to_device.wait_stream(self.compute)  # a reused block's last use on the compute stream
         for p in params:
             for key, host in _per_element(optimizer, p).items():
-                if not getattr(host, "_dcplan_host_buffer", False):
-                    continue  # on the device already (a state made by this step's update)
+                if not _is_host_buffer(host):
+                    continue  # on the device already (a state its first update makes)
+                dev = torch.empty_like(host, device=self.device)  # on the compute stream
                 if self.cuda:
-                    self.to_device.wait_stream(self.to_host)  # its copy out of the last step is done
                     with torch.cuda.stream(self.to_device):
-                        dev = torch.empty_like(host, device=self.device)
                         dev.copy_(host, non_blocking=True)
                 else:
-                    dev = host.clone()
+                    dev.copy_(host)
                 optimizer.state[p][key] = dev
                 _host_of[id(dev)] = host
 
@@ -122,9 +144,11 @@ class _Mover:
             self.compute.wait_stream(self.to_device)
 
     def offload(self, optimizer, params) -> None:
-        """Copies params' device state out to their host buffers; the device tensors go."""
+        """Copies params' device state out to their host buffers (after their update); the state
+        is the host buffer from now on, the device copy kept until retire()."""
         if self.cuda:
-            self.to_host.wait_stream(self.compute)  # after the update
+            self.to_host.wait_stream(self.compute)
+        copies = []
         for p in params:
             for key, dev in _per_element(optimizer, p).items():
                 host = _host_of.pop(id(dev), None)
@@ -133,15 +157,24 @@ class _Mover:
                 if self.cuda:
                     with torch.cuda.stream(self.to_host):
                         host.copy_(dev, non_blocking=True)
-                    dev.record_stream(self.to_host)  # not reused before the copy out is done
                 else:
                     host.copy_(dev)
                 optimizer.state[p][key] = host
-
-    def done(self) -> None:
-        """The step ends after its copies out (the next use of the host copies is ordered after)."""
+                copies.append(dev)
+        done = None
         if self.cuda:
-            self.compute.wait_stream(self.to_host)
+            done = torch.cuda.Event()
+            done.record(self.to_host)
+        self.pending.append((copies, done))
+
+    def retire(self, keep: int) -> None:
+        """Drops the device copies of all but the last `keep` groups copied out, once their copies
+        out are done on the device (the compute stream waits for those, not for later ones)."""
+        while len(self.pending) > keep:
+            copies, done = self.pending.pop(0)
+            if done is not None:
+                self.compute.wait_event(done)
+            del copies
 
 
 _host_of: Dict[int, torch.Tensor] = {}  # id(device copy) -> its host buffer, during a step
@@ -177,13 +210,13 @@ def _before_step(optimizer, args, kwargs) -> None:
     global _running
     if _running:
         return
+    _restore(optimizer)  # a step that raised after the groups were emptied left them so
     groups = _planned_groups(optimizer)
     if groups is None:
         return
-    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # torch passes (self, *args)
-    if closure is not None:
-        raise ValueError(f"dcplan: {type(optimizer).__name__}.step() with a closure cannot run group by group, "
-                         "as the plan's optimizer-state offload needs; step without one")
+    if len(args) > 1 or kwargs:  # torch passes (self, *args)
+        raise ValueError(f"dcplan: {type(optimizer).__name__}.step() with arguments (a closure) cannot run group "
+                         "by group, as the plan's optimizer-state offload needs; call step() without them")
     raw_step = getattr(type(optimizer).step, "__wrapped__", None)
     if raw_step is None:
         raise RuntimeError(f"dcplan: {type(optimizer).__name__}.step is not torch's hooked step; the plan's "
@@ -198,22 +231,27 @@ def _before_step(optimizer, args, kwargs) -> None:
             _step_only(optimizer, resident, raw_step)
         for k, params in enumerate(groups):
             mover.ready()
+            mover.retire(keep=1)  # the group before this one may still be copying out
             if k + 1 < len(groups):
                 mover.reload(optimizer, groups[k + 1])
             _step_only(optimizer, params, raw_step)
             mover.offload(optimizer, params)
-        mover.done()
+        mover.retire(keep=0)  # the step ends with every copy out done on the device
     finally:
         _running = False
         _host_of.clear()
     # The step() that called this hook runs over nothing; _after_step gives the groups back.
-    _emptied[id(optimizer)] = [g["params"] for g in optimizer.param_groups]
+    _emptied[optimizer] = [g["params"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["params"] = []
 
 
-def _after_step(optimizer, args, kwargs) -> None:
-    saved = _emptied.pop(id(optimizer), None)
+def _restore(optimizer) -> None:
+    saved = _emptied.pop(optimizer, None)
     if saved is not None:
         for g, ps in zip(optimizer.param_groups, saved):
             g["params"] = ps
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    _restore(optimizer)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C
+from . import _C, _offload
 
 _PARAMS = "params"
 
@@ -450,7 +450,7 @@ def _optim_context(model, optim, options, caller: str):
 
 def _is_sharded_state(t, info) -> bool:
     """Whether optimizer state t is per element of the shard (Adam's moments), not a scalar (step)."""
-    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == info.shard.numel()
+    return _offload.is_per_element(t, info.shard)
 
 
 def _per_element_keys(optim, p, info, caller: str) -> List[str]:

@@ -57,7 +57,9 @@ def test_a_budget_under_the_on_device_floor_is_planned_with_offload_and_kept(tmp
     budget = int(floor * ABOVE_OFFLOAD_FLOOR)
     explain = run([exe, "plan", str(trace), "-o", str(plan), "--memory-budget", f"{budget}B", "--explain"]).stdout
     on_device = size(re.search(r"optimizer state on the device \(they need at least (\S+ \S+)\)", explain).group(1))
-    assert budget < 0.75 * on_device, (budget, on_device)  # well under what no offload can meet
+    # Under what any schedule needs with the state on the device (the share varies with the recording:
+    # 0.59 to 0.81 of it, as the optimizer's recorded temporaries do).
+    assert budget < on_device, (budget, on_device)
     p = json.loads(plan.read_text())
     assert p["offload"]["optimizer_state"] and p["predicted"]["offload_bytes"] > 0
     assert p["predicted"]["peak_memory_bytes"] <= budget

@@ -67,6 +67,8 @@ TEST(Offload, CopiesRunBesideTheUpdatesOneStreamEachWay) {
   EXPECT_NEAR(off.prediction.reloadUs, 2 * 102.4, 1e-9);
   EXPECT_NEAR(off.prediction.offloadUs, 2 * 204.8, 1e-9);
   EXPECT_NEAR(off.prediction.exposedCopyUs, 487, 1e-6);
+  // The copies are not communication: exposed communication is the same step's without them.
+  EXPECT_NEAR(off.prediction.exposedCommUs, kept.prediction.exposedCommUs, 1e-6);
 }
 
 TEST(Offload, ResidentParametersUpdateWhileTheFirstGroupComesIn) {

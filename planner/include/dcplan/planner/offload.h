@@ -27,8 +27,9 @@ struct CompiledOffload {
   };
   std::vector<Group> groups;  ///< in stepping order
   uint64_t bytes = 0;         ///< all of it: off the device outside the optimizer step
-  /// The most state on the device at once during the step: a group being updated and the next
-  /// one being copied back (a group's device copy is freed once its copy out is issued).
+  /// The most state on the device at once during the step: the group being updated, the next one
+  /// coming in, and the one before, whose device copy the runtime drops once the compute stream
+  /// has waited for its copy out (before the update after this one).
   uint64_t stepBytes = 0;
   double share = 0;  ///< of the optimizer's recorded time: the offloaded parameters' share
 };
@@ -55,9 +56,9 @@ struct OptimizerPhase {
 
 /// The step of `w`'s optimizer (Workload::optimizerUs, split by state bytes) with `offload`:
 /// the resident parameters first while the first group is copied in; then each group once it is
-/// in, the next group's copy in beside its update, its copy out after it (one copy stream each
-/// way, at the trace's host link rates). `copiesBlockHost`: the host makes the copies itself
-/// (CPU ranks), so nothing overlaps.
+/// in and the group two before it is copied out, the next group's copy in beside its update, its
+/// copy out after it (one copy stream each way, at the trace's host link rates). `copiesBlockHost`: the host
+/// makes the copies itself (CPU ranks), so nothing overlaps.
 OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost,
                                       const CompiledOffload& offload, double startUs, bool copiesBlockHost);
 

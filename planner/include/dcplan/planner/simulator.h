@@ -144,7 +144,7 @@ inline SimOptions againstRecorded(const SimResult& recorded, bool record = false
 SimResult simulate(const Workload& workload, const CostModel& cost, const CompiledSchedule& schedule,
                    const SimOptions& options = {});
 
-/// Exposed communication = step - compute - optimizer.
+/// Exposed communication = step - compute - optimizer - what offload copies add to the optimizer.
 inline double exposedUs(const SimResult& r) { return r.prediction.exposedCommUs; }
 
 }  // namespace dcplan::planner
