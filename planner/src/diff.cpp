@@ -180,7 +180,7 @@ void diffOffload(Differ& d, const std::vector<schemas::OffloadGroup>& a,
   const std::string path = "/offload/optimizer_state";
   if (!added.empty()) d.ids(path, "offloaded optimizer state", Change::Added, std::nullopt, added);
   if (!removed.empty()) d.ids(path, "offloaded optimizer state", Change::Removed, removed, std::nullopt);
-  d.exact(path + " (groups)", "offload groups", static_cast<double>(a.size()), static_cast<double>(b.size()));
+  d.exact(path, "offload groups", static_cast<double>(a.size()), static_cast<double>(b.size()));
 }
 
 }  // namespace

@@ -131,7 +131,8 @@ std::string offloadUnavailable(const Workload& w, const CostModel& cost) {
     return "the trace has no optimizer_state_bytes (recorded by an older dcplan, or no optimizer step was "
            "recorded): record again to plan an offload";
   }
-  if (offloadOrder(w).empty()) return "no trainable parameter has optimizer state in the trace";
+  if (offloadOrder(w).empty())
+    return "no trainable parameter has params[].optimizer_state_bytes > 0 in the trace";
   if (!cost.copyRated()) {
     return "the trace's calibration has no host link rate (h2d_gbps, d2h_gbps): record again to plan an "
            "offload";

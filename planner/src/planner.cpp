@@ -402,8 +402,8 @@ OffloadChoice planOffload(Search& search, const Workload& w, const CostModel& co
   choice.of = order.size();
   auto attempt = [&](size_t n, std::vector<Candidate>& out, size_t& b) {
     if (progress)
-      progress("planning an offload of " + std::to_string(n) + " of " + count(order.size(), "parameter") +
-               "' optimizer state");
+      progress("planning with the optimizer state of " + std::to_string(n) + " of " +
+               std::to_string(order.size()) + " parameters offloaded");
     search.setOffload(offloadGroups(w, order, n));
     out.clear();
     Candidate heur = search.heuristicCandidate(defaultPeak);

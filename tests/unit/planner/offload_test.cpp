@@ -117,6 +117,22 @@ TEST(Offload, PlanGroupsThatDoNotFitTheTraceAreRefusedByPointer) {
   EXPECT_THROW(compileOffload(none.w, {{{1}, 0}}), std::invalid_argument);
 }
 
+TEST(Offload, WhatATraceLacksForAnOffloadIsNamed) {
+  Fixture f;
+  EXPECT_EQ(offloadUnavailable(f.w, f.cost), "");
+  schemas::Trace noRate = offloadableTrace();
+  noRate.calibration.d2hGBps.reset();
+  EXPECT_EQ(
+      offloadUnavailable(makeWorkload(noRate), CostModel{noRate.calibration, 2}),
+      "the trace's calibration has no host link rate (h2d_gbps, d2h_gbps): record again to plan an offload");
+  schemas::Trace frozen = offloadableTrace();
+  for (auto& p : frozen.params) p.requiresGrad = false;
+  EXPECT_EQ(offloadUnavailable(makeWorkload(frozen), f.cost),
+            "no trainable parameter has params[].optimizer_state_bytes > 0 in the trace");
+  const std::string missing = offloadUnavailable(makeWorkload(test::tinyTrace()), f.cost);
+  EXPECT_EQ(missing.rfind("the trace has no optimizer_state_bytes", 0), 0u) << missing;
+}
+
 TEST(Offload, PlannerOffloadsOnlyUnderABudgetNoScheduleMeetsOnTheDevice) {
   const schemas::Trace t = offloadableTrace();
   PlanRequest req;

@@ -88,7 +88,8 @@ struct Workload {
   std::string paramDtype;
   std::string reduceDtype;
   uint64_t baselineBytes = 0;  ///< shards and optimizer state, re-scaled to the planned world
-  /// Every trainable parameter's optimizer_state_bytes is in the trace (an offload can be planned).
+  /// The trace has optimizer_state_bytes (of parameters its recorder saw an optimizer step):
+  /// an offload can be planned for those.
   bool optimizerStateRecorded = false;
   RuntimeMemory memory;  ///< the transport's transient buffers and allocator rounding
   uint64_t capacityBytes = 0;

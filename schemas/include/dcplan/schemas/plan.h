@@ -67,7 +67,7 @@ struct PlanGraph {
 /// group's state copied back before its update and out again after it (docs/planning.md, "Offload").
 struct OffloadGroup {
   std::vector<int64_t> dsIds;
-  uint64_t bytes = 0;  ///< the group's optimizer state, as recorded
+  uint64_t bytes = 0;  ///< the group's optimizer state at the planned world size
 };
 
 /// Simulated outcome of a schedule.
