@@ -8,10 +8,17 @@
 
 namespace dcplan::planner {
 
+namespace {
+
+/// The one rule of what can be offloaded: a trainable parameter whose optimizer state was recorded.
+bool hasOptimizerState(const WorkParam& p) { return p.requiresGrad && p.optimizerStateBytes > 0; }
+
+}  // namespace
+
 CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::OffloadGroup>& groups) {
   CompiledOffload c;
   uint64_t total = 0;
-  for (const WorkParam& p : w.params) total += p.requiresGrad ? p.optimizerStateBytes : 0;
+  for (const WorkParam& p : w.params) total += hasOptimizerState(p) ? p.optimizerStateBytes : 0;
   std::vector<char> seen(w.params.size(), 0);
   for (size_t g = 0; g < groups.size(); ++g) {
     CompiledOffload::Group group;
@@ -24,7 +31,7 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
         throw std::invalid_argument(ptr + ": ds_id " + std::to_string(id) +
                                     " is not a parameter of the trace");
       const WorkParam& wp = w.params[static_cast<size_t>(p)];
-      if (!wp.requiresGrad || wp.optimizerStateBytes == 0) {
+      if (!hasOptimizerState(wp)) {
         throw std::invalid_argument(ptr + ": ds_id " + std::to_string(id) + " (" + wp.name +
                                     ") has no optimizer " +
                                     "state in the trace (frozen, or optimizer_state_bytes not recorded)");
@@ -50,7 +57,6 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
 OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost,
                                       const CompiledOffload& offload, double startUs, bool copiesBlockHost) {
   OptimizerPhase ph;
-  const double share = offload.bytes > 0 ? 1.0 / static_cast<double>(offload.bytes) : 0.0;
   const double offloadedUs = w.optimizerUs * offload.share;
   double update = startUs + (w.optimizerUs - offloadedUs);  // the resident parameters' update
   double in = startUs;                                      // the copy-in stream
@@ -61,7 +67,7 @@ OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost,
     const uint64_t bytes = offload.groups[g].bytes;
     const double inUs = cost.copyUs(bytes, true);
     const double outUs = cost.copyUs(bytes, false);
-    const double own = offloadedUs * static_cast<double>(bytes) * share;
+    const double own = offloadedUs * static_cast<double>(bytes) / static_cast<double>(offload.bytes);
     if (copiesBlockHost) {
       ph.copies.push_back({true, g, update, update + inUs});
       update += inUs + own;
@@ -93,8 +99,7 @@ OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost,
 std::vector<int32_t> offloadOrder(const Workload& w) {
   std::vector<int32_t> order;
   for (size_t p = 0; p < w.params.size(); ++p) {
-    if (w.params[p].requiresGrad && w.params[p].optimizerStateBytes > 0)
-      order.push_back(static_cast<int32_t>(p));
+    if (hasOptimizerState(w.params[p])) order.push_back(static_cast<int32_t>(p));
   }
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
     const WorkParam& pa = w.params[static_cast<size_t>(a)];

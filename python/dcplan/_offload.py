@@ -102,6 +102,7 @@ class _Mover:
         self.cuda = device.type == "cuda"
         self.device = device
         self.pending: List[tuple] = []  # per group copied out: (its device copies, copied-out event)
+        self.host_of: Dict[int, torch.Tensor] = {}  # id(device copy) -> its host buffer, this step
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
             if device not in _streams:
@@ -130,13 +131,18 @@ class _Mover:
                 if not _is_host_buffer(host):
                     continue  # on the device already (a state its first update makes)
                 dev = torch.empty_like(host, device=self.device)  # on the compute stream
-                if self.cuda:
-                    with torch.cuda.stream(self.to_device):
-                        dev.copy_(host, non_blocking=True)
-                else:
-                    dev.copy_(host)
+                self._copy(dev, host, self.to_device if self.cuda else None)
                 optimizer.state[p][key] = dev
-                _host_of[id(dev)] = host
+                self.host_of[id(dev)] = host
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        """dst <- src: queued on `stream` (a GPU's copy stream), else now."""
+        if stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
 
     def ready(self) -> None:
         """The compute stream waits for the copies in queued so far."""
@@ -151,14 +157,10 @@ class _Mover:
         copies = []
         for p in params:
             for key, dev in _per_element(optimizer, p).items():
-                host = _host_of.pop(id(dev), None)
+                host = self.host_of.pop(id(dev), None)
                 if host is None:
                     host = self.host_buffer(dev)  # the state's first step made it: its buffer, once
-                if self.cuda:
-                    with torch.cuda.stream(self.to_host):
-                        host.copy_(dev, non_blocking=True)
-                else:
-                    host.copy_(dev)
+                self._copy(host, dev, self.to_host if self.cuda else None)
                 optimizer.state[p][key] = host
                 copies.append(dev)
         done = None
@@ -175,9 +177,6 @@ class _Mover:
             if done is not None:
                 self.compute.wait_event(done)
             del copies
-
-
-_host_of: Dict[int, torch.Tensor] = {}  # id(device copy) -> its host buffer, during a step
 
 
 def _planned_groups(optimizer) -> Optional[List[list]]:
@@ -239,7 +238,6 @@ def _before_step(optimizer, args, kwargs) -> None:
         mover.retire(keep=0)  # the step ends with every copy out done on the device
     finally:
         _running = False
-        _host_of.clear()
     # The step() that called this hook runs over nothing; _after_step gives the groups back.
     _emptied[optimizer] = [g["params"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
