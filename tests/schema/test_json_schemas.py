@@ -50,6 +50,19 @@ def test_good_files_match_their_schema(path):
     jsonschema.Draft202012Validator(SCHEMAS[doc["schema"]]).validate(doc)
 
 
+def test_offload_fields_match_their_schema():
+    """A trace with each shard's optimizer state and a plan that offloads it, as the recorder and
+    the planner write them (docs/formats.md)."""
+    trace = json.loads((ROOT / "tests/lit/Inputs/minimal.trace.json").read_text())
+    for p in trace["params"]:
+        p["optimizer_state_bytes"] = 8 * p["shard_numel"]
+    plan = json.loads((ROOT / "tests/lit/Inputs/minimal.plan.json").read_text())
+    plan["offload"] = {"optimizer_state": [{"ds_ids": [0], "bytes": 64}]}
+    plan["predicted"].update(offload_bytes=64, reload_us=1.5, offload_us=2.5, exposed_copy_us=0.5)
+    for doc in (trace, plan):
+        jsonschema.Draft202012Validator(SCHEMAS[doc["schema"]]).validate(doc)
+
+
 @pytest.mark.parametrize("name", STRUCTURAL)
 def test_structural_breakage_fails_the_schema(name):
     doc = json.loads((BROKEN / f"{name}.json").read_text())
