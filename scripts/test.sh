@@ -31,18 +31,27 @@ ctest --preset asan -j "$jobs"
 # machine keeps offline, in a venv of its own so the CPU torch above stays as it is.
 wheels=/opt/pypi-more/files
 cuda_torch=$wheels/torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl
-if [ -f "$cuda_torch" ] && [ -x /usr/local/cuda-13.0/bin/nvcc ]; then
+# The venv takes 4.3 GiB (torch 1.2, its NVIDIA libraries 3.1: importing torch loads them all) and
+# the build 0.3: a disk without room for them skips the check, saying so, rather than failing midway.
+free_gib() { df -Pk . | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'; }
+have_cuda_venv() { .venv-cuda/bin/python -c "import torch" >/dev/null 2>&1; }
+if have_cuda_venv; then cuda_need_gib=1; else cuda_need_gib=5; fi
+if [ ! -f "$cuda_torch" ] || [ ! -x /usr/local/cuda-13.0/bin/nvcc ]; then
+  step "SKIPPED: CUDA compile check (no CUDA torch wheel at $cuda_torch or no nvcc 13.0)"
+elif awk -v f="$(free_gib)" -v n="$cuda_need_gib" 'BEGIN { exit !(f < n) }'; then
+  step "SKIPPED: CUDA compile check (needs ${cuda_need_gib} GiB free in $PWD, $(free_gib) GiB available)"
+else
   step "CUDA compile check (torch 2.14.1+cu130, no GPU: compile only)"
-  if ! .venv-cuda/bin/python -c "import torch" >/dev/null 2>&1; then
+  if ! have_cuda_venv; then
+    rm -rf .venv-cuda
     python3 -m venv --system-site-packages .venv-cuda
-    .venv-cuda/bin/pip install -q --no-index --no-deps --find-links "$wheels" "$cuda_torch" "$wheels"/nvidia_*.whl
+    .venv-cuda/bin/pip install -q --no-cache-dir --no-index --no-deps --find-links "$wheels" "$cuda_torch" \
+      "$wheels"/nvidia_*.whl
   fi
   TORCH_CUDA_ARCH_LIST=9.0 cmake -S . -B build/cuda-compile -G Ninja -DDCPLAN_WITH_CUDA=ON -DDCPLAN_BUILD_TESTS=OFF \
     -DPython3_EXECUTABLE="$PWD/.venv-cuda/bin/python" -DCUDAToolkit_ROOT=/usr/local/cuda-13.0 \
     -DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda-13.0 -DCMAKE_CUDA_COMPILER=/usr/local/cuda-13.0/bin/nvcc
   cmake --build build/cuda-compile --target dcplan_python -j "$jobs"
-else
-  step "SKIPPED: CUDA compile check (no CUDA torch wheel at $cuda_torch or no nvcc 13.0)"
 fi
 
 step "pip install . into a fresh venv (scripts/check_install.sh)"
