@@ -40,7 +40,7 @@ py::list followedGraphsOf(const std::string& text, const std::string& name,
   for (const CursorGraph& g : followedGraphs(plan, std::set<int64_t>(frozen.begin(), frozen.end()))) {
     py::list groups;
     for (const auto& [position, ids] : g.groups) {
-      for (const std::vector<int64_t>& group : ids) groups.append(py::make_tuple(position, group));
+      for (const CursorGroup& group : ids) groups.append(py::make_tuple(position, group.dsIds));
     }
     out.append(py::make_tuple(g.id, g.backward, groups, g.buckets));
   }
@@ -108,6 +108,11 @@ void bindPlan(py::module_& m) {
         out["cuda_graph"] = summary.cudaGraph;
         out["buckets"] = summary.buckets;
         out["optimizer_offload"] = summary.optimizerOffload;
+        out["memory_budget_bytes"] = summary.memoryBudgetBytes
+                                         ? py::object(py::int_(*summary.memoryBudgetBytes))
+                                         : py::object(py::none());
+        out["guard_start_bytes"] =
+            summary.guardStartBytes ? py::object(py::int_(*summary.guardStartBytes)) : py::object(py::none());
         return out;
       },
       py::arg("path"), py::arg("params"), py::arg("world_size"), py::arg("stage"), py::arg("forward_graph"),
@@ -142,6 +147,24 @@ void bindPlan(py::module_& m) {
       "Writes this rank's replay log (JSON lines) to path from now on; '' stops. With device "
       "('cpu', 'cuda:N'), each op line carries the memory in use there (and on the CPU the peak "
       "since the op before).");
+  m.def("set_budget_guard", &setBudgetGuard, py::arg("budget_bytes"), py::arg("start_bytes") = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "The budget guard (docs/replay.md): a planned prefetch or persistent copy whose planned peak plus "
+        "what the run holds beyond the plan's model (set_budget_guard_excess) would exceed budget_bytes is "
+        "not taken; start_bytes: the plan's guard.start_bytes. None: no guard.");
+  m.def("set_budget_guard_excess", &setBudgetGuardExcess, py::arg("excess_bytes"),
+        py::call_guard<py::gil_scoped_release>(),
+        "What the ranks agreed they hold beyond the plan's model at a step's start; the guard acts from now "
+        "on.");
+  m.def("budget_guard_holds", &budgetGuardHolds,
+        "Planned prefetch groups the budget guard held back so far.");
+  m.def(
+      "take_budget_guard_note",
+      [] {
+        std::string msg = takeBudgetGuardNote();
+        return msg.empty() ? py::object(py::none()) : py::object(py::str(msg));
+      },
+      "A message about the budget guard's first hold, once; None otherwise.");
   m.def(
       "replay_step_starts",
       [](const std::vector<std::tuple<std::string, int64_t, bool, bool>>& events) {

@@ -1,5 +1,6 @@
 // The strategies (default, heuristic, optimized), candidate search and --explain text.
 #include "dcplan/planner/planner.h"
+#include "dcplan/planner/budget_guard.h"
 #include "dcplan/planner/offload.h"
 
 #include <algorithm>
@@ -698,6 +699,11 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   if (inSitu && inSitu->atBound) result.warnings.push_back(result.inSitu);
   plan.persistent = chosen.schedule.persistent;
   plan.graphs = chosen.schedule.graphs;
+  if (req.memoryBudgetBytes) {  // what the runtime's budget guard reads at each prefetch
+    const SimResult recorded =
+        simulate(w, cost, compileSchedule(w, chosen.schedule), againstRecorded(def.sim, /*record=*/true));
+    setGuardPeaks(w, recorded, plan);
+  }
   plan.optimizerOffload = chosen.schedule.optimizerOffload;
   plan.predicted = rounded(chosen.sim.prediction);
   plan.predictedDefault = rounded(def.sim.prediction);

@@ -300,6 +300,7 @@ class Simulation {
           event(Stream::Compute, "dc op", r, op.seq, {}, 0, computeNow_, computeNow_ + run.opDeviceUs[i]);
         computeNow_ += run.opDeviceUs[i];
       }
+      if (record_) res_.entryBytes.push_back(inUse(run.activationBytes[i]));
       for (int32_t k = cg.groupBegin[i]; k < cg.groupBegin[i + 1]; ++k) {
         gather(cg.groups[static_cast<size_t>(k)], r, op.seq, true);
       }
@@ -513,11 +514,15 @@ class Simulation {
     }
   }
 
-  void sample(double now, uint64_t activation, int32_t r, int64_t seq, bool atOp) {
+  /// The memory in use now, with `activation` bytes of activations.
+  uint64_t inUse(uint64_t activation) const {
     // Offloaded optimizer state is on the host outside the optimizer step.
-    uint64_t m = w_.baselineBytes - std::min(w_.baselineBytes, s_.offload.bytes) + livePersistent_ +
-                 activation + liveGathered_ + filling_ + pendingBytes_ + liveScratch_ + momentary_ +
-                 shardGrads_;
+    return w_.baselineBytes - std::min(w_.baselineBytes, s_.offload.bytes) + livePersistent_ + activation +
+           liveGathered_ + filling_ + pendingBytes_ + liveScratch_ + momentary_ + shardGrads_;
+  }
+
+  void sample(double now, uint64_t activation, int32_t r, int64_t seq, bool atOp) {
+    const uint64_t m = inUse(activation);
     momentary_ = 0;  // scratch of a call while it is issued: in the sample right after it only
     peak_ = std::max(peak_, m);
     if (record_) res_.memory.push_back(MemorySample{now, m, r, seq, atOp, w_.hostLane ? hostNow_ : now});

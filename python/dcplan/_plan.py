@@ -24,7 +24,12 @@ from . import _C
 
 ENV_PLAN = "DCPLAN_PLAN"
 ENV_REPLAY_LOG = "DCPLAN_REPLAY_LOG"
+ENV_BUDGET_GUARD = "DCPLAN_BUDGET_GUARD"
 ON_MISMATCH = ("error", "fallback")
+
+
+class BudgetGuardWarning(UserWarning):
+    """The runtime held back a planned prefetch to keep the plan's memory budget (once per process)."""
 
 
 class PlanDepartureWarning(UserWarning):
@@ -84,10 +89,62 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
     )
     device = state.infos[0].shard.device if state.infos else torch.device("cpu")
     check_same_plan(path, before, _digest(path), device)
+    start_budget_guard(loaded, device, state.group_name)
     global _loaded
     _loaded = (path, bool(loaded["cuda_graph"]))
     state.plan = _loaded
     return loaded
+
+
+def count_cpu_memory(device: torch.device) -> None:
+    """On CPU ranks, counts the CPU tensors allocated from now on (the counting allocator the
+    replay log and the budget guard read): called before the shards are made, so that the memory
+    in use is the plan's (whose trace was counted alike)."""
+    if device.type == "cpu":
+        _C.run_peak_probe("cpu")
+
+
+def start_budget_guard(loaded: Dict, device: torch.device, group_name: str) -> None:
+    """The budget guard of a plan made under a budget (docs/replay.md), unless $DCPLAN_BUDGET_GUARD
+    is "off" (which measures what the plan alone does). It acts once the ranks agreed what they hold
+    beyond the plan's model (agree_guard_excess, after the first optimizer step)."""
+    global _guard
+    setting = os.environ.get(ENV_BUDGET_GUARD, "on")
+    if setting not in ("on", "off"):
+        raise ValueError(f'dcplan.shard: ${ENV_BUDGET_GUARD} should be "on" or "off", got "{setting}"')
+    budget, start = loaded["memory_budget_bytes"], loaded["guard_start_bytes"]
+    if budget is None or start is None or setting == "off":
+        _C.set_budget_guard(None)
+        _guard = None
+        return
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _C.set_budget_guard(int(budget), int(start))
+    _guard = {"device": device, "probe": _C.run_peak_probe(str(device)), "start": int(start), "steps": 0,
+              "agreed": False, "group": group_name}
+
+
+def guard_step_done() -> None:
+    """A backward that ends an optimizer step (its gradients synchronised) finished."""
+    if _guard is not None:
+        _guard["steps"] += 1
+
+
+def agree_guard_excess() -> None:
+    """At a training forward's start, once after the first optimizer step (the optimizer's state
+    exists then, as in the plan's step): every rank measures the memory it holds against the plan's
+    guard.start_bytes, and the ranks take the most (a collective on the runtime's group, which every
+    rank reaches at the same forward), so that the guard decides alike on every rank."""
+    g = _guard
+    if g is None or g["agreed"] or g["steps"] == 0 or not torch.is_grad_enabled() or _graphed_depth:
+        return
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    g["agreed"] = True
+    mine = torch.tensor([g["probe"].in_use() - g["start"]], dtype=torch.int64, device=g["device"])
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=_resolve_process_group(g["group"]))
+    _C.set_budget_guard_excess(max(0, int(mine.item())))
 
 
 # The plan the runtime follows (one per process), (path, made for one CUDA graph per step), and how
@@ -96,6 +153,8 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
 # to another's.
 _loaded: Optional[tuple] = None
 _graphed_depth = 0
+# The budget guard's state on the Python side (start_budget_guard), or None.
+_guard: Optional[Dict] = None
 
 
 @contextlib.contextmanager
@@ -131,8 +190,9 @@ def check_forward(plan: Optional[tuple]) -> None:
 
 def forget() -> None:
     """dcplan.shutdown(): no plan is loaded any more."""
-    global _loaded
+    global _loaded, _guard
     _loaded = None
+    _guard = None
 
 
 def _digest(path: str) -> bytes:
@@ -234,10 +294,14 @@ def stop_marks() -> None:
 
 
 def warn_departure() -> None:
-    """Warns (once per process) when the run left its plan under on_mismatch="fallback"."""
+    """Warns (once per process) when the run left its plan under on_mismatch="fallback", and when
+    the budget guard first held a prefetch back."""
     msg = _C.take_plan_departure()
     if msg:
         warnings.warn(msg, PlanDepartureWarning, stacklevel=3)
+    held = _C.take_budget_guard_note()
+    if held:
+        warnings.warn(held, BudgetGuardWarning, stacklevel=3)
 
 
 def read_replay_log(path: str) -> List[Dict]:
@@ -284,7 +348,9 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
     their positions; every backward that reduced flushed exactly the plan's buckets in order
     (frozen parameters left out); the parameters kept gathered at their release are the plan's
     persistent set (ZeRO-3) or every parameter (ZeRO-1/2); a persistent parameter is gathered at
-    most once per optimizer step. A departure in the log is a difference.
+    most once per optimizer step. A departure in the log is a difference. What the budget guard
+    held back is the plan's (a held group as launched, a dropped persistent copy gathered again):
+    budget_holds lists it.
     """
     if isinstance(plan, dict):
         text, name = json.dumps(plan), "the plan"
@@ -316,13 +382,15 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
     if not any(ex["graph"] in graphs for ex in execs):
         diffs.append("no execution of a planned graph in the log")
     gathers_per_step: Dict[tuple, int] = {}
+    dropped: set = set()  # (step, ds_id) whose kept copy the budget guard dropped
     for n, ex in enumerate(execs):
         g = graphs.get(ex["graph"])
         if g is None:
             continue
         where = f"execution {n} (graph {ex['graph']}, step {ex['step']})"
         evs = ex["events"]
-        got = [(e["pos"], e["ds_ids"]) for e in evs if e["ev"] == "prefetch"]
+        got = [(e["pos"], e["ds_ids"]) for e in evs
+               if e["ev"] == "prefetch" or (e["ev"] == "hold" and e.get("kind", "prefetch") == "prefetch")]
         if got != g["groups"]:
             diffs.append(f"{where}: prefetch groups {got}, the plan has {g['groups']}")
         flushes = [e["ds_ids"] for e in evs if e["ev"] == "flush"]
@@ -343,10 +411,57 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
                     if i in persistent:
                         key = (ex["step"], i)
                         gathers_per_step[key] = gathers_per_step.get(key, 0) + 1
+            elif e["ev"] == "hold" and e.get("kind") == "keep":
+                dropped.add((ex["step"], e["ds_ids"][0]))  # the budget guard's: gathered again, as it must
     for (step, i), count in sorted(gathers_per_step.items()):
-        if count > 1:
+        if count > 1 and (step, i) not in dropped:
             diffs.append(f"step {step}: persistent {param(i)} gathered {count} times")
     return diffs
+
+
+def budget_holds(events: List[Dict]) -> List[Dict]:
+    """What the runtime's budget guard held back (docs/replay.md): planned prefetch groups (``kind``
+    "prefetch") and copies the plan keeps gathered, dropped at a release (``kind`` "keep"), each
+    with ``step``, ``graph``, ``pos``, ``ds_ids`` (the plan's group, or the kept id), ``held`` (what
+    was not gathered or not kept), ``bytes``, ``peak`` (the plan's), ``excess`` (what the ranks hold
+    beyond the plan's model), ``budget`` and ``used_at``: the positions in the same execution whose
+    own ops gathered a held prefetch's members."""
+    holds: List[Dict] = []
+    for ex in executions(events):
+        waiting: Dict[int, Dict] = {}
+        for e in ex["events"]:
+            if e["ev"] == "hold":
+                hold = dict(e, step=ex["step"], used_at=[], kind=e.get("kind", "prefetch"))
+                holds.append(hold)
+                if hold["kind"] == "prefetch":
+                    waiting.update({i: hold for i in e["held"]})
+            elif e["ev"] == "gather" and "held_at" in e:
+                for i in e["ds_ids"]:
+                    if i in waiting:
+                        waiting.pop(i)["used_at"].append(e["pos"])
+    return holds
+
+
+def holds_report(name: str, holds: List[Dict]) -> List[str]:
+    """Lines saying where the budget guard held prefetches back in one rank's log."""
+    if not holds:
+        return []
+    prefetches = sum(h["kind"] == "prefetch" for h in holds)
+    lines = [f"{name}: the budget guard held back {prefetches} planned prefetches and dropped "
+             f"{len(holds) - prefetches} copies the plan keeps, to keep the budget of {_mib(holds[0]['budget'])}: "
+             f"the ranks held {_mib(holds[0]['excess'])} beyond the plan's model at a step's start (each "
+             "parameter gathered when used instead):"]
+    for h in holds[:10]:
+        where = f"  step {h['step']}, graph {h['graph']}, position {h['pos']}:"
+        why = f"planned peak {_mib(h['peak'])} + {_mib(h['excess'])} held beyond the plan > budget"
+        if h["kind"] == "keep":
+            lines.append(f"{where} dropped the kept ds_id {h['held'][0]} ({_mib(h['bytes'])}): {why}")
+            continue
+        used = ", ".join(map(str, sorted(set(h["used_at"])))) or "none in this execution"
+        lines.append(f"{where} held ds_ids {h['held']} ({_mib(h['bytes'])}): {why}; gathered at positions {used}")
+    if len(holds) > 10:
+        lines.append(f"  ... and {len(holds) - 10} more")
+    return lines
 
 
 def measured(events: List[Dict]) -> Dict:
@@ -658,6 +773,7 @@ def _check(args) -> int:
                 from None
         ops = sum(e["ev"] == "op" for e in events)
         groups = sum(e["ev"] == "prefetch" for e in events)
+        holds = budget_holds(events)
         flushes = sum(e["ev"] == "flush" for e in events)
         if diffs:
             failed = True
@@ -665,7 +781,11 @@ def _check(args) -> int:
             for d in diffs[:20]:
                 print(f"  {d}")
         else:
-            print(f"{path}: follows {args.plan} ({ops} ops, {groups} planned prefetches, {flushes} bucket flushes)")
+            held = f", {len(holds)} held back or dropped by the budget guard" if holds else ""
+            print(f"{path}: follows {args.plan} ({ops} ops, {groups} planned prefetches{held}, {flushes} bucket "
+                  "flushes)")
+        for line in holds_report(path, holds):
+            print(line)
     report = prediction_report(plan, runs)
     print("\n".join(report))
     if args.curve:

@@ -141,6 +141,8 @@ class _ShardState:
     def end_backward(self) -> None:
         self.hooks.in_backward = False
         torch.ops.dc.end_backward(self.bwd_graph)
+        if self.requires_sync:
+            _plan.guard_step_done()
         _plan.warn_departure()
         for i, grad in zip(self.trainable_infos, _C.take_grads(self.trainable_ids)):
             if grad is not None and grad is not i.shard.grad:
@@ -249,6 +251,8 @@ def shard(
         )
     pg = process_group if process_group is not None else dist.group.WORLD
     _start_runtime(meta_device or _param_device(model), pg, recording, reduce_bucket_bytes)
+    if plan_path is not None:
+        _plan.count_cpu_memory(_plan.runtime_device)  # before the shards: the budget guard reads it
     if reduce_dtype is None:
         reduce_dtype = param_dtype
     fwd_graph, bwd_graph = _next_graph_id, _next_graph_id + 1
@@ -509,6 +513,7 @@ def _make_root_pre_hook(state: _ShardState):
             return
         state.hooks.refresh()  # stale copies go before a planned prefetch could find them held
         _plan.mark_step()
+        _plan.agree_guard_excess()  # once, after the first optimizer step: the guard acts alike on every rank
         recording = _record.active()
         state.record_paused = recording and not torch.is_grad_enabled()
         if recording:

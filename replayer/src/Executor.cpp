@@ -66,7 +66,8 @@ void Executor::releaseParam(int64_t dsId, int64_t nUsers) {
   TORCH_CHECK(nUsers >= 1, "release_param: n_users should be >= 1, got ", nUsers, " for ", p.label());
   if (++p.uses_ < nUsers) return;
   p.uses_ = 0;
-  const bool keep = !rt_.profiling_ && rt_.schedule_->keepGathered(dsId, p.persistent_, keepsAllGathered());
+  const bool keep = !rt_.profiling_ && rt_.schedule_->keepGathered(dsId, p.persistent_, keepsAllGathered()) &&
+                    !guardDropsKept(rt_, graphId_, p);
   if (!keep) rt_.registry_->dropGathered(p);
 }
 

@@ -82,21 +82,46 @@ int64_t gatherBytes(const Param& p, at::ScalarType dtype, int worldSize) {
   return worldSize * p.shardNumel_ * static_cast<int64_t>(c10::elementSize(dtype));
 }
 
-/// Tells the schedule which of dsIds a gather launched now would really gather
-/// (those holding no copy in their dtype) and how many bytes that receives.
-void reportGathers(RuntimeState& rt, Executor& ex, int64_t graphId, const std::vector<int64_t>& dsIds,
-                   const std::vector<at::ScalarType>& types, bool planned) {
-  std::vector<int64_t> launched;
+/// Which of dsIds a gather launched now would really gather (those holding no copy in their
+/// dtype, each once), and how many bytes that receives.
+std::pair<std::vector<int64_t>, int64_t> toGather(RuntimeState& rt, Executor& ex,
+                                                  const std::vector<int64_t>& dsIds,
+                                                  const std::vector<at::ScalarType>& types) {
+  std::vector<int64_t> ids;
   int64_t bytes = 0;
   for (size_t i = 0; i < dsIds.size(); ++i) {
-    if (std::find(launched.begin(), launched.end(), dsIds[i]) != launched.end()) continue;
+    if (std::find(ids.begin(), ids.end(), dsIds[i]) != ids.end()) continue;
     const int64_t b =
         gatherBytes(ex.param("prefetch_params_fused", dsIds[i]), types[i], rt.transport_->worldSize());
     if (b == 0) continue;
-    launched.push_back(dsIds[i]);
+    ids.push_back(dsIds[i]);
     bytes += b;
   }
+  return {std::move(ids), bytes};
+}
+
+/// Tells the schedule which of dsIds a gather launched now would really gather.
+void reportGathers(RuntimeState& rt, Executor& ex, int64_t graphId, const std::vector<int64_t>& dsIds,
+                   const std::vector<at::ScalarType>& types, bool planned) {
+  auto [launched, bytes] = toGather(rt, ex, dsIds, types);
   if (planned || !launched.empty()) rt.schedule_->onGatherLaunched(graphId, launched, bytes, planned);
+}
+
+/// The budget guard's turn at a planned group: true where it holds the group back, which the
+/// schedule then logs.
+bool heldBack(RuntimeState& rt, Executor& ex, const OpEvent& event, const SchedulePolicy::Prefetch& group,
+              const std::vector<at::ScalarType>& types) {
+  if (!guarding(rt) || !holdsBack(*rt.guard_, group.peakBytes)) return false;
+  auto [ids, bytes] = toGather(rt, ex, group.dsIds, types);
+  if (bytes == 0) return false;
+  noteHold(rt,
+           "a planned prefetch (graph " + std::to_string(event.graphId) + ", before its " + event.op + ")",
+           group.peakBytes);
+  const BudgetGuard& guard = *rt.guard_;
+  rt.schedule_->onGuardHold(event.graphId,
+                            SchedulePolicy::GuardHold{"prefetch", std::move(ids), bytes, group.peakBytes,
+                                                      guard.excessBytes, guard.budgetBytes});
+  return true;
 }
 
 /// The schedule's turn before an op a hook issued: it may stop at a departure
@@ -114,6 +139,7 @@ void scheduleBefore(RuntimeState& rt, const OpEvent& event) {
       Param& p = ex.param(event.op, id);
       types.push_back(group.dtype == at::ScalarType::Undefined ? p.shard_.scalar_type() : group.dtype);
     }
+    if (!group.dsIds.empty() && heldBack(rt, ex, event, group, types)) continue;
     reportGathers(rt, ex, event.graphId, group.dsIds, types, /*planned=*/true);
     if (!group.dsIds.empty()) ex.prefetchParamsFused(group.dsIds, types);
   }

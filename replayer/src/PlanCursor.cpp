@@ -90,6 +90,8 @@ void PlanCursor::startRun(Planned& g) {
   r.reduced.clear();
   r.bucketed.clear();
   r.arrived.assign(g.plan.buckets.size(), 0);
+  for (auto it = heldAt_.begin(); it != heldAt_.end();)
+    it = it->first.first == g.plan.id ? heldAt_.erase(it) : ++it;
 }
 
 std::optional<schemas::OpRole> PlanCursor::roleOf(const char* name) {
@@ -171,10 +173,10 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
   std::vector<Prefetch> out;
   auto it = g->plan.groups.find(pos);
   if (it != g->plan.groups.end()) {
-    for (const auto& ids : it->second) {
-      out.push_back(Prefetch{ids, gatherDtype_});
-      launching_.push_back(ids);
-      for (int64_t id : ids) g->run.prefetched[id].push_back(pos);
+    for (const CursorGroup& group : it->second) {
+      out.push_back(Prefetch{group.dsIds, gatherDtype_, group.peakBytes});
+      launching_.push_back(group.dsIds);
+      for (int64_t id : group.dsIds) g->run.prefetched[id].push_back(pos);
     }
   }
   // A parameter prefetched at or before this position is gathered by the op it was prefetched for.
@@ -194,9 +196,39 @@ void PlanCursor::onGatherLaunched(int64_t graphId, const std::vector<int64_t>& d
     line["launched"] = dsIds;
   } else {
     line["ds_ids"] = dsIds;
+    // A member of a group the budget guard held back, gathered by its own op.
+    for (int64_t id : dsIds) {
+      const auto held = heldAt_.find({graphId, id});
+      if (held == heldAt_.end()) continue;
+      line["held_at"] = held->second;
+      heldAt_.erase(held);
+    }
   }
   line["bytes"] = bytes;
   logJson(line);
+}
+
+void PlanCursor::onGuardHold(int64_t graphId, const GuardHold& hold) {
+  std::vector<int64_t> planned = hold.held;
+  const bool prefetch = std::strcmp(hold.kind, "prefetch") == 0;
+  if (prefetch && !launching_.empty()) {  // the group as the plan lists it (beforeOp returned it)
+    planned = launching_.front();
+    launching_.erase(launching_.begin());
+  }
+  if (!log_) return;
+  logJson({{"ev", "hold"},
+           {"kind", hold.kind},
+           {"graph", graphId},
+           {"pos", curPos_},
+           {"ds_ids", planned},
+           {"held", hold.held},
+           {"bytes", hold.bytes},
+           {"peak", hold.peakBytes},
+           {"excess", hold.excessBytes},
+           {"budget", hold.budgetBytes}});
+  if (prefetch) {
+    for (int64_t id : hold.held) heldAt_[{graphId, id}] = curPos_;
+  }
 }
 
 bool PlanCursor::keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll) {
@@ -205,6 +237,18 @@ bool PlanCursor::keepGathered(int64_t dsId, bool registeredPersistent, bool stag
   if (log_)
     logJson({{"ev", "release"}, {"graph", curGraph_}, {"pos", curPos_}, {"ds_id", dsId}, {"kept", keep}});
   return keep;
+}
+
+int64_t PlanCursor::keptPeak(int64_t dsId) {
+  if (!active()) return -1;
+  const auto it = keptPeaks_.find(dsId);
+  return it == keptPeaks_.end() ? -1 : it->second;
+}
+
+void PlanCursor::setKeptPeaks(const std::vector<int64_t>& persistent, const std::vector<uint64_t>& peaks) {
+  keptPeaks_.clear();
+  for (size_t i = 0; i < persistent.size() && i < peaks.size(); ++i)
+    keptPeaks_[persistent[i]] = static_cast<int64_t>(peaks[i]);
 }
 
 bool PlanCursor::flushBefore(int64_t graphId, int64_t pendingBytes, int64_t nextBytes, int64_t bucketBytes) {
@@ -250,7 +294,7 @@ void PlanCursor::endRun(Planned& g, int64_t pos) {
   } else if (g.lastPosition >= pos) {
     departure =
         Departure{"an op at position " + std::to_string(g.lastPosition) + " (the plan prefetches ds_ids " +
-                      idList(g.plan.groups.rbegin()->second.front()) + " there)",
+                      idList(g.plan.groups.rbegin()->second.front().dsIds) + " there)",
                   actual};
   } else {
     for (const auto& [id, positions] : r.prefetched) {
@@ -425,7 +469,10 @@ std::vector<CursorGraph> followedGraphs(const schemas::Plan& plan, const std::se
     CursorGraph cg;
     cg.id = pg.id;
     cg.backward = pg.kind == schemas::GraphKind::Backward;
-    for (const schemas::PrefetchGroup& grp : pg.prefetch) cg.groups[grp.position].push_back(grp.dsIds);
+    for (const schemas::PrefetchGroup& grp : pg.prefetch) {
+      cg.groups[grp.position].push_back(
+          CursorGroup{grp.dsIds, grp.peakBytes ? static_cast<int64_t>(*grp.peakBytes) : -1});
+    }
     for (const schemas::PlanBucket& bk : pg.buckets) {
       std::vector<int64_t> ids;
       for (int64_t id : bk.dsIds) {
@@ -528,6 +575,8 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
   checkGraphs(path, plan, model);
   summary.persistent = plan.persistent;
   summary.cudaGraph = plan.options.cudaGraph;
+  summary.memoryBudgetBytes = plan.options.memoryBudgetBytes;
+  if (plan.guard) summary.guardStartBytes = static_cast<int64_t>(plan.guard->startBytes);
   for (size_t g = 0; g < plan.optimizerOffload.size(); ++g) {
     const auto& ids = plan.optimizerOffload[g].dsIds;
     for (size_t k = 0; k < ids.size(); ++k) {
@@ -548,6 +597,7 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
   auto cursor =
       std::make_unique<PlanCursor>(path, followedGraphs(plan, frozen), plan.persistent, onMismatch,
                                    model.gatherDtype.value_or(c10::ScalarType::Undefined), std::move(names));
+  if (plan.guard) cursor->setKeptPeaks(plan.persistent, plan.guard->persistentPeakBytes);
   std::string loaded;
   withSchedule([&](SchedulePolicy& s) {
     if (PlanCursor* old = installedCursor(s)) {

@@ -44,7 +44,11 @@ class PlanCursor final : public SchedulePolicy {
   std::vector<Prefetch> beforeOp(const OpEvent& event) override;
   void onGatherLaunched(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes,
                         bool planned) override;
+  void onGuardHold(int64_t graphId, const GuardHold& hold) override;
   bool keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll) override;
+  int64_t keptPeak(int64_t dsId) override;
+  /// The plan's guard.persistent_peak_bytes, one per id of `persistent` (the budget guard's).
+  void setKeptPeaks(const std::vector<int64_t>& persistent, const std::vector<uint64_t>& peaks);
   bool flushBefore(int64_t graphId, int64_t pendingBytes, int64_t nextBytes, int64_t bucketBytes) override;
   bool flushAfter(int64_t graphId, int64_t dsId) override;
   const std::vector<int64_t>* plannedBucket(int64_t graphId, int64_t dsId) override;
@@ -131,6 +135,7 @@ class PlanCursor final : public SchedulePolicy {
   std::unordered_map<const char*, std::optional<schemas::OpRole>> roles_;
   std::map<int64_t, Planned> graphs_;
   std::unordered_set<int64_t> persistent_;
+  std::unordered_map<int64_t, int64_t> keptPeaks_;  // persistent ds_id -> its peak (budget guard)
   std::vector<int64_t> persistentSorted_;
   OnMismatch onMismatch_ = OnMismatch::Error;
   c10::ScalarType gatherDtype_ = c10::ScalarType::Undefined;
@@ -141,7 +146,8 @@ class PlanCursor final : public SchedulePolicy {
   std::unordered_map<int64_t, int64_t> positions_;  // graph -> next position
   int64_t curGraph_ = -1;                           // the op being run
   int64_t curPos_ = -1;
-  std::vector<std::vector<int64_t>> launching_;  // groups beforeOp returned, until reported
+  std::vector<std::vector<int64_t>> launching_;            // groups beforeOp returned, until reported
+  std::map<std::pair<int64_t, int64_t>, int64_t> heldAt_;  // (graph, ds_id) held back -> position
 
   std::string logPath_;
   std::unique_ptr<std::ofstream> log_;

@@ -5,9 +5,12 @@
 #include "Executor.h"
 #include "dcplan/shm/ShmComm.h"
 
+#include "BudgetGuard.h"
+
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -21,6 +24,7 @@ struct RuntimeState {
   std::map<int64_t, std::unique_ptr<Executor>> executors_;
   std::shared_ptr<OpObserver> observer_;
   std::unique_ptr<SchedulePolicy> schedule_;
+  std::optional<BudgetGuard> guard_;
   bool profiling_ = false;
   std::map<std::pair<int64_t, int64_t>, c10::Device> offloadedFrom_;  // offload_tensor -> reload_tensor
   // offload_tensor / reload_tensor copies in flight, until their wait_offload / wait_reload.

@@ -38,6 +38,7 @@ class PlanValidator {
       }
       out_.persistent = *persistent;
     }
+    if (auto* guard = root.object("guard", P::Optional)) readGuard(*guard);
     if (auto* graphs = root.array("graphs")) readGraphs(*graphs);
     if (auto* offload = root.object("offload", P::Optional)) readOffload(*offload);
     if (auto* predicted = root.object("predicted")) out_.predicted = readPrediction(*predicted, "/predicted");
@@ -137,6 +138,7 @@ class PlanValidator {
             group.position = *position;
           }
           group.dsIds = readIds(item, "ds_ids");
+          group.peakBytes = item.bytes("peak_bytes", P::Optional);
           item.rejectUnknownFields();
           graph.prefetch.push_back(std::move(group));
         }
@@ -171,6 +173,22 @@ class PlanValidator {
             "id " + std::to_string(ids[k]) + " is already in " + noun + " " + std::to_string(it->second));
       }
     }
+  }
+
+  void readGuard(const ordered_json& value) {
+    FieldReader r(value, "/guard", diags_);
+    Plan::Guard guard;
+    guard.startBytes = r.bytes("start_bytes").value_or(0);
+    if (auto peaks = r.integers("persistent_peak_bytes", 0)) {
+      if (peaks->size() != out_.persistent.size()) {
+        diags_.add("/guard/persistent_peak_bytes", "expected one entry per id of /persistent (" +
+                                                       std::to_string(out_.persistent.size()) + "), got " +
+                                                       std::to_string(peaks->size()));
+      }
+      guard.persistentPeakBytes.assign(peaks->begin(), peaks->end());
+    }
+    r.rejectUnknownFields();
+    out_.guard = std::move(guard);
   }
 
   void readOffload(const ordered_json& value) {
@@ -254,7 +272,11 @@ std::string writePlan(const Plan& plan) {
   ordered_json graphs = ordered_json::array();
   for (const auto& g : plan.graphs) {
     ordered_json prefetch = ordered_json::array();
-    for (const auto& p : g.prefetch) prefetch.push_back({{"position", p.position}, {"ds_ids", p.dsIds}});
+    for (const auto& p : g.prefetch) {
+      ordered_json group{{"position", p.position}, {"ds_ids", p.dsIds}};
+      if (p.peakBytes) group["peak_bytes"] = *p.peakBytes;
+      prefetch.push_back(std::move(group));
+    }
     ordered_json buckets = ordered_json::array();
     for (const auto& b : g.buckets)
       buckets.push_back({{"ds_ids", b.dsIds}, {"bytes", b.bytes}, {"dtype", b.dtype}});
@@ -271,8 +293,13 @@ std::string writePlan(const Plan& plan) {
   if (plan.source.replay != "eager") source["replay"] = plan.source.replay;  // absent: eager
   ordered_json doc{
       {"schema", kPlanSchema},         {"created_by", plan.createdBy},  {"source", std::move(source)},
-      {"options", std::move(options)}, {"persistent", plan.persistent}, {"graphs", std::move(graphs)},
+      {"options", std::move(options)}, {"persistent", plan.persistent},
   };
+  doc["graphs"] = std::move(graphs);
+  if (plan.guard) {
+    doc["guard"] = {{"start_bytes", plan.guard->startBytes},
+                    {"persistent_peak_bytes", plan.guard->persistentPeakBytes}};
+  }
   if (!plan.optimizerOffload.empty()) {
     ordered_json groups = ordered_json::array();
     for (const auto& g : plan.optimizerOffload) groups.push_back({{"ds_ids", g.dsIds}, {"bytes", g.bytes}});

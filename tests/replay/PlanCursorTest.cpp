@@ -20,8 +20,8 @@ namespace {
 std::vector<CursorGraph> twoGraphs() {
   CursorGraph fwd;
   fwd.id = 0;
-  fwd.groups[0] = {{1, 2}};
-  fwd.groups[3] = {{3}};
+  fwd.groups[0] = {CursorGroup{{1, 2}}};
+  fwd.groups[3] = {CursorGroup{{3}}};
   CursorGraph bwd;
   bwd.id = 1;
   bwd.backward = true;

@@ -102,6 +102,21 @@ TEST(RoundTrip, OptionalPlanFieldsStayAbsentOrPresent) {
   EXPECT_EQ(back.predicted.offloadUs, 2.5);
   EXPECT_EQ(back.predictedDefault.offloadBytes, 0u);
   EXPECT_EQ(writePlan(back), offloaded);
+  // What the budget guard reads: absent without a budget, kept (a peak of 0 too) with one.
+  EXPECT_EQ(text.find("guard"), std::string::npos);
+  EXPECT_EQ(text.find("peak_bytes\""), std::string::npos);
+  plan.guard = Plan::Guard{1024, std::vector<uint64_t>(plan.persistent.size(), 4096)};
+  ASSERT_FALSE(plan.graphs.empty() || plan.graphs[0].prefetch.empty());
+  plan.graphs[0].prefetch[0].peakBytes = 0;
+  const std::string guarded = writePlan(plan);
+  Plan kept;
+  ASSERT_TRUE(validatePlan(parseJson(guarded, "plan"), kept).empty());
+  ASSERT_TRUE(kept.guard.has_value());
+  EXPECT_EQ(kept.guard->startBytes, 1024u);
+  EXPECT_EQ(kept.guard->persistentPeakBytes, plan.guard->persistentPeakBytes);
+  ASSERT_TRUE(kept.graphs[0].prefetch[0].peakBytes.has_value());
+  EXPECT_EQ(*kept.graphs[0].prefetch[0].peakBytes, 0u);
+  EXPECT_EQ(writePlan(kept), guarded);
 }
 
 TEST(RoundTrip, ReplayModeIsAbsentForEagerAndKeptForCompiled) {

@@ -197,6 +197,24 @@ TEST(Validate, PrefetchPositionsMustNotDecrease) {
       std::vector<std::string>{"/graphs/0/prefetch/1/position: positions must not decrease: 2 follows 4"});
 }
 
+TEST(Validate, GuardPeaksAreBytesOnePerPersistentId) {
+  ordered_json plan = minimalPlan();
+  ordered_json peaks = ordered_json::array();
+  for (size_t i = 0; i < plan["persistent"].size(); ++i) peaks.push_back(4096);
+  plan["guard"] = {{"start_bytes", 1024}, {"persistent_peak_bytes", peaks}};
+  plan["graphs"][0]["prefetch"][0]["peak_bytes"] = 0;
+  EXPECT_TRUE(planProblems(plan).empty());
+  plan["guard"]["persistent_peak_bytes"].push_back(1);
+  plan["graphs"][0]["prefetch"][0]["peak_bytes"] = -1;
+  EXPECT_EQ(planProblems(plan),
+            (std::vector<std::string>{
+                "/guard/persistent_peak_bytes: expected one entry per id of /persistent (" +
+                    std::to_string(plan["persistent"].size()) + "), got " +
+                    std::to_string(plan["persistent"].size() + 1),
+                "/graphs/0/prefetch/0/peak_bytes: expected an integer >= 0, got -1",
+            }));
+}
+
 TEST(Parse, RejectsDuplicateKeysWithTheirPointer) {
   try {
     parseJson(R"({"a": [1, {"b": 1, "c": {"d": 1, "d": 2}}]})", "dup.json");

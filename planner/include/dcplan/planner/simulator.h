@@ -102,6 +102,9 @@ struct SimResult {
   /// in the step, by param index: what keeping it gathered could save.
   std::vector<double> repeatStallUs;
   std::vector<GatherRecord> gathers;  ///< only with SimOptions::record
+  /// Only with SimOptions::record: the memory in use as each op of the step is entered, before
+  /// the prefetches launched there (runs in order, ops in order; what the runtime measures there).
+  std::vector<uint64_t> entryBytes;
   std::vector<TimelineEvent> timeline;
   std::vector<MemorySample> memory;
 };

@@ -56,6 +56,14 @@ struct PlanSummary {
   bool cudaGraph = false;  ///< made for one CUDA graph per step (options.cuda_graph)
   /// ds_ids whose optimizer state the plan keeps on the host, per group in stepping order.
   std::vector<std::vector<int64_t>> optimizerOffload;
+  std::optional<uint64_t> memoryBudgetBytes;  ///< the plan's options.memory_budget_bytes
+  std::optional<int64_t> guardStartBytes;     ///< the plan's guard.start_bytes
+};
+
+/// One prefetch group of a plan: its ids and its peak (the plan's peak_bytes, -1: not given).
+struct CursorGroup {
+  std::vector<int64_t> dsIds;
+  int64_t peakBytes = -1;
 };
 
 /// One graph of a plan as a replay follows it: the prefetch groups launched just before the op at
@@ -65,7 +73,7 @@ struct PlanSummary {
 struct CursorGraph {
   int64_t id = 0;
   bool backward = false;
-  std::map<int64_t, std::vector<std::vector<int64_t>>> groups;  ///< position -> groups
+  std::map<int64_t, std::vector<CursorGroup>> groups;  ///< position -> groups
   std::vector<std::vector<int64_t>> buckets;
 };
 
@@ -87,6 +95,19 @@ struct OpMemory {
   int64_t peakBefore = -1;
 };
 using MemoryGauge = std::function<OpMemory()>;
+
+/// The budget guard of a replay (docs/replay.md): a planned prefetch group whose peak_bytes, or a
+/// persistent copy whose persistent_peak_bytes, plus what the run holds beyond the plan's model
+/// (agreed by the ranks: setBudgetGuardExcess) would exceed budgetBytes is not launched, or not
+/// kept: its parameters are gathered by their own ops. startBytes: the plan's guard.start_bytes.
+/// nullopt: no guard. Each hold is a "hold" line in the replay log.
+void setBudgetGuard(std::optional<int64_t> budgetBytes, int64_t startBytes = 0);
+/// The most any rank holds beyond the plan's model, measured at a step's start against
+/// startBytes and agreed by the ranks; until it is set, the guard holds nothing back.
+void setBudgetGuardExcess(int64_t excessBytes);
+/// Choices held back so far, and a message about the first (once; "" after or without).
+int64_t budgetGuardHolds();
+std::string takeBudgetGuardNote();
 
 /// Writes the replay log of this rank to `path` from now on (JSON lines, see
 /// docs/replay.md); replaces the default schedule by an equivalent one that logs

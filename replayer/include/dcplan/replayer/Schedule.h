@@ -42,6 +42,7 @@ class SchedulePolicy {
   struct Prefetch {
     std::vector<int64_t> dsIds;
     c10::ScalarType dtype = c10::ScalarType::Undefined;
+    int64_t peakBytes = -1;  ///< the plan's peak_bytes (-1: not given), for the budget guard
   };
   /// Called before every op a hook issues for a registered graph, in issue
   /// order (the executor's own prefetches are not ops). May throw c10::Error
@@ -51,6 +52,21 @@ class SchedulePolicy {
   /// by beforeOp rather than by the op itself.
   virtual void onGatherLaunched(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes,
                                 bool planned) {}
+  /// What the budget guard held back: a group beforeOp returned ("prefetch", reported instead of
+  /// onGatherLaunched) or a copy the plan keeps, dropped at its release ("keep"); the ids not
+  /// gathered or not kept, their bytes, the plan's peak for it, the agreed excess and the budget.
+  struct GuardHold {
+    const char* kind = "prefetch";
+    std::vector<int64_t> held;
+    int64_t bytes = 0;
+    int64_t peakBytes = 0;
+    int64_t excessBytes = 0;
+    int64_t budgetBytes = 0;
+  };
+  virtual void onGuardHold(int64_t graphId, const GuardHold& hold) {}
+  /// The plan's peak for keeping dsId gathered at its release (its persistent_peak_bytes), for
+  /// the budget guard; -1 where the plan does not keep it or gives none.
+  virtual int64_t keptPeak(int64_t dsId) { return -1; }
   /// Whether the bucket must be flushed right after the gradient of dsId went in.
   virtual bool flushAfter(int64_t graphId, int64_t dsId) { return false; }
   /// The planned bucket the gradient of dsId goes into (its ds_ids), so that a flat bucket is

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dcplan/schemas/trace.h"
@@ -44,8 +45,18 @@ struct PlanOptions {
 
 /// Gathers launched together (one prefetch_params_fused) before the op at `position`.
 struct PrefetchGroup {
+  PrefetchGroup() = default;
+  PrefetchGroup(int64_t position, std::vector<int64_t> dsIds,
+                std::optional<uint64_t> peakBytes = std::nullopt)
+      : position(position), dsIds(std::move(dsIds)), peakBytes(peakBytes) {}
+
   int64_t position = 0;
   std::vector<int64_t> dsIds;
+  /// Plans made under a memory budget: the most memory the simulation holds from the group's
+  /// launch until its last member is gathered by its own op (over the graph's runs in a step). The
+  /// runtime's budget guard holds the group back where this plus the memory the run holds beyond
+  /// the plan's model would cross the budget.
+  std::optional<uint64_t> peakBytes;
 };
 
 /// Gradients reduced together, in gradient-ready order.
@@ -89,6 +100,16 @@ struct Plan {
   PlanSource source;
   PlanOptions options;
   std::vector<int64_t> persistent;  ///< ds_ids kept gathered, ascending
+  /// Plans made under a memory budget: what the runtime's budget guard reads (docs/replay.md).
+  struct Guard {
+    /// The memory the simulation holds as the step's first op is entered: what the runtime
+    /// compares with what it measures there to find what the run holds beyond the plan's model.
+    uint64_t startBytes = 0;
+    /// ZeRO-3, one per id of `persistent`: the most memory the simulation holds from one of its
+    /// releases until it is gathered again in the step (over its releases); 0 where it is not.
+    std::vector<uint64_t> persistentPeakBytes;
+  };
+  std::optional<Guard> guard;
   std::vector<PlanGraph> graphs;
   std::vector<OffloadGroup> optimizerOffload;  ///< in stepping order; empty: no offload
   Prediction predicted;                        ///< this plan

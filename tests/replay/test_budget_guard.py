@@ -1,0 +1,95 @@
+"""The runtime's budget guard on 2 CPU ranks: a plan made at a budget from a recording of
+examples/train_llama.py, replayed by ranks that hold memory the recording did not
+(Inputs/train_with_ballast.py keeps BALLAST_BYTES beside the model). Asserted: with the guard
+switched off ($DCPLAN_BUDGET_GUARD=off) the replay crosses the budget (the premise: the plan alone
+does not keep it), and with it each rank's peak stays within the budget, the replay logs list the
+prefetches held back, `dcplan check` passes and lists them, each rank warns once, and the losses
+equal training without a plan."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from mp_harness import dcplan_binary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BALLAST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "Inputs", "train_with_ballast.py")
+# The promise test's model (not the demo's): activations large enough that prefetching matters.
+MODEL = ["--layers", "3", "--hidden", "192", "--heads", "6", "--seq", "96", "--vocab", "768", "--fused"]
+# The budget: this far from the gather-on-use peak towards the free plan's, so that the plan must
+# prefetch less than it would, but still prefetches.
+BUDGET_SHARE = 0.8
+
+pytestmark = pytest.mark.multiprocess
+
+
+def train(script, steps):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
+            "--steps", str(steps), *MODEL]
+
+
+def run(cmd, env=None):
+    res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, \
+        f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res
+
+
+def losses(out):
+    return re.findall(r"^step +\d+ +loss (\S+)", out, re.M)
+
+
+def test_prefetches_that_would_cross_the_budget_wait_and_the_budget_holds(tmp_path, dcplan_module):
+    from dcplan import _plan
+
+    exe = dcplan_binary()
+    example = os.path.join(ROOT, "examples", "train_llama.py")
+    trace, free_plan, plan = tmp_path / "trace.json", tmp_path / "free.json", tmp_path / "plan.json"
+    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(example, 6)])
+    run([exe, "plan", str(trace), "-o", str(free_plan)])
+    free = json.loads(free_plan.read_text())
+    on_use, free_peak = free["predicted_default"]["peak_memory_bytes"], free["predicted"]["peak_memory_bytes"]
+    budget = int(on_use + BUDGET_SHARE * (free_peak - on_use))
+    run([exe, "plan", str(trace), "-o", str(plan), "--memory-budget", f"{budget}B"])
+    p = json.loads(plan.read_text())
+    predicted = p["predicted"]["peak_memory_bytes"]
+    peaks = [g.get("peak_bytes") for graph in p["graphs"] for g in graph["prefetch"]]
+    assert peaks and all(0 < b <= predicted for b in peaks), p["graphs"]
+    assert len(p["guard"]["persistent_peak_bytes"]) == len(p["persistent"]), p["guard"]
+    # What prefetching adds at the peak: the room the guard works in (2.5% of the peak or more, so
+    # that the model's error on Gloo, up to 2% here (docs/planning.md), cannot decide the test).
+    room = predicted - on_use
+    assert predicted <= budget and room >= 0.025 * predicted, (on_use, predicted, budget)
+    # Memory the recording did not hold: without the guard the planned peak crosses the budget by
+    # half the room; gathering on use keeps half the room under it.
+    ballast = budget - (predicted + on_use) // 2
+    env = {"DCPLAN_PLAN": str(plan), "BALLAST_BYTES": str(ballast)}
+
+    unguarded_log = tmp_path / "off.{rank}.jsonl"
+    run(train(BALLAST, 6), env={**env, "DCPLAN_BUDGET_GUARD": "off", "DCPLAN_REPLAY_LOG": str(unguarded_log)})
+    unguarded = [_plan.measured(_plan.read_replay_log(str(unguarded_log).replace("{rank}", str(r))))["peak_bytes"]
+                 for r in range(2)]
+    assert max(unguarded) > budget, ("the plan alone kept the budget: no premise", unguarded, budget)
+
+    log = tmp_path / "guarded.{rank}.jsonl"
+    guarded = run(train(BALLAST, 6), env={**env, "DCPLAN_REPLAY_LOG": str(log)})
+    reference = run(train(example, 6)).stdout
+    assert losses(guarded.stdout) == losses(reference) and len(losses(reference)) == 6, (guarded.stdout, reference)
+    assert guarded.stderr.count("BudgetGuardWarning") == 2, guarded.stderr  # once per rank
+    logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
+    for rank, path in enumerate(logs):
+        events = _plan.read_replay_log(path)
+        holds = _plan.budget_holds(events)
+        assert holds, f"rank {rank} held nothing back"
+        for h in holds:
+            assert h["peak"] + h["excess"] > budget and (h["kind"] == "keep" or h["used_at"]), h
+            assert h["excess"] >= ballast * 0.9, (h, ballast)  # what the ranks found they hold beyond the plan
+        peak = _plan.measured(events)["peak_bytes"]
+        assert peak <= budget, (rank, peak, budget, unguarded)
+    check = run([exe, "check", str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable}).stdout
+    assert check.count("follows") == 2 and "OVER BUDGET" not in check, check
+    assert check.count("held back or dropped by the budget guard") == 2, check
+    assert re.search(r"the budget guard held back \d+ planned prefetches and dropped \d+ copies", check), check
