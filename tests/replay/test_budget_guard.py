@@ -25,9 +25,9 @@ BUDGET_SHARE = 0.8
 pytestmark = pytest.mark.multiprocess
 
 
-def train(script, steps):
+def train(script, steps, device="cpu"):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
-            "--steps", str(steps), *MODEL]
+            "--steps", str(steps), "--device", device, *MODEL]
 
 
 def run(cmd, env=None):
@@ -43,12 +43,17 @@ def losses(out):
 
 
 def test_prefetches_that_would_cross_the_budget_wait_and_the_budget_holds(tmp_path, dcplan_module):
+    guard_case(tmp_path, "cpu")
+
+
+def guard_case(tmp_path, device):
+    """The case on 2 ranks of device ("cpu": Gloo; "cuda": NCCL, tests/gpu)."""
     from dcplan import _plan
 
     exe = dcplan_binary()
     example = os.path.join(ROOT, "examples", "train_llama.py")
     trace, free_plan, plan = tmp_path / "trace.json", tmp_path / "free.json", tmp_path / "plan.json"
-    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(example, 6)])
+    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(example, 6, device)])
     run([exe, "plan", str(trace), "-o", str(free_plan)])
     free = json.loads(free_plan.read_text())
     on_use, free_peak = free["predicted_default"]["peak_memory_bytes"], free["predicted"]["peak_memory_bytes"]
@@ -69,14 +74,14 @@ def test_prefetches_that_would_cross_the_budget_wait_and_the_budget_holds(tmp_pa
     env = {"DCPLAN_PLAN": str(plan), "BALLAST_BYTES": str(ballast)}
 
     unguarded_log = tmp_path / "off.{rank}.jsonl"
-    run(train(BALLAST, 6), env={**env, "DCPLAN_BUDGET_GUARD": "off", "DCPLAN_REPLAY_LOG": str(unguarded_log)})
+    run(train(BALLAST, 6, device), env={**env, "DCPLAN_BUDGET_GUARD": "off", "DCPLAN_REPLAY_LOG": str(unguarded_log)})
     unguarded = [_plan.measured(_plan.read_replay_log(str(unguarded_log).replace("{rank}", str(r))))["peak_bytes"]
                  for r in range(2)]
     assert max(unguarded) > budget, ("the plan alone kept the budget: no premise", unguarded, budget)
 
     log = tmp_path / "guarded.{rank}.jsonl"
-    guarded = run(train(BALLAST, 6), env={**env, "DCPLAN_REPLAY_LOG": str(log)})
-    reference = run(train(example, 6)).stdout
+    guarded = run(train(BALLAST, 6, device), env={**env, "DCPLAN_REPLAY_LOG": str(log)})
+    reference = run(train(example, 6, device)).stdout
     assert losses(guarded.stdout) == losses(reference) and len(losses(reference)) == 6, (guarded.stdout, reference)
     assert guarded.stderr.count("BudgetGuardWarning") == 2, guarded.stderr  # once per rank
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
