@@ -64,10 +64,12 @@ def guard_case(tmp_path, device):
     peaks = [g.get("peak_bytes") for graph in p["graphs"] for g in graph["prefetch"]]
     assert peaks and all(0 < b <= predicted for b in peaks), p["graphs"]
     assert len(p["guard"]["persistent_peak_bytes"]) == len(p["persistent"]), p["guard"]
-    # What prefetching adds at the peak: the room the guard works in (2.5% of the peak or more, so
-    # that the model's error on Gloo, up to 2% here (docs/planning.md), cannot decide the test).
+    # What the plan's choices add at the peak: the room the guard works in, at least what the memory
+    # model can miss by, so that its error cannot decide the test: on Gloo up to 2% here, on NCCL
+    # 0.2% (docs/planning.md, "What it does not cover"), each with a margin.
     room = predicted - on_use
-    assert predicted <= budget and room >= 0.025 * predicted, (on_use, predicted, budget)
+    least = {"cpu": 0.025, "cuda": 0.005}[device]
+    assert predicted <= budget and room >= least * predicted, (on_use, predicted, budget)
     # Memory the recording did not hold: without the guard the planned peak crosses the budget by
     # half the room; gathering on use keeps half the room under it.
     ballast = budget - (predicted + on_use) // 2
