@@ -156,8 +156,6 @@ void bindPlan(py::module_& m) {
         py::call_guard<py::gil_scoped_release>(),
         "What the ranks agreed they hold beyond the plan's model at a step's start; the guard acts from now "
         "on.");
-  m.def("budget_guard_holds", &budgetGuardHolds,
-        "Planned prefetch groups the budget guard held back so far.");
   m.def(
       "take_budget_guard_note",
       [] {

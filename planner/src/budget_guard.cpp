@@ -91,6 +91,12 @@ void setGuardPeaks(const Workload& w, const SimResult& sim, schemas::Plan& plan)
   setPrefetchPeaks(w, at, plan.graphs);
   schemas::Plan::Guard guard;
   guard.startBytes = sim.entryBytes.front();
+  // The runtime keeps a frozen persistent copy from one step to the next (its shard does not
+  // change); the simulated step gathers it anew.
+  for (int64_t id : plan.persistent) {
+    const WorkParam& p = w.params[static_cast<size_t>(w.paramIndex(id))];
+    if (!p.requiresGrad) guard.startBytes += p.mem.gathered;
+  }
   for (int64_t id : plan.persistent) {
     uint64_t peak = 0;
     const int32_t p = w.paramIndex(id);

@@ -19,6 +19,7 @@ import warnings
 from typing import Dict, Iterable, List, NamedTuple, Optional, Union
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _C
 
@@ -29,7 +30,8 @@ ON_MISMATCH = ("error", "fallback")
 
 
 class BudgetGuardWarning(UserWarning):
-    """The runtime held back a planned prefetch to keep the plan's memory budget (once per process)."""
+    """The budget guard held back a planned prefetch or dropped a copy the plan keeps, to keep the plan's
+    memory budget (once per process), or it cannot act (docs/replay.md)."""
 
 
 class PlanDepartureWarning(UserWarning):
@@ -74,6 +76,7 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
     world size, stage or dtype, and for a file that is not a valid plan.
     """
     reduce_name = dtype_name(reduce_dtype or state.param_dtype or torch.float32)
+    guard_setting = budget_guard_setting()
     before = _digest(path)
     loaded = _C.load_plan(
         path,
@@ -89,7 +92,7 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
     )
     device = state.infos[0].shard.device if state.infos else torch.device("cpu")
     check_same_plan(path, before, _digest(path), device)
-    start_budget_guard(loaded, device, state.group_name)
+    start_budget_guard(loaded, device, state.group_name, guard_setting)
     global _loaded
     _loaded = (path, bool(loaded["cuda_graph"]))
     state.plan = _loaded
@@ -104,47 +107,76 @@ def count_cpu_memory(device: torch.device) -> None:
         _C.run_peak_probe("cpu")
 
 
-def start_budget_guard(loaded: Dict, device: torch.device, group_name: str) -> None:
-    """The budget guard of a plan made under a budget (docs/replay.md), unless $DCPLAN_BUDGET_GUARD
-    is "off" (which measures what the plan alone does). It acts once the ranks agreed what they hold
-    beyond the plan's model (agree_guard_excess, after the first optimizer step)."""
-    global _guard
+def budget_guard_setting() -> str:
+    """$DCPLAN_BUDGET_GUARD: "on" (the default) or "off", which measures what the plan alone does;
+    read before a plan is loaded, so that a bad value leaves nothing behind."""
     setting = os.environ.get(ENV_BUDGET_GUARD, "on")
     if setting not in ("on", "off"):
         raise ValueError(f'dcplan.shard: ${ENV_BUDGET_GUARD} should be "on" or "off", got "{setting}"')
+    return setting
+
+
+def start_budget_guard(loaded: Dict, device: torch.device, group_name: str, setting: str) -> None:
+    """The budget guard of a plan made under a budget (docs/replay.md). It acts once the ranks have
+    agreed on what they hold beyond the plan's model (agree_guard_excess), which every rank of a
+    plan with a guard takes part in, whatever its setting."""
+    global _guard
+    forget_guard()
     budget, start = loaded["memory_budget_bytes"], loaded["guard_start_bytes"]
-    if budget is None or start is None or setting == "off":
+    if budget is None or start is None:  # the same on every rank: check_same_plan compared the files
         _C.set_budget_guard(None)
-        _guard = None
         return
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    _C.set_budget_guard(int(budget), int(start))
-    _guard = {"device": device, "probe": _C.run_peak_probe(str(device)), "start": int(start), "steps": 0,
-              "agreed": False, "group": group_name}
+    probe = _C.run_peak_probe(str(device))
+    # Where another CPU allocator hides torch's, the probe reads the resident set size: not the plan's count.
+    counted = device.type != "cpu" or probe.describe().startswith("bytes of live CPU tensors")
+    _C.set_budget_guard(int(budget), int(start))  # holds nothing back until the excess is agreed
+    _guard = {"device": device, "probe": probe, "start": int(start), "steps": 0, "group": group_name,
+              "off": setting == "off", "uncounted": not counted}
+
+    def stepped(optimizer, args, kwargs):
+        if _guard is not None:
+            _guard["steps"] += 1
+
+    _guard["hook"] = register_optimizer_step_post_hook(stepped)
 
 
-def guard_step_done() -> None:
-    """A backward that ends an optimizer step (its gradients synchronised) finished."""
+def forget_guard() -> None:
+    global _guard
     if _guard is not None:
-        _guard["steps"] += 1
+        _guard["hook"].remove()
+    _guard = None
 
 
 def agree_guard_excess() -> None:
-    """At a training forward's start, once after the first optimizer step (the optimizer's state
-    exists then, as in the plan's step): every rank measures the memory it holds against the plan's
-    guard.start_bytes, and the ranks take the most (a collective on the runtime's group, which every
-    rank reaches at the same forward), so that the guard decides alike on every rank."""
+    """At a training forward's start, once after the first optimizer step (its state exists then, as
+    in the plan's step; a step GradScaler skips does not count): every rank measures the memory it
+    holds against the plan's guard.start_bytes, and the ranks take the most (one collective on the
+    runtime's group, which every rank reaches at the same forward), so that the guard decides alike
+    on every rank. A rank with $DCPLAN_BUDGET_GUARD=off, or whose memory cannot be counted, switches
+    it off on every rank."""
     g = _guard
-    if g is None or g["agreed"] or g["steps"] == 0 or not torch.is_grad_enabled() or _graphed_depth:
+    if g is None or g["steps"] == 0 or not torch.is_grad_enabled() or _graphed_depth:
         return
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    g["agreed"] = True
-    mine = torch.tensor([g["probe"].in_use() - g["start"]], dtype=torch.int64, device=g["device"])
+    mine = torch.tensor([g["probe"].in_use() - g["start"], int(g["off"]), int(g["uncounted"])],
+                        dtype=torch.int64, device=g["device"])
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=_resolve_process_group(g["group"]))
-    _C.set_budget_guard_excess(max(0, int(mine.item())))
+    excess, off, uncounted = (int(v) for v in mine.tolist())
+    forget_guard()
+    if uncounted:
+        warnings.warn("dcplan: the budget guard is off: another CPU allocator hides torch's on a rank, so "
+                      "the memory a plan counts cannot be read there", BudgetGuardWarning, stacklevel=3)
+    if off or uncounted:
+        if off and not g["off"]:
+            warnings.warn(f"dcplan: the budget guard is off: ${ENV_BUDGET_GUARD}=off on another rank (every "
+                          "rank must decide alike)", BudgetGuardWarning, stacklevel=3)
+        _C.set_budget_guard(None)
+        return
+    _C.set_budget_guard_excess(max(0, excess))
 
 
 # The plan the runtime follows (one per process), (path, made for one CUDA graph per step), and how
@@ -153,7 +185,7 @@ def agree_guard_excess() -> None:
 # to another's.
 _loaded: Optional[tuple] = None
 _graphed_depth = 0
-# The budget guard's state on the Python side (start_budget_guard), or None.
+# The budget guard's state on the Python side until the ranks agreed (start_budget_guard), or None.
 _guard: Optional[Dict] = None
 
 
@@ -190,9 +222,9 @@ def check_forward(plan: Optional[tuple]) -> None:
 
 def forget() -> None:
     """dcplan.shutdown(): no plan is loaded any more."""
-    global _loaded, _guard
+    global _loaded
     _loaded = None
-    _guard = None
+    forget_guard()
 
 
 def _digest(path: str) -> bytes:

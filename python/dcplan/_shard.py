@@ -141,8 +141,6 @@ class _ShardState:
     def end_backward(self) -> None:
         self.hooks.in_backward = False
         torch.ops.dc.end_backward(self.bwd_graph)
-        if self.requires_sync:
-            _plan.guard_step_done()
         _plan.warn_departure()
         for i, grad in zip(self.trainable_infos, _C.take_grads(self.trainable_ids)):
             if grad is not None and grad is not i.shard.grad:

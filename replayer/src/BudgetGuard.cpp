@@ -37,12 +37,6 @@ void setBudgetGuardExcess(int64_t excessBytes) {
   rt.guard_->excessBytes = excessBytes;
 }
 
-int64_t budgetGuardHolds() {
-  std::lock_guard<std::mutex> lock(gMutex);
-  auto& rt = state("budget_guard_holds");
-  return rt.guard_ ? rt.guard_->holds : 0;
-}
-
 std::string takeBudgetGuardNote() {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("budget_guard_note");

@@ -66,8 +66,9 @@ void Executor::releaseParam(int64_t dsId, int64_t nUsers) {
   TORCH_CHECK(nUsers >= 1, "release_param: n_users should be >= 1, got ", nUsers, " for ", p.label());
   if (++p.uses_ < nUsers) return;
   p.uses_ = 0;
-  const bool keep = !rt_.profiling_ && rt_.schedule_->keepGathered(dsId, p.persistent_, keepsAllGathered()) &&
-                    !guardDropsKept(rt_, graphId_, p);
+  bool keep = !rt_.profiling_ && rt_.schedule_->keepGathered(dsId, p.persistent_, keepsAllGathered());
+  // ZeRO-1/2 keep every copy by their stage: only a copy the plan keeps is the budget guard's to drop.
+  if (keep && !keepsAllGathered() && guardDropsKept(rt_, graphId_, p)) keep = false;
   if (!keep) rt_.registry_->dropGathered(p);
 }
 

@@ -247,8 +247,9 @@ int64_t PlanCursor::keptPeak(int64_t dsId) {
 
 void PlanCursor::setKeptPeaks(const std::vector<int64_t>& persistent, const std::vector<uint64_t>& peaks) {
   keptPeaks_.clear();
-  for (size_t i = 0; i < persistent.size() && i < peaks.size(); ++i)
-    keptPeaks_[persistent[i]] = static_cast<int64_t>(peaks[i]);
+  for (size_t i = 0; i < persistent.size() && i < peaks.size(); ++i) {
+    if (peaks[i] > 0) keptPeaks_[persistent[i]] = static_cast<int64_t>(peaks[i]);  // 0: nothing to guard
+  }
 }
 
 bool PlanCursor::flushBefore(int64_t graphId, int64_t pendingBytes, int64_t nextBytes, int64_t bucketBytes) {

@@ -1,10 +1,11 @@
 """The runtime's budget guard on 2 CPU ranks: a plan made at a budget from a recording of
-examples/train_llama.py, replayed by ranks that hold memory the recording did not
-(Inputs/train_with_ballast.py keeps BALLAST_BYTES beside the model). Asserted: with the guard
-switched off ($DCPLAN_BUDGET_GUARD=off) the replay crosses the budget (the premise: the plan alone
-does not keep it), and with it each rank's peak stays within the budget, the replay logs list the
-prefetches held back, `dcplan check` passes and lists them, each rank warns once, and the losses
-equal training without a plan."""
+examples/train_llama.py, replayed where rank 1 holds memory the recording did not
+(Inputs/train_with_ballast.py keeps BALLAST_BYTES beside the model there). Asserted: with the guard
+switched off ($DCPLAN_BUDGET_GUARD=off) rank 1 crosses the budget (the premise: the plan alone does
+not keep it); with it, every rank's peak stays within the budget, both ranks agreed on rank 1's
+excess and held back exactly the same choices (their collectives stay in step), prefetches the
+excess leaves room for still launch, `dcplan check` passes and lists the holds, each rank warns
+once, and the losses equal training without a plan."""
 import json
 import os
 import re
@@ -73,7 +74,7 @@ def guard_case(tmp_path, device):
     # Memory the recording did not hold: without the guard the planned peak crosses the budget by
     # half the room; gathering on use keeps half the room under it.
     ballast = budget - (predicted + on_use) // 2
-    env = {"DCPLAN_PLAN": str(plan), "BALLAST_BYTES": str(ballast)}
+    env = {"DCPLAN_PLAN": str(plan), "BALLAST_BYTES": str(ballast), "BALLAST_RANK": "1"}
 
     unguarded_log = tmp_path / "off.{rank}.jsonl"
     run(train(BALLAST, 6, device), env={**env, "DCPLAN_BUDGET_GUARD": "off", "DCPLAN_REPLAY_LOG": str(unguarded_log)})
@@ -87,15 +88,22 @@ def guard_case(tmp_path, device):
     assert losses(guarded.stdout) == losses(reference) and len(losses(reference)) == 6, (guarded.stdout, reference)
     assert guarded.stderr.count("BudgetGuardWarning") == 2, guarded.stderr  # once per rank
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
+    held = []
     for rank, path in enumerate(logs):
         events = _plan.read_replay_log(path)
         holds = _plan.budget_holds(events)
         assert holds, f"rank {rank} held nothing back"
         for h in holds:
             assert h["peak"] + h["excess"] > budget and (h["kind"] == "keep" or h["used_at"]), h
-            assert h["excess"] >= ballast * 0.9, (h, ballast)  # what the ranks found they hold beyond the plan
+            assert h["excess"] >= ballast * 0.9, (h, ballast)  # rank 1's, on both ranks
+        held.append([(h["step"], h["kind"], h["graph"], h["pos"], h["held"], h["excess"]) for h in holds])
+        after = min(h["step"] for h in holds)
+        launched = [e for ex in _plan.executions(events) if ex["step"] >= after for e in ex["events"]
+                    if e["ev"] == "prefetch" and e["launched"]]
+        assert launched, f"rank {rank}: no planned prefetch launched once the guard acted"
         peak = _plan.measured(events)["peak_bytes"]
         assert peak <= budget, (rank, peak, budget, unguarded)
+    assert held[0] == held[1], "the ranks held back different choices"
     check = run([exe, "check", str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable}).stdout
     assert check.count("follows") == 2 and "OVER BUDGET" not in check, check
     assert check.count("held back or dropped by the budget guard") == 2, check

@@ -1,7 +1,7 @@
 """examples/train_llama.py on ranks that hold memory its recording did not: after dcplan.shard()
-each rank allocates $BALLAST_BYTES and keeps them to the end (as a harness keeping an EMA copy or a
-metrics buffer beside the model would), so that a plan made from the recording expects less memory
-in use than there is. Same arguments as train_llama.py."""
+rank $BALLAST_RANK (default: every rank) allocates $BALLAST_BYTES and keeps them to the end (as a
+harness keeping an EMA copy or a metrics buffer beside the model would), so that a plan made from
+the recording expects less memory in use than there is. Same arguments as train_llama.py."""
 import os
 import sys
 
@@ -19,7 +19,9 @@ _kept = []
 def _shard_then_hold(*args, **kwargs):
     model = _shard(*args, **kwargs)
     device = next(model.parameters()).device
-    _kept.append(torch.ones(int(os.environ["BALLAST_BYTES"]), dtype=torch.uint8, device=device))
+    rank = os.environ.get("BALLAST_RANK")
+    if rank is None or int(rank) == int(os.environ.get("RANK", 0)):
+        _kept.append(torch.ones(int(os.environ["BALLAST_BYTES"]), dtype=torch.uint8, device=device))
     return model
 
 

@@ -105,8 +105,7 @@ void setBudgetGuard(std::optional<int64_t> budgetBytes, int64_t startBytes = 0);
 /// The most any rank holds beyond the plan's model, measured at a step's start against
 /// startBytes and agreed by the ranks; until it is set, the guard holds nothing back.
 void setBudgetGuardExcess(int64_t excessBytes);
-/// Choices held back so far, and a message about the first (once; "" after or without).
-int64_t budgetGuardHolds();
+/// A message about the budget guard's first hold, once; "" after or without.
 std::string takeBudgetGuardNote();
 
 /// Writes the replay log of this rank to `path` from now on (JSON lines, see
