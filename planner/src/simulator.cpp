@@ -290,7 +290,8 @@ class Simulation {
       // optimizer instead, from what it left above the op's own activations.
       uint64_t computePeak = run.computePeakBytes[i];
       if (r == 0 && i == 0 && s_.offload.bytes > 0) {
-        optimizerExcess_ = computePeak - std::min(computePeak, run.activationBytes[i]);
+        optimizerExcess_ = std::min(computePeak - std::min(computePeak, run.activationBytes[i]),
+                                    w_.leastOptimizerExcessBytes);
         computePeak = run.activationBytes[i];
       }
       sample(computeNow_, computePeak, r, op.seq, false);

@@ -311,6 +311,15 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay
     }
   }
   markLastReleases(w);
+  if (w.gradAccumSteps == 1) {  // each recorded step follows an optimizer step
+    for (const schemas::TraceStep& step : trace.steps) {
+      if (step.graphs.empty() || step.graphs.front().events.empty()) continue;
+      const schemas::OpEvent& first = step.graphs.front().events.front();
+      w.leastOptimizerExcessBytes =
+          std::min(w.leastOptimizerExcessBytes,
+                   first.peakBytes > first.memoryBytes ? first.peakBytes - first.memoryBytes : 0);
+    }
+  }
   return w;
 }
 

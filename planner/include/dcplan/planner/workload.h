@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -87,6 +88,10 @@ struct Workload {
   int64_t gradAccumSteps = 1;
   std::string paramDtype;
   std::string reduceDtype;
+  /// The least, over the recorded optimizer steps (one micro-step each), that the compute before a
+  /// step's first op held above that op's memory: the optimizer step's temporaries, which an
+  /// offloading plan models (what a loaded machine leaves there beside them only adds).
+  uint64_t leastOptimizerExcessBytes = std::numeric_limits<uint64_t>::max();
   uint64_t baselineBytes = 0;  ///< shards and optimizer state, re-scaled to the planned world
   /// The trace has optimizer_state_bytes (of parameters its recorder saw an optimizer step):
   /// an offload can be planned for those.
