@@ -26,7 +26,7 @@ void setBudgetGuard(std::optional<int64_t> budgetBytes, int64_t startBytes) {
   }
   TORCH_CHECK(*budgetBytes > 0, "set_budget_guard: the budget should be positive, got ", *budgetBytes);
   TORCH_CHECK(startBytes >= 0, "set_budget_guard: start_bytes should be >= 0, got ", startBytes);
-  rt.guard_ = BudgetGuard{*budgetBytes, startBytes, -1, 0, std::string()};
+  rt.guard_ = BudgetGuard{*budgetBytes, startBytes, -1, false, std::string()};
 }
 
 void setBudgetGuardExcess(int64_t excessBytes) {
@@ -47,7 +47,7 @@ bool guarding(const RuntimeState& rt) { return rt.guard_ && !rt.capturing_ && !r
 
 void noteHold(RuntimeState& rt, const std::string& what, int64_t peakBytes) {
   BudgetGuard& guard = *rt.guard_;
-  if (guard.holds++ > 0) return;
+  if (std::exchange(guard.noted, true)) return;
   guard.note = "dcplan: " + what + " was held back to keep the plan's memory budget of " +
                mib(guard.budgetBytes) + ": the ranks hold up to " + mib(guard.excessBytes) +
                " more than the plan expects at a step's start, and the plan holds up to " + mib(peakBytes) +

@@ -10,13 +10,14 @@
 namespace dcplan::replayer {
 
 /// The budget guard of a replay (setBudgetGuard): the plan's budget and the memory it expects as
-/// the step's first op is entered, what the ranks agreed the run holds beyond that, and the holds.
+/// the step's first op is entered, what the ranks agreed the run holds beyond that, and whether a
+/// hold was noted for Python's warning.
 struct BudgetGuard {
   int64_t budgetBytes = 0;
   int64_t startBytes = 0;
   int64_t excessBytes = -1;  // -1: not agreed yet (the guard holds nothing back until then)
-  int64_t holds = 0;
-  std::string note;  // the first hold, until Python takes it to warn
+  bool noted = false;        // the first hold's note was written (Python warns once)
+  std::string note;          // that note, until Python takes it
 };
 
 /// The rule: a choice whose planned peak (-1: the plan gives none) plus the agreed excess would
@@ -33,10 +34,10 @@ struct Param;
 bool guarding(const RuntimeState& rt);
 
 /// The guard's turn at a release where the plan keeps p gathered (its keptPeak): true where it
-/// drops the copy instead (logged, counted, noted).
+/// drops the copy instead (logged, noted).
 bool guardDropsKept(RuntimeState& rt, int64_t graphId, Param& p);
 
-/// Counts a hold and, at the first, writes the note Python warns with: `what` was held back.
+/// At the first hold, writes the note Python warns with: `what` was held back.
 void noteHold(RuntimeState& rt, const std::string& what, int64_t peakBytes);
 
 }  // namespace dcplan::replayer
