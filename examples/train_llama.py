@@ -172,9 +172,6 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.cuda_graph and (args.no_shard or args.device == "cpu"):
         p.error("--cuda-graph captures a dcplan-sharded step on a GPU: not with --no-shard or --device cpu")
-    if args.cuda_graph and args.eval_every:
-        p.error("--eval-every with --cuda-graph: an eval forward between graphed steps is refused while the step "
-                "is captured (not supported yet)")
     if args.hidden % args.heads:
         p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
     kv = args.kv_heads or args.heads

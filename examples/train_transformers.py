@@ -5,14 +5,22 @@ model and optimizer, a load, and the rest of the steps.
 
     torchrun --standalone --nproc-per-node 2 examples/train_transformers.py              # CPU ranks
     torchrun --nproc-per-node 2 examples/train_transformers.py --device cuda --hidden 2048 --layers 16
+    torchrun --nproc-per-node 2 examples/train_transformers.py --device cuda --compile --graphed --accum 2
+
+The recipe is a real run's: gradient accumulation inside the step (--accum), clipping
+(dcplan.clip_grad_norm_), AdamW with a tensor learning rate that a warmup-cosine schedule updates
+in place (--warmup-steps), an eval forward every --eval-every steps, and the checkpoint. With
+--graphed (a GPU) the whole step runs as one CUDA graph (dcplan.graphed_step): the same step
+function, captured after two warm-up calls and replayed; AdamW is then fused and capturable.
 
 --check-resume also trains the same steps without the checkpoint, in the same processes, and
 says whether the losses after the load are the same numbers (on GPUs with --attn eager: sdpa's
-flash-attention backward accumulates in a varying order, so two straight runs differ as well). --save-pretrained DIR writes the
-gathered full state dict in transformers' format at the end (rank 0). Rank 0 prints one line per
-step.
+flash-attention backward accumulates in a varying order, so two straight runs differ as well).
+--save-pretrained DIR writes the gathered full state dict in transformers' format at the end
+(rank 0). Rank 0 prints one line per step.
 """
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -44,6 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true", help="compiled replay (dcplan.shard(compile=True))")
+    p.add_argument("--graphed", action="store_true", help="the whole step as one CUDA graph (dcplan.graphed_step)")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (inside the step)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="linear warmup, then a cosine to 0 at --steps")
+    p.add_argument("--eval-every", type=int, default=5, help="an eval forward (no grad) every N steps; 0: none")
     p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
                    help="attention implementation (eager: deterministic on GPUs, for --check-resume)")
     p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping (dcplan.clip_grad_norm_)")
@@ -69,33 +81,94 @@ def build(args, device, seed):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     param_dtype = torch.bfloat16 if args.param_dtype == "bfloat16" else None
     dcplan.shard(model, stage=args.stage, param_dtype=param_dtype, reduce_dtype=torch.float32, compile=args.compile)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # A tensor learning rate: the schedule fills it in place, which a captured step reads at each
+    # replay (a float would be baked into the graph). capturable and fused: what a graph needs.
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(args.lr, device=device), weight_decay=0.01,
+                            capturable=cuda, fused=cuda or None, foreach=False if not cuda else None)
     return model, opt
 
 
-def batch(args, step, rank, device):
-    """This rank's slice of step's global batch (deterministic: the same for every run)."""
-    g = torch.Generator().manual_seed(1000 + step)
+def warmup_cosine(args):
+    """The learning rate's factor at step s: linear warmup over --warmup-steps, then a cosine to 0."""
+    def factor(s):
+        if s < args.warmup_steps:
+            return (s + 1) / args.warmup_steps
+        return 0.5 * (1 + math.cos(math.pi * (s - args.warmup_steps) / max(1, args.steps - args.warmup_steps)))
+    return factor
+
+
+def schedule(opt, args, start):
+    """The schedule of a run that resumes at step `start` (0: a fresh one); it depends only on the
+    step, so a resumed run needs no scheduler state: the optimizer's param groups keep initial_lr."""
+    for group in opt.param_groups:
+        group.setdefault("initial_lr", args.lr)
+    return torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args), last_epoch=start - 1)
+
+
+def make_step(model, opt, args):
+    """One optimizer step over --accum micro-batches: returns [loss, gradient norm] as one tensor
+    (no host synchronisation inside, so that it can be captured)."""
+    def step(micro):
+        total = torch.zeros((), device=micro[0].device)
+        for m, ids in enumerate(micro):
+            model.set_requires_gradient_sync(m == len(micro) - 1)
+            loss = model(input_ids=ids, labels=ids).loss / len(micro)
+            loss.backward()
+            total += loss.detach()
+        norm = dcplan.clip_grad_norm_(model, args.max_norm)
+        opt.step()
+        opt.zero_grad()
+        return torch.stack([total, norm.to(total.dtype)])
+    return dcplan.graphed_step(step, warmup=2) if args.graphed else step
+
+
+def batch(args, step, rank, device, micro=0):
+    """This rank's slice of a micro-batch of step's global batch (deterministic: the same for every run)."""
+    g = torch.Generator().manual_seed(1000 + step * args.accum + micro)
     ids = torch.randint(0, args.vocab, (args.batch * dist.get_world_size(), args.seq), generator=g)
     return ids[rank * args.batch:(rank + 1) * args.batch].to(device)
 
 
+def evaluate(model, args, rank, device):
+    """The loss on a held-out batch, without grad (between graphed steps: run eagerly)."""
+    model.eval()
+    with torch.no_grad():
+        ids = batch(args, -1, rank, device)
+        loss = model(input_ids=ids, labels=ids).loss.float()
+    model.train()
+    dist.all_reduce(loss)
+    return loss.item() / dist.get_world_size()
+
+
+def memory(device):
+    """What this process holds now: allocated GPU memory (on a GPU) and the host's resident set."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    gpu = f"allocated {torch.cuda.memory_allocated(device) / 2**20:.1f} MiB, " if device.type == "cuda" else ""
+    return f"({gpu}host RSS {rss / 2**20:.1f} MiB)"
+
+
 def train(model, opt, args, steps, rank, device, label):
     losses = []
+    step_fn = make_step(model, opt, args)
+    sched = schedule(opt, args, steps.start)
     for step in steps:
         t0 = time.perf_counter()
-        ids = batch(args, step, rank, device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        dcplan.clip_grad_norm_(model, args.max_norm)
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().float()
+        out = step_fn([batch(args, step, rank, device, m) for m in range(args.accum)])
+        sched.step()
+        total = out[0].detach().float().clone()  # a graphed step's output is overwritten by its next call
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
         if rank == 0:
-            print(f"{label} step {step:3d}  loss {losses[-1]:.6f}  {1e3 * (time.perf_counter() - t0):8.1f} ms",
-                  flush=True)
+            print(f"{label} step {step:3d}  loss {losses[-1]:.6f}  norm {out[1].item():.4f}  "
+                  f"{1e3 * (time.perf_counter() - t0):8.1f} ms", flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            ev = evaluate(model, args, rank, device)
+            if rank == 0:
+                print(f"{label} eval after step {step:3d}  loss {ev:.6f}  {memory(device)}", flush=True)
+    if args.graphed:
+        step_fn.close()  # the model may run outside the graph again (a save, a new step function)
     return losses
 
 
@@ -107,7 +180,11 @@ def main(argv=None):
     args = parse_args(argv)
     if not 0 < args.save_at < args.steps:
         sys.exit(f"train_transformers: --save-at should be between 0 and --steps ({args.steps}), got {args.save_at}")
+    if args.accum < 1:
+        sys.exit(f"train_transformers: --accum should be >= 1, got {args.accum}")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.graphed and not cuda:
+        sys.exit("train_transformers: --graphed captures the step in a CUDA graph; it needs a GPU (--device cuda)")
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

@@ -113,6 +113,7 @@ void bindPlan(py::module_& m) {
                                          : py::object(py::none());
         out["guard_start_bytes"] =
             summary.guardStartBytes ? py::object(py::int_(*summary.guardStartBytes)) : py::object(py::none());
+        out["input_shapes"] = summary.inputShapes ? py::cast(*summary.inputShapes) : py::object(py::none());
         return out;
       },
       py::arg("path"), py::arg("params"), py::arg("world_size"), py::arg("stage"), py::arg("forward_graph"),

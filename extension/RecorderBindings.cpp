@@ -189,6 +189,13 @@ void bindRecorder(py::module_& m) {
       "record_pause", [](bool paused) { current("record_pause")->setPaused(paused); }, py::arg("paused"),
       "Pauses (True) or resumes recording around a forward that is not a training micro-step.");
   m.def(
+      "record_input_shapes",
+      [](int64_t forwardGraph, const std::vector<std::vector<int64_t>>& shapes) {
+        current("record_input_shapes")->setInputShapes(forwardGraph, shapes);
+      },
+      py::arg("forward_graph"), py::arg("shapes"),
+      "In a recorded micro-step: the shapes of the tensor arguments of the model's forward (input_shapes).");
+  m.def(
       "record_graphed", [] { current("record_graphed")->markGraphed(); },
       "The recorded script runs its step through dcplan.graphed_step: the trace says so (meta.graphed).");
   m.def(

@@ -180,7 +180,7 @@ void bindRegistration(py::module_& m) {
       },
       py::arg("graph_id"), py::arg("ds_ids"), py::arg("reduce_dtype") = py::none());
   m.def("set_persistent", &setPersistent, py::arg("ds_id"), py::arg("persistent") = true, Release());
-  m.def("start_forward", &startForward, Release());
+  m.def("start_forward", &startForward, py::arg("training") = true, Release());
   m.def("end_forward", &endForward, Release());
   m.def("start_backward", &startBackward, py::arg("update") = true, py::arg("sync") = true, Release(),
         "update: gradients start from zero; sync: this micro-step ends gradient accumulation.");

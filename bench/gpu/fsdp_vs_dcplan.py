@@ -72,7 +72,9 @@ def parse_args():
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="fsdp2,dcplan,bound",
                    help="comma-separated: fsdp2, fsdp2-compiled, fsdp2-offload (CPUOffloadPolicy), dcplan, dcplan-compiled, dcplan-graphed, "
-                        "dcplan-compiled-graphed (the whole step in a CUDA graph: dcplan.graphed_step), bound")
+                        "dcplan-compiled-graphed (the whole step in a CUDA graph: dcplan.graphed_step), bound; a graphed "
+                        "mode with +recipe (dcplan-compiled-graphed+recipe): clipping in the graph and a "
+                        "warmup-cosine schedule of a tensor learning rate")
     p.add_argument("--plan", help="dcplan: replay this plan (default schedule without); several: comma-separated, "
                    "one dcplan run each (dcplan:<file name> in the table)")
     p.add_argument("--compiled-plan", help="dcplan-compiled: replay these plans (comma-separated; "
@@ -396,9 +398,11 @@ class Bench:
         del engine, model, opt
         return out
 
-    def dcplan(self, plan=None, compiled=False, graphed=False):
+    def dcplan(self, plan=None, compiled=False, graphed=False, recipe=False):
         """graphed: the whole step captured in a CUDA graph (dcplan.graphed_step, two warm-up calls
-        and the capture within --warmup), with a capturable AdamW."""
+        and the capture within --warmup), with a capturable AdamW. recipe (graphed): a real run's
+        step: clipping inside the graph (dcplan.clip_grad_norm_, max norm 1) and a tensor learning
+        rate that a warmup-cosine schedule fills between the replays."""
         import dcplan
 
         self.fresh()
@@ -411,10 +415,11 @@ class Bench:
             kw["plan"] = plan
         model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                              compile=compiled, **kw)
-        opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01, capturable=graphed,
+        lr = torch.tensor(self.args.lr, device=self.device) if recipe else self.args.lr
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, capturable=graphed,
                                 fused=self.args.adamw == "fused")
         mode = ("dcplan-compiled" if compiled else "dcplan") + ("-graphed" if graphed else "")
-        train_step = None
+        train_step = graphed_step = None
         if graphed:
             if self.args.warmup < 3:
                 sys.exit("fsdp_vs_dcplan: graphed modes need --warmup >= 3 (two warm-up calls, then the capture)")
@@ -422,25 +427,57 @@ class Bench:
             def one_step(x, y):
                 loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
                 loss.backward()
+                if recipe:
+                    dcplan.clip_grad_norm_(model, 1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 return loss.detach()
 
-            train_step = dcplan.graphed_step(one_step, warmup=2)
+            graphed_step = dcplan.graphed_step(one_step, warmup=2)
+            train_step = self.timed_capture(graphed_step, opt if recipe else None)
         step, losses = self.run(model, opt, mode, train_step=train_step)
         out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
                "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks}
+        if graphed:
+            out["capture_s"] = self.capture_s
         if plan:
             with open(plan) as f:
                 doc = json.load(f)
             out["predicted_step_s"] = doc["predicted"]["step_us"] * 1e-6
             out["predicted_peak_bytes"] = doc["predicted"]["peak_memory_bytes"]
             out["plan"] = plan
-        if train_step is not None:
-            train_step.close()
-        del model, opt, train_step
+        if graphed_step is not None:
+            graphed_step.close()
+        del model, opt, train_step, graphed_step
         dcplan.shutdown()
         return out
+
+    def timed_capture(self, graphed_step, scheduled_opt=None):
+        """graphed_step(x, y), with the call that captures timed (self.capture_s) and, for an
+        optimizer given, a warmup-cosine schedule stepped after every call (outside the graph)."""
+        import math
+
+        sched = None
+        if scheduled_opt is not None:
+            total = self.args.warmup + self.args.steps
+            sched = torch.optim.lr_scheduler.LambdaLR(
+                scheduled_opt, lambda s: min(1.0, (s + 1) / 3) * 0.5 * (1 + math.cos(math.pi * s / (total + 1))))
+        self.capture_s = None
+
+        def call(x, y):
+            capturing = graphed_step.next_call_captures
+            if capturing:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            out = graphed_step(x, y)
+            if capturing:
+                torch.cuda.synchronize()
+                self.capture_s = time.perf_counter() - t0
+            if sched is not None:
+                sched.step()
+            return out
+
+        return call
 
     def bound(self):
         """Compute-only bound on rank 0 (the other ranks wait)."""
@@ -523,6 +560,9 @@ def report(results, meta):
                   f"(overlapped {b['overlap_ms']:.1f}, exposed {b['exposed_comm_ms']:.1f}), idle {b['idle_ms']:.1f}, "
                   f"window {b['window_ms']:.1f}")
     for mode, r in results.items():
+        if r.get("capture_s") is not None:
+            print(f"{mode:<{width}} capture (the third call) took {r['capture_s']:.1f} s")
+    for mode, r in results.items():
         if "round_step_s" in r:
             print(f"{mode:<{width}} step ms in each round: "
                   + ", ".join(f"{1e3 * t:.1f}" for t in r["round_step_s"]) + " (the table: their median)")
@@ -585,15 +625,16 @@ def main():
                 for plan in plans_for(args.plan, False):
                     name = "dcplan:" + os.path.basename(plan).removesuffix(".json")
                     runs.setdefault(name, []).append(bench.dcplan(plan))
-            elif mode in ("dcplan-compiled", "dcplan-compiled-graphed"):
-                for plan in [None] + plans_for(args.compiled_plan, mode.endswith("-graphed")):
+            elif mode.removesuffix("+recipe") in ("dcplan-compiled", "dcplan-compiled-graphed"):
+                graphed = "-graphed" in mode
+                for plan in [None] + plans_for(args.compiled_plan, graphed):
                     name = mode + (":" + os.path.basename(plan).removesuffix(".json") if plan else "")
                     runs.setdefault(name, []).append(
-                        bench.dcplan(plan, compiled=True, graphed=mode.endswith("-graphed")))
-            elif mode == "dcplan-graphed":
+                        bench.dcplan(plan, compiled=True, graphed=graphed, recipe=mode.endswith("+recipe")))
+            elif mode.removesuffix("+recipe") == "dcplan-graphed":
                 for plan in [None] + plans_for(args.plan, True):
                     name = mode + (":" + os.path.basename(plan).removesuffix(".json") if plan else "")
-                    runs.setdefault(name, []).append(bench.dcplan(plan, graphed=True))
+                    runs.setdefault(name, []).append(bench.dcplan(plan, graphed=True, recipe=mode.endswith("+recipe")))
             elif mode in ("fsdp2-compiled", "fsdp2-offload"):
                 runs.setdefault(mode, []).append(bench.fsdp2(compiled=mode == "fsdp2-compiled",
                                                              offload=mode == "fsdp2-offload"))

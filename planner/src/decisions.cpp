@@ -583,6 +583,7 @@ Schedule assemble(const Context& c, const std::vector<char>& persistent, const B
     schemas::PlanGraph pg;
     pg.id = c.w.graphs[g].id;
     pg.kind = c.w.graphs[g].kind;
+    pg.inputShapes = c.w.graphs[g].inputShapes;
     if (g < groups.size()) pg.prefetch = groups[g];
     if (g < buckets.size()) pg.buckets = buckets[g];
     s.graphs.push_back(std::move(pg));

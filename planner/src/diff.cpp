@@ -97,6 +97,12 @@ void diffGraph(Differ& d, const schemas::PlanGraph& a, const schemas::PlanGraph&
   if (a.kind != b.kind) {
     d.text(pa + "/kind", label + " kind", schemas::graphKindName(a.kind), schemas::graphKindName(b.kind));
   }
+  if (a.inputShapes != b.inputShapes) {  // plans of recordings with other batches
+    auto text = [](const auto& shapes) -> std::string {
+      return shapes ? schemas::inputShapesText(*shapes) : "not recorded";
+    };
+    d.text(pb + "/input_shapes", label + " recorded inputs", text(a.inputShapes), text(b.inputShapes));
+  }
   // Prefetch groups by position; several groups at one position compare in order.
   std::map<int64_t, std::vector<std::pair<size_t, const schemas::PrefetchGroup*>>> ga, gb;
   for (size_t i = 0; i < a.prefetch.size(); ++i) ga[a.prefetch[i].position].emplace_back(i, &a.prefetch[i]);

@@ -127,6 +127,7 @@ void renderSchedule(std::ostream& s, const schemas::Plan& plan) {
       s << ", " << count(g.buckets.size(), "bucket") << " (" << formatBytes(bytes) << ", largest "
         << formatBytes(biggest) << ")";
     }
+    if (g.inputShapes) s << ", recorded inputs " << schemas::inputShapesText(*g.inputShapes);
     s << "\n";
   }
   if (!plan.optimizerOffload.empty()) {

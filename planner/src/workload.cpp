@@ -222,7 +222,7 @@ WorkGraph& graphOf(Workload& w, const schemas::TraceGraph& tg, const std::string
   int32_t g = w.graphIndex(tg.id);
   first = g < 0;
   if (first) {
-    w.graphs.push_back(WorkGraph{tg.id, tg.kind, {}});
+    w.graphs.push_back(WorkGraph{tg.id, tg.kind, {}, tg.inputShapes});  // a forward's inputs: its first run's
     return w.graphs.back();
   }
   WorkGraph& graph = w.graphs[static_cast<size_t>(g)];

@@ -73,7 +73,8 @@ from ._shard_param import ShardParameter  # noqa: E402
 from ._state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,  # noqa: E402
                           set_model_state_dict, set_optimizer_state_dict)
 from ._plan import (  # noqa: E402
-    BudgetGuardWarning, PlanDepartureWarning, curve_comparison, read_replay_log, replay_differences, replay_log)
+    BudgetGuardWarning, InputShapeWarning, PlanDepartureWarning, curve_comparison, read_replay_log,
+    replay_differences, replay_log)
 
 from . import _after_import  # noqa: E402
 
@@ -86,4 +87,4 @@ __all__ += ["StateDictOptions", "get_model_state_dict", "set_model_state_dict", 
             "set_optimizer_state_dict"]
 __all__ += ["ShardParameter"]
 __all__ += ["replay_log", "read_replay_log", "replay_differences", "curve_comparison", "PlanDepartureWarning",
-            "BudgetGuardWarning"]
+            "BudgetGuardWarning", "InputShapeWarning"]

@@ -10,14 +10,17 @@ host issues one launch per step instead of every kernel, hook and collective.
 What a step may do is what a CUDA graph allows (docs/compiled.md, "CUDA graphs"): the same
 shapes every call, no host synchronisation (``.item()``, printing a tensor, a host wait of
 dcplan such as ``dcplan.clip_grad_norm_``'s), a capturable optimizer (``capturable=True``;
-a learning rate that changes must be a tensor), and no replay log. While ``dcplan record``
+a learning rate that changes must be a tensor). With a replay log open, the capture and each
+replay are logged (ReplayTimes) for ``dcplan check``. While ``dcplan record``
 records the script, the step runs as written and is not captured: the recorder observes every
 op, and its device-lead step measures the device's own times, which ``dcplan plan --cuda-graph``
 plans a graphed step with.
 """
 from __future__ import annotations
 
+import json
 import os
+import time
 import warnings
 from typing import Any, Callable, List, Optional
 
@@ -87,6 +90,53 @@ class _OptimizerWatch:
         self._handle.remove()
 
 
+class ReplayTimes:
+    """With a replay log open, what ``dcplan check`` compares a graphed step with: the capture
+    (``graph_capture``: its seconds, and the memory peak while it ran, which every replay's
+    allocations repeat) and each replay (``graph_replay``: its device time between CUDA events
+    around it, and the peak since the capture began). A replay's line is written once the next
+    replay is launched (or at close()), so that the host never waits for the step it just issued."""
+
+    def __init__(self):
+        self._pending: Optional[tuple] = None  # (replay index, start event, end event) not yet logged
+        self._replays = 0
+
+    @staticmethod
+    def _log(line: dict) -> None:
+        _C.log_replay_event(json.dumps(line))
+
+    def capture_begins(self) -> float:
+        # The allocator's peak statistic from here on is the captured step's (the replay log's
+        # marks keep the run's own peak, warm-up included).
+        torch.cuda.reset_peak_memory_stats()
+        return time.perf_counter()
+
+    def captured(self, began: float) -> None:
+        self._log({"ev": "graph_capture", "capture_s": round(time.perf_counter() - began, 3),
+                   "peak_bytes": torch.cuda.max_memory_allocated()})
+
+    def replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        previous, self._pending = self._pending, (self._replays, start, end)
+        self._replays += 1
+        if previous is not None:
+            self._write(previous)
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            self._write(self._pending)
+            self._pending = None
+
+    def _write(self, pending: tuple) -> None:
+        index, start, end = pending
+        end.synchronize()
+        self._log({"ev": "graph_replay", "replay": index, "device_us": round(start.elapsed_time(end) * 1000, 1),
+                   "peak_bytes": torch.cuda.max_memory_allocated()})
+
+
 class StaticArgs:
     """The tensors of a step's arguments, held at fixed addresses: a CUDA graph reads its
     inputs from the memory it was captured with. Other values are part of the capture and
@@ -145,10 +195,16 @@ class GraphedStep:
         self._inputs: Optional[StaticArgs] = None
         self._outputs: Any = None
         self._side = None
+        self._times: Optional[ReplayTimes] = None  # with a replay log open at capture
 
     @property
     def captured(self) -> bool:
         return self._graph is not None
+
+    @property
+    def next_call_captures(self) -> bool:
+        """Whether the next call captures the step (its warm-up calls are done; not while recording)."""
+        return self._graph is None and self._calls >= self._warmup and not _record.active()
 
     def __call__(self, *args, **kwargs):
         if self._graph is None and _record.active():
@@ -167,7 +223,10 @@ class GraphedStep:
             with _plan.graphed_call():
                 self._capture(args, kwargs)
         self._inputs.load(args, kwargs)
-        self._graph.replay()
+        if self._times is not None:
+            self._times.replay(self._graph)
+        else:
+            self._graph.replay()
         self._calls += 1
         return self._outputs
 
@@ -188,6 +247,8 @@ class GraphedStep:
         self._inputs = StaticArgs(args, kwargs)
         static_args, static_kwargs = self._inputs.args()
         torch.cuda.synchronize()  # begin_capture takes every earlier collective as complete
+        times = ReplayTimes() if _plan.replay_log_open() else None
+        began = times.capture_begins() if times is not None else 0.0
         graph = torch.cuda.CUDAGraph()
         reuse = _reuse_freed_blocks(True)
         watch = _OptimizerWatch()
@@ -216,15 +277,21 @@ class GraphedStep:
             warnings.warn(f"dcplan.graphed_step: {advice}", RuntimeWarning, stacklevel=3)
         self._graph = graph
         self._outputs = outputs
+        if times is not None:
+            times.captured(began)
+        self._times = times
 
     def close(self) -> None:
         """Drops the graph: the model may run outside it again (eagerly, or in a new graphed step)."""
         if self._graph is None:
             return
         torch.cuda.synchronize()
+        if self._times is not None:
+            self._times.flush()
         self._graph = None
         self._outputs = None
         self._inputs = None
+        self._times = None
         _C.release_capture()
 
 

@@ -20,6 +20,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Union
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils import _pytree as pytree
 
 from . import _C
 
@@ -32,6 +33,11 @@ ON_MISMATCH = ("error", "fallback")
 class BudgetGuardWarning(UserWarning):
     """The budget guard held back a planned prefetch or dropped a copy the plan keeps, to keep the plan's
     memory budget (once per process), or it cannot act (docs/replay.md)."""
+
+
+class InputShapeWarning(UserWarning):
+    """A training forward's inputs differ from those of the recording its plan was made from: the
+    plan's predicted peak, step time and memory budget hold for the recorded inputs only."""
 
 
 class PlanDepartureWarning(UserWarning):
@@ -96,7 +102,45 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
     global _loaded
     _loaded = (path, bool(loaded["cuda_graph"]))
     state.plan = _loaded
+    state.plan_inputs = None if loaded["input_shapes"] is None else PlannedInputs(
+        loaded["input_shapes"], loaded["memory_budget_bytes"])
+    state.inputs_warned = False
     return loaded
+
+
+def input_shapes(args: tuple, kwargs: dict) -> List[List[int]]:
+    """The shape of each tensor argument of a forward (args, then kwargs, in pytree order): what a
+    trace records and a replay compares (input_shapes, docs/formats.md)."""
+    return [list(leaf.shape) for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+
+
+class PlannedInputs(NamedTuple):
+    """What a plan says of its recorded step's inputs (the forward graph's input_shapes)."""
+    shapes: List[List[int]]
+    budget_bytes: Optional[int]  # the plan's memory budget; None: made without one
+
+
+def check_input_shapes(state, shapes: List[List[int]]) -> None:
+    """At a training forward of a model that follows a plan: warns once (InputShapeWarning) where
+    its inputs differ from the recorded step's the plan was made from."""
+    planned = state.plan_inputs
+    if planned is None or state.inputs_warned or shapes == planned.shapes:
+        return
+    state.inputs_warned = True
+    promise = "its predicted peak and step time"
+    if planned.budget_bytes is not None:
+        promise += f", and its memory budget ({_mib(planned.budget_bytes)}),"
+    warnings.warn(
+        f"dcplan.shard: this training forward's inputs have shapes {_shapes(shapes)}, and plan {state.plan[0]} was "
+        f"made from a recorded step whose inputs had shapes {_shapes(planned.shapes)}: {promise} hold for the "
+        "recorded inputs; larger inputs hold more activation memory than it planned for. Record again with these "
+        "inputs, or pad them to the recorded shapes (warned once)",
+        InputShapeWarning, stacklevel=4)
+
+
+def _shapes(shapes: List[List[int]]) -> str:
+    return "[" + ", ".join("(" + ", ".join(str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
+                           for s in shapes) + "]"
 
 
 def count_cpu_memory(device: torch.device) -> None:
@@ -284,6 +328,11 @@ def _open_log(mine: str) -> None:
     global _marks
     _marks = _StepMarks(runtime_device)
     _C.set_replay_log(mine, _marks.device)
+
+
+def replay_log_open() -> bool:
+    """Whether this rank writes a replay log (a graphed step then logs its replays' times)."""
+    return _marks is not None
 
 
 def mark_step() -> None:
@@ -504,8 +553,25 @@ def measured(events: List[Dict]) -> Dict:
     ``loss.item()``), as training loops do. The step rule is the one ``dcplan plan --calibrate``
     reads logs with (dcplan/schemas/replay_log.h)."""
     peak = max((ev["peak_bytes"] for ev in events if ev["ev"] == "mark"), default=None)
+    replays = [ev for ev in events if ev["ev"] == "graph_replay"]
+    if replays:
+        return _measured_graphed(events, replays, peak)
     median, steps = _C.replay_steps(_step_events(events))
     return {"step_us": median, "steps": steps, "peak_bytes": peak}
+
+
+def _measured_graphed(events: List[Dict], replays: List[Dict], run_peak: Optional[int]) -> Dict:
+    """A graphed step's log (dcplan.graphed_step with the log open): ``step_us`` is the median of
+    the replays' device times (CUDA events around each), ``peak_bytes`` the allocator's peak from
+    the capture on, and ``warmup_peak_bytes`` the run's peak before it (its uncaptured steps,
+    which must keep the budget too)."""
+    capture = [ev for ev in events if ev["ev"] == "graph_capture"]
+    times = sorted(ev["device_us"] for ev in replays)
+    n = len(times)
+    median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+    peak = max(ev["peak_bytes"] for ev in replays + capture)
+    return {"step_us": median, "steps": n, "peak_bytes": peak, "warmup_peak_bytes": run_peak,
+            "capture_s": capture[-1]["capture_s"] if capture else None}
 
 
 def _mib(b) -> str:
@@ -531,11 +597,17 @@ def prediction_report(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
         peak = _mib(m["peak_bytes"])
         if m["peak_bytes"] is not None and pred.get("peak_memory_bytes"):
             peak += f" ({100 * (m['peak_bytes'] / pred['peak_memory_bytes'] - 1):+.0f}%)"
-        lines.append(f"  {os.path.basename(name):24s} {step:>20s} {peak:>20s}  ({m['steps']} steps timed)")
+        timed = (f"{m['steps']} graph replays timed on the device" if "warmup_peak_bytes" in m
+                 else f"{m['steps']} steps timed")
+        lines.append(f"  {os.path.basename(name):24s} {step:>20s} {peak:>20s}  ({timed})")
     lines.append(f"  budget: {_mib(budget) if budget else 'none (the plan was made without --memory-budget)'}")
     for name, m in runs.items():
-        if budget and m["peak_bytes"] is not None and m["peak_bytes"] > budget:
-            lines.append(f"OVER BUDGET: {name}: peak {_mib(m['peak_bytes'])} > budget {_mib(budget)}")
+        if m.get("capture_s") is not None:
+            lines.append(f"  {os.path.basename(name)}: captured in {m['capture_s']:.1f} s; uncaptured steps before "
+                         f"it peaked at {_mib(m['warmup_peak_bytes'])}")
+        for what, key in (("peak", "peak_bytes"), ("uncaptured steps' peak", "warmup_peak_bytes")):
+            if budget and m.get(key) is not None and m[key] > budget:
+                lines.append(f"OVER BUDGET: {name}: {what} {_mib(m[key])} > budget {_mib(budget)}")
     return lines
 
 

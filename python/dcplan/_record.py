@@ -151,6 +151,12 @@ def pause(paused: bool) -> None:
     _C.record_pause(paused)
 
 
+def input_shapes(forward_graph: int, shapes) -> None:
+    """A training forward's tensor input shapes: the recorded micro-step's trace graph keeps them
+    (input_shapes), and the plan made from it, so that a replay can tell other inputs."""
+    _C.record_input_shapes(forward_graph, shapes)
+
+
 def mark_graphed() -> None:
     """The recorded script runs its step through dcplan.graphed_step: the trace says so, and
     dcplan plan plans for one CUDA graph per step."""

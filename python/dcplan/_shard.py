@@ -86,6 +86,8 @@ class _ShardState:
         self.saved_hooks = None
         self.record_paused = False  # this forward (no grad) is not recorded as a micro-step
         self.plan: Optional[tuple] = None  # (path, made for one CUDA graph) of the plan it follows
+        self.plan_inputs: Optional[list] = None  # the input shapes the plan's recording ran
+        self.inputs_warned = False  # a forward's inputs differed from plan_inputs (InputShapeWarning)
         self.outside: Dict[tuple, torch.Tensor] = {}  # this forward's reads outside the owning module
         self.trainable_infos: List[_ParamInfo] = []
         self.trainable_ids: List[int] = []
@@ -351,7 +353,7 @@ def _install_hooks(model: nn.Module, state: _ShardState, owned: _Owned, compile)
         _watch_outside_reads(state, module, attrs, ids_of_module)
         module.register_forward_pre_hook(_make_pre_hook(state, attrs, ids_of_module))
         module.register_forward_hook(_make_post_hook(state, attrs, ids_of_module), always_call=True)
-    model.register_forward_pre_hook(_make_root_pre_hook(state), prepend=True)
+    model.register_forward_pre_hook(_make_root_pre_hook(state), prepend=True, with_kwargs=True)
     model.register_forward_hook(_make_root_post_hook(state), always_call=True)
     if state.compiled:
         _compile.compile_forward(model, compile)
@@ -498,7 +500,7 @@ def _watch_outside_reads(state: _ShardState, module: nn.Module, attrs: List[str]
 
 
 def _make_root_pre_hook(state: _ShardState):
-    def root_pre_hook(module, args):
+    def root_pre_hook(module, args, kwargs):
         if state.forward_depth == 0 and torch._C._current_graph_task_id() != -1:
             raise RuntimeError(
                 "dcplan: the sharded model's own forward runs inside a backward (activation checkpointing "
@@ -518,9 +520,14 @@ def _make_root_pre_hook(state: _ShardState):
             # An eval forward is not a micro-step of the recorded steps; every training forward
             # resumes, also after an eval forward that raised before its post-hook.
             _record.pause(state.record_paused)
-        _C.start_forward()
+        _C.start_forward(torch.is_grad_enabled())
         if recording and not state.record_paused:
             _record.after_start_forward()  # ends the process once every step is recorded
+        if torch.is_grad_enabled() and (state.plan_inputs is not None or _record.active()):
+            shapes = _plan.input_shapes(args, kwargs)
+            if _record.active():
+                _record.input_shapes(state.fwd_graph, shapes)
+            _plan.check_input_shapes(state, shapes)
         if state.stage == 3 and not state.compiled:  # compiled: the partitioner re-gathers
             state.saved_hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
             state.saved_hooks.__enter__()

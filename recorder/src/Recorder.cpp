@@ -135,6 +135,12 @@ void Recorder::setPaused(bool paused) {
   paused_ = paused;
 }
 
+void Recorder::setInputShapes(int64_t forwardGraph, schemas::InputShapes shapes) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (finished_ || done_ || paused_ || !recording_ || !haveMicro_) return;
+  current_.inputShapes[forwardGraph] = std::move(shapes);
+}
+
 void Recorder::markGraphed() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   graphed_ = true;
@@ -578,6 +584,10 @@ schemas::TraceGraph Recorder::traceGraph(const MicroStep& step, int64_t g, const
   schemas::TraceGraph graph;
   graph.id = g;
   graph.kind = kind;
+  if (auto it = step.inputShapes.find(g);
+      it != step.inputShapes.end() && kind == schemas::GraphKind::Forward) {
+    graph.inputShapes = it->second;
+  }
   TimePoint prevEnd = origin;
   HostTime hostPrevEnd = hostOrigin;
   // Every collective of a graph is complete by its last op (end_backward

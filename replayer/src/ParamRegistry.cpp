@@ -116,6 +116,17 @@ void ParamRegistry::waitGather(Param& p) {
   if (p.hasGathered()) p.valid_ = true;
 }
 
+void ParamRegistry::forgetGatheredOfGraph() {
+  for (auto& [id, p] : params_) {
+    p.gatherHandle_.reset();
+    p.gathered_ = at::Tensor();
+    p.gatheredBuffer_ = at::Tensor();
+    p.valid_ = false;
+    p.uses_ = 0;
+  }
+  forgetReleases();
+}
+
 void ParamRegistry::dropGathered(Param& p) {
   if (p.gatherHandle_) {
     p.gatherHandle_->wait();  // the buffer must outlive the collective writing it

@@ -578,6 +578,9 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
   summary.cudaGraph = plan.options.cudaGraph;
   summary.memoryBudgetBytes = plan.options.memoryBudgetBytes;
   if (plan.guard) summary.guardStartBytes = static_cast<int64_t>(plan.guard->startBytes);
+  for (const schemas::PlanGraph& g : plan.graphs) {
+    if (g.id == model.forwardGraph) summary.inputShapes = g.inputShapes;
+  }
   for (size_t g = 0; g < plan.optimizerOffload.size(); ++g) {
     const auto& ids = plan.optimizerOffload[g].dsIds;
     for (size_t k = 0; k < ids.size(); ++k) {

@@ -124,14 +124,21 @@ void setPersistent(int64_t dsId, bool persistent) {
   state("set_persistent").registry_->get("set_persistent", dsId).persistent_ = persistent;
 }
 
-void startForward() {
+void startForward(bool training) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("start_forward");
+  const bool besideGraph = rt.captured_ && !rt.capturing_;
   TORCH_CHECK(
-      !rt.captured_ || rt.capturing_,
-      "start_forward: this model's step is captured in a CUDA graph (dcplan.graphed_step), which replays "
-      "it; an eager forward now would find the runtime's state as the capture left it. Call close() on "
-      "the graphed step first");
+      !besideGraph || !training,
+      "start_forward: this model's training step is captured in a CUDA graph (dcplan.graphed_step), which "
+      "replays it; a training forward outside it would find the runtime's state as the capture left it. "
+      "Between replays only forwards without grad may run (an eval forward, generate()); call close() on "
+      "the graphed step first to train outside it");
+  if (besideGraph) {
+    // An eval forward between replays: the graph keeps the copies its capture gathered (in its own
+    // memory pool, written by every replay); the eval gathers its own and drops them at its end.
+    rt.registry_->forgetGatheredOfGraph();
+  }
   ++rt.step_;
   rt.inBackward_ = false;
   rt.opInPass_ = 0;
@@ -146,7 +153,12 @@ void startForward() {
 
 void endForward() {
   std::lock_guard<std::mutex> lock(gMutex);
-  state("end_forward").schedule_->onGraphEnd(-1);
+  auto& rt = state("end_forward");
+  rt.schedule_->onGraphEnd(-1);
+  if (rt.captured_ && !rt.capturing_) {
+    // An eval forward between replays keeps nothing gathered: the graph's step holds its budget.
+    for (auto& [id, p] : rt.registry_->all()) rt.registry_->dropGathered(p);
+  }
 }
 
 void startBackward(bool update, bool sync) {

@@ -181,6 +181,33 @@ std::optional<std::vector<int64_t>> FieldReader::integers(const std::string& key
   return out;
 }
 
+std::optional<InputShapes> FieldReader::shapes(const std::string& key, Presence presence) {
+  const ordered_json* list = array(key, presence);
+  if (!list) return std::nullopt;
+  InputShapes out;
+  bool ok = true;
+  for (size_t i = 0; i < list->size(); ++i) {
+    const std::string ptr = pointerOf(key) + "/" + std::to_string(i);
+    const ordered_json& shape = (*list)[i];
+    if (!shape.is_array()) {
+      diags_.add(ptr, "expected a shape (an array of integers >= 0), got " + describeValue(shape));
+      ok = false;
+      continue;
+    }
+    std::vector<int64_t> dims;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      auto v = readInteger(shape[d], ptr + "/" + std::to_string(d), 0, diags_);
+      if (v)
+        dims.push_back(*v);
+      else
+        ok = false;
+    }
+    out.push_back(std::move(dims));
+  }
+  if (!ok) return std::nullopt;
+  return out;
+}
+
 void FieldReader::rejectUnknownFields() {
   if (!object_) return;
   for (const auto& [key, value] : value_.items()) {

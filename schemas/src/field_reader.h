@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcplan/schemas/io.h"
+#include "dcplan/schemas/trace.h"
 #include "json_pointer.h"
 
 namespace dcplan::schemas {
@@ -57,6 +58,9 @@ class FieldReader {
   const nlohmann::ordered_json* object(const std::string& key, Presence presence = Required);
   std::optional<std::vector<int64_t>> integers(const std::string& key, int64_t min,
                                                Presence presence = Required);
+
+  /// An array of shapes (arrays of integers >= 0): input_shapes.
+  std::optional<InputShapes> shapes(const std::string& key, Presence presence = Required);
 
   /// Reports every field that no getter asked for.
   void rejectUnknownFields();

@@ -123,6 +123,10 @@ class PlanValidator {
       if (auto kind = r.oneOf("kind", {"forward", "backward"})) {
         graph.kind = *kind == "forward" ? GraphKind::Forward : GraphKind::Backward;
       }
+      graph.inputShapes = r.shapes("input_shapes", P::Optional);
+      if (graph.inputShapes && graph.kind != GraphKind::Forward) {
+        diags_.add(ptr + "/input_shapes", "input shapes belong to forward graphs; this graph is a backward");
+      }
       if (auto* prefetch = r.array("prefetch")) {
         std::optional<int64_t> lastPosition;
         for (size_t i = 0; i < prefetch->size(); ++i) {
@@ -280,10 +284,11 @@ std::string writePlan(const Plan& plan) {
     ordered_json buckets = ordered_json::array();
     for (const auto& b : g.buckets)
       buckets.push_back({{"ds_ids", b.dsIds}, {"bytes", b.bytes}, {"dtype", b.dtype}});
-    graphs.push_back({{"id", g.id},
-                      {"kind", graphKindName(g.kind)},
-                      {"prefetch", std::move(prefetch)},
-                      {"buckets", std::move(buckets)}});
+    ordered_json graph{{"id", g.id}, {"kind", graphKindName(g.kind)}};
+    if (g.inputShapes) graph["input_shapes"] = *g.inputShapes;
+    graph["prefetch"] = std::move(prefetch);
+    graph["buckets"] = std::move(buckets);
+    graphs.push_back(std::move(graph));
   }
   ordered_json source{{"trace", plan.source.trace},
                       {"trace_digest", plan.source.traceDigest},

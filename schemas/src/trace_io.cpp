@@ -269,6 +269,10 @@ class TraceValidator {
     if (auto kind = r.oneOf("kind", {"forward", "backward"})) {
       graph.kind = *kind == "forward" ? GraphKind::Forward : GraphKind::Backward;
     }
+    graph.inputShapes = r.shapes("input_shapes", FieldReader::Optional);
+    if (graph.inputShapes && graph.kind != GraphKind::Forward) {
+      diags_.add(ptr + "/input_shapes", "input shapes belong to forward graphs; this graph is a backward");
+    }
     if (auto* events = r.array("events")) {
       // Ops on one stream run in issue order, so their start times never decrease.
       std::map<std::string, double> lastStartByStream;
@@ -462,7 +466,10 @@ std::string writeTrace(const Trace& t) {
         if (e.opDeviceUs) ev["op_device_us"] = *e.opDeviceUs;
         events.push_back(std::move(ev));
       }
-      graphs.push_back({{"id", g.id}, {"kind", graphKindName(g.kind)}, {"events", std::move(events)}});
+      ordered_json graph{{"id", g.id}, {"kind", graphKindName(g.kind)}};
+      if (g.inputShapes) graph["input_shapes"] = *g.inputShapes;
+      graph["events"] = std::move(events);
+      graphs.push_back(std::move(graph));
     }
     ordered_json step{{"index", s.index}, {"optimizer_us", s.optimizerUs}};
     if (s.optimizerHostUs) step["optimizer_host_us"] = *s.optimizerHostUs;
@@ -525,6 +532,18 @@ const std::vector<std::string>& streamNames() {
     return out;
   }();
   return names;
+}
+
+std::string inputShapesText(const InputShapes& shapes) {
+  std::string out = "[";
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    if (i) out += ", ";
+    out += "(";
+    for (size_t d = 0; d < shapes[i].size(); ++d) out += (d ? ", " : "") + std::to_string(shapes[i][d]);
+    if (shapes[i].size() == 1) out += ",";
+    out += ")";
+  }
+  return out + "]";
 }
 
 }  // namespace dcplan::schemas

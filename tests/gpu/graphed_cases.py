@@ -15,6 +15,7 @@ from train_harness import run_cases  # noqa: E402
 
 STEPS = 6     # 2 warm-up calls, the capture (whose call replays once), 3 more replays
 LOGGED = 4    # the step whose host ops are logged: a replay
+EVAL_AFTER = (3, 4)  # eval forwards (no grad) after these steps: between replays in the graphed run
 MAX_NORM = 0.05  # small enough that every step clips
 
 
@@ -68,6 +69,7 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
 
     run = dcplan.graphed_step(step, warmup=2) if graphed else step
     losses: List[float] = []
+    evals: List[float] = []
     host_ops = None
     data = cc.data(accum, "cuda")
     for s in range(STEPS):
@@ -80,6 +82,12 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
         if graphed and s == LOGGED:
             host_ops = dcplan._C.take_op_log()
             dcplan._C.stop_op_log()
+        if s in EVAL_AFTER:  # beside the training graph: it runs eagerly and keeps the graph
+            model.eval()
+            with torch.no_grad():
+                idx, tgt = data[0][0]
+                evals.append(cc.loss_of(model, idx[mine], tgt[mine]).item())
+            model.train()
     refused = None
     if graphed:
         try:
@@ -99,7 +107,7 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
     # One eager step after the graph (after close() in the graphed run).
     losses.append(step([(idx[mine], tgt[mine]) for idx, tgt in data[0]]).tolist())
     params = {k: v.cpu() for k, v in dcplan.full_parameters(model).items()}
-    return {"losses": losses, "params": params, "host_ops": host_ops, "refused": refused,
+    return {"losses": losses, "evals": evals, "params": params, "host_ops": host_ops, "refused": refused,
             "refused_check": refused_check,
             "captured": graphed and run is not step}
 

@@ -42,6 +42,10 @@ def test_graphed_step_trains_like_the_plain_step(results, variant, stage, accum,
     # and clipped every step; the replays read the
     # learning rate the schedule wrote (a frozen one would part the parameters).
     torch.testing.assert_close(torch.tensor(graphed["losses"]), torch.tensor(plain["losses"]), **TOL)
+    # Eval forwards between the replays ran beside the graph and saw the weights the replays trained
+    # (the plain run's, step for step), and the replays after them went on alike.
+    assert len(graphed["evals"]) == len(gc.EVAL_AFTER)
+    torch.testing.assert_close(torch.tensor(graphed["evals"]), torch.tensor(plain["evals"]), **TOL)
     assert graphed["params"].keys() == plain["params"].keys()
     for name in plain["params"]:
         torch.testing.assert_close(graphed["params"][name], plain["params"][name], **TOL, msg=name)
@@ -50,7 +54,7 @@ def test_graphed_step_trains_like_the_plain_step(results, variant, stage, accum,
     if clip:
         assert all(norm > gc.MAX_NORM for _, norm in plain["losses"]), plain["losses"]
         assert "error_if_nonfinite=True reads the norm on the host" in graphed["refused_check"]
-    # An eager forward while the graph replays the steps is refused, naming the way out.
+    # A training forward while the graph replays the steps is refused, naming the way out.
     assert "captured in a CUDA graph (dcplan.graphed_step)" in graphed["refused"]
     assert "close()" in graphed["refused"]
 
@@ -101,9 +105,22 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
     subprocess.run([cli, "plan", str(trace), "-o", str(tmp_path / "eager.json"), "--no-cuda-graph"], check=True,
                    env=env, capture_output=True, text=True)
     assert p["predicted"]["step_us"] < json.loads((tmp_path / "eager.json").read_text())["predicted"]["step_us"]
-    run = subprocess.run(script, env=dict(env, DCPLAN_PLAN=str(plan)), cwd=tmp_path, capture_output=True, text=True)
+    log = tmp_path / "replay.{rank}.jsonl"
+    run = subprocess.run(script, env=dict(env, DCPLAN_PLAN=str(plan), DCPLAN_REPLAY_LOG=str(log)), cwd=tmp_path,
+                         capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step   7" in run.stdout
+    assert "InputShapeWarning" not in run.stderr  # the replay's inputs are the recorded ones
+    # dcplan check on the graphed run: the warm-up follows the plan, the replays are timed on the
+    # device and the peak is the allocator's from the capture on.
+    check = subprocess.run([cli, "check", str(plan), str(tmp_path / "replay.0.jsonl")], env=env,
+                           capture_output=True, text=True)
+    print(check.stdout)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "graph replays timed on the device" in check.stdout and "captured in" in check.stdout, check.stdout
+    replays = [json.loads(line) for line in (tmp_path / "replay.0.jsonl").read_text().splitlines()
+               if '"graph_replay"' in line]
+    assert len(replays) >= 4 and all(r["device_us"] > 0 for r in replays), replays
     # The plan for the host's replay is refused at the capture, naming the file and both kinds.
     eager = tmp_path / "eager.json"
     run = subprocess.run(script, env=dict(env, DCPLAN_PLAN=str(eager)), cwd=tmp_path, capture_output=True, text=True)

@@ -1,5 +1,7 @@
 """dcplan.check_replay's measurement half: step times and memory peaks read from a replay log's
 marks, and the report against a plan's prediction and budget (no ranks: synthetic logs)."""
+import re
+
 import pytest
 
 from dcplan import _plan
@@ -158,3 +160,32 @@ def test_chrome_trace_has_the_predicted_lane_and_one_per_rank(tmp_path):
     assert not list(tmp_path.glob("*.tmp*"))
     with pytest.raises(ValueError, match="no log's op times compare with the curve's .r.0.jsonl: why."):
         _plan.write_chrome_trace(str(out), "plan.json", {"r.0.jsonl": {"reason": "why"}})
+
+
+def graphed_log(device_us, capture_peak, replay_peak, warmup_peak):
+    """A graphed step's log: two uncaptured warm-up steps (marks), the capture, then the replays."""
+    events = log((0, warmup_peak), (1000, warmup_peak))
+    events.append({"ev": "graph_capture", "capture_s": 2.5, "peak_bytes": capture_peak})
+    events += [{"ev": "graph_replay", "replay": i, "device_us": us, "peak_bytes": replay_peak}
+               for i, us in enumerate(device_us)]
+    return events
+
+
+def test_a_graphed_log_is_timed_by_its_replays_on_the_device():
+    m = _plan.measured(graphed_log([21000.0, 19000.0, 20000.0, 35000.0], 90, 90, 70))
+    # The median of the replays (the host times of the uncaptured steps are not the graphed step's).
+    assert m == {"step_us": 20500.0, "steps": 4, "peak_bytes": 90, "warmup_peak_bytes": 70, "capture_s": 2.5}
+    lines = _plan.prediction_report(PLAN, {"r.0.jsonl": m})
+    assert "20.500 ms (+2%)" in lines[3] and "(4 graph replays timed on the device)" in lines[3]
+    assert "  r.0.jsonl: captured in 2.5 s; uncaptured steps before it peaked at 0.0 MiB" in lines
+
+
+@pytest.mark.parametrize("capture,warmup,over", [(100 * 2**20, 90 * 2**20, []),
+                                                  (100 * 2**20 + 1, 90 * 2**20, ["peak"]),
+                                                  (90 * 2**20, 100 * 2**20 + 1, ["uncaptured steps' peak"])])
+def test_a_graphed_run_keeps_its_budget_in_the_graph_and_before_it(capture, warmup, over):
+    m = _plan.measured(graphed_log([20000.0], capture, 80 * 2**20, warmup))
+    lines = _plan.prediction_report(PLAN, {"r.0.jsonl": m})
+    flagged = [re.match(r"OVER BUDGET: r\.0\.jsonl: (.*) [\d.]+ MiB > budget", line) for line in lines
+               if line.startswith("OVER BUDGET")]
+    assert [f.group(1) for f in flagged] == over

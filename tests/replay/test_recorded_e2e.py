@@ -34,11 +34,17 @@ def test_record_plan_replay(tmp_path, stage, dcplan_module):
     run([exe, "plan", str(trace), "-o", str(plan)])
     p = json.loads(plan.read_text())
     assert p["source"]["world_size"] == 2 and p["source"]["stage"] == stage
+    # The recorded inputs (each rank's slice of the batch) travel from the trace into the plan.
+    recorded_shapes = [[3, 6]]
+    assert [g["input_shapes"] for g in json.loads(trace.read_text())["steps"][0]["graphs"]
+            if g["kind"] == "forward"] == [recorded_shapes]
+    assert [g.get("input_shapes") for g in p["graphs"]] == [recorded_shapes, None]
     # The plan changes the schedule: something is prefetched or kept.
     assert p["persistent"] or any(g["prefetch"] for g in p["graphs"])
     run(torchrun(str(stage), str(STEPS), str(tmp_path)))
     log = tmp_path / "replay.{rank}.jsonl"
-    run(torchrun(str(stage), str(STEPS), str(tmp_path), str(plan)), env={"DCPLAN_REPLAY_LOG": str(log)})
+    replay = run(torchrun(str(stage), str(STEPS), str(tmp_path), str(plan)), env={"DCPLAN_REPLAY_LOG": str(log)})
+    assert "InputShapeWarning" not in replay.stderr
     without = json.loads((tmp_path / "losses.json").read_text())
     with_plan = json.loads((tmp_path / "losses-plan.json").read_text())
     assert len(with_plan["losses"]) == STEPS
@@ -51,3 +57,15 @@ def test_record_plan_replay(tmp_path, stage, dcplan_module):
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
     res = run([sys.executable, "-m", "dcplan.check_replay", str(plan), *logs])
     assert res.stdout.count(f"follows {plan}") == 2, res.stdout
+
+
+def test_a_replay_whose_inputs_differ_from_the_recording_warns_once(tmp_path):
+    exe = dcplan_binary()
+    trace, plan = tmp_path / "trace.json", tmp_path / "plan.json"
+    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *torchrun("3", "4", str(tmp_path))])
+    run([exe, "plan", str(trace), "-o", str(plan)])
+    res = run(torchrun("3", "3", str(tmp_path), str(plan)), env={"TINY_ROWS": "4"})
+    # Once per rank, naming the live and the recorded shapes and the plan.
+    assert res.stderr.count("InputShapeWarning") == 2, res.stderr
+    assert "inputs have shapes [(4, 6)]" in res.stderr and "inputs had shapes [(3, 6)]" in res.stderr, res.stderr
+    assert str(plan) in res.stderr

@@ -57,9 +57,10 @@ def test_save_pretrained_of_the_full_state_dict(results, kind, stage):
 
 
 def test_example_saves_loads_and_resumes_exactly(dcplan_module, tmp_path):
-    """examples/train_transformers.py as documented, on 2 CPU ranks: a DCP save halfway, a new
-    model and optimizer loaded from it, the same losses as training straight through, and a
-    save_pretrained directory from_pretrained reads."""
+    """examples/train_transformers.py as documented, on 2 CPU ranks: gradient accumulation, clipping,
+    a warmup-cosine schedule and eval forwards; a DCP save halfway, a new model and optimizer loaded
+    from it, the same losses as training straight through, and a save_pretrained directory
+    from_pretrained reads."""
     import os
     import pathlib
     import subprocess
@@ -69,11 +70,14 @@ def test_example_saves_loads_and_resumes_exactly(dcplan_module, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = tmp_path / "pretrained"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(root / "examples/train_transformers.py"), "--steps", "6", "--save-at", "3", "--check-resume",
+           str(root / "examples/train_transformers.py"), "--steps", "6", "--save-at", "3", "--check-resume", "--accum", "2", "--eval-every", "2",
            "--activation-checkpointing", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-pretrained", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resume exact: yes (3 steps after the load)" in r.stdout, r.stdout
+    # The recipe: eval forwards between the steps (after steps 1, 3, 5 in each run), and a
+    # warmup-cosine schedule that a resumed run takes up at its step (the same losses above).
+    assert r.stdout.count("eval after step") == 6, r.stdout
     assert (tmp_path / "ckpt" / "step3" / ".metadata").exists()
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "LlamaForCausalLM"

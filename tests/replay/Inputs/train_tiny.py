@@ -3,7 +3,8 @@
 train_tiny.py STAGE STEPS OUT [PLAN]: trains the tiny transformer of the runtime tests with
 dcplan.shard(stage=STAGE[, plan=PLAN]); rank 0 writes OUT/losses<suffix>.json with the losses
 and the full parameters' sums. Recording, when on, comes from DCPLAN_RECORD (dcplan record);
-the replay log from DCPLAN_REPLAY_LOG.
+the replay log from DCPLAN_REPLAY_LOG. TINY_ROWS (default dist_cases.BATCH / world size): the
+sequences per rank, so that a replay can run inputs of other shapes than its recording.
 """
 import json
 import os
@@ -32,12 +33,12 @@ def main():
     model.block.mlp[1] = torch.nn.ReLU()
     dcplan.shard(model, stage=stage, plan=plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    per = dist_cases.BATCH // ws
+    per = int(os.environ.get("TINY_ROWS", dist_cases.BATCH // ws))
     losses = []
     g = torch.Generator().manual_seed(5)
     for _ in range(steps):
-        idx = torch.randint(0, 37, (dist_cases.BATCH, dist_cases.SEQ), generator=g)
-        tgt = torch.randint(0, 37, (dist_cases.BATCH, dist_cases.SEQ), generator=g)
+        idx = torch.randint(0, 37, (per * ws, dist_cases.SEQ), generator=g)
+        tgt = torch.randint(0, 37, (per * ws, dist_cases.SEQ), generator=g)
         mine = slice(rank * per, (rank + 1) * per)
         loss = dist_cases.loss_fn(model, idx[mine], tgt[mine])
         loss.backward()

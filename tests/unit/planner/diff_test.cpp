@@ -3,6 +3,7 @@
 
 #include "dcplan/planner/diff.h"
 #include "dcplan/planner/planner.h"
+#include "dcplan/planner/report.h"
 #include "tiny_trace.h"
 
 namespace dcplan::planner {
@@ -60,6 +61,25 @@ TEST(Diff, PredictionsWithinToleranceAreEqual) {
   EXPECT_FALSE(diffPlans(a, b).equal());
   EXPECT_TRUE(diffPlans(a, b, 0.005).equal());
   EXPECT_FALSE(diffPlans(a, b, 0.003).equal());
+}
+
+TEST(Diff, RecordedInputsTravelIntoThePlanAndItsDiffAndReport) {
+  schemas::Trace t = test::tinyTrace();
+  for (schemas::TraceStep& step : t.steps) step.graphs[0].inputShapes = schemas::InputShapes{{2, 64}};
+  PlanRequest r;
+  r.traceName = "tiny.json";
+  const schemas::Plan withInputs = makePlan(t, r).plan;
+  ASSERT_EQ(withInputs.graphs.size(), 2u);
+  EXPECT_EQ(withInputs.graphs[0].inputShapes, (schemas::InputShapes{{2, 64}}));
+  EXPECT_FALSE(withInputs.graphs[1].inputShapes.has_value());  // backward graphs have none
+  EXPECT_NE(renderPlanReport(withInputs, "p.json").find("recorded inputs [(2, 64)]"), std::string::npos);
+  schemas::Plan bigger = withInputs;
+  bigger.graphs[0].inputShapes = schemas::InputShapes{{4, 64}, {4}};
+  const std::string text = renderDiffText(diffPlans(withInputs, bigger), "a", "b");
+  EXPECT_NE(text.find("[(2, 64)]"), std::string::npos) << text;
+  EXPECT_NE(text.find("[(4, 64), (4,)]"), std::string::npos) << text;
+  EXPECT_FALSE(diffPlans(withInputs, bigger).equal());
+  EXPECT_FALSE(diffPlans(tinyPlan(), withInputs).equal());  // "not recorded" against recorded
 }
 
 TEST(Diff, FormatIds) {

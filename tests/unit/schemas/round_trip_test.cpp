@@ -144,6 +144,24 @@ TEST(RoundTrip, ReplayModeIsAbsentForEagerAndKeptForCompiled) {
   EXPECT_EQ(p2.options.inSituScale, 2.5);
 }
 
+TEST(RoundTrip, InputShapesStayAbsentOrPresent) {
+  Trace trace = readTrace(kInputs / "minimal.trace.json");
+  Plan plan = readPlan(kInputs / "minimal.plan.json");
+  EXPECT_EQ(writeTrace(trace).find("input_shapes"), std::string::npos);
+  EXPECT_EQ(writePlan(plan).find("input_shapes"), std::string::npos);
+  const InputShapes shapes{{4, 128}, {}, {4, 128, 3}};
+  trace.steps[0].graphs[0].inputShapes = shapes;
+  plan.graphs[0].inputShapes = shapes;
+  Trace t2;
+  Plan p2;
+  ASSERT_TRUE(validateTrace(parseJson(writeTrace(trace), "trace"), t2).empty());
+  ASSERT_TRUE(validatePlan(parseJson(writePlan(plan), "plan"), p2).empty());
+  EXPECT_EQ(t2.steps[0].graphs[0].inputShapes, shapes);
+  EXPECT_FALSE(t2.steps[0].graphs[1].inputShapes.has_value());
+  EXPECT_EQ(p2.graphs[0].inputShapes, shapes);
+  EXPECT_EQ(writePlan(p2), writePlan(plan));
+}
+
 TEST(Signature, DependsOnNamesShapesDtypesAndWorldSizeOnly) {
   std::vector<TraceParam> params{{0, "a.weight", {4, 3}, "float32", 12, 6, true, std::nullopt},
                                  {1, "a.bias", {3}, "float32", 3, 2, true, std::nullopt}};

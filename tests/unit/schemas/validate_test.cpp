@@ -132,6 +132,17 @@ INSTANTIATE_TEST_SUITE_P(
         TraceCase{"UnknownReplayMode",
                   [](auto& t) { t["meta"]["replay"] = "jit"; },
                   {"/meta/replay: expected one of \"eager\", \"compiled\", got \"jit\""}},
+        TraceCase{"InputShapeNotAShape",
+                  [](auto& t) { t["steps"][0]["graphs"][0]["input_shapes"] = {{2, 6}, 3}; },
+                  {"/steps/0/graphs/0/input_shapes/1: expected a shape (an array of integers >= 0), got "
+                   "integer 3"}},
+        TraceCase{"NegativeInputDim",
+                  [](auto& t) { t["steps"][0]["graphs"][0]["input_shapes"] = {{2, -6}}; },
+                  {"/steps/0/graphs/0/input_shapes/0/1: expected an integer >= 0, got -6"}},
+        TraceCase{"InputShapesOnABackward",
+                  [](auto& t) { t["steps"][0]["graphs"][1]["input_shapes"] = {{2, 6}}; },
+                  {"/steps/0/graphs/1/input_shapes: input shapes belong to forward graphs; this graph is a "
+                   "backward"}},
         TraceCase{"EmptyCurve",
                   [](auto& t) { t["calibration"]["all_reduce"] = ordered_json::array(); },
                   {"/calibration/all_reduce: expected at least one calibration point"}},
@@ -212,6 +223,20 @@ TEST(Validate, GuardPeaksAreBytesOnePerPersistentId) {
                     std::to_string(plan["persistent"].size()) + "), got " +
                     std::to_string(plan["persistent"].size() + 1),
                 "/graphs/0/prefetch/0/peak_bytes: expected an integer >= 0, got -1",
+            }));
+}
+
+TEST(Validate, PlanInputShapesAreShapesOfForwardGraphs) {
+  ordered_json plan = minimalPlan();
+  ASSERT_EQ(plan["graphs"][1]["kind"], "backward");
+  plan["graphs"][0]["input_shapes"] = {{2, 6}, ordered_json::array()};  // a scalar tensor has shape ()
+  EXPECT_TRUE(planProblems(plan).empty());
+  plan["graphs"][0]["input_shapes"] = {{2, "6"}};
+  plan["graphs"][1]["input_shapes"] = {{2, 6}};
+  EXPECT_EQ(planProblems(plan),
+            (std::vector<std::string>{
+                "/graphs/0/input_shapes/0/1: expected an integer, got string \"6\"",
+                "/graphs/1/input_shapes: input shapes belong to forward graphs; this graph is a backward",
             }));
 }
 

@@ -54,6 +54,8 @@ struct WorkGraph {
   int64_t id = 0;
   schemas::GraphKind kind = schemas::GraphKind::Forward;
   std::vector<WorkOp> ops;
+  /// Forward graphs: the inputs of its first run in the step (the plan carries them).
+  std::optional<schemas::InputShapes> inputShapes;
 };
 
 /// One execution of a graph within the step, with its own timings.

@@ -84,6 +84,9 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   /// A forward that is not a training micro-step (an eval forward, without grad) runs while
   /// paused: its start and ops are not recorded and it counts as no step.
   void setPaused(bool paused);
+  /// In a recorded micro-step, after its start_forward: the shapes of the tensor arguments of the
+  /// forward of the model whose forward graph is `forwardGraph` (the trace graph's input_shapes).
+  void setInputShapes(int64_t forwardGraph, schemas::InputShapes shapes);
 
   void onOpBegin(const replayer::OpEvent& event) override;
   void onOpEnd(const replayer::OpEvent& event) override;
@@ -167,6 +170,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     double optimizerUs = 0;
     std::optional<double> optimizerHostUs;  // none when a host reading is missing
     std::vector<RawEvent> events;
+    std::map<int64_t, schemas::InputShapes> inputShapes;  // by forward graph id
     std::vector<size_t> pendingReduce;  // reduce_grad events not yet carried by a collective
   };
 

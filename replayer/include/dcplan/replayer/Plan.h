@@ -58,6 +58,8 @@ struct PlanSummary {
   std::vector<std::vector<int64_t>> optimizerOffload;
   std::optional<uint64_t> memoryBudgetBytes;  ///< the plan's options.memory_budget_bytes
   std::optional<int64_t> guardStartBytes;     ///< the plan's guard.start_bytes
+  /// The input shapes of the live model's forward graph in the recorded step (input_shapes).
+  std::optional<schemas::InputShapes> inputShapes;
 };
 
 /// One prefetch group of a plan: its ids and its peak (the plan's peak_bytes, -1: not given).

@@ -71,7 +71,10 @@ void registerGraph(int64_t graphId, Stage stage, const std::vector<int64_t>& dsI
                    std::optional<at::ScalarType> reduceDtype = std::nullopt);
 
 void setPersistent(int64_t dsId, bool persistent);
-void startForward();
+/// training: the forward runs with grad (a micro-step). While a step is captured
+/// (dcplan.graphed_step) only a forward without grad may run beside its graph.
+void startForward(bool training = true);
+/// Ends a forward; one beside a captured step's graph drops what it gathered.
 void endForward();
 /// update: the gradients start from zero (the optimizer consumed them);
 /// sync: this micro-step ends gradient accumulation (ZeRO-1 reduces only then).

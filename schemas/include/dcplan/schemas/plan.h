@@ -71,6 +71,9 @@ struct PlanGraph {
   GraphKind kind = GraphKind::Forward;
   std::vector<PrefetchGroup> prefetch;
   std::vector<PlanBucket> buckets;
+  /// Forward graphs: the inputs of the recorded step the plan was made from (its memory and times
+  /// hold for these); a replay whose inputs differ warns once. Absent: the trace did not record them.
+  std::optional<InputShapes> inputShapes;
 };
 
 /// Parameters whose optimizer state lives in host memory between optimizer steps (planned

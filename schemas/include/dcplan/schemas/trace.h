@@ -130,10 +130,19 @@ bool waitsForAnotherStream(const std::string& op);
 
 enum class GraphKind { Forward, Backward };
 
+/// The shape of each tensor argument of a sharded model's forward (args, then kwargs, in torch's
+/// pytree order).
+using InputShapes = std::vector<std::vector<int64_t>>;
+
+/// "[(2, 64), (2,)]": as Python prints the shapes (inspect, diff, the replay's warning).
+std::string inputShapesText(const InputShapes& shapes);
+
 struct TraceGraph {
   int64_t id = 0;
   GraphKind kind = GraphKind::Forward;
   std::vector<OpEvent> events;
+  /// Forward graphs: the inputs of this micro-step's forward; absent in older traces.
+  std::optional<InputShapes> inputShapes;
 };
 
 /// One recorded training step (one micro-step per graph pair when accumulating).
