@@ -86,6 +86,8 @@ def build(args, device, seed):
     cuda = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(args.lr, device=device), weight_decay=0.01,
                             capturable=cuda, fused=cuda or None, foreach=False if not cuda else None)
+    for group in opt.param_groups:
+        group["initial_lr"] = args.lr  # the schedule's base, in the checkpoint from the start (schedule())
     return model, opt
 
 
@@ -100,9 +102,7 @@ def warmup_cosine(args):
 
 def schedule(opt, args, start):
     """The schedule of a run that resumes at step `start` (0: a fresh one); it depends only on the
-    step, so a resumed run needs no scheduler state: the optimizer's param groups keep initial_lr."""
-    for group in opt.param_groups:
-        group.setdefault("initial_lr", args.lr)
+    step, so a resumed run needs no scheduler state: the param groups keep initial_lr (build())."""
     return torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args), last_epoch=start - 1)
 
 
@@ -176,6 +176,20 @@ def state(model, opt):
     return {"model": dcplan.get_model_state_dict(model), "optim": dcplan.get_optimizer_state_dict(model, opt)}
 
 
+def snapshot(sd):
+    """This rank's values of a state dict, on the host: tensors (their local shards) and the rest."""
+    leaves, _ = torch.utils._pytree.tree_flatten(sd)
+    local = [leaf.to_local() if hasattr(leaf, "to_local") else leaf for leaf in leaves]
+    return [leaf.detach().cpu().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in local]
+
+
+def same_values(a, b):
+    """Bit for bit (a resumed run starts from exactly the state that was saved)."""
+    return len(a) == len(b) and all(
+        (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y))
+        or (not isinstance(x, torch.Tensor) and x == y) for x, y in zip(a, b))
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not 0 < args.save_at < args.steps:
@@ -197,7 +211,9 @@ def main(argv=None):
 
     model, opt = build(args, device, seed=0)
     losses = train(model, opt, args, range(args.save_at), rank, device, "train")
-    dcp.save(state(model, opt), checkpoint_id=path)
+    saved = state(model, opt)
+    before = snapshot(saved)
+    dcp.save(saved, checkpoint_id=path)
     if rank == 0:
         print(f"saved {path} (torch.distributed.checkpoint, {dist.get_world_size()} ranks)", flush=True)
     del model, opt
@@ -207,8 +223,10 @@ def main(argv=None):
     dcp.load(sd, checkpoint_id=path)
     dcplan.set_model_state_dict(model, sd["model"])
     dcplan.set_optimizer_state_dict(model, opt, sd["optim"])
+    restored = same_values(before, snapshot(state(model, opt)))
     if rank == 0:
-        print(f"loaded {path} into a new model and optimizer", flush=True)
+        print(f"loaded {path} into a new model and optimizer; its state equals the saved one bit for bit: "
+              f"{'yes' if restored else 'NO'}", flush=True)
     losses += train(model, opt, args, range(args.save_at, args.steps), rank, device, "train")
 
     if args.save_pretrained:
@@ -222,7 +240,7 @@ def main(argv=None):
         del model, opt
         model, opt = build(args, device, seed=0)
         straight = train(model, opt, args, range(args.steps), rank, device, "straight")
-        same = straight == losses
+        same = straight == losses and restored
         if rank == 0:
             print(f"resume exact: {'yes' if same else 'NO'} ({args.steps - args.save_at} steps after the load)")
             if not same:

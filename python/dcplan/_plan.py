@@ -603,7 +603,7 @@ def prediction_report(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
     lines.append(f"  budget: {_mib(budget) if budget else 'none (the plan was made without --memory-budget)'}")
     for name, m in runs.items():
         if m.get("capture_s") is not None:
-            lines.append(f"  {os.path.basename(name)}: captured in {m['capture_s']:.1f} s; uncaptured steps before "
+            lines.append(f"  {os.path.basename(name)}: captured in {m['capture_s']:.2f} s; uncaptured steps before "
                          f"it peaked at {_mib(m['warmup_peak_bytes'])}")
         for what, key in (("peak", "peak_bytes"), ("uncaptured steps' peak", "warmup_peak_bytes")):
             if budget and m.get(key) is not None and m[key] > budget:

@@ -177,7 +177,7 @@ def test_a_graphed_log_is_timed_by_its_replays_on_the_device():
     assert m == {"step_us": 20500.0, "steps": 4, "peak_bytes": 90, "warmup_peak_bytes": 70, "capture_s": 2.5}
     lines = _plan.prediction_report(PLAN, {"r.0.jsonl": m})
     assert "20.500 ms (+2%)" in lines[3] and "(4 graph replays timed on the device)" in lines[3]
-    assert "  r.0.jsonl: captured in 2.5 s; uncaptured steps before it peaked at 0.0 MiB" in lines
+    assert "  r.0.jsonl: captured in 2.50 s; uncaptured steps before it peaked at 0.0 MiB" in lines
 
 
 @pytest.mark.parametrize("capture,warmup,over", [(100 * 2**20, 90 * 2**20, []),

@@ -74,6 +74,7 @@ def test_example_saves_loads_and_resumes_exactly(dcplan_module, tmp_path):
            "--activation-checkpointing", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-pretrained", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "its state equals the saved one bit for bit: yes" in r.stdout, r.stdout
     assert "resume exact: yes (3 steps after the load)" in r.stdout, r.stdout
     # The recipe: eval forwards between the steps (after steps 1, 3, 5 in each run), and a
     # warmup-cosine schedule that a resumed run takes up at its step (the same losses above).
