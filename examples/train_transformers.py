@@ -10,8 +10,8 @@ model and optimizer, a load, and the rest of the steps.
 The recipe is a real run's: gradient accumulation inside the step (--accum), clipping
 (dcplan.clip_grad_norm_), AdamW with a tensor learning rate that a warmup-cosine schedule updates
 in place (--warmup-steps), an eval forward every --eval-every steps, and the checkpoint. With
---graphed (a GPU) the whole step runs as one CUDA graph (dcplan.graphed_step): the same step
-function, captured after two warm-up calls and replayed; AdamW is then fused and capturable.
+--compile --graphed (a GPU) the whole step runs as one CUDA graph (dcplan.graphed_step): the same
+step function, captured after two warm-up calls and replayed; AdamW is then fused and capturable.
 
 --check-resume also trains the same steps without the checkpoint, in the same processes, and
 says whether the losses after the load are the same numbers (on GPUs with --attn eager: sdpa's
@@ -199,6 +199,11 @@ def main(argv=None):
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.graphed and not cuda:
         sys.exit("train_transformers: --graphed captures the step in a CUDA graph; it needs a GPU (--device cuda)")
+    if args.graphed and not args.compile:
+        # Measured with transformers' LlamaForCausalLM (1xH100): its eager forward copies a host tensor
+        # to the GPU, which a capture refuses; its compiled forward does not.
+        sys.exit("train_transformers: --graphed needs --compile: transformers' eager forward copies a host tensor to "
+                 "the GPU, which a CUDA graph capture refuses")
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
