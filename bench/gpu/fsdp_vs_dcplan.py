@@ -74,7 +74,8 @@ def parse_args():
                    help="comma-separated: fsdp2, fsdp2-compiled, fsdp2-offload (CPUOffloadPolicy), dcplan, dcplan-compiled, dcplan-graphed, "
                         "dcplan-compiled-graphed (the whole step in a CUDA graph: dcplan.graphed_step), bound; a graphed "
                         "mode with +recipe (dcplan-compiled-graphed+recipe): clipping in the graph and a "
-                        "warmup-cosine schedule of a tensor learning rate")
+                        "warmup-cosine schedule of a tensor learning rate; +recipe-in-step: the same with the "
+                        "clipping scale applied by the fused AdamW (clip_grad_norm_(..., optimizer=opt))")
     p.add_argument("--plan", help="dcplan: replay this plan (default schedule without); several: comma-separated, "
                    "one dcplan run each (dcplan:<file name> in the table)")
     p.add_argument("--compiled-plan", help="dcplan-compiled: replay these plans (comma-separated; "
@@ -398,11 +399,12 @@ class Bench:
         del engine, model, opt
         return out
 
-    def dcplan(self, plan=None, compiled=False, graphed=False, recipe=False):
+    def dcplan(self, plan=None, compiled=False, graphed=False, recipe=None):
         """graphed: the whole step captured in a CUDA graph (dcplan.graphed_step, two warm-up calls
         and the capture within --warmup), with a capturable AdamW. recipe (graphed): a real run's
-        step: clipping inside the graph (dcplan.clip_grad_norm_, max norm 1) and a tensor learning
-        rate that a warmup-cosine schedule fills between the replays."""
+        step: clipping inside the graph (dcplan.clip_grad_norm_, max norm 1; "in-step": its scale
+        applied by the fused AdamW) and a tensor learning rate that a warmup-cosine schedule fills
+        between the replays."""
         import dcplan
 
         self.fresh()
@@ -428,7 +430,8 @@ class Bench:
                 loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
                 loss.backward()
                 if recipe:
-                    dcplan.clip_grad_norm_(model, 1.0)
+                    # +recipe-in-step: the fused AdamW applies the clipping scale as it reads the gradients
+                    dcplan.clip_grad_norm_(model, 1.0, optimizer=opt if recipe == "in-step" else None)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 return loss.detach()
@@ -589,6 +592,15 @@ def merge_files(paths):
     report({mode: merge_rounds(rs) for mode, rs in runs.items()}, docs[0])
 
 
+def recipe_of(mode: str):
+    """A graphed mode's recipe suffix: "+recipe" (clipping scales the gradients itself) or
+    "+recipe-in-step" (the fused AdamW applies the scale); None without one."""
+    suffix = mode.partition("+")[2]
+    if suffix not in ("", "recipe", "recipe-in-step"):
+        sys.exit(f"fsdp_vs_dcplan: mode {mode}: the suffix should be +recipe or +recipe-in-step")
+    return {"": None, "recipe": "in-pass", "recipe-in-step": "in-step"}[suffix]
+
+
 def plans_for(plans, graphed: bool) -> list:
     """The plans of a comma-separated list made for this kind of replay (options.cuda_graph): the
     runtime refuses a plan for one CUDA graph outside dcplan.graphed_step, and the other way round."""
@@ -625,16 +637,16 @@ def main():
                 for plan in plans_for(args.plan, False):
                     name = "dcplan:" + os.path.basename(plan).removesuffix(".json")
                     runs.setdefault(name, []).append(bench.dcplan(plan))
-            elif mode.removesuffix("+recipe") in ("dcplan-compiled", "dcplan-compiled-graphed"):
+            elif mode.split("+")[0] in ("dcplan-compiled", "dcplan-compiled-graphed"):
                 graphed = "-graphed" in mode
                 for plan in [None] + plans_for(args.compiled_plan, graphed):
                     name = mode + (":" + os.path.basename(plan).removesuffix(".json") if plan else "")
                     runs.setdefault(name, []).append(
-                        bench.dcplan(plan, compiled=True, graphed=graphed, recipe=mode.endswith("+recipe")))
-            elif mode.removesuffix("+recipe") == "dcplan-graphed":
+                        bench.dcplan(plan, compiled=True, graphed=graphed, recipe=recipe_of(mode)))
+            elif mode.split("+")[0] == "dcplan-graphed":
                 for plan in [None] + plans_for(args.plan, True):
                     name = mode + (":" + os.path.basename(plan).removesuffix(".json") if plan else "")
-                    runs.setdefault(name, []).append(bench.dcplan(plan, graphed=True, recipe=mode.endswith("+recipe")))
+                    runs.setdefault(name, []).append(bench.dcplan(plan, graphed=True, recipe=recipe_of(mode)))
             elif mode in ("fsdp2-compiled", "fsdp2-offload"):
                 runs.setdefault(mode, []).append(bench.fsdp2(compiled=mode == "fsdp2-compiled",
                                                              offload=mode == "fsdp2-offload"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -14,7 +15,8 @@ from ._shard_param import ShardParameter
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, optimizer: Optional[torch.optim.Optimizer] = None
+                    ) -> torch.Tensor:
     """Clips the gradients of a sharded model's parameters by their norm over every shard of
     every rank, as ``torch.nn.utils.clip_grad_norm_`` does for the unsharded model, and returns
     that total norm (the same on every rank). A collective: every rank of the model calls it,
@@ -24,6 +26,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     stream waits for, and the scale is applied on the device, so it runs inside a step captured by
     ``dcplan.graphed_step``. ``error_if_nonfinite=True`` reads the norm on the host, which a
     captured step cannot: it is refused there (check the returned norm after the step instead).
+
+    ``optimizer``: a fused Adam or AdamW (``fused=True``) that applies the scale inside its next
+    ``step()`` (its ``grad_scale`` input, which GradScaler feeds for fp16) instead of a pass of its
+    own over every gradient here: one read and write of the gradients less per step. The gradients
+    are then not yet clipped when this returns, only in the step; not with a GradScaler.
     """
     state = getattr(model, "_dcplan", None)
     if state is None:
@@ -41,11 +48,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     # This rank's part: the padding past each parameter's end holds zero gradients.
     if not grads:
         local = torch.zeros((), device=device)
-    elif math.isinf(norm_type):
-        local = torch.stack([g.detach().abs().max() for g in grads]).max().float()
     else:
-        local = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32)
-                             for g in grads]).pow(norm_type).sum()
+        # One multi-tensor kernel for every shard's norm, as torch's clipping computes them.
+        norms = torch.stack(torch._foreach_norm([g.detach() for g in grads], norm_type, dtype=torch.float32))
+        local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
     # Every rank's part, in rank order; the caller's stream waits for it, the host does not.
     parts = _C.all_gather_flat(local.reshape(1).float())
     total = parts.max() if math.isinf(norm_type) else parts.sum().pow(1.0 / norm_type)
@@ -53,9 +59,40 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise RuntimeError(f"dcplan.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
                            f"{total.item()}; pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if grads:
+    if optimizer is not None:
+        _scale_in_step(optimizer, coef)
+    elif grads:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total
+
+
+def _scale_in_step(optimizer: torch.optim.Optimizer, coef: torch.Tensor) -> None:
+    """Has optimizer's next step multiply the gradients by coef: a fused Adam(W) divides them by its
+    grad_scale attribute as it reads them; the attribute goes after that step (a step hook), so a
+    later step that was not clipped is not scaled."""
+    name = type(optimizer).__name__
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or not all(
+            g.get("fused") for g in optimizer.param_groups):
+        raise ValueError(f"dcplan.clip_grad_norm_: optimizer= needs a fused Adam or AdamW (fused=True), whose step "
+                         f"applies the scale as it reads the gradients; got {name} "
+                         f"(fused={[g.get('fused') for g in optimizer.param_groups]}); leave optimizer out to "
+                         "scale the gradients here")
+    held = getattr(optimizer, "grad_scale", None)
+    if held is not None and getattr(optimizer, "_dcplan_clip_scale", None) is not held:
+        raise ValueError(f"dcplan.clip_grad_norm_: {name}.grad_scale is set by someone else (a GradScaler?); "
+                         "leave optimizer out to scale the gradients here")
+    optimizer.grad_scale = (1.0 / coef).float()
+    optimizer._dcplan_clip_scale = optimizer.grad_scale
+    if not getattr(optimizer, "_dcplan_clip_hook", False):
+        optimizer.register_step_post_hook(_drop_scale)
+        optimizer._dcplan_clip_hook = True
+
+
+def _drop_scale(optimizer, args, kwargs) -> None:
+    if getattr(optimizer, "_dcplan_clip_scale", None) is not None:
+        if getattr(optimizer, "grad_scale", None) is optimizer._dcplan_clip_scale:
+            del optimizer.grad_scale
+        optimizer._dcplan_clip_scale = None
 
 
 _warned = False

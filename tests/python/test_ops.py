@@ -517,6 +517,38 @@ def test_nccl_timeout_setting(monkeypatch, dcplan_module):
             _shard._nccl_timeout_s()
 
 
+def test_clipping_inside_a_fused_adamw_step_trains_as_clipping_the_gradients(dcplan_module, group):
+    """clip_grad_norm_(..., optimizer=opt): the fused AdamW applies the scale as it reads the
+    gradients (grad_scale); the parameters follow torch's clipping of the unsharded model and a
+    plain fused AdamW, step for step, and a step after one without clipping is not scaled."""
+    dcplan_module.shutdown()
+    torch.manual_seed(0)
+    plain = nn.Linear(3, 5)
+    sharded = dcplan_module.shard(nn.Linear(3, 5).requires_grad_(True), stage=3)
+    with torch.no_grad():
+        for p, s in zip(plain.parameters(), sharded.parameters()):
+            s.copy_(p.reshape(-1))
+    want_opt = torch.optim.AdamW(plain.parameters(), lr=0.1, fused=True)
+    got_opt = torch.optim.AdamW(sharded.parameters(), lr=0.1, fused=True)
+    for step in range(4):
+        x = torch.randn(4, 3)
+        for model, opt in ((plain, want_opt), (sharded, got_opt)):
+            model(x).square().sum().backward()
+            if step != 2:  # the third step is not clipped: no scale is left over from the second
+                if model is plain:
+                    want = torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 0.5)
+                else:
+                    got = dcplan_module.clip_grad_norm_(sharded, 0.5, optimizer=got_opt)
+            opt.step()
+            opt.zero_grad()
+        if step != 2:
+            torch.testing.assert_close(got, want)
+        assert want > 0.5  # every clipped step clips
+        assert getattr(got_opt, "grad_scale", None) is None
+        for p, s in zip(plain.parameters(), sharded.parameters()):
+            torch.testing.assert_close(s.detach(), p.detach().reshape(-1))
+
+
 def test_clip_grad_norm_on_one_rank_and_the_warning_for_torchs(dcplan_module, group):
     import warnings
 
@@ -556,6 +588,8 @@ def test_clip_grad_norm_on_one_rank_and_the_warning_for_torchs(dcplan_module, gr
         torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)  # not shards: silent
     with pytest.raises(ValueError, match="model is not sharded by dcplan.shard"):
         dcplan_module.clip_grad_norm_(plain, 1.0)
+    with pytest.raises(ValueError, match=r"optimizer= needs a fused Adam or AdamW \(fused=True\).*got SGD"):
+        dcplan_module.clip_grad_norm_(sharded, 1.0, optimizer=torch.optim.SGD(sharded.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="norm_type should be > 0 or inf, got -1.0"):
         dcplan_module.clip_grad_norm_(sharded, 1.0, norm_type=-1)
     dcplan_module.shutdown()
