@@ -517,17 +517,23 @@ def test_nccl_timeout_setting(monkeypatch, dcplan_module):
             _shard._nccl_timeout_s()
 
 
+def twin_linears(dcplan):
+    """A Linear(3, 5) and the same values sharded (ZeRO-3, one rank) on a fresh runtime."""
+    dcplan.shutdown()
+    torch.manual_seed(0)
+    plain = nn.Linear(3, 5)
+    sharded = dcplan.shard(nn.Linear(3, 5).requires_grad_(True), stage=3)
+    with torch.no_grad():
+        for p, s in zip(plain.parameters(), sharded.parameters()):
+            s.copy_(p.reshape(-1))
+    return plain, sharded
+
+
 def test_clipping_inside_a_fused_adamw_step_trains_as_clipping_the_gradients(dcplan_module, group):
     """clip_grad_norm_(..., optimizer=opt): the fused AdamW applies the scale as it reads the
     gradients (grad_scale); the parameters follow torch's clipping of the unsharded model and a
     plain fused AdamW, step for step, and a step after one without clipping is not scaled."""
-    dcplan_module.shutdown()
-    torch.manual_seed(0)
-    plain = nn.Linear(3, 5)
-    sharded = dcplan_module.shard(nn.Linear(3, 5).requires_grad_(True), stage=3)
-    with torch.no_grad():
-        for p, s in zip(plain.parameters(), sharded.parameters()):
-            s.copy_(p.reshape(-1))
+    plain, sharded = twin_linears(dcplan_module)
     want_opt = torch.optim.AdamW(plain.parameters(), lr=0.1, fused=True)
     got_opt = torch.optim.AdamW(sharded.parameters(), lr=0.1, fused=True)
     for step in range(4):
@@ -552,13 +558,7 @@ def test_clipping_inside_a_fused_adamw_step_trains_as_clipping_the_gradients(dcp
 def test_clip_grad_norm_on_one_rank_and_the_warning_for_torchs(dcplan_module, group):
     import warnings
 
-    dcplan_module.shutdown()
-    torch.manual_seed(0)
-    plain = nn.Linear(3, 5)
-    sharded = dcplan_module.shard(nn.Linear(3, 5).requires_grad_(True), stage=3)
-    with torch.no_grad():
-        for p, s in zip(plain.parameters(), sharded.parameters()):
-            s.copy_(p.reshape(-1))
+    plain, sharded = twin_linears(dcplan_module)
     x = torch.randn(4, 3)
     plain(x).square().sum().backward()
     sharded(x).square().sum().backward()
