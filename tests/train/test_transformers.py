@@ -70,7 +70,8 @@ def test_example_saves_loads_and_resumes_exactly(dcplan_module, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = tmp_path / "pretrained"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(root / "examples/train_transformers.py"), "--steps", "6", "--save-at", "3", "--check-resume", "--accum", "2", "--eval-every", "2",
+           str(root / "examples/train_transformers.py"), "--steps", "6", "--save-at", "3", "--check-resume",
+           "--accum", "2", "--eval-every", "2",
            "--activation-checkpointing", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-pretrained", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
