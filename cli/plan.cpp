@@ -65,6 +65,14 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
                                                 " replayed " + planFile + ": give the logs of one run"}});
     }
     planFile = log.planFile;
+    if (log.graphReplays > 0) {
+      throw schemas::InputError(
+          path,
+          {{"", "--calibrate: the log is of a step replayed as one CUDA graph (" +
+                    std::to_string(log.graphReplays) +
+                    " graph_replay lines: dcplan.graphed_step), whose replays run no op on the host to time; "
+                    "a plan for the graph is made from the device's own times: plan from the trace alone"}});
+    }
     if (!log.steps.medianUs) {
       throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.steps.count) +
                                                 " steps after the first; run at least 3 steps"}});

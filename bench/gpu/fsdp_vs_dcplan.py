@@ -595,9 +595,12 @@ def merge_files(paths):
 def recipe_of(mode: str):
     """A graphed mode's recipe suffix: "+recipe" (clipping scales the gradients itself) or
     "+recipe-in-step" (the fused AdamW applies the scale); None without one."""
-    suffix = mode.partition("+")[2]
+    base, _, suffix = mode.partition("+")
     if suffix not in ("", "recipe", "recipe-in-step"):
         sys.exit(f"fsdp_vs_dcplan: mode {mode}: the suffix should be +recipe or +recipe-in-step")
+    if suffix and not base.endswith("-graphed"):
+        sys.exit(f"fsdp_vs_dcplan: mode {mode}: +{suffix} is for the graphed modes (dcplan-graphed, "
+                 "dcplan-compiled-graphed)")
     return {"": None, "recipe": "in-pass", "recipe-in-step": "in-step"}[suffix]
 
 

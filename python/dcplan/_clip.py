@@ -43,6 +43,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise RuntimeError("dcplan.clip_grad_norm_: error_if_nonfinite=True reads the norm on the host, which a "
                            "step captured in a CUDA graph (dcplan.graphed_step) cannot; pass "
                            "error_if_nonfinite=False and check the returned norm after the step")
+    if optimizer is not None:
+        _check_scaling_optimizer(optimizer, state)  # before the collective: a refusal leaves nothing
     grads = [i.shard.grad for i in state.trainable_infos if i.shard.grad is not None]
     device = state.infos[0].shard.device if state.infos else torch.device("cpu")
     # This rank's part: the padding past each parameter's end holds zero gradients.
@@ -66,10 +68,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     return total
 
 
-def _scale_in_step(optimizer: torch.optim.Optimizer, coef: torch.Tensor) -> None:
-    """Has optimizer's next step multiply the gradients by coef: a fused Adam(W) divides them by its
-    grad_scale attribute as it reads them; the attribute goes after that step (a step hook), so a
-    later step that was not clipped is not scaled."""
+def _check_scaling_optimizer(optimizer: torch.optim.Optimizer, state) -> None:
+    """optimizer= must be a fused Adam(W) over this model's trainable shards alone, with no scale of
+    an earlier clip_grad_norm_ still waiting for its step."""
     name = type(optimizer).__name__
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or not all(
             g.get("fused") for g in optimizer.param_groups):
@@ -77,20 +78,46 @@ def _scale_in_step(optimizer: torch.optim.Optimizer, coef: torch.Tensor) -> None
                          f"applies the scale as it reads the gradients; got {name} "
                          f"(fused={[g.get('fused') for g in optimizer.param_groups]}); leave optimizer out to "
                          "scale the gradients here")
-    held = getattr(optimizer, "grad_scale", None)
-    if held is not None and getattr(optimizer, "_dcplan_clip_scale", None) is not held:
-        raise ValueError(f"dcplan.clip_grad_norm_: {name}.grad_scale is set by someone else (a GradScaler?); "
-                         "leave optimizer out to scale the gradients here")
+    mine = {id(i.shard) for i in state.trainable_infos}
+    if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(f"dcplan.clip_grad_norm_: optimizer= steps parameters that are not this model's trainable "
+                         f"shards, which its scale would clip too; leave optimizer out to scale this model's "
+                         "gradients here")
+    if getattr(optimizer, "_dcplan_clip_scale", None) is not None:
+        raise ValueError(f"dcplan.clip_grad_norm_: {name} still holds the scale of an earlier clip_grad_norm_ that "
+                         "no step has used (two models clipped into one optimizer?); call optimizer.step() "
+                         "between, or leave optimizer out")
+    if getattr(optimizer, "grad_scale", None) is not None:
+        raise ValueError(f"dcplan.clip_grad_norm_: {name}.grad_scale is set by someone else; leave optimizer out "
+                         "to scale the gradients here")
+
+
+def _scale_in_step(optimizer: torch.optim.Optimizer, coef: torch.Tensor) -> None:
+    """Has optimizer's next step multiply the gradients by coef: a fused Adam(W) divides them by its
+    grad_scale attribute as it reads them. A step hook checks before the step that the scale is
+    still ours (a GradScaler sets its own in step()) and drops it after, so a later step that was
+    not clipped is not scaled."""
     optimizer.grad_scale = (1.0 / coef).float()
     optimizer._dcplan_clip_scale = optimizer.grad_scale
-    if not getattr(optimizer, "_dcplan_clip_hook", False):
+    if not getattr(optimizer, "_dcplan_clip_hooks", False):
+        optimizer.register_step_pre_hook(_check_scale_held)
         optimizer.register_step_post_hook(_drop_scale)
-        optimizer._dcplan_clip_hook = True
+        optimizer._dcplan_clip_hooks = True
+
+
+def _check_scale_held(optimizer, args, kwargs) -> None:
+    ours = getattr(optimizer, "_dcplan_clip_scale", None)
+    if ours is not None and getattr(optimizer, "grad_scale", None) is not ours:
+        optimizer._dcplan_clip_scale = None
+        raise RuntimeError(f"dcplan.clip_grad_norm_(..., optimizer=...): {type(optimizer).__name__}.grad_scale was "
+                           "replaced before its step (a GradScaler steps it?), which would drop the clipping; "
+                           "with a GradScaler, call clip_grad_norm_ without optimizer=")
 
 
 def _drop_scale(optimizer, args, kwargs) -> None:
-    if getattr(optimizer, "_dcplan_clip_scale", None) is not None:
-        if getattr(optimizer, "grad_scale", None) is optimizer._dcplan_clip_scale:
+    ours = getattr(optimizer, "_dcplan_clip_scale", None)
+    if ours is not None:
+        if getattr(optimizer, "grad_scale", None) is ours:
             del optimizer.grad_scale
         optimizer._dcplan_clip_scale = None
 

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -109,9 +110,10 @@ def load(state, path: str, on_mismatch: str, reduce_dtype: Optional[torch.dtype]
 
 
 def input_shapes(args: tuple, kwargs: dict) -> List[List[int]]:
-    """The shape of each tensor argument of a forward (args, then kwargs, in pytree order): what a
-    trace records and a replay compares (input_shapes, docs/formats.md)."""
-    return [list(leaf.shape) for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    """The shape of each tensor argument of a forward (args, then kwargs by name, each in pytree
+    order): what a trace records and a replay compares (input_shapes, docs/formats.md)."""
+    leaves = pytree.tree_leaves((args, dict(sorted(kwargs.items()))))
+    return [list(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 class PlannedInputs(NamedTuple):
@@ -552,25 +554,26 @@ def measured(events: List[Dict]) -> Dict:
     marks). Host time: on a GPU it is the step time when the loop waits for each step (a
     ``loss.item()``), as training loops do. The step rule is the one ``dcplan plan --calibrate``
     reads logs with (dcplan/schemas/replay_log.h)."""
-    peak = max((ev["peak_bytes"] for ev in events if ev["ev"] == "mark"), default=None)
     replays = [ev for ev in events if ev["ev"] == "graph_replay"]
     if replays:
-        return _measured_graphed(events, replays, peak)
+        return _measured_graphed(events, replays)
+    peak = max((ev["peak_bytes"] for ev in events if ev["ev"] == "mark"), default=None)
     median, steps = _C.replay_steps(_step_events(events))
     return {"step_us": median, "steps": steps, "peak_bytes": peak}
 
 
-def _measured_graphed(events: List[Dict], replays: List[Dict], run_peak: Optional[int]) -> Dict:
+def _measured_graphed(events: List[Dict], replays: List[Dict]) -> Dict:
     """A graphed step's log (dcplan.graphed_step with the log open): ``step_us`` is the median of
     the replays' device times (CUDA events around each), ``peak_bytes`` the allocator's peak from
-    the capture on, and ``warmup_peak_bytes`` the run's peak before it (its uncaptured steps,
-    which must keep the budget too)."""
+    the capture on, and ``warmup_peak_bytes`` the run's peak before it (the marks of its
+    uncaptured steps, which must keep the budget too; eval forwards after the capture are in
+    the capture's statistic)."""
+    first = next(i for i, ev in enumerate(events) if ev["ev"] in ("graph_capture", "graph_replay"))
+    warmup_peak = max((ev["peak_bytes"] for ev in events[:first] if ev["ev"] == "mark"), default=None)
     capture = [ev for ev in events if ev["ev"] == "graph_capture"]
-    times = sorted(ev["device_us"] for ev in replays)
-    n = len(times)
-    median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
     peak = max(ev["peak_bytes"] for ev in replays + capture)
-    return {"step_us": median, "steps": n, "peak_bytes": peak, "warmup_peak_bytes": run_peak,
+    return {"step_us": statistics.median(ev["device_us"] for ev in replays), "steps": len(replays),
+            "peak_bytes": peak, "warmup_peak_bytes": warmup_peak,
             "capture_s": capture[-1]["capture_s"] if capture else None}
 
 

@@ -95,8 +95,8 @@ class ParamRegistry {
   /// capture: a replayed graph runs on the device alone, with no host running ahead of it.
   void boundReleaseLag();
   /// Forgets every gathered copy without waiting for it or tracking its release: the copies a
-  /// captured step left, which its graph owns (its memory pool) and keeps replaying with.
-  void forgetGatheredOfGraph();
+  /// captured step replays with. Returns them: the caller keeps them alive while the graph replays.
+  std::vector<at::Tensor> forgetGatheredOfGraph();
   /// Forgets the releases tracked so far, which the caller saw completed (before a capture).
   void forgetReleases() {
     released_.clear();

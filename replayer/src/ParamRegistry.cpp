@@ -116,8 +116,11 @@ void ParamRegistry::waitGather(Param& p) {
   if (p.hasGathered()) p.valid_ = true;
 }
 
-void ParamRegistry::forgetGatheredOfGraph() {
+std::vector<at::Tensor> ParamRegistry::forgetGatheredOfGraph() {
+  std::vector<at::Tensor> held;
   for (auto& [id, p] : params_) {
+    if (p.gatheredBuffer_.defined()) held.push_back(p.gatheredBuffer_);
+    if (p.gathered_.defined()) held.push_back(p.gathered_);
     p.gatherHandle_.reset();
     p.gathered_ = at::Tensor();
     p.gatheredBuffer_ = at::Tensor();
@@ -125,6 +128,7 @@ void ParamRegistry::forgetGatheredOfGraph() {
     p.uses_ = 0;
   }
   forgetReleases();
+  return held;
 }
 
 void ParamRegistry::dropGathered(Param& p) {

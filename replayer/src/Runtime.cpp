@@ -135,9 +135,11 @@ void startForward(bool training) {
       "Between replays only forwards without grad may run (an eval forward, generate()); call close() on "
       "the graphed step first to train outside it");
   if (besideGraph) {
-    // An eval forward between replays: the graph keeps the copies its capture gathered (in its own
-    // memory pool, written by every replay); the eval gathers its own and drops them at its end.
-    rt.registry_->forgetGatheredOfGraph();
+    // An eval forward between replays: the graph keeps the copies it replays with (held until
+    // release_capture, whichever pool they came from); the eval gathers its own and drops them at
+    // its end.
+    std::vector<at::Tensor> held = rt.registry_->forgetGatheredOfGraph();
+    rt.heldForGraph_.insert(rt.heldForGraph_.end(), held.begin(), held.end());
   }
   ++rt.step_;
   rt.inBackward_ = false;
@@ -247,7 +249,7 @@ void beginCapture() {
   TORCH_CHECK(rt.failure_.empty(), "begin_capture: a collective failed earlier: ", rt.failure_);
   TORCH_CHECK(
       !rt.observer_,
-      "begin_capture: an op observer is set (dcplan record, the replay log or the op log); "
+      "begin_capture: an op observer is set (dcplan record or the op log); "
       "they measure each op on the host, and a replayed graph runs no op there: record or log without "
       "dcplan.graphed_step");
   TORCH_CHECK(
@@ -276,6 +278,7 @@ void releaseCapture() {
   if (!rt.captured_) return;
   rt.captured_ = false;
   for (auto& [id, p] : rt.registry_->all()) rt.registry_->dropGathered(p);
+  rt.heldForGraph_.clear();  // the caller synchronized and drops the graph
 }
 
 void setObserver(std::shared_ptr<OpObserver> observer) {

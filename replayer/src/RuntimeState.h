@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace dcplan::replayer {
 
@@ -41,6 +42,10 @@ struct RuntimeState {
   // steps (from begin_capture to release_capture): eager steps must not run meanwhile.
   bool capturing_ = false;
   bool captured_ = false;
+  // While captured: the gathered copies the graph replays with, which an eval forward beside it
+  // took out of the registry (some were gathered before the capture, in the default memory pool:
+  // freed, an eval's allocations would reuse them under the graph). Dropped at release_capture.
+  std::vector<at::Tensor> heldForGraph_;
   // The first collective that failed (the ranks are out of step from there): later ops refuse.
   std::string failure_;
 };

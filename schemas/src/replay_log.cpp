@@ -58,6 +58,7 @@ ReplayLog readReplayLog(const std::string& path) {
     if (j.contains("grad") && j["grad"].is_boolean()) e.grad = j["grad"].get<bool>();
     if (e.ev == "plan" && j.contains("file") && j["file"].is_string())
       log.planFile = j["file"].get<std::string>();
+    if (e.ev == "graph_replay") ++log.graphReplays;
     events.push_back(std::move(e));
   }
   log.steps = measuredSteps(stepStarts(events));

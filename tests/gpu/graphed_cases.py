@@ -43,8 +43,9 @@ def train(variant: str, stage: int, accum: int, rank: int, ws: int, graphed: boo
     import dcplan
 
     torch._dynamo.reset()
-    model = cc.make("base", "cuda")
-    dcplan.shard(model, stage=stage, reduce_bucket_bytes=1024, compile=variant == "compiled")
+    replay, _, model_variant = variant.partition("-")  # "eager-frozen": eager hooks, cc's frozen model
+    model = cc.make(model_variant or "base", "cuda")
+    dcplan.shard(model, stage=stage, reduce_bucket_bytes=1024, compile=replay == "compiled")
     # capturable: the step count lives on the GPU, so that a replay advances it. With clip, the
     # recipe of a real run: a tensor learning rate that a warmup-cosine schedule updates in place
     # between the replays (torch's schedulers fill a tensor lr), and clipping inside the step.

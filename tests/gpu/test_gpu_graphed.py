@@ -15,7 +15,10 @@ pytestmark = pytest.mark.gpu
 # (variant, stage, micro-steps, clip): clip runs dcplan.clip_grad_norm_ inside the step, captured,
 # with a tensor learning rate on a warmup-cosine schedule stepped between the replays.
 CASES = [("eager", 3, 1, False), ("eager", 2, 2, False), ("compiled", 3, 1, False), ("compiled", 1, 1, False),
-         ("eager", 3, 1, True), ("compiled", 3, 2, True)]
+         ("eager", 3, 1, True), ("compiled", 3, 2, True),
+         # ZeRO-2 keeps the frozen block's gathered copies from before the capture, which the graph
+         # reads: the eval forwards beside the graph must leave them to it.
+         ("eager-frozen", 2, 1, False)]
 # Both runs launch the same kernels with the same inputs, in fp32, except where a kernel's
 # reduction order is not fixed (atomics in scatter-adds, e.g. the embedding's backward): the GPU
 # matrix's tolerances (test_gpu_equivalence.py), not bit equality.
@@ -200,6 +203,8 @@ def test_the_examples_graphed_recipe_resumes_from_its_checkpoint(dcplan_module, 
            "--attn", "eager", "--hidden", "256", "--layers", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     print(r.stdout[-3000:])
+    # Exit 1 only for losses that differ after the load (below); anything else is a failure.
+    assert r.returncode == 0 or (r.returncode == 1 and "resume exact: NO" in r.stdout), r.stderr[-3000:]
     assert "its state equals the saved one bit for bit: yes" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("eval after step") == 6, r.stdout  # after steps 2, 5, 8 of each run
     # The losses: exact on CPU ranks (tests/train); here within the GPU matrix's tolerance (TOL),

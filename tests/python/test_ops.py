@@ -590,6 +590,17 @@ def test_clip_grad_norm_on_one_rank_and_the_warning_for_torchs(dcplan_module, gr
         dcplan_module.clip_grad_norm_(plain, 1.0)
     with pytest.raises(ValueError, match=r"optimizer= needs a fused Adam or AdamW \(fused=True\).*got SGD"):
         dcplan_module.clip_grad_norm_(sharded, 1.0, optimizer=torch.optim.SGD(sharded.parameters(), lr=0.1))
+    # Other parameters in the optimizer, a scale no step used, a scale replaced before the step.
+    other = torch.optim.AdamW([*sharded.parameters(), nn.Parameter(torch.zeros(2))], fused=True)
+    with pytest.raises(ValueError, match="steps parameters that are not this model's trainable shards"):
+        dcplan_module.clip_grad_norm_(sharded, 1.0, optimizer=other)
+    opt = torch.optim.AdamW(sharded.parameters(), fused=True)
+    dcplan_module.clip_grad_norm_(sharded, 0.5, optimizer=opt)
+    with pytest.raises(ValueError, match="still holds the scale of an earlier clip_grad_norm_ that no step has used"):
+        dcplan_module.clip_grad_norm_(sharded, 0.5, optimizer=opt)
+    opt.grad_scale = torch.ones(())  # as a GradScaler's step() sets its own
+    with pytest.raises(RuntimeError, match=r"grad_scale was replaced before its step \(a GradScaler steps it\?\)"):
+        opt.step()
     with pytest.raises(ValueError, match="norm_type should be > 0 or inf, got -1.0"):
         dcplan_module.clip_grad_norm_(sharded, 1.0, norm_type=-1)
     dcplan_module.shutdown()

@@ -36,6 +36,9 @@ struct ReplayLog {
   std::string path;
   std::string planFile;
   MeasuredSteps steps;
+  /// "graph_replay" lines: replays of a step captured in one CUDA graph (dcplan.graphed_step),
+  /// which the host issues no op of and the step rule cannot time.
+  int64_t graphReplays = 0;
 };
 
 /// Reads a replay log; throws InputError naming the file and the line that is not JSON.

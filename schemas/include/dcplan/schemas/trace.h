@@ -130,8 +130,8 @@ bool waitsForAnotherStream(const std::string& op);
 
 enum class GraphKind { Forward, Backward };
 
-/// The shape of each tensor argument of a sharded model's forward (args, then kwargs, in torch's
-/// pytree order).
+/// The shape of each tensor argument of a sharded model's forward (args, then kwargs by name, each
+/// in torch's pytree order).
 using InputShapes = std::vector<std::vector<int64_t>>;
 
 /// "[(2, 64), (2,)]": as Python prints the shapes (inspect, diff, the replay's warning).
