@@ -137,7 +137,17 @@ def check_input_shapes(state, shapes: List[List[int]]) -> None:
         f"made from a recorded step whose inputs had shapes {_shapes(planned.shapes)}: {promise} hold for the "
         "recorded inputs; larger inputs hold more activation memory than it planned for. Record again with these "
         "inputs, or pad them to the recorded shapes (warned once)",
-        InputShapeWarning, stacklevel=4)
+        InputShapeWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel, from its caller, of the first frame outside torch and dcplan:
+    the line of the user's script that called the model (torch's module call path varies)."""
+    inside = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _shapes(shapes: List[List[int]]) -> str:

@@ -67,5 +67,8 @@ def test_a_replay_whose_inputs_differ_from_the_recording_warns_once(tmp_path):
     res = run(torchrun("3", "3", str(tmp_path), str(plan)), env={"TINY_ROWS": "4"})
     # Once per rank, naming the live and the recorded shapes and the plan.
     assert res.stderr.count("InputShapeWarning") == 2, res.stderr
+    # ... at the line that called the model (dist_cases.loss_fn, for the script), not in torch or dcplan.
+    assert all("dist_cases.py:" in line for line in res.stderr.splitlines() if "InputShapeWarning" in line), \
+        res.stderr
     assert "inputs have shapes [(4, 6)]" in res.stderr and "inputs had shapes [(3, 6)]" in res.stderr, res.stderr
     assert str(plan) in res.stderr
