@@ -183,6 +183,8 @@ void bindPlan(py::module_& m) {
       "(median step in us or None, intervals timed) of a replay log's (ev, t_us, sync, grad) events: the "
       "step "
       "rule of dcplan check and dcplan plan --calibrate.");
+  m.def("input_shapes_text", &schemas::inputShapesText, py::arg("shapes"),
+        "Input shapes as inspect, diff and the replay's warning print them: \"[(2, 64), (2,)]\".");
   m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
   m.def("log_replay_event", &logReplayEvent, py::arg("json"), py::call_guard<py::gil_scoped_release>(),
         "Appends one JSON object (one line) to this rank's replay log, if one is open.");

@@ -68,12 +68,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     return total
 
 
+def fused_adam(optimizer: torch.optim.Optimizer) -> bool:
+    """An Adam or AdamW whose every param group is fused: one kernel per step that can apply a
+    grad_scale as it reads the gradients (and the graphed step's recommended optimizer)."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(
+        g.get("fused") for g in optimizer.param_groups)
+
+
 def _check_scaling_optimizer(optimizer: torch.optim.Optimizer, state) -> None:
     """optimizer= must be a fused Adam(W) over this model's trainable shards alone, with no scale of
     an earlier clip_grad_norm_ still waiting for its step."""
     name = type(optimizer).__name__
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or not all(
-            g.get("fused") for g in optimizer.param_groups):
+    if not fused_adam(optimizer):
         raise ValueError(f"dcplan.clip_grad_norm_: optimizer= needs a fused Adam or AdamW (fused=True), whose step "
                          f"applies the scale as it reads the gradients; got {name} "
                          f"(fused={[g.get('fused') for g in optimizer.param_groups]}); leave optimizer out to "

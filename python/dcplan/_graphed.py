@@ -28,7 +28,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import _C, _plan, _record
+from . import _C, _clip, _plan, _record
 
 
 _REUSE_SETTING = "graph_capture_record_stream_reuse"
@@ -67,7 +67,7 @@ def optimizer_advice(opt: torch.optim.Optimizer) -> List[str]:
         if lr is not None and not isinstance(lr, torch.Tensor):
             out.append(f"{name} param group {i}: lr is the float {lr!r}, which the captured graph keeps; a "
                        "learning-rate schedule must update a tensor in place (lr=torch.tensor(...))")
-    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and not all(g.get("fused") for g in opt.param_groups):
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and not _clip.fused_adam(opt):
         out.append(f"{name} is not fused: torch's capturable {name} then runs per-tensor kernels, 11 to 20 ms "
                    f"a step on 2xH100 for a 0.94B model; pass fused=True (with capturable=True)")
     return out
@@ -100,19 +100,20 @@ class ReplayTimes:
     def __init__(self):
         self._pending: Optional[tuple] = None  # (replay index, start event, end event) not yet logged
         self._replays = 0
+        self._began = 0.0  # perf_counter at the capture's start
 
     @staticmethod
     def _log(line: dict) -> None:
         _C.log_replay_event(json.dumps(line))
 
-    def capture_begins(self) -> float:
+    def capture_begins(self) -> None:
         # The allocator's peak statistic from here on is the captured step's (the replay log's
         # marks keep the run's own peak, warm-up included).
         torch.cuda.reset_peak_memory_stats()
-        return time.perf_counter()
+        self._began = time.perf_counter()
 
-    def captured(self, began: float) -> None:
-        self._log({"ev": "graph_capture", "capture_s": round(time.perf_counter() - began, 3),
+    def captured(self) -> None:
+        self._log({"ev": "graph_capture", "capture_s": round(time.perf_counter() - self._began, 3),
                    "peak_bytes": torch.cuda.max_memory_allocated()})
 
     def replay(self, graph: torch.cuda.CUDAGraph) -> None:
@@ -248,7 +249,8 @@ class GraphedStep:
         static_args, static_kwargs = self._inputs.args()
         torch.cuda.synchronize()  # begin_capture takes every earlier collective as complete
         times = ReplayTimes() if _plan.replay_log_open() else None
-        began = times.capture_begins() if times is not None else 0.0
+        if times is not None:
+            times.capture_begins()
         graph = torch.cuda.CUDAGraph()
         reuse = _reuse_freed_blocks(True)
         watch = _OptimizerWatch()
@@ -278,7 +280,7 @@ class GraphedStep:
         self._graph = graph
         self._outputs = outputs
         if times is not None:
-            times.captured(began)
+            times.captured()
         self._times = times
 
     def close(self) -> None:

@@ -132,11 +132,12 @@ def check_input_shapes(state, shapes: List[List[int]]) -> None:
     promise = "its predicted peak and step time"
     if planned.budget_bytes is not None:
         promise += f", and its memory budget ({_mib(planned.budget_bytes)}),"
+    live, recorded = _C.input_shapes_text(shapes), _C.input_shapes_text(planned.shapes)
     warnings.warn(
-        f"dcplan.shard: this training forward's inputs have shapes {_shapes(shapes)}, and plan {state.plan[0]} was "
-        f"made from a recorded step whose inputs had shapes {_shapes(planned.shapes)}: {promise} hold for the "
-        "recorded inputs; larger inputs hold more activation memory than it planned for. Record again with these "
-        "inputs, or pad them to the recorded shapes (warned once)",
+        f"dcplan.shard: this training forward's inputs have shapes {live}, and plan {state.plan[0]} was made from a "
+        f"recorded step whose inputs had shapes {recorded}: {promise} hold for the recorded inputs; larger inputs "
+        "hold more activation memory than it planned for. Record again with these inputs, or pad them to the "
+        "recorded shapes (warned once)",
         InputShapeWarning, stacklevel=_user_stacklevel())
 
 
@@ -148,11 +149,6 @@ def _user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def _shapes(shapes: List[List[int]]) -> str:
-    return "[" + ", ".join("(" + ", ".join(str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
-                           for s in shapes) + "]"
 
 
 def count_cpu_memory(device: torch.device) -> None:

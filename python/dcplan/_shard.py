@@ -86,7 +86,7 @@ class _ShardState:
         self.saved_hooks = None
         self.record_paused = False  # this forward (no grad) is not recorded as a micro-step
         self.plan: Optional[tuple] = None  # (path, made for one CUDA graph) of the plan it follows
-        self.plan_inputs: Optional[list] = None  # the input shapes the plan's recording ran
+        self.plan_inputs = None  # _plan.PlannedInputs: the input shapes the plan's recording ran
         self.inputs_warned = False  # a forward's inputs differed from plan_inputs (InputShapeWarning)
         self.outside: Dict[tuple, torch.Tensor] = {}  # this forward's reads outside the owning module
         self.trainable_infos: List[_ParamInfo] = []
@@ -523,11 +523,15 @@ def _make_root_pre_hook(state: _ShardState):
         _C.start_forward(torch.is_grad_enabled())
         if recording and not state.record_paused:
             _record.after_start_forward()  # ends the process once every step is recorded
-        if torch.is_grad_enabled() and (state.plan_inputs is not None or _record.active()):
-            shapes = _plan.input_shapes(args, kwargs)
-            if _record.active():
-                _record.input_shapes(state.fwd_graph, shapes)
-            _plan.check_input_shapes(state, shapes)
+        if torch.is_grad_enabled():
+            recorded = _record.active()  # not once after_start_forward finished the recording
+            compared = state.plan_inputs is not None and not state.inputs_warned
+            if recorded or compared:
+                shapes = _plan.input_shapes(args, kwargs)
+                if recorded:
+                    _record.input_shapes(state.fwd_graph, shapes)
+                if compared:
+                    _plan.check_input_shapes(state, shapes)
         if state.stage == 3 and not state.compiled:  # compiled: the partitioner re-gathers
             state.saved_hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
             state.saved_hooks.__enter__()

@@ -90,6 +90,8 @@ class ParamRegistry {
   void waitGather(Param& p);
   /// Drops the gathered copy (after its gather completes).
   void dropGathered(Param& p);
+  /// dropGathered of every parameter.
+  void dropAllGathered();
   /// Waits (on the host) until released copies not yet used up by the device hold at most
   /// maxReleaseLagBytes (before allocating another gathered copy). Not under CUDA graph
   /// capture: a replayed graph runs on the device alone, with no host running ahead of it.
@@ -106,6 +108,8 @@ class ParamRegistry {
   void reload(Param& p);
 
  private:
+  /// Forgets p's gathered copy (the tensors and their state), whatever still uses it.
+  static void clearGathered(Param& p);
   int worldSize_;
   Transport& transport_;
   int64_t maxReleaseLagBytes_;

@@ -122,13 +122,21 @@ std::vector<at::Tensor> ParamRegistry::forgetGatheredOfGraph() {
     if (p.gatheredBuffer_.defined()) held.push_back(p.gatheredBuffer_);
     if (p.gathered_.defined()) held.push_back(p.gathered_);
     p.gatherHandle_.reset();
-    p.gathered_ = at::Tensor();
-    p.gatheredBuffer_ = at::Tensor();
-    p.valid_ = false;
-    p.uses_ = 0;
+    clearGathered(p);
   }
   forgetReleases();
   return held;
+}
+
+void ParamRegistry::clearGathered(Param& p) {
+  p.gathered_ = at::Tensor();
+  p.gatheredBuffer_ = at::Tensor();
+  p.valid_ = false;
+  p.uses_ = 0;
+}
+
+void ParamRegistry::dropAllGathered() {
+  for (auto& [id, p] : params_) dropGathered(p);
 }
 
 void ParamRegistry::dropGathered(Param& p) {
@@ -145,10 +153,7 @@ void ParamRegistry::dropGathered(Param& p) {
       releasedBytes_ += bytes;
     }
   }
-  p.gathered_ = at::Tensor();
-  p.gatheredBuffer_ = at::Tensor();
-  p.valid_ = false;
-  p.uses_ = 0;
+  clearGathered(p);
 }
 
 void ParamRegistry::offload(Param& p) {

@@ -24,6 +24,9 @@ Param& callerGradParam(RuntimeState& rt, const char* op, int64_t dsId) {
   return p;
 }
 
+/// A captured step's graph replays the steps and no capture is under way: only eval forwards run.
+bool besideCapturedGraph(const RuntimeState& rt) { return rt.captured_ && !rt.capturing_; }
+
 }  // namespace
 
 RuntimeState& state(const char* op) {
@@ -127,7 +130,7 @@ void setPersistent(int64_t dsId, bool persistent) {
 void startForward(bool training) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("start_forward");
-  const bool besideGraph = rt.captured_ && !rt.capturing_;
+  const bool besideGraph = besideCapturedGraph(rt);
   TORCH_CHECK(
       !besideGraph || !training,
       "start_forward: this model's training step is captured in a CUDA graph (dcplan.graphed_step), which "
@@ -157,9 +160,9 @@ void endForward() {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("end_forward");
   rt.schedule_->onGraphEnd(-1);
-  if (rt.captured_ && !rt.capturing_) {
+  if (besideCapturedGraph(rt)) {
     // An eval forward between replays keeps nothing gathered: the graph's step holds its budget.
-    for (auto& [id, p] : rt.registry_->all()) rt.registry_->dropGathered(p);
+    rt.registry_->dropAllGathered();
   }
 }
 
@@ -230,7 +233,7 @@ void invalidateGatheredParam(int64_t dsId) {
 void clearAllGatheredParams() {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("clear_all_gathered_params");
-  for (auto& [id, p] : rt.registry_->all()) rt.registry_->dropGathered(p);
+  rt.registry_->dropAllGathered();
 }
 
 std::vector<int64_t> gatheredParamIds() {
@@ -277,7 +280,7 @@ void releaseCapture() {
   TORCH_CHECK(!rt.capturing_, "release_capture: a capture is under way (end_capture first)");
   if (!rt.captured_) return;
   rt.captured_ = false;
-  for (auto& [id, p] : rt.registry_->all()) rt.registry_->dropGathered(p);
+  rt.registry_->dropAllGathered();
   rt.heldForGraph_.clear();  // the caller synchronized and drops the graph
 }
 

@@ -181,9 +181,14 @@ std::optional<std::vector<int64_t>> FieldReader::integers(const std::string& key
   return out;
 }
 
-std::optional<InputShapes> FieldReader::shapes(const std::string& key, Presence presence) {
-  const ordered_json* list = array(key, presence);
+std::optional<InputShapes> FieldReader::inputShapes(GraphKind kind) {
+  const std::string key = "input_shapes";
+  const ordered_json* list = array(key, Optional);
   if (!list) return std::nullopt;
+  if (kind != GraphKind::Forward) {
+    diags_.add(pointerOf(key), "input shapes belong to forward graphs; this graph is a backward");
+    return std::nullopt;
+  }
   InputShapes out;
   bool ok = true;
   for (size_t i = 0; i < list->size(); ++i) {

@@ -59,8 +59,9 @@ class FieldReader {
   std::optional<std::vector<int64_t>> integers(const std::string& key, int64_t min,
                                                Presence presence = Required);
 
-  /// An array of shapes (arrays of integers >= 0): input_shapes.
-  std::optional<InputShapes> shapes(const std::string& key, Presence presence = Required);
+  /// A graph's optional "input_shapes" (arrays of integers >= 0), which only a forward graph may
+  /// have (a diagnostic for a backward's).
+  std::optional<InputShapes> inputShapes(GraphKind kind);
 
   /// Reports every field that no getter asked for.
   void rejectUnknownFields();

@@ -123,10 +123,7 @@ class PlanValidator {
       if (auto kind = r.oneOf("kind", {"forward", "backward"})) {
         graph.kind = *kind == "forward" ? GraphKind::Forward : GraphKind::Backward;
       }
-      graph.inputShapes = r.shapes("input_shapes", P::Optional);
-      if (graph.inputShapes && graph.kind != GraphKind::Forward) {
-        diags_.add(ptr + "/input_shapes", "input shapes belong to forward graphs; this graph is a backward");
-      }
+      graph.inputShapes = r.inputShapes(graph.kind);
       if (auto* prefetch = r.array("prefetch")) {
         std::optional<int64_t> lastPosition;
         for (size_t i = 0; i < prefetch->size(); ++i) {

@@ -269,10 +269,7 @@ class TraceValidator {
     if (auto kind = r.oneOf("kind", {"forward", "backward"})) {
       graph.kind = *kind == "forward" ? GraphKind::Forward : GraphKind::Backward;
     }
-    graph.inputShapes = r.shapes("input_shapes", FieldReader::Optional);
-    if (graph.inputShapes && graph.kind != GraphKind::Forward) {
-      diags_.add(ptr + "/input_shapes", "input shapes belong to forward graphs; this graph is a backward");
-    }
+    graph.inputShapes = r.inputShapes(graph.kind);
     if (auto* events = r.array("events")) {
       // Ops on one stream run in issue order, so their start times never decrease.
       std::map<std::string, double> lastStartByStream;
