@@ -15,14 +15,21 @@ RecordedHoldings::RecordedHoldings(const Workload& w, const schemas::Trace& trac
   flatBufferBytes_ = memory_.allocation(cols * memory_.reduceSize * ranks);
 }
 
+uint64_t RecordedHoldings::scratchBeforeWait(const schemas::OpEvent& e) const {
+  if (schemas::opRole(e.op) != OpRole::GatherWait || e.dsIds.size() != 1 || e.dsIds[0] != gatheredJustBefore_)
+    return 0;
+  return memory_.gatherScratchUntilWait(sizes_.at(gatheredJustBefore_).gathered, false);
+}
+
 void RecordedHoldings::after(const schemas::OpEvent& e, bool sync) {
   const std::optional<OpRole> role = schemas::opRole(e.op);
+  gatheredJustBefore_ = role == OpRole::Gather && e.dsIds.size() == 1 ? e.dsIds[0] : -1;
   if (role == OpRole::Gather || role == OpRole::Prefetch) {
-    // (A Gloo call's scratch is not taken out of the activations. Before session 12 Gloo's
-    // worker thread freed it at a time of its own, and taking it out made a plan on 2 CPU
-    // ranks run 3.8% over its budget. Since then the transport frees it at the wait; taking
-    // it out was tried again: the peaks of tests/memory stayed exact, but single ops ran up
-    // to 2.6% over the simulated memory, against 0.6% with it left in.)
+    // (A Gloo call's scratch is not held here from the issue to the wait: the worker holds it only
+    // while it runs the call, so the recorded memory has it or not by the scheduler's timing. What
+    // a wait's recorded memory holds of it is measured there: scratchBeforeWait. Taking the whole
+    // scratch out at every op, as tried in session 12, left single ops up to 2.6% over the
+    // simulated memory: what the worker had freed was taken out too.)
     for (int64_t id : e.dsIds) {
       if (gathered_.count(id)) continue;
       const uint64_t b = sizes_.at(id).gathered;

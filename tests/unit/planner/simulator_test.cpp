@@ -484,6 +484,53 @@ TEST(Simulator, APeakBetweenTwoOpsCountsWithWhatWasHeldThen) {
   EXPECT_EQ(r.prediction.peakMemoryBytes, kTinyBase + kTinyParam + 600'000);
 }
 
+TEST(Simulator, TheRecordedRunsGlooScratchAtAWaitIsNotActivation) {
+  // On Gloo the worker holds a gather's flat output (the call's bytes) only while it runs the
+  // call: the recording's wait for parameter 1 found it still held, the one for parameter 0 not.
+  // Only the call ran between the gather and its wait, so that rise is scratch, not activation.
+  schemas::Trace t = test::tinyTrace();
+  t.meta.backend = "gloo";
+  t.meta.device = "cpu";
+  auto& fwd = t.steps[0].graphs[0].events;
+  ASSERT_EQ(fwd[4].op, "wait_allgather");
+  fwd[4].memoryBytes += kTinyParam;
+  fwd[4].peakBytes = fwd[4].memoryBytes;
+  fwd[5].memoryBytes += 3'000;  // activations the forward made after the wait: kept
+  Workload w = makeWorkload(t);
+  EXPECT_EQ(w.runs[0].activationBytes[4], 0u);
+  EXPECT_EQ(w.runs[0].computePeakBytes[4], 0u);
+  EXPECT_EQ(w.runs[0].activationBytes[5], 3'000u);
+  // No more than the scratch is taken out, and never at a wait whose gather was not just before.
+  fwd[4].memoryBytes += 2'000;
+  fwd[4].peakBytes = fwd[4].memoryBytes;
+  EXPECT_EQ(makeWorkload(t).runs[0].activationBytes[4], 2'000u);
+  EXPECT_EQ(makeWorkload(t).runs[0].computePeakBytes[4], 2'000u);
+  std::swap(fwd[3], fwd[2]);  // a release between the gather and its wait
+  std::swap(fwd[3].seq, fwd[2].seq);
+  EXPECT_EQ(makeWorkload(t).runs[0].activationBytes[4], kTinyParam + 2'000);
+
+  // A plan that gathers both in one call at the forward's start frees that call's scratch at the
+  // first wait: before parameter 1's wait it holds that copy (0's was released), and no scratch of
+  // either run.
+  t = test::tinyTrace();
+  t.meta.backend = "gloo";
+  t.meta.device = "cpu";
+  t.steps[0].graphs[0].events[4].memoryBytes += kTinyParam;
+  t.steps[0].graphs[0].events[4].peakBytes = t.steps[0].graphs[0].events[4].memoryBytes;
+  w = makeWorkload(t);
+  Fixture f;
+  Schedule s = f.onUse();
+  s.graphs[0].prefetch = {{0, {0, 1}}};
+  SimResult r = simulate(w, CostModel{t.calibration, 2}, compileSchedule(w, s), SimOptions{true});
+  bool seen = false;
+  for (const MemorySample& m : r.memory) {
+    if (m.run != 0 || m.seq != 4 || m.atOp) continue;
+    EXPECT_EQ(m.bytes, kTinyBase + kTinyParam);
+    seen = true;
+  }
+  EXPECT_TRUE(seen);
+}
+
 TEST(Simulator, TheRecordedRunsOwnBucketInputIsNotActivation) {
   // Two 60 MB gradients (reduce bytes): the recorded run (default 100 MB buckets) flushes the
   // first bucket at the second gradient's reduce_grad: its gradient is freed, its packed input
