@@ -22,9 +22,15 @@ struct InspectOptions {
 
 void runInspect(const InspectOptions& options) {
   auto doc = readJsonFile(options.file);
-  if (detectKind(doc, options.file) == DocumentKind::Plan) {
+  const DocumentKind kind = detectKind(doc, options.file);
+  if (kind == DocumentKind::Plan) {
     inspectPlan(doc, options.file, options.plan, std::cout);
     return;
+  }
+  if (kind == DocumentKind::Network) {
+    throw InputError(options.file, {{"/schema",
+                                     "a network measurement: inspect reads traces and plans (dcplan validate "
+                                     "checks this file; dcplan plan TRACE --network uses it)"}});
   }
   Trace trace;
   auto diags = validateTrace(doc, trace);

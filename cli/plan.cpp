@@ -10,6 +10,7 @@
 #include "dcplan/planner/planner.h"
 #include "dcplan/planner/units.h"
 #include "dcplan/schemas/io.h"
+#include "dcplan/schemas/network.h"
 #include "dcplan/schemas/replay_log.h"
 #include "subcommands.h"
 
@@ -27,6 +28,7 @@ struct PlanCliOptions {
   bool cudaGraph = false;
   bool noCudaGraph = false;
   std::vector<std::string> calibrate;  ///< replay logs of an earlier plan's replay
+  std::string network;                 ///< a dcplan.network/v1 file
 };
 
 /// The plan a replay log names: as the job gave it, or, relative and not found from here, beside
@@ -115,6 +117,7 @@ void runPlan(const PlanCliOptions& o) {
   if (o.cudaGraph || o.noCudaGraph) req.cudaGraph = o.cudaGraph;  // else as the trace says
 
   schemas::Trace trace = schemas::readTrace(o.trace);
+  if (!o.network.empty()) req.network = schemas::PlanNetwork{o.network, schemas::readNetwork(o.network)};
   if (!o.calibrate.empty()) req.calibrate = measuredReplay(o.calibrate, trace, o.trace);
   // Progress only when planning is slow enough for someone to wonder.
   auto start = std::chrono::steady_clock::now();
@@ -148,7 +151,8 @@ void setupPlan(CLI::App& app) {
   cmd->add_option("--strategy", o->strategy, "default, heuristic or optimized")
       ->check(CLI::IsMember({"default", "heuristic", "optimized"}))
       ->capture_default_str();
-  cmd->add_option("--world-size", o->worldSize, "plan for this many ranks (default: as traced)")
+  cmd->add_option("--world-size", o->worldSize,
+                  "plan for this many ranks (default: as traced, or as --network measured)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--bandwidth", o->bandwidth, "plan for this bus bandwidth, GB/s (default: as calibrated)");
   cmd->add_flag("--explain", o->explain, "print why each decision was taken");
@@ -166,6 +170,11 @@ void setupPlan(CLI::App& app) {
          "the replay logs (DCPLAN_REPLAY_LOG) of a run of an earlier plan of this trace: plan again "
          "with the collectives' time fitted to the step they measured (docs/planning.md, \"In situ\")")
       ->expected(1, -1);
+  cmd->add_option(
+      "--network", o->network,
+      "the collectives measured where the job will run (dcplan.network/v1, written by torchrun ... "
+      "-m dcplan.measure_network): planned with them instead of the trace's calibration, for their "
+      "world size unless --world-size says otherwise (docs/planning.md, cost model, \"What-if\")");
   cmd->callback([o] { runPlan(*o); });
 }
 

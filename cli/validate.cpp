@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcplan/schemas/io.h"
+#include "dcplan/schemas/network.h"
 #include "subcommands.h"
 
 namespace dcplan::cli {
@@ -23,12 +24,18 @@ bool validateFile(const std::string& file, bool quiet) {
     auto doc = readJsonFile(file);
     std::vector<Diagnostic> diags;
     std::string summary;
-    if (detectKind(doc, file) == DocumentKind::Trace) {
+    const DocumentKind kind = detectKind(doc, file);
+    if (kind == DocumentKind::Trace) {
       Trace trace;
       diags = validateTrace(doc, trace);
       summary = std::string("valid ") + kTraceSchema + " (" + std::to_string(trace.params.size()) +
                 " params, " + std::to_string(trace.steps.size()) +
                 (trace.steps.size() == 1 ? " step)" : " steps)");
+    } else if (kind == DocumentKind::Network) {
+      Network network;
+      diags = validateNetwork(doc, network);
+      summary = std::string("valid ") + kNetworkSchema + " (" + std::to_string(network.worldSize) +
+                " ranks, " + network.backend + ")";
     } else {
       Plan plan;
       diags = validatePlan(doc, plan);
@@ -54,9 +61,10 @@ void runValidate(const ValidateOptions& options) {
 
 void setupValidate(CLI::App& app) {
   auto options = std::make_shared<ValidateOptions>();
-  auto* cmd =
-      app.add_subcommand("validate", "Check traces and plans against their schema (exit 2 on a problem)");
-  cmd->add_option("files", options->files, "trace or plan files (kind detected from their \"schema\" field)")
+  auto* cmd = app.add_subcommand(
+      "validate", "Check traces, plans and network files against their schema (exit 2 on a problem)");
+  cmd->add_option("files", options->files,
+                  "trace, plan or network files (kind detected from their \"schema\" field)")
       ->required();
   cmd->add_flag("-q,--quiet", options->quiet, "print nothing for valid files");
   cmd->callback([options] { runValidate(*options); });

@@ -4,6 +4,7 @@
 #include "dcplan/recorder/Probes.h"
 #include "dcplan/recorder/Recorder.h"
 #include "dcplan/replayer/Runtime.h"
+#include "dcplan/schemas/network.h"
 
 #include <mutex>
 
@@ -98,6 +99,27 @@ ModelInfo modelInfo(int64_t stage, int64_t forwardGraph, int64_t backwardGraph, 
     info.params.push_back(std::move(tp));
   }
   return info;
+}
+
+/// measure_network: the collectives alone, over the runtime's transport (python -m dcplan.measure_network).
+void bindNetwork(py::module_& m) {
+  m.def(
+      "measure_network",
+      [](double seconds, const std::string& device, const std::string& deviceName) {
+        CalibrationOptions options;
+        options.budgetSeconds = seconds;
+        options.device = c10::Device(device);
+        DeviceProbes probes = makeProbes(options.device);
+        options.synchronize = probes.synchronize;
+        schemas::Network network;
+        replayer::withTransport("measure_network", [&](replayer::Transport& transport) {
+          network = measureNetwork(transport, options, deviceName);
+        });
+        return schemas::writeNetwork(network);
+      },
+      py::arg("seconds"), py::arg("device"), py::arg("device_name"), Release(),
+      "Times all-gather, reduce-scatter and all-reduce over the runtime's transport (collective: every rank "
+      "calls it) and returns the dcplan.network/v1 document.");
 }
 
 /// record_done, record_steps, record_finish and the rest of a recording's course.
@@ -206,6 +228,7 @@ void bindRecorder(py::module_& m) {
       py::arg("bytes_by_id"),
       "After an optimizer step: the per-element optimizer state of each shard it stepped, bytes by ds_id.");
   bindRecordingState(m);
+  bindNetwork(m);
   bindProbes(m);
 }
 

@@ -103,9 +103,11 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
   }
   if (traceWorldSize_ <= 1) {
     throw std::invalid_argument(
-        "the trace was recorded on 1 rank and has no usable communication "
-        "calibration; record on 2 or more ranks to plan for " +
-        std::to_string(worldSize_));
+        "the trace was recorded on 1 rank and has no communication calibration to plan " +
+        std::to_string(worldSize_) +
+        " ranks with: record on 2 or more ranks, or measure the collectives where the "
+        "job will run (torchrun ... -m dcplan.measure_network -o net.json) and plan "
+        "with --network net.json");
   }
   double traceRing = ringFactor(traceWorldSize_);
   allGather_ = buildCurve(calibration.allGather, traceRing);

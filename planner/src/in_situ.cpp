@@ -15,10 +15,11 @@ using schemas::formatMs;
 namespace {
 
 CostModel scaledCost(const schemas::Trace& trace, const Workload& w, std::optional<double> bandwidthGBps,
-                     double scale) {
+                     const schemas::Network* network, double scale) {
   CostModelOptions o = costOptions(w, bandwidthGBps);
   o.inSituScale = scale;
-  return CostModel(trace.calibration, w.traceWorldSize, o);
+  return network ? CostModel(network->calibration, network->worldSize, o)
+                 : CostModel(trace.calibration, w.traceWorldSize, o);
 }
 
 /// The scale at which stepAt(scale), which grows with it, is measuredUs: bisected on a log scale.
@@ -46,8 +47,8 @@ InSituFit bisect(InSituFit::Source source, double measuredUs, const std::functio
 }  // namespace
 
 std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& w,
-                                   std::optional<double> bandwidthGBps) {
-  if (!w.hostLane || !w.waitsBlockHost || w.cudaGraph || bandwidthGBps) return std::nullopt;
+                                   std::optional<double> bandwidthGBps, const schemas::Network* network) {
+  if (!w.hostLane || !w.waitsBlockHost || w.cudaGraph || bandwidthGBps || network) return std::nullopt;
   if (w.traceWorldSize <= 1 || w.worldSize <= 1) return std::nullopt;
   // Fitted where the recorded run ran (the traced world size); a --world-size what-if keeps the
   // scale, with its own ring factor and shards on top.
@@ -55,16 +56,18 @@ std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& 
       w.worldSize == w.traceWorldSize ? w : makeWorkload(trace, w.traceWorldSize, StepReplay::Issued);
   const CompiledSchedule recorded = compileSchedule(traced, defaultSchedule(traced));
   return bisect(InSituFit::Source::Recording, traced.recordedHostUs, [&](double scale) {
-    return simulate(traced, scaledCost(trace, traced, std::nullopt, scale), recorded).prediction.stepUs;
+    return simulate(traced, scaledCost(trace, traced, std::nullopt, nullptr, scale), recorded)
+        .prediction.stepUs;
   });
 }
 
 InSituFit fitToReplay(const schemas::Trace& trace, const Workload& w, const Schedule& replayed,
-                      double measuredUs, std::optional<double> bandwidthGBps) {
+                      double measuredUs, std::optional<double> bandwidthGBps,
+                      const schemas::Network* network) {
   const CompiledSchedule def = compileSchedule(w, defaultSchedule(w));
   const CompiledSchedule plan = compileSchedule(w, replayed);
   return bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
-    const CostModel cost = scaledCost(trace, w, bandwidthGBps, scale);
+    const CostModel cost = scaledCost(trace, w, bandwidthGBps, network, scale);
     const SimResult d = simulate(w, cost, def);  // as dcplan inspect simulates a plan
     return simulate(w, cost, plan, againstRecorded(d)).prediction.stepUs;
   });
@@ -94,18 +97,18 @@ std::string inSituText(const InSituFit& fit) {
 }
 
 CostModel plannedCostModel(const schemas::Trace& trace, const Workload& w,
-                           std::optional<double> bandwidthGBps, std::optional<double> planScale,
-                           std::optional<InSituFit>* fitOut) {
+                           std::optional<double> bandwidthGBps, const schemas::Network* network,
+                           std::optional<double> planScale, std::optional<InSituFit>* fitOut) {
   std::optional<InSituFit> fit;
   if (planScale) {
     fit = InSituFit{};
     fit->source = InSituFit::Source::Plan;
     fit->scale = *planScale;
   } else {
-    fit = fitInSitu(trace, w, bandwidthGBps);
+    fit = fitInSitu(trace, w, bandwidthGBps, network);
   }
   if (fitOut) *fitOut = fit;
-  return scaledCost(trace, w, bandwidthGBps, fit && !fit->atBound ? fit->scale : 1.0);
+  return scaledCost(trace, w, bandwidthGBps, network, fit && !fit->atBound ? fit->scale : 1.0);
 }
 
 }  // namespace dcplan::planner

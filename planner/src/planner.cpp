@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "dcplan/planner/in_situ.h"
+#include "dcplan/planner/runtime_memory.h"
 #include "dcplan/planner/units.h"
 #include "dcplan/schemas/dtype.h"
 #include "dcplan/schemas/io.h"
@@ -552,7 +553,8 @@ InSituFit calibrationFit(const schemas::Trace& trace, const Workload& w, const P
     throw std::invalid_argument(what + "the replayed plan is for " + std::to_string(m.worldSize) +
                                 " ranks, this plan for " + std::to_string(w.worldSize));
   }
-  InSituFit fit = fitToReplay(trace, w, m.schedule, m.stepUs, req.bandwidthGBps);
+  InSituFit fit = fitToReplay(trace, w, m.schedule, m.stepUs, req.bandwidthGBps,
+                              req.network ? &req.network->measured : nullptr);
   if (fit.atBound) {
     throw std::invalid_argument(what + "the replay measured " + formatMs(m.stepUs) +
                                 " a step where its plan is " + "predicted at " + formatMs(fit.calibratedUs) +
@@ -596,7 +598,10 @@ void explainSetting(Explainer& ex, const Workload& w, const PlanRequest& req, co
   ex.line(
       "cluster: " + std::to_string(w.worldSize) + " ranks (traced on " + std::to_string(w.traceWorldSize) +
       "), stage " + std::to_string(w.stage) + ", grad accum " + std::to_string(w.gradAccumSteps) +
-      (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)" : ""));
+      (req.bandwidthGBps ? ", bus bandwidth " + formatFixed(*req.bandwidthGBps, 1) + " GB/s (what-if)" : "") +
+      (req.network ? ", collectives as measured on " + std::to_string(req.network->measured.worldSize) +
+                         " ranks (--network " + req.network->file + ")"
+                   : ""));
   if (w.cudaGraph) {
     const double ops = w.opDeviceUs();
     ex.line("replay: one CUDA graph per step (" +
@@ -615,14 +620,30 @@ void explainSetting(Explainer& ex, const Workload& w, const PlanRequest& req, co
   if (inSitu) ex.line("  " + inSituText(*inSitu));
 }
 
+/// A --network measurement must be of the trace's transport: another's collectives (NCCL's for a
+/// trace of CPU ranks) say nothing about this job's.
+void checkNetwork(const schemas::Trace& trace, const schemas::PlanNetwork& network) {
+  const schemas::Network& n = network.measured;
+  const bool glooTrace = RuntimeMemory::of(trace.meta, 1).transport == RuntimeMemory::Transport::Gloo;
+  if ((n.backend == "gloo") != glooTrace) {
+    throw std::invalid_argument("--network " + network.file + ": measured on " + n.backend + " (" + n.device +
+                                "), the trace on " + (glooTrace ? "gloo" : "nccl") + " (" +
+                                trace.meta.device +
+                                "): measure the network with the transport the job runs on");
+  }
+}
+
 }  // namespace
 
 PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const ProgressFn& progress) {
   if (req.worldSize < 0)
     throw std::invalid_argument("--world-size must be positive, got " + std::to_string(req.worldSize));
+  if (req.network) checkNetwork(trace, *req.network);
+  const schemas::Network* network = req.network ? &req.network->measured : nullptr;
   // A trace whose step ran in dcplan.graphed_step is planned for the graph without being asked.
   const bool cudaGraph = req.cudaGraph.value_or(trace.meta.graphed);
-  Workload w = makeWorkload(trace, req.worldSize, cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
+  const int64_t worldSize = req.worldSize > 0 ? req.worldSize : network ? network->worldSize : 0;
+  Workload w = makeWorkload(trace, worldSize, cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
   if (req.bandwidthGBps && w.worldSize <= 1)  // the cost model has no bus to scale: refused, not ignored
     throw std::invalid_argument(
         "--bandwidth: a bus bandwidth is a what-if for the collectives between ranks; this "
@@ -633,7 +654,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     inSitu = calibrationFit(trace, w, req);
     calibrated = inSitu->scale;
   }
-  CostModel cost = plannedCostModel(trace, w, req.bandwidthGBps, calibrated, calibrated ? nullptr : &inSitu);
+  CostModel cost =
+      plannedCostModel(trace, w, req.bandwidthGBps, network, calibrated, calibrated ? nullptr : &inSitu);
   const uint64_t given = req.memoryBudgetBytes ? *req.memoryBudgetBytes
                          : w.capacityBytes > 0 ? w.capacityBytes
                                                : std::numeric_limits<uint64_t>::max();
@@ -695,6 +717,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   plan.options.cudaGraph = w.cudaGraph;
   // The scale the plan was made with, so that inspect simulates it alike without fitting again.
   if (cost.inSituScale() != 1.0) plan.options.inSituScale = cost.inSituScale();
+  plan.options.network = req.network;
   if (inSitu) result.inSitu = inSituText(*inSitu);
   if (inSitu && inSitu->atBound) result.warnings.push_back(result.inSitu);
   plan.persistent = chosen.schedule.persistent;

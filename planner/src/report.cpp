@@ -62,7 +62,9 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   Workload w = makeWorkload(trace, plan.source.worldSize,
                             plan.options.cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
   std::optional<InSituFit> inSitu;
-  CostModel cost = plannedCostModel(trace, w, plan.options.bandwidthGBps, plan.options.inSituScale, &inSitu);
+  const schemas::Network* network = plan.options.network ? &plan.options.network->measured : nullptr;
+  CostModel cost =
+      plannedCostModel(trace, w, plan.options.bandwidthGBps, network, plan.options.inSituScale, &inSitu);
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});
   SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), againstRecorded(d, true));
   return Simulated{std::move(w), std::move(p), std::move(d), inSitu};
@@ -102,6 +104,11 @@ void renderHeader(std::ostream& s, const schemas::Plan& plan, const std::string&
     << (plan.options.bandwidthGBps ? formatFixed(*plan.options.bandwidthGBps, 1) + " GB/s"
                                    : std::string("as calibrated"))
     << "\n";
+  if (const auto& n = plan.options.network) {
+    s << "network:  " << n->file << ": collectives measured on " << n->measured.worldSize << " ranks ("
+      << n->measured.backend << ", " << n->measured.device
+      << "), planned with instead of the trace's calibration\n";
+  }
 }
 
 /// The plan's schedule in a few lines: persistence, and per graph its prefetch groups and buckets.

@@ -210,4 +210,15 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
   return cal;
 }
 
+schemas::Network measureNetwork(Transport& transport, const CalibrationOptions& options,
+                                const std::string& deviceName) {
+  schemas::Network network;
+  network.createdBy = std::string("dcplan-recorder ") + DCPLAN_VERSION;
+  network.worldSize = transport.worldSize();
+  network.backend = transport.backendName();
+  network.device = deviceName;
+  network.calibration = calibrate(transport, options);
+  return network;
+}
+
 }  // namespace dcplan::recorder

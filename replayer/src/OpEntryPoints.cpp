@@ -386,6 +386,11 @@ void allReduceInPlace(const char* op, const at::Tensor& tensor) {
   if (!flat.is_same(tensor)) tensor.copy_(flat);
 }
 
+void withTransport(const char* op, const std::function<void(Transport&)>& fn) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  fn(*state(op).transport_);
+}
+
 at::Tensor allGatherFlat(const char* op, const at::Tensor& flat) {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state(op);

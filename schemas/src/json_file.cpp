@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcplan/schemas/io.h"
+#include "dcplan/schemas/network.h"
 #include "json_pointer.h"
 
 namespace dcplan::schemas {
@@ -136,27 +137,26 @@ ordered_json readJsonFile(const std::filesystem::path& path) {
 }
 
 DocumentKind detectKind(const ordered_json& doc, const std::string& name) {
+  const std::string known =
+      "\"" + std::string(kTraceSchema) + "\", \"" + kPlanSchema + "\" or \"" + kNetworkSchema + "\"";
   if (!doc.is_object()) {
     throw InputError(name,
                      {{"", std::string("expected a JSON object at the top level, got ") + doc.type_name()}});
   }
   auto it = doc.find("schema");
-  if (it == doc.end()) {
-    throw InputError(name, {{"", "missing field \"schema\" (expected \"" + std::string(kTraceSchema) +
-                                     "\" or \"" + kPlanSchema + "\")"}});
-  }
+  if (it == doc.end()) throw InputError(name, {{"", "missing field \"schema\" (expected " + known + ")"}});
   if (!it->is_string()) {
     throw InputError(name, {{"/schema", std::string("expected a string, got ") + it->type_name()}});
   }
   const auto schema = it->get<std::string>();
   if (schema == kTraceSchema) return DocumentKind::Trace;
   if (schema == kPlanSchema) return DocumentKind::Plan;
+  if (schema == kNetworkSchema) return DocumentKind::Network;
   std::string message = "unknown schema \"" + schema + "\"";
-  if (schema.rfind("dcplan.trace/", 0) == 0 || schema.rfind("dcplan.plan/", 0) == 0) {
-    message = "unsupported schema version \"" + schema + "\"";
+  for (const char* family : {"dcplan.trace/", "dcplan.plan/", "dcplan.network/"}) {
+    if (schema.rfind(family, 0) == 0) message = "unsupported schema version \"" + schema + "\"";
   }
-  throw InputError(name, {{"/schema", message + " (this dcplan reads \"" + kTraceSchema + "\" and \"" +
-                                          kPlanSchema + "\")"}});
+  throw InputError(name, {{"/schema", message + " (this dcplan reads " + known + ")"}});
 }
 
 void writeFileAtomically(const std::filesystem::path& path, std::string_view content) {

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "calibration_json.h"
 #include "dcplan/schemas/io.h"
 #include "field_reader.h"
 
@@ -93,6 +94,13 @@ class PlanValidator {
     o.gradAccumSteps = r.integer("grad_accum_steps", 1).value_or(1);
     o.cudaGraph = r.boolean("cuda_graph", P::Optional).value_or(false);
     o.inSituScale = r.positiveNumber("in_situ_scale", P::Optional);
+    if (auto* network = r.object("network", P::Optional)) {
+      FieldReader n(*network, r.pointerOf("network"), diags_);
+      PlanNetwork& planned = o.network.emplace();
+      planned.file = n.string("file").value_or("");
+      readNetworkInto(n, diags_, planned.measured);
+      n.rejectUnknownFields();
+    }
     r.rejectUnknownFields();
   }
 
@@ -253,8 +261,8 @@ Plan readPlan(const std::filesystem::path& path) {
   const std::string name = path.string();
   ordered_json doc = readJsonFile(path);
   if (detectKind(doc, name) != DocumentKind::Plan) {
-    throw InputError(name,
-                     {{"/schema", std::string("expected a plan (\"") + kPlanSchema + "\"), got a trace"}});
+    throw InputError(name, {{"/schema", std::string("expected a plan (\"") + kPlanSchema + "\"), got \"" +
+                                            doc["schema"].get<std::string>() + "\""}});
   }
   Plan plan;
   auto diags = validatePlan(doc, plan);
@@ -269,6 +277,10 @@ std::string writePlan(const Plan& plan) {
   options["grad_accum_steps"] = plan.options.gradAccumSteps;
   if (plan.options.cudaGraph) options["cuda_graph"] = true;
   if (plan.options.inSituScale) options["in_situ_scale"] = *plan.options.inSituScale;
+  if (plan.options.network) {
+    options["network"] = {{"file", plan.options.network->file}};
+    options["network"].update(networkJson(plan.options.network->measured));
+  }
 
   ordered_json graphs = ordered_json::array();
   for (const auto& g : plan.graphs) {

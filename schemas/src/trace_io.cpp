@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "calibration_json.h"
 #include "dcplan/schemas/dtype.h"
 #include "dcplan/schemas/io.h"
 #include "field_reader.h"
@@ -194,36 +195,9 @@ class TraceValidator {
     paramTableValid_ = diags_.size() == diagsBefore;
   }
 
-  std::vector<CalibrationPoint> readCurve(FieldReader& parent, const std::string& key) {
-    std::vector<CalibrationPoint> curve;
-    const ordered_json* list = parent.array(key);
-    if (!list) return curve;
-    const std::string ptr = parent.pointerOf(key);
-    if (list->empty()) diags_.add(ptr, "expected at least one calibration point");
-    for (size_t i = 0; i < list->size(); ++i) {
-      const std::string itemPtr = ptr + "/" + std::to_string(i);
-      FieldReader r((*list)[i], itemPtr, diags_);
-      auto bytes = r.bytes("bytes");
-      auto us = r.number("us", 0);
-      r.rejectUnknownFields();
-      if (!bytes || !us) continue;
-      if (!curve.empty() && *bytes <= curve.back().bytes) {
-        diags_.add(itemPtr + "/bytes", "calibration sizes must increase: " + std::to_string(*bytes) +
-                                           " follows " + std::to_string(curve.back().bytes));
-      }
-      curve.push_back({*bytes, *us});
-    }
-    return curve;
-  }
-
   void readCalibration(const ordered_json& value) {
     FieldReader r(value, "/calibration", diags_);
-    Calibration& c = out_.calibration;
-    c.allGather = readCurve(r, "all_gather");
-    c.reduceScatter = readCurve(r, "reduce_scatter");
-    c.allReduce = readCurve(r, "all_reduce");
-    c.h2dGBps = r.positiveNumber("h2d_gbps", P::Optional);
-    c.d2hGBps = r.positiveNumber("d2h_gbps", P::Optional);
+    out_.calibration = readCalibrationFields(r, diags_);
     r.rejectUnknownFields();
   }
 
@@ -372,12 +346,6 @@ class TraceValidator {
   bool paramTableValid_ = false;
 };
 
-ordered_json curveJson(const std::vector<CalibrationPoint>& curve) {
-  ordered_json list = ordered_json::array();
-  for (const auto& p : curve) list.push_back({{"bytes", p.bytes}, {"us", p.us}});
-  return list;
-}
-
 bool takesOneId(const std::string& op) {
   const OpInfo* info = findOp(op);
   return info && (info->ids == IdArity::One || info->ids == IdArity::TensorId);
@@ -396,8 +364,8 @@ Trace readTrace(const std::filesystem::path& path) {
   const std::string name = path.string();
   ordered_json doc = readJsonFile(path);
   if (detectKind(doc, name) != DocumentKind::Trace) {
-    throw InputError(name,
-                     {{"/schema", std::string("expected a trace (\"") + kTraceSchema + "\"), got a plan"}});
+    throw InputError(name, {{"/schema", std::string("expected a trace (\"") + kTraceSchema + "\"), got \"" +
+                                            doc["schema"].get<std::string>() + "\""}});
   }
   Trace trace;
   auto diags = validateTrace(doc, trace);
@@ -431,11 +399,7 @@ std::string writeTrace(const Trace& t) {
     if (p.optimizerStateBytes) row["optimizer_state_bytes"] = *p.optimizerStateBytes;
     params.push_back(std::move(row));
   }
-  ordered_json calibration{{"all_gather", curveJson(t.calibration.allGather)},
-                           {"reduce_scatter", curveJson(t.calibration.reduceScatter)},
-                           {"all_reduce", curveJson(t.calibration.allReduce)}};
-  if (t.calibration.h2dGBps) calibration["h2d_gbps"] = *t.calibration.h2dGBps;
-  if (t.calibration.d2hGBps) calibration["d2h_gbps"] = *t.calibration.d2hGBps;
+  ordered_json calibration = calibrationJson(t.calibration);
 
   ordered_json steps = ordered_json::array();
   for (const auto& s : t.steps) {

@@ -13,6 +13,7 @@ BROKEN = ROOT / "tests/lit/validate/Inputs"
 SCHEMAS = {
     "dcplan.trace/v1": json.loads((ROOT / "schemas/trace.v1.schema.json").read_text()),
     "dcplan.plan/v1": json.loads((ROOT / "schemas/plan.v1.schema.json").read_text()),
+    "dcplan.network/v1": json.loads((ROOT / "schemas/network.v1.schema.json").read_text()),
 }
 TRACE_SCHEMA = SCHEMAS["dcplan.trace/v1"]
 PLAN_SCHEMA = SCHEMAS["dcplan.plan/v1"]
@@ -35,7 +36,7 @@ def schema_for(doc, default):
     return default
 
 
-@pytest.mark.parametrize("schema", [TRACE_SCHEMA, PLAN_SCHEMA], ids=["trace", "plan"])
+@pytest.mark.parametrize("schema", list(SCHEMAS.values()), ids=["trace", "plan", "network"])
 def test_schemas_are_valid_draft_2020_12(schema):
     jsonschema.Draft202012Validator.check_schema(schema)
 
@@ -43,6 +44,7 @@ def test_schemas_are_valid_draft_2020_12(schema):
 @pytest.mark.parametrize("path", [
     ROOT / "tests/lit/Inputs/minimal.trace.json",
     ROOT / "tests/lit/Inputs/minimal.plan.json",
+    ROOT / "tests/lit/Inputs/two-ranks.network.json",
     *sorted((ROOT / "examples").glob("*.json")),
 ], ids=lambda p: p.name)
 def test_good_files_match_their_schema(path):
@@ -61,6 +63,17 @@ def test_offload_fields_match_their_schema():
     plan["predicted"].update(offload_bytes=64, reload_us=1.5, offload_us=2.5, exposed_copy_us=0.5)
     for doc in (trace, plan):
         jsonschema.Draft202012Validator(SCHEMAS[doc["schema"]]).validate(doc)
+
+
+def test_a_plans_network_matches_its_schema():
+    """A plan made with dcplan plan --network carries the network file's fields (docs/formats.md)."""
+    network = json.loads((ROOT / "tests/lit/Inputs/two-ranks.network.json").read_text())
+    plan = json.loads((ROOT / "tests/lit/Inputs/minimal.plan.json").read_text())
+    plan["options"]["network"] = {"file": "two-ranks.network.json",
+                                  **{k: v for k, v in network.items() if k not in ("schema", "created_by")}}
+    jsonschema.Draft202012Validator(PLAN_SCHEMA).validate(plan)
+    network["world_size"] = 1
+    assert not jsonschema.Draft202012Validator(SCHEMAS["dcplan.network/v1"]).is_valid(network)
 
 
 @pytest.mark.parametrize("name", STRUCTURAL)

@@ -41,7 +41,7 @@ TEST(InSitu, TheDefaultScheduleTakesTheRecordedStep) {
   const Workload w = makeWorkload(t);
   ASSERT_TRUE(w.hostLane && w.waitsBlockHost);
   std::optional<InSituFit> fit;
-  const CostModel cost = plannedCostModel(t, w, std::nullopt, std::nullopt, &fit);
+  const CostModel cost = plannedCostModel(t, w, std::nullopt, nullptr, std::nullopt, &fit);
   ASSERT_TRUE(fit);
   EXPECT_NEAR(fit->measuredUs, w.recordedHostUs, 1e-9);
   EXPECT_LT(fit->calibratedUs, fit->measuredUs);
@@ -65,8 +65,8 @@ TEST(InSitu, TheDefaultScheduleTakesTheRecordedStep) {
 
 TEST(InSitu, AWorldSizeWhatIfKeepsTheScaleFittedWhereTheRunRan) {
   const schemas::Trace t = glooTrace(4 * test::kTinyGatherUs);
-  const std::optional<InSituFit> traced = fitInSitu(t, makeWorkload(t), std::nullopt);
-  const std::optional<InSituFit> whatIf = fitInSitu(t, makeWorkload(t, 8), std::nullopt);
+  const std::optional<InSituFit> traced = fitInSitu(t, makeWorkload(t), std::nullopt, nullptr);
+  const std::optional<InSituFit> whatIf = fitInSitu(t, makeWorkload(t, 8), std::nullopt, nullptr);
   ASSERT_TRUE(traced && whatIf);
   EXPECT_DOUBLE_EQ(whatIf->scale, traced->scale);
   // ... so 8 ranks' longer rings are not scaled away: the default schedule is slower than recorded.
@@ -79,7 +79,7 @@ TEST(InSitu, AWorldSizeWhatIfKeepsTheScaleFittedWhereTheRunRan) {
 TEST(InSitu, ARecordedRunFasterThanTheCalibrationScalesBelowOne) {
   const schemas::Trace t = glooTrace(0.0);  // every wait returned at once
   const Workload w = makeWorkload(t);
-  const std::optional<InSituFit> fit = fitInSitu(t, w, std::nullopt);
+  const std::optional<InSituFit> fit = fitInSitu(t, w, std::nullopt, nullptr);
   ASSERT_TRUE(fit);
   EXPECT_LT(fit->scale, 1.0);
   EXPECT_GE(fit->scale, kInSituMin);
@@ -89,7 +89,7 @@ TEST(InSitu, ARecordedStepTheCollectivesCannotExplainStopsAtTheBound) {
   // Waits 50x the calibrated gather: more than the largest scale explains.
   const schemas::Trace t = glooTrace(50 * test::kTinyGatherUs);
   const Workload w = makeWorkload(t);
-  const std::optional<InSituFit> fit = fitInSitu(t, w, std::nullopt);
+  const std::optional<InSituFit> fit = fitInSitu(t, w, std::nullopt, nullptr);
   ASSERT_TRUE(fit);
   EXPECT_TRUE(fit->atBound);
   EXPECT_DOUBLE_EQ(fit->scale, kInSituMax);
@@ -107,17 +107,26 @@ TEST(InSitu, ARecordedStepTheCollectivesCannotExplainStopsAtTheBound) {
 
 TEST(InSitu, OnlyCpuRanksRecordedAndPlannedOnMoreThanOneWithoutABandwidthWhatIf) {
   const schemas::Trace gloo = glooTrace(4 * test::kTinyGatherUs);
-  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo), 100.0));            // another cluster's bus
-  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo, 1), std::nullopt));  // one rank: no collectives
+  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo), 100.0, nullptr));            // another cluster's bus
+  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo, 1), std::nullopt, nullptr));  // one rank: no collectives
+  schemas::Network network;
+  network.worldSize = 2;
+  network.backend = "gloo";
+  network.calibration = gloo.calibration;
+  EXPECT_TRUE(fitInSitu(gloo, makeWorkload(gloo), std::nullopt, nullptr));
+  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo), std::nullopt, &network));  // another network's contention
   schemas::Trace nccl = gloo;
   nccl.meta.backend = "nccl";
   nccl.meta.device = "cuda";
-  EXPECT_FALSE(fitInSitu(nccl, makeWorkload(nccl), std::nullopt));  // a GPU's waits do not block the host
+  EXPECT_FALSE(
+      fitInSitu(nccl, makeWorkload(nccl), std::nullopt, nullptr));  // a GPU's waits do not block the host
   schemas::Trace noHost = gloo;
   noHost.steps[0].optimizerHostUs.reset();
-  EXPECT_FALSE(fitInSitu(noHost, makeWorkload(noHost), std::nullopt));
+  EXPECT_FALSE(fitInSitu(noHost, makeWorkload(noHost), std::nullopt, nullptr));
   std::optional<InSituFit> fit = InSituFit{};
-  EXPECT_EQ(plannedCostModel(nccl, makeWorkload(nccl), std::nullopt, std::nullopt, &fit).inSituScale(), 1.0);
+  EXPECT_EQ(
+      plannedCostModel(nccl, makeWorkload(nccl), std::nullopt, nullptr, std::nullopt, &fit).inSituScale(),
+      1.0);
   EXPECT_FALSE(fit);
 }
 
@@ -134,7 +143,7 @@ TEST(InSituReplay, APlanIsCalibratedToTheStepItsReplayMeasured) {
   const schemas::Plan first = makePlan(t, PlanRequest{}).plan;
   // Its replay measured the step 30% longer than predicted.
   const double measured = 1.3 * first.predicted.stepUs;
-  const InSituFit fit = fitToReplay(t, w, scheduleOf(first), measured, std::nullopt);
+  const InSituFit fit = fitToReplay(t, w, scheduleOf(first), measured, std::nullopt, nullptr);
   EXPECT_EQ(fit.source, InSituFit::Source::Replay);
   EXPECT_FALSE(fit.atBound);
   EXPECT_GT(fit.scale, 1.0);
@@ -143,7 +152,7 @@ TEST(InSituReplay, APlanIsCalibratedToTheStepItsReplayMeasured) {
   ASSERT_TRUE(again.plan.options.inSituScale);
   EXPECT_NEAR(*again.plan.options.inSituScale, fit.scale, 1e-12);
   EXPECT_NE(again.inSitu.find("collectives calibrated on a replay"), std::string::npos) << again.inSitu;
-  const CostModel cost = plannedCostModel(t, w, std::nullopt, again.plan.options.inSituScale);
+  const CostModel cost = plannedCostModel(t, w, std::nullopt, nullptr, again.plan.options.inSituScale);
   const SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)));
   SimOptions o;
   o.referenceCalls = d.gatherCalls + d.reduceCalls;

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcplan/schemas/io.h"
+#include "dcplan/schemas/network.h"
 #include "dcplan/testing/trace_generator.h"
 
 namespace dcplan::schemas {
@@ -117,6 +118,35 @@ TEST(RoundTrip, OptionalPlanFieldsStayAbsentOrPresent) {
   ASSERT_TRUE(kept.graphs[0].prefetch[0].peakBytes.has_value());
   EXPECT_EQ(*kept.graphs[0].prefetch[0].peakBytes, 0u);
   EXPECT_EQ(writePlan(kept), guarded);
+}
+
+TEST(RoundTrip, ANetworkFileAndAPlansNetworkSurviveWriteParseWrite) {
+  Network n;
+  n.createdBy = "test";
+  n.worldSize = 2;
+  n.backend = "gloo";
+  n.device = "cpu";
+  n.calibration.allGather = {{65'536, 120.5}, {262'144, 300.25}};
+  n.calibration.reduceScatter = {{65'536, 130.0}};
+  n.calibration.allReduce = {{65'536, 260.0}};
+  const std::string text = writeNetwork(n);
+  Network back;
+  ASSERT_TRUE(validateNetwork(parseJson(text, "net"), back).empty());
+  EXPECT_EQ(back.worldSize, 2);
+  EXPECT_EQ(back.calibration.allGather.size(), 2u);
+  EXPECT_EQ(writeNetwork(back), text);
+  EXPECT_EQ(detectKind(parseJson(text, "net"), "net"), DocumentKind::Network);
+
+  Plan plan = readPlan(kInputs / "minimal.plan.json");
+  EXPECT_EQ(writePlan(plan).find("\"network\""), std::string::npos);  // absent without --network
+  plan.options.network = PlanNetwork{"net.json", back};
+  const std::string planned = writePlan(plan);
+  Plan again;
+  ASSERT_TRUE(validatePlan(parseJson(planned, "plan"), again).empty());
+  ASSERT_TRUE(again.options.network);
+  EXPECT_EQ(again.options.network->file, "net.json");
+  EXPECT_EQ(again.options.network->measured.calibration.allGather[1].us, 300.25);
+  EXPECT_EQ(writePlan(again), planned);
 }
 
 TEST(RoundTrip, ReplayModeIsAbsentForEagerAndKeptForCompiled) {

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcplan/schemas/io.h"
+#include "dcplan/schemas/network.h"
 
 namespace dcplan::schemas {
 namespace {
@@ -186,6 +187,41 @@ TEST(Validate, PlanProblems) {
                                 }));
 }
 
+TEST(Validate, NetworkProblems) {
+  const ordered_json good = {{"schema", "dcplan.network/v1"},
+                             {"created_by", "test"},
+                             {"world_size", 2},
+                             {"backend", "gloo"},
+                             {"device", "cpu"},
+                             {"calibration",
+                              {{"all_gather", {{{"bytes", 1024}, {"us", 20.0}}}},
+                               {"reduce_scatter", {{{"bytes", 1024}, {"us", 22.0}}}},
+                               {"all_reduce", {{{"bytes", 1024}, {"us", 30.0}}}}}}};
+  Network n;
+  EXPECT_TRUE(validateNetwork(good, n).empty());
+  ordered_json bad = good;
+  bad["world_size"] = 1;  // one rank has no collectives
+  bad["backend"] = "mpi";
+  bad["calibration"]["all_gather"].push_back({{"bytes", 512}, {"us", 30.0}});
+  bad["extra"] = true;
+  std::vector<std::string> problems;
+  for (const auto& d : validateNetwork(bad, n)) problems.push_back(d.str());
+  EXPECT_EQ(problems,
+            (std::vector<std::string>{
+                "/world_size: expected an integer >= 2, got 1",
+                "/backend: expected one of \"gloo\", \"nccl\", got \"mpi\"",
+                "/calibration/all_gather/1/bytes: calibration sizes must increase: 512 follows 1024",
+                "/extra: unknown field \"extra\"",
+            }));
+  // A plan's copy of it holds the same rules.
+  ordered_json plan = minimalPlan();
+  plan["options"]["network"] = good;
+  plan["options"]["network"].erase("schema");
+  plan["options"]["network"].erase("created_by");
+  EXPECT_EQ(planProblems(plan),
+            (std::vector<std::string>{"/options/network: missing required field \"file\""}));
+}
+
 TEST(Validate, OffloadGroupsHoldEachParameterOnce) {
   ordered_json plan = minimalPlan();
   plan["offload"] = {{"optimizer_state", {{{"ds_ids", {0}}, {"bytes", 8}}, {{"ds_ids", {1, 0}}, {"bytes", -1}}}}};
@@ -302,8 +338,10 @@ TEST(Read, KindMismatchIsNamed) {
     readPlan(kInputs + "minimal.trace.json");
     FAIL() << "expected an error";
   } catch (const InputError& e) {
-    EXPECT_EQ(std::string(e.what()),
-              kInputs + "minimal.trace.json: /schema: expected a plan (\"dcplan.plan/v1\"), got a trace");
+    EXPECT_EQ(
+        std::string(e.what()),
+        kInputs +
+            "minimal.trace.json: /schema: expected a plan (\"dcplan.plan/v1\"), got \"dcplan.trace/v1\"");
   }
 }
 

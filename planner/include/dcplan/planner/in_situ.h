@@ -36,25 +36,28 @@ inline constexpr double kInSituMin = 0.125;
 inline constexpr double kInSituMax = 8.0;
 
 /// The fit to the recorded run, where it applies: a host lane whose host blocks in waits (CPU
-/// ranks), collectives between ranks both recorded and planned, and no --bandwidth (a what-if of
-/// another cluster, whose contention this run says nothing about). nullopt elsewhere.
+/// ranks), collectives between ranks both recorded and planned, and neither --bandwidth nor
+/// --network (a what-if of another cluster, whose contention this run says nothing about).
+/// nullopt elsewhere.
 std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& workload,
-                                   std::optional<double> bandwidthGBps);
+                                   std::optional<double> bandwidthGBps, const schemas::Network* network);
 
 /// The fit to a replay of `replayed` (a plan made from this trace) whose step measured measuredUs.
 /// Any path the replay log can watch (not a CUDA graph); atBound where no scale explains it.
 InSituFit fitToReplay(const schemas::Trace& trace, const Workload& workload, const Schedule& replayed,
-                      double measuredUs, std::optional<double> bandwidthGBps);
+                      double measuredUs, std::optional<double> bandwidthGBps,
+                      const schemas::Network* network);
 
 /// One line for --explain and dcplan inspect: the run's step, the calibrated one and the scale.
 std::string inSituText(const InSituFit& fit);
 
 /// The cost model a plan is made and simulated with (dcplan plan and dcplan inspect alike): the
-/// trace's calibration, the what-ifs (costOptions), and the plan's own in-situ scale where it
-/// carries one (planScale), else the fit to the recorded run where it applies and is not at its
-/// bound (then 1). `fit`: which.
+/// trace's calibration or the network measured for it (--network: its curves, at its world size),
+/// the what-ifs (costOptions), and the plan's own in-situ scale where it carries one (planScale),
+/// else the fit to the recorded run where it applies and is not at its bound (then 1). `fit`:
+/// which.
 CostModel plannedCostModel(const schemas::Trace& trace, const Workload& workload,
-                           std::optional<double> bandwidthGBps,
+                           std::optional<double> bandwidthGBps, const schemas::Network* network = nullptr,
                            std::optional<double> planScale = std::nullopt,
                            std::optional<InSituFit>* fit = nullptr);
 

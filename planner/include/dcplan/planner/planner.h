@@ -61,6 +61,9 @@ struct PlanRequest {
   std::optional<bool> cudaGraph;
   /// Plan with the collectives' in-situ scale fitted to this replay (InSituFit::Source::Replay).
   std::optional<ReplayMeasurement> calibrate;
+  /// Plan with these collectives instead of the trace's calibration (--network), for its world
+  /// size unless worldSize says otherwise; the plan carries them (options.network).
+  std::optional<schemas::PlanNetwork> network;
 };
 
 struct PlanResult {

@@ -55,4 +55,10 @@ struct CalibrationOptions {
 /// the CPU. Collective: every rank of the transport calls it with the same options.
 schemas::Calibration calibrate(replayer::Transport& transport, const CalibrationOptions& options);
 
+/// The collectives of `transport` measured alone, without a model: a dcplan.network/v1 document's
+/// content (python -m dcplan.measure_network), for planning at this world size from a trace
+/// recorded at another (dcplan plan --network). Collective, as calibrate().
+schemas::Network measureNetwork(replayer::Transport& transport, const CalibrationOptions& options,
+                                const std::string& deviceName);
+
 }  // namespace dcplan::recorder

@@ -131,6 +131,9 @@ void allReduceInPlace(const char* op, const at::Tensor& tensor);
 /// a GPU the caller's stream waits for it and the host does not (it captures in a CUDA graph);
 /// on CPU ranks the host waits.
 at::Tensor allGatherFlat(const char* op, const at::Tensor& flat);
+/// Runs fn with the runtime's transport, under the runtime's lock: for collectives of the tools
+/// beside training (the network measurement), which every rank then calls alike.
+void withTransport(const char* op, const std::function<void(Transport&)>& fn);
 /// The shared-memory communicator of the ranks of this machine (LocalAllReduce.h), used by
 /// allReduceInPlace until cleanup(); null: none.
 void setLocalAllReduce(std::unique_ptr<shm::ShmComm> comm);

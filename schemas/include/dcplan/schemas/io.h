@@ -34,7 +34,7 @@ class InputError : public std::runtime_error {
   std::vector<Diagnostic> diagnostics_;
 };
 
-enum class DocumentKind { Trace, Plan };
+enum class DocumentKind { Trace, Plan, Network };
 
 /// Reads a file and parses it as JSON; rejects duplicate object keys.
 /// Throws InputError naming the file.

@@ -29,6 +29,12 @@ struct PlanSource {
 };
 
 /// The options the planner ran with.
+/// The network a plan was made for (dcplan plan --network).
+struct PlanNetwork {
+  std::string file;  ///< as given to --network
+  Network measured;
+};
+
 struct PlanOptions {
   std::string strategy;                       ///< "default", "heuristic" or "optimized"
   std::optional<uint64_t> memoryBudgetBytes;  ///< absent: unconstrained
@@ -41,6 +47,9 @@ struct PlanOptions {
   /// the recorded run (CPU ranks) or to a replay (dcplan plan --calibrate); absent: 1, or from an
   /// older dcplan (inspect fits it again) (docs/planning.md, "In situ").
   std::optional<double> inSituScale;
+  /// Planned with the collectives of a network measurement instead of the trace's calibration
+  /// (dcplan plan --network): what the plan is simulated with, whoever simulates it again.
+  std::optional<PlanNetwork> network;
 };
 
 /// Gathers launched together (one prefetch_params_fused) before the op at `position`.

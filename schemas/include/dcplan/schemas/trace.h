@@ -65,6 +65,16 @@ struct Calibration {
   std::optional<double> d2hGBps;                ///< device-to-host copy rate (absent on CPU)
 };
 
+/// A measurement of a cluster's collectives without a model: times on `worldSize` ranks of one
+/// transport, as a trace's calibration (network.h reads and writes its file).
+struct Network {
+  std::string createdBy;
+  int64_t worldSize = 0;    ///< ranks measured; at least 2
+  std::string backend;      ///< the transport: "gloo" or "nccl"
+  std::string device;       ///< "cpu", "cuda"
+  Calibration calibration;  ///< all-gather, reduce-scatter and all-reduce curves
+};
+
 /// The streams a trace's op events run on; the one definition of their names.
 enum class Stream { Compute, AllGather, Reduce, Copy, Offload, Reload };
 /// The trace's name of a stream: "compute", "allgather", "reduce", "copy", "offload", "reload".

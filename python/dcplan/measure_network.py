@@ -1,0 +1,91 @@
+"""torchrun --nproc-per-node N -m dcplan.measure_network -o net.json: the collectives where a job will run.
+
+Times all-gather, reduce-scatter and all-reduce on the N ranks of the launch, over the transport
+dcplan.shard would train with (NCCL on GPUs, Gloo on CPU ranks), without a model, and writes a
+dcplan.network/v1 file (rank 0). `dcplan plan TRACE --network net.json` plans a trace recorded at
+another world size (one rank, say) for these N ranks with these times (docs/planning.md, "What-if").
+"""
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from . import _C, _shard
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m dcplan.measure_network", description=__doc__.split("\n\n")[1])
+    p.add_argument("-o", "--output", required=True, help="the dcplan.network/v1 file to write (rank 0)")
+    p.add_argument("--seconds", type=float, default=3.0,
+                   help="time the measurement may take, agreed by the ranks (default 3, as a recording's)")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="where the buffers live (default: cuda where torch sees a GPU, else cpu)")
+    args = p.parse_args(argv)
+    if not args.seconds > 0:
+        p.error(f"--seconds should be > 0, got {args.seconds}")
+    return args
+
+
+def device_of(choice):
+    if (choice or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        return torch.device("cpu"), "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit("dcplan.measure_network: --device cuda, but torch sees no GPU")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    device = torch.device("cuda", index)
+    return device, torch.cuda.get_device_name(device)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if "WORLD_SIZE" not in os.environ:
+        raise SystemExit("dcplan.measure_network: run it under torchrun on the ranks to measure, e.g. "
+                         "torchrun --nproc-per-node 2 -m dcplan.measure_network -o net.json")
+    device, name = device_of(args.device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        pg = dist.group.WORLD
+        if pg.size() < 2:
+            raise SystemExit("dcplan.measure_network: 1 rank has no collectives to measure; launch 2 or more")
+        _shard._init_runtime(pg, device, reduce_bucket_bytes=100 * 1024 * 1024)
+        try:
+            if pg.rank() == 0:
+                print(f"dcplan.measure_network: timing the collectives of {pg.size()} ranks ({name}) "
+                      f"for up to {args.seconds:g} s", flush=True)
+            text = _C.measure_network(args.seconds, str(device), name)
+        finally:
+            _C.cleanup()
+        if pg.rank() == 0:
+            write_atomically(pathlib.Path(args.output), text)
+            print(f"dcplan.measure_network: wrote {args.output}", flush=True)
+            for line in summary(json.loads(text)):
+                print("  " + line, flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def summary(doc):
+    """One line per collective: its sizes and time at the largest."""
+    for name, curve in doc["calibration"].items():
+        if not isinstance(curve, list) or not curve:
+            continue
+        last = curve[-1]
+        yield (f"{name}: {len(curve)} sizes up to {last['bytes'] / 2**20:.2f} MiB, "
+               f"{last['us'] / 1e3:.3f} ms there")
+
+
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

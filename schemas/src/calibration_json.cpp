@@ -1,0 +1,62 @@
+// The calibration object's fields (see calibration_json.h).
+#include "calibration_json.h"
+
+#include <string>
+
+namespace dcplan::schemas {
+
+using nlohmann::ordered_json;
+using P = FieldReader::Presence;
+
+namespace {
+
+std::vector<CalibrationPoint> readCurve(FieldReader& parent, const std::string& key, Diagnostics& diags) {
+  std::vector<CalibrationPoint> curve;
+  const ordered_json* list = parent.array(key);
+  if (!list) return curve;
+  const std::string ptr = parent.pointerOf(key);
+  if (list->empty()) diags.add(ptr, "expected at least one calibration point");
+  for (size_t i = 0; i < list->size(); ++i) {
+    const std::string itemPtr = ptr + "/" + std::to_string(i);
+    FieldReader r((*list)[i], itemPtr, diags);
+    auto bytes = r.bytes("bytes");
+    auto us = r.number("us", 0);
+    r.rejectUnknownFields();
+    if (!bytes || !us) continue;
+    if (!curve.empty() && *bytes <= curve.back().bytes) {
+      diags.add(itemPtr + "/bytes", "calibration sizes must increase: " + std::to_string(*bytes) +
+                                        " follows " + std::to_string(curve.back().bytes));
+    }
+    curve.push_back({*bytes, *us});
+  }
+  return curve;
+}
+
+ordered_json curveJson(const std::vector<CalibrationPoint>& curve) {
+  ordered_json list = ordered_json::array();
+  for (const auto& p : curve) list.push_back({{"bytes", p.bytes}, {"us", p.us}});
+  return list;
+}
+
+}  // namespace
+
+Calibration readCalibrationFields(FieldReader& r, Diagnostics& diags) {
+  Calibration c;
+  c.allGather = readCurve(r, "all_gather", diags);
+  c.reduceScatter = readCurve(r, "reduce_scatter", diags);
+  c.allReduce = readCurve(r, "all_reduce", diags);
+  c.h2dGBps = r.positiveNumber("h2d_gbps", P::Optional);
+  c.d2hGBps = r.positiveNumber("d2h_gbps", P::Optional);
+  return c;
+}
+
+ordered_json calibrationJson(const Calibration& c) {
+  ordered_json out{{"all_gather", curveJson(c.allGather)},
+                   {"reduce_scatter", curveJson(c.reduceScatter)},
+                   {"all_reduce", curveJson(c.allReduce)}};
+  if (c.h2dGBps) out["h2d_gbps"] = *c.h2dGBps;
+  if (c.d2hGBps) out["d2h_gbps"] = *c.d2hGBps;
+  return out;
+}
+
+}  // namespace dcplan::schemas
