@@ -94,6 +94,7 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
   m.schedule = planner::scheduleOf(replayed);
   m.worldSize = replayed.source.worldSize;
   m.cudaGraph = replayed.options.cudaGraph;
+  m.network = replayed.options.network;
   m.description = names + " (a replay of " + std::filesystem::path(planFile).filename().string() + ")";
   return m;
 }
@@ -118,7 +119,11 @@ void runPlan(const PlanCliOptions& o) {
 
   schemas::Trace trace = schemas::readTrace(o.trace);
   if (!o.network.empty()) req.network = schemas::PlanNetwork{o.network, schemas::readNetwork(o.network)};
-  if (!o.calibrate.empty()) req.calibrate = measuredReplay(o.calibrate, trace, o.trace);
+  if (!o.calibrate.empty()) {
+    req.calibrate = measuredReplay(o.calibrate, trace, o.trace);
+    // A replay of a plan made for a network is calibrated on that network unless told another.
+    if (!req.network) req.network = req.calibrate->network;
+  }
   // Progress only when planning is slow enough for someone to wonder.
   auto start = std::chrono::steady_clock::now();
   planner::ProgressFn progress = [start](const std::string& what) {

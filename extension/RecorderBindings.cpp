@@ -6,6 +6,8 @@
 #include "dcplan/replayer/Runtime.h"
 #include "dcplan/schemas/network.h"
 
+#include <nlohmann/json.hpp>
+
 #include <mutex>
 
 namespace py = pybind11;
@@ -115,7 +117,14 @@ void bindNetwork(py::module_& m) {
         replayer::withTransport("measure_network", [&](replayer::Transport& transport) {
           network = measureNetwork(transport, options, deviceName);
         });
-        return schemas::writeNetwork(network);
+        const std::string text = schemas::writeNetwork(network);
+        // A measurement dcplan plan --network would refuse must show here, naming the field.
+        schemas::Network check;
+        const auto problems = schemas::validateNetwork(schemas::parseJson(text, "measure_network"), check);
+        TORCH_CHECK(problems.empty(),
+                    "measure_network: the measurement is not a valid dcplan.network/v1 document: ",
+                    problems.empty() ? "" : problems.front().str());
+        return text;
       },
       py::arg("seconds"), py::arg("device"), py::arg("device_name"), Release(),
       "Times all-gather, reduce-scatter and all-reduce over the runtime's transport (collective: every rank "

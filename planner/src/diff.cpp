@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcplan/planner/units.h"
+#include "dcplan/schemas/network.h"
 #include "dcplan/schemas/units.h"
 
 namespace dcplan::planner {
@@ -79,6 +80,12 @@ class Differ {
   double tolerance_;
   PlanDiff& out_;
 };
+
+/// A plan's --network as diff names it: its file, ranks and transport, or "none".
+std::string networkText(const std::optional<schemas::PlanNetwork>& n) {
+  return n ? n->file + " (" + std::to_string(n->measured.worldSize) + " ranks, " + n->measured.backend + ")"
+           : "none";
+}
 
 std::string optNumber(const std::optional<double>& v) {
   if (!v) return "none";
@@ -224,6 +231,14 @@ PlanDiff diffPlans(const schemas::Plan& a, const schemas::Plan& b, double tolera
           static_cast<double>(a.options.gradAccumSteps), static_cast<double>(b.options.gradAccumSteps));
   d.text("/options/cuda_graph", "options.cuda_graph", a.options.cudaGraph ? "true" : "false",
          b.options.cudaGraph ? "true" : "false");
+  const auto& na = a.options.network;
+  const auto& nb = b.options.network;
+  const bool sameNetwork =
+      na.has_value() == nb.has_value() && (!na || schemas::sameCollectives(na->measured, nb->measured));
+  d.text("/options/network", "options.network", networkText(na),
+         networkText(nb) + (!sameNetwork && networkText(na) == networkText(nb) ? ", other times" : ""));
+  d.text("/options/in_situ_scale", "options.in_situ_scale", optNumber(a.options.inSituScale),
+         optNumber(b.options.inSituScale), true);
   // Provenance: the same schedule from a re-recorded trace or a newer dcplan is the same plan.
   d.text("/source/trace_digest", "source.trace_digest", a.source.traceDigest, b.source.traceDigest, true);
   d.text("/source/trace", "source.trace", a.source.trace, b.source.trace, true);

@@ -18,8 +18,12 @@ CostModel scaledCost(const schemas::Trace& trace, const Workload& w, std::option
                      const schemas::Network* network, double scale) {
   CostModelOptions o = costOptions(w, bandwidthGBps);
   o.inSituScale = scale;
-  return network ? CostModel(network->calibration, network->worldSize, o)
-                 : CostModel(trace.calibration, w.traceWorldSize, o);
+  if (!network) return CostModel(trace.calibration, w.traceWorldSize, o);
+  // The network's collectives; the host link's rates where it measured them (on GPUs), else the trace's.
+  schemas::Calibration measured = network->calibration;
+  if (!measured.h2dGBps) measured.h2dGBps = trace.calibration.h2dGBps;
+  if (!measured.d2hGBps) measured.d2hGBps = trace.calibration.d2hGBps;
+  return CostModel(measured, network->worldSize, o);
 }
 
 /// The scale at which stepAt(scale), which grows with it, is measuredUs: bisected on a log scale.

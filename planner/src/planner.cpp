@@ -14,6 +14,7 @@
 #include "dcplan/planner/units.h"
 #include "dcplan/schemas/dtype.h"
 #include "dcplan/schemas/io.h"
+#include "dcplan/schemas/network.h"
 #include "dcplan/schemas/units.h"
 #include "decisions.h"
 
@@ -553,12 +554,20 @@ InSituFit calibrationFit(const schemas::Trace& trace, const Workload& w, const P
     throw std::invalid_argument(what + "the replayed plan is for " + std::to_string(m.worldSize) +
                                 " ranks, this plan for " + std::to_string(w.worldSize));
   }
+  const std::string replayedNetwork = m.network ? "--network " + m.network->file : "the trace's calibration";
+  const std::string thisNetwork = req.network ? "--network " + req.network->file : "the trace's calibration";
+  if (m.network.has_value() != req.network.has_value() ||
+      (m.network && !schemas::sameCollectives(m.network->measured, req.network->measured))) {
+    throw std::invalid_argument(what + "the replayed plan was made with " + replayedNetwork +
+                                ", this plan with " + thisNetwork +
+                                ": a scale fitted to one network's times says nothing of another's");
+  }
   InSituFit fit = fitToReplay(trace, w, m.schedule, m.stepUs, req.bandwidthGBps,
                               req.network ? &req.network->measured : nullptr);
   if (fit.atBound) {
     throw std::invalid_argument(what + "the replay measured " + formatMs(m.stepUs) +
                                 " a step where its plan is " + "predicted at " + formatMs(fit.calibratedUs) +
-                                " on the trace's calibration; " + "no collective time between " +
+                                " on " + thisNetwork + "; " + "no collective time between " +
                                 formatFixed(kInSituMin, 3) + "x and " + formatFixed(kInSituMax, 0) +
                                 "x explains that (the host or the device, not " +
                                 "the communication, differs from the recording): not calibrated");
@@ -644,6 +653,11 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   const bool cudaGraph = req.cudaGraph.value_or(trace.meta.graphed);
   const int64_t worldSize = req.worldSize > 0 ? req.worldSize : network ? network->worldSize : 0;
   Workload w = makeWorkload(trace, worldSize, cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
+  if (network && w.worldSize <= 1) {  // one rank's calls are its own copies, which the trace timed
+    throw std::invalid_argument("--network " + req.network->file +
+                                ": the collectives between ranks; this plan is for 1 rank, which has none "
+                                "(its transport's own copies are the trace's to time)");
+  }
   if (req.bandwidthGBps && w.worldSize <= 1)  // the cost model has no bus to scale: refused, not ignored
     throw std::invalid_argument(
         "--bandwidth: a bus bandwidth is a what-if for the collectives between ranks; this "

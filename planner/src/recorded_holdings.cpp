@@ -23,7 +23,12 @@ uint64_t RecordedHoldings::scratchBeforeWait(const schemas::OpEvent& e) const {
 
 void RecordedHoldings::after(const schemas::OpEvent& e, bool sync) {
   const std::optional<OpRole> role = schemas::opRole(e.op);
-  gatheredJustBefore_ = role == OpRole::Gather && e.dsIds.size() == 1 ? e.dsIds[0] : -1;
+  // A gather that issued a call of its own (not one whose parameter a fused prefetch or an earlier
+  // micro-step already holds).
+  gatheredJustBefore_ =
+      role == OpRole::Gather && e.dsIds.size() == 1 && e.bytes > 0 && !gathered_.count(e.dsIds[0])
+          ? e.dsIds[0]
+          : -1;
   if (role == OpRole::Gather || role == OpRole::Prefetch) {
     // (A Gloo call's scratch is not held here from the issue to the wait: the worker holds it only
     // while it runs the call, so the recorded memory has it or not by the scheduler's timing. What

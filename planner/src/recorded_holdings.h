@@ -29,9 +29,10 @@ class RecordedHoldings {
   }
 
   /// The scratch of the gather a wait_allgather ends when that gather was the op just before it
-  /// (the recorded run gathers on use, so nothing but the call itself ran between them): Gloo's
-  /// worker holds it only while it runs the call, so the wait's recorded memory holds it or not
-  /// as the scheduler had it. 0 for any other op, and on NCCL (no scratch).
+  /// and issued a call of its own (the recorded run gathers on use, so nothing but the call ran
+  /// between them): Gloo's worker holds it only while it runs the call, so the wait's recorded
+  /// memory holds it or not as the scheduler had it. 0 for any other op (a fused prefetch's
+  /// members too), and on NCCL (no scratch).
   uint64_t scratchBeforeWait(const schemas::OpEvent& e) const;
 
   /// Updates what is held after op e of a micro-step (sync: the one the optimizer step follows).

@@ -286,6 +286,15 @@ GraphRun readRun(Workload& w, const schemas::TraceGraph& tg, const std::string& 
   return run;
 }
 
+/// The optimizer steps the rank's shards: with --world-size its device work (on CPU ranks, where
+/// the host is the device, its host time too) shrinks or grows with them, as the baseline does.
+/// On a GPU the host's time issuing it is per tensor, whatever their size: kept.
+void scaleOptimizerToShards(Workload& w) {
+  const double shards = static_cast<double>(w.traceWorldSize) / static_cast<double>(w.worldSize);
+  w.optimizerUs *= shards;
+  if (w.waitsBlockHost) w.optimizerHostUs *= shards;
+}
+
 /// Marks each graph's last release of each parameter.
 void markLastReleases(Workload& w) {
   for (WorkGraph& g : w.graphs) {
@@ -308,6 +317,7 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay
   const std::vector<size_t> micro = detail::microStepsEndingAt(trace, end, w.gradAccumSteps);
   w.traceStep = trace.steps[end].index;
   chooseTimes(w, trace, end, micro, replay);
+  scaleOptimizerToShards(w);
   std::unordered_map<int64_t, int32_t> runsOfGraph;
   RecordedHoldings recorded(w, trace);
   for (size_t m = 0; m < micro.size(); ++m) {

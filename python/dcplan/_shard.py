@@ -384,12 +384,14 @@ def _param_device(model: nn.Module) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-def _init_runtime(pg: dist.ProcessGroup, device: torch.device, reduce_bucket_bytes: int) -> None:
+def _init_runtime(pg: dist.ProcessGroup, device: torch.device, reduce_bucket_bytes: int,
+                  check_collectives: Optional[bool] = None) -> None:
     """Starts the runtime: on its own NCCL communicator and streams for parameters on a GPU
-    (the unique id goes to the other ranks through pg), else on pg itself (c10d, Gloo on CPU)."""
+    (the unique id goes to the other ranks through pg), else on pg itself (c10d, Gloo on CPU).
+    check_collectives: None, as DCPLAN_CHECK_COLLECTIVES says (_check_collectives)."""
     global _runtime_started
     _runtime_started = True
-    check = _check_collectives(device)
+    check = _check_collectives(device) if check_collectives is None else check_collectives
     if device.type != "cuda":
         _shm.report(_C.init(pg.group_name, reduce_bucket_bytes=reduce_bucket_bytes, check_collectives=check,
                             **_shm.settings()))

@@ -48,12 +48,20 @@ def main(argv=None) -> int:
         raise SystemExit("dcplan.measure_network: run it under torchrun on the ranks to measure, e.g. "
                          "torchrun --nproc-per-node 2 -m dcplan.measure_network -o net.json")
     device, name = device_of(args.device)
+    output = pathlib.Path(args.output)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         pg = dist.group.WORLD
         if pg.size() < 2:
             raise SystemExit("dcplan.measure_network: 1 rank has no collectives to measure; launch 2 or more")
-        _shard._init_runtime(pg, device, reduce_bucket_bytes=100 * 1024 * 1024)
+        # Rank 0 writes the file: it says before the measurement whether it can, and every rank stops alike.
+        problem = [unwritable(output) if pg.rank() == 0 else None]
+        dist.broadcast_object_list(problem, group=pg, group_src=0)
+        if problem[0]:
+            raise SystemExit(f"dcplan.measure_network: -o {args.output}: {problem[0]}")
+        # Without the ranks' agreement on each collective (a Gloo call of its own per collective on CPU
+        # ranks): the times are the collectives' alone, as a recording's calibration takes them.
+        _shard._init_runtime(pg, device, _shard._DEFAULT_BUCKET_BYTES, check_collectives=False)
         try:
             if pg.rank() == 0:
                 print(f"dcplan.measure_network: timing the collectives of {pg.size()} ranks ({name}) "
@@ -62,7 +70,7 @@ def main(argv=None) -> int:
         finally:
             _C.cleanup()
         if pg.rank() == 0:
-            write_atomically(pathlib.Path(args.output), text)
+            write_atomically(output, text)
             print(f"dcplan.measure_network: wrote {args.output}", flush=True)
             for line in summary(json.loads(text)):
                 print("  " + line, flush=True)
@@ -81,10 +89,34 @@ def summary(doc):
                f"{last['us'] / 1e3:.3f} ms there")
 
 
+def unwritable(path: pathlib.Path):
+    """Why the file cannot be written there, or None."""
+    parent = path.parent
+    if not parent.is_dir():
+        return f"no directory {parent}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the directory {parent} is not writable"
+    if path.is_dir():
+        return "a directory"
+    return None
+
+
 def write_atomically(path: pathlib.Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        f.write(text)
-    os.replace(f.name, path)
+    """Writes beside the file and renames it into place: no partial file, whatever fails."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would have made it, not mkstemp's 0600
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 if __name__ == "__main__":

@@ -59,4 +59,22 @@ ordered_json calibrationJson(const Calibration& c) {
   return out;
 }
 
+void readNetworkInto(FieldReader& r, Diagnostics& diags, Network& out) {
+  out.worldSize = r.integer("world_size", 2).value_or(0);
+  out.backend = r.oneOf("backend", {"gloo", "nccl"}).value_or("");
+  out.device = r.string("device").value_or("");
+  if (auto* calibration = r.object("calibration")) {
+    FieldReader c(*calibration, r.pointerOf("calibration"), diags);
+    out.calibration = readCalibrationFields(c, diags);
+    c.rejectUnknownFields();
+  }
+}
+
+ordered_json networkJson(const Network& n) {
+  return {{"world_size", n.worldSize},
+          {"backend", n.backend},
+          {"device", n.device},
+          {"calibration", calibrationJson(n.calibration)}};
+}
+
 }  // namespace dcplan::schemas

@@ -1,40 +1,16 @@
 // Validation and serialisation of dcplan.network/v1 documents (see network.h).
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 
 #include "calibration_json.h"
 #include "dcplan/schemas/network.h"
 #include "field_reader.h"
+#include "read_document.h"
 
 namespace dcplan::schemas {
 
 using nlohmann::ordered_json;
-
-namespace {
-
-/// The meta fields of a network file, which a plan made with --network repeats beside the curves.
-void readNetworkFields(FieldReader& r, Network& out) {
-  out.worldSize = r.integer("world_size", 2).value_or(0);
-  out.backend = r.oneOf("backend", {"gloo", "nccl"}).value_or("");
-  out.device = r.string("device").value_or("");
-}
-
-}  // namespace
-
-void readNetworkInto(FieldReader& r, Diagnostics& diags, Network& out) {
-  readNetworkFields(r, out);
-  if (auto* calibration = r.object("calibration")) {
-    FieldReader c(*calibration, r.pointerOf("calibration"), diags);
-    out.calibration = readCalibrationFields(c, diags);
-    c.rejectUnknownFields();
-  }
-}
-
-ordered_json networkJson(const Network& n) {
-  return {{"world_size", n.worldSize},
-          {"backend", n.backend},
-          {"device", n.device},
-          {"calibration", calibrationJson(n.calibration)}};
-}
 
 std::vector<Diagnostic> validateNetwork(const ordered_json& doc, Network& out) {
   Diagnostics diags;
@@ -52,23 +28,29 @@ std::vector<Diagnostic> validateNetwork(const ordered_json& doc, Network& out) {
 }
 
 Network readNetwork(const std::filesystem::path& path) {
-  const std::string name = path.string();
-  ordered_json doc = readJsonFile(path);
-  if (detectKind(doc, name) != DocumentKind::Network) {
-    throw InputError(name, {{"/schema", std::string("expected a network measurement (\"") + kNetworkSchema +
-                                            "\", written by python -m dcplan.measure_network), got \"" +
-                                            doc["schema"].get<std::string>() + "\""}});
-  }
-  Network network;
-  auto diags = validateNetwork(doc, network);
-  if (!diags.empty()) throw InputError(name, std::move(diags));
-  return network;
+  return readDocument<Network>(path, DocumentKind::Network,
+                               std::string("a network measurement (\"") + kNetworkSchema +
+                                   "\", written by python -m dcplan.measure_network)",
+                               validateNetwork);
 }
 
 std::string writeNetwork(const Network& network) {
   ordered_json doc{{"schema", kNetworkSchema}, {"created_by", network.createdBy}};
   doc.update(networkJson(network));
   return doc.dump(2) + "\n";
+}
+
+bool sameCollectives(const Network& a, const Network& b) {
+  auto same = [](const std::vector<CalibrationPoint>& x, const std::vector<CalibrationPoint>& y) {
+    return std::equal(x.begin(), x.end(), y.begin(), y.end(),
+                      [](const CalibrationPoint& p, const CalibrationPoint& q) {
+                        return p.bytes == q.bytes && p.us == q.us;
+                      });
+  };
+  return a.worldSize == b.worldSize && a.backend == b.backend &&
+         same(a.calibration.allGather, b.calibration.allGather) &&
+         same(a.calibration.reduceScatter, b.calibration.reduceScatter) &&
+         same(a.calibration.allReduce, b.calibration.allReduce);
 }
 
 }  // namespace dcplan::schemas

@@ -8,6 +8,7 @@
 #include "calibration_json.h"
 #include "dcplan/schemas/io.h"
 #include "field_reader.h"
+#include "read_document.h"
 
 namespace dcplan::schemas {
 
@@ -258,16 +259,8 @@ std::vector<Diagnostic> validatePlan(const ordered_json& doc, Plan& out) {
 }
 
 Plan readPlan(const std::filesystem::path& path) {
-  const std::string name = path.string();
-  ordered_json doc = readJsonFile(path);
-  if (detectKind(doc, name) != DocumentKind::Plan) {
-    throw InputError(name, {{"/schema", std::string("expected a plan (\"") + kPlanSchema + "\"), got \"" +
-                                            doc["schema"].get<std::string>() + "\""}});
-  }
-  Plan plan;
-  auto diags = validatePlan(doc, plan);
-  if (!diags.empty()) throw InputError(name, std::move(diags));
-  return plan;
+  return readDocument<Plan>(path, DocumentKind::Plan, std::string("a plan (\"") + kPlanSchema + "\")",
+                            validatePlan);
 }
 
 std::string writePlan(const Plan& plan) {

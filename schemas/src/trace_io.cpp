@@ -11,6 +11,7 @@
 #include "dcplan/schemas/io.h"
 #include "field_reader.h"
 #include "hash.h"
+#include "read_document.h"
 
 namespace dcplan::schemas {
 
@@ -361,16 +362,8 @@ std::vector<Diagnostic> validateTrace(const ordered_json& doc, Trace& out) {
 }
 
 Trace readTrace(const std::filesystem::path& path) {
-  const std::string name = path.string();
-  ordered_json doc = readJsonFile(path);
-  if (detectKind(doc, name) != DocumentKind::Trace) {
-    throw InputError(name, {{"/schema", std::string("expected a trace (\"") + kTraceSchema + "\"), got \"" +
-                                            doc["schema"].get<std::string>() + "\""}});
-  }
-  Trace trace;
-  auto diags = validateTrace(doc, trace);
-  if (!diags.empty()) throw InputError(name, std::move(diags));
-  return trace;
+  return readDocument<Trace>(path, DocumentKind::Trace, std::string("a trace (\"") + kTraceSchema + "\")",
+                             validateTrace);
 }
 
 std::string writeTrace(const Trace& t) {

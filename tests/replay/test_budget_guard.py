@@ -80,7 +80,14 @@ def guard_case(tmp_path, device):
     run(train(BALLAST, 6, device), env={**env, "DCPLAN_BUDGET_GUARD": "off", "DCPLAN_REPLAY_LOG": str(unguarded_log)})
     unguarded = [_plan.measured(_plan.read_replay_log(str(unguarded_log).replace("{rank}", str(r))))["peak_bytes"]
                  for r in range(2)]
-    assert max(unguarded) > budget, ("the plan alone kept the budget: no premise", unguarded, budget)
+    # The premise: rank 1 holds the ballast beyond what rank 0 holds, and the plan's peak with it crosses the
+    # budget. Measured on Gloo, rank 1's peak crosses it unless Gloo's worker had finished a gather whose flat
+    # output the model holds until the wait (an upper bound: docs/planning.md, memory model): one CI run measured
+    # both ranks 0.9 MB under the prediction, rank 1 then 79 KB under the budget. Rank 0 measures that shortfall
+    # in the same run, so it is added back: rank 1's peak over rank 0's is the ballast, over the plan's peak.
+    assert unguarded[1] - unguarded[0] >= 0.9 * ballast, ("rank 1 did not hold the ballast", unguarded, ballast)
+    assert predicted + unguarded[1] - unguarded[0] > budget, ("the plan alone kept the budget: no premise",
+                                                              unguarded, predicted, budget)
 
     log = tmp_path / "guarded.{rank}.jsonl"
     guarded = run(train(BALLAST, 6, device), env={**env, "DCPLAN_REPLAY_LOG": str(log)})
@@ -100,7 +107,10 @@ def guard_case(tmp_path, device):
         after = min(h["step"] for h in holds)
         launched = [e for ex in _plan.executions(events) if ex["step"] >= after for e in ex["events"]
                     if e["ev"] == "prefetch" and e["launched"]]
-        assert launched, f"rank {rank}: no planned prefetch launched once the guard acted"
+        fitting = sorted(b for b in peaks if b + holds[0]["excess"] <= budget)
+        assert launched, (f"rank {rank}: no planned prefetch launched once the guard acted (from step {after}); "
+                          f"agreed excess {holds[0]['excess']} (ballast {ballast}), groups whose peak fits beside "
+                          f"it: {fitting}, holds: {[(h['step'], h['kind'], h['pos']) for h in holds][:12]}")
         peak = _plan.measured(events)["peak_bytes"]
         assert peak <= budget, (rank, peak, budget, unguarded)
     assert held[0] == held[1], "the ranks held back different choices"

@@ -5,6 +5,7 @@ target, as test_plan_promise.py's), the plan carrying the network, and the check
 step time is a benchmark (docs/benchmarks.md): two processes on a 2-core machine vary 2x."""
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -42,3 +43,18 @@ def test_a_one_rank_trace_planned_for_two_keeps_its_peak(tmp_path, dcplan_module
     print(f"what-if 1 -> 2 ranks: step predicted {plan['predicted']['step_us'] / 1e3:.1f} ms, measured "
           + ", ".join(f"{m['step_us'] / 1e3:.1f}" for m in ranks) + f" ms; peak predicted {predicted} B, measured "
           + ", ".join(str(m["peak_bytes"]) for m in ranks))
+
+
+def test_the_network_measurement_says_what_it_needs(tmp_path, dcplan_module):
+    """Its refusals, each naming what to do: no torchrun, a bad --seconds, an output nowhere to write."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    res = subprocess.run([sys.executable, "-m", "dcplan.measure_network", "-o", str(tmp_path / "n.json")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "run it under torchrun" in res.stderr, res.stderr
+    res = subprocess.run([sys.executable, "-m", "dcplan.measure_network", "-o", "n.json", "--seconds", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--seconds should be > 0, got 0.0" in res.stderr, res.stderr
+    missing = tmp_path / "no" / "such" / "n.json"
+    res = subprocess.run(torchrun(2, "-m", "dcplan.measure_network", "-o", str(missing), "--seconds", "1"),
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and f"-o {missing}: no directory {missing.parent}" in res.stderr, res.stderr[-2000:]

@@ -76,6 +76,24 @@ def test_a_plans_network_matches_its_schema():
     assert not jsonschema.Draft202012Validator(SCHEMAS["dcplan.network/v1"]).is_valid(network)
 
 
+def test_the_calibration_is_defined_alike_in_every_schema():
+    """A trace's calibration, a network file's and a plan's options.network are one object: each schema
+    spells it out (a schema here refers to no other file), so they must not drift apart."""
+    trace = TRACE_SCHEMA["properties"]["calibration"]
+    network = SCHEMAS["dcplan.network/v1"]["$defs"]["calibration"]
+    in_plan = PLAN_SCHEMA["properties"]["options"]["properties"]["network"]["properties"]["calibration"]
+    assert trace == network == in_plan
+    curves = [TRACE_SCHEMA["$defs"]["curve"], SCHEMAS["dcplan.network/v1"]["$defs"]["curve"],
+              PLAN_SCHEMA["$defs"]["curve"]]
+    def resolved(curve):  # the trace's curve names its bytes and us by $ref
+        text = json.dumps(curve)
+        for name in ("bytes", "us"):
+            text = text.replace(json.dumps({"$ref": f"#/$defs/{name}"}), json.dumps(TRACE_SCHEMA["$defs"][name]))
+        return json.loads(text)
+
+    assert resolved(curves[0]) == resolved(curves[1]) == resolved(curves[2])
+
+
 @pytest.mark.parametrize("name", STRUCTURAL)
 def test_structural_breakage_fails_the_schema(name):
     doc = json.loads((BROKEN / f"{name}.json").read_text())

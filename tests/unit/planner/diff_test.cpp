@@ -31,6 +31,32 @@ TEST(Diff, ProvenanceIsANoteNotADifference) {
   EXPECT_EQ(d.notes.size(), 2u);
 }
 
+TEST(Diff, TheNetworkAPlanWasMadeForIsAnOptionAndItsInSituScaleANote) {
+  schemas::Plan a = tinyPlan(), b = a;
+  schemas::PlanNetwork net{"net.json", {}};
+  net.measured.worldSize = 2;
+  net.measured.backend = "nccl";
+  net.measured.calibration.allGather = {{1024, 20.0}};
+  b.options.network = net;
+  PlanDiff d = diffPlans(a, b);
+  ASSERT_EQ(d.differences.size(), 1u);
+  EXPECT_EQ(d.differences[0].path, "/options/network");
+  EXPECT_EQ(d.differences[0].textA, "none");
+  EXPECT_EQ(d.differences[0].textB, "net.json (2 ranks, nccl)");
+  // The same file name with other times: still a difference, and it says so.
+  a.options.network = net;
+  b.options.network->measured.calibration.allGather[0].us = 40.0;
+  d = diffPlans(a, b);
+  ASSERT_EQ(d.differences.size(), 1u);
+  EXPECT_EQ(d.differences[0].textB, "net.json (2 ranks, nccl), other times");
+  b.options.network = net;
+  b.options.inSituScale = 1.5;  // fitted to a recording or a replay: provenance
+  d = diffPlans(a, b);
+  EXPECT_TRUE(d.equal());
+  ASSERT_EQ(d.notes.size(), 1u);
+  EXPECT_EQ(d.notes[0].path, "/options/in_situ_scale");
+}
+
 TEST(Diff, ScheduleChangesArePinnedByPointer) {
   schemas::Plan a = tinyPlan(), b = a;
   b.persistent = {1};

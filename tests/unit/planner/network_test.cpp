@@ -79,6 +79,38 @@ TEST(Network, AOneRankTraceIsPlannedForTheRanksItMeasured) {
       std::string::npos);
 }
 
+TEST(Network, APlanForOneRankOrACalibrationOnAnotherNetworkIsRefused) {
+  const schemas::Trace t = oneRankTrace();
+  PlanRequest req;
+  req.network = twoRanks(1.0);
+  req.worldSize = 1;  // one rank's calls are its transport's own copies, which the trace timed
+  EXPECT_NE(
+      refusal(t, req).find("--network net.json: the collectives between ranks; this plan is for 1 rank"),
+      std::string::npos);
+  // A replay of a plan made with one network calibrates plans made with that network only.
+  req.worldSize = 0;
+  const schemas::Plan replayed = makePlan(t, req).plan;
+  ReplayMeasurement m;
+  m.schedule = scheduleOf(replayed);
+  m.worldSize = 2;
+  m.stepUs = replayed.predicted.stepUs * 1.2;
+  m.description = "replay.0.jsonl (a replay of plan.json)";
+  m.network = replayed.options.network;
+  req.calibrate = m;
+  const PlanResult fitted = makePlan(t, req);
+  ASSERT_TRUE(fitted.plan.options.inSituScale);
+  EXPECT_GT(*fitted.plan.options.inSituScale, 1.0);
+  req.network = twoRanks(2.0);
+  EXPECT_NE(
+      refusal(t, req).find("the replayed plan was made with --network net.json, this plan with --network "
+                           "net.json: a scale fitted to one network's times says nothing of another's"),
+      std::string::npos);
+  req.network.reset();
+  req.worldSize = 2;
+  EXPECT_NE(refusal(t, req).find("made with --network net.json, this plan with the trace's calibration"),
+            std::string::npos);
+}
+
 TEST(Network, AnotherTransportsMeasurementIsRefused) {
   schemas::Trace t = oneRankTrace();
   t.meta.backend = "gloo";

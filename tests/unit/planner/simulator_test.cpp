@@ -505,6 +505,9 @@ TEST(Simulator, TheRecordedRunsGlooScratchAtAWaitIsNotActivation) {
   fwd[4].peakBytes = fwd[4].memoryBytes;
   EXPECT_EQ(makeWorkload(t).runs[0].activationBytes[4], 2'000u);
   EXPECT_EQ(makeWorkload(t).runs[0].computePeakBytes[4], 2'000u);
+  fwd[3].bytes = 0;  // a gather whose parameter was already in flight issued no call: nothing to take out
+  EXPECT_EQ(makeWorkload(t).runs[0].activationBytes[4], kTinyParam + 2'000);
+  fwd[3].bytes = kTinyParam;
   std::swap(fwd[3], fwd[2]);  // a release between the gather and its wait
   std::swap(fwd[3].seq, fwd[2].seq);
   EXPECT_EQ(makeWorkload(t).runs[0].activationBytes[4], kTinyParam + 2'000);
@@ -688,6 +691,29 @@ schemas::Trace traceWithHostTimes(const std::vector<double>& hostScale, int64_t 
     t.steps[s].optimizerHostUs = t.steps[s].optimizerUs * hostScale[s];
   }
   return t;
+}
+
+TEST(Workload, AWorldSizeWhatIfScalesTheOptimizerWithItsShards) {
+  // The tiny trace's 50 us optimizer steps the shards of 2 ranks: a quarter of them at 8 ranks.
+  schemas::Trace t = test::tinyTrace();
+  EXPECT_DOUBLE_EQ(makeWorkload(t).optimizerUs, 50.0);
+  EXPECT_DOUBLE_EQ(makeWorkload(t, 8).optimizerUs, 12.5);
+  EXPECT_DOUBLE_EQ(makeWorkload(t, 1).optimizerUs, 100.0);
+  // With host times: on a GPU the host issues the optimizer per tensor (kept); on CPU ranks the
+  // host runs it (scaled as the device's work).
+  t.steps[0].optimizerHostUs = 40.0;
+  for (auto& g : t.steps[0].graphs) {
+    for (auto& e : g.events) {
+      e.hostUs = e.computeUs;
+      e.issueUs = 0.0;
+    }
+  }
+  ASSERT_TRUE(makeWorkload(t, 8).hostLane);
+  EXPECT_DOUBLE_EQ(makeWorkload(t, 8).optimizerHostUs, 40.0);
+  t.meta.backend = "gloo";
+  t.meta.device = "cpu";
+  EXPECT_DOUBLE_EQ(makeWorkload(t, 8).optimizerHostUs, 10.0);
+  EXPECT_DOUBLE_EQ(makeWorkload(t).optimizerHostUs, 40.0);
 }
 
 TEST(Workload, StepsThatAgreeArePlannedFromTheLast) {

@@ -48,6 +48,8 @@ struct ReplayMeasurement {
   bool cudaGraph = false;   ///< a CUDA graph's replay has no replay log: refused
   double stepUs = 0;        ///< the measured step (the slowest rank's median)
   std::string description;  ///< what was measured, for messages ("replay.0.jsonl, replay.1.jsonl of p.json")
+  /// The network the replayed plan was made with (--network); the new plan must be made with it.
+  std::optional<schemas::PlanNetwork> network;
 };
 
 struct PlanRequest {

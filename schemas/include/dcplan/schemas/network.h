@@ -23,4 +23,8 @@ Network readNetwork(const std::filesystem::path& path);
 /// Deterministic serialisation (2-space indent, newline at end).
 std::string writeNetwork(const Network& network);
 
+/// Whether two measurements time the same collectives alike: world size, backend and every curve's
+/// points (who wrote them, the device's name and the host-link rates aside).
+bool sameCollectives(const Network& a, const Network& b);
+
 }  // namespace dcplan::schemas

@@ -28,13 +28,13 @@ struct PlanSource {
   std::string replay = "eager";  ///< the trace's meta.replay: "eager" or "compiled"
 };
 
-/// The options the planner ran with.
 /// The network a plan was made for (dcplan plan --network).
 struct PlanNetwork {
   std::string file;  ///< as given to --network
   Network measured;
 };
 
+/// The options the planner ran with.
 struct PlanOptions {
   std::string strategy;                       ///< "default", "heuristic" or "optimized"
   std::optional<uint64_t> memoryBudgetBytes;  ///< absent: unconstrained
