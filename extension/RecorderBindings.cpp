@@ -4,6 +4,7 @@
 #include "dcplan/recorder/Probes.h"
 #include "dcplan/recorder/Recorder.h"
 #include "dcplan/replayer/Runtime.h"
+#include "dcplan/schemas/io.h"
 #include "dcplan/schemas/network.h"
 
 #include <nlohmann/json.hpp>
@@ -107,7 +108,8 @@ ModelInfo modelInfo(int64_t stage, int64_t forwardGraph, int64_t backwardGraph, 
 void bindNetwork(py::module_& m) {
   m.def(
       "measure_network",
-      [](double seconds, const std::string& device, const std::string& deviceName) {
+      [](double seconds, const std::string& device, const std::string& deviceName,
+         const std::string& output) {
         CalibrationOptions options;
         options.budgetSeconds = seconds;
         options.device = c10::Device(device);
@@ -124,11 +126,12 @@ void bindNetwork(py::module_& m) {
         TORCH_CHECK(problems.empty(),
                     "measure_network: the measurement is not a valid dcplan.network/v1 document: ",
                     problems.empty() ? "" : problems.front().str());
+        if (!output.empty()) schemas::writeFileAtomically(output, text);
         return text;
       },
-      py::arg("seconds"), py::arg("device"), py::arg("device_name"), Release(),
+      py::arg("seconds"), py::arg("device"), py::arg("device_name"), py::arg("output") = "", Release(),
       "Times all-gather, reduce-scatter and all-reduce over the runtime's transport (collective: every rank "
-      "calls it) and returns the dcplan.network/v1 document.");
+      "calls it) and returns the dcplan.network/v1 document; writes it to output (atomically) where given.");
 }
 
 /// record_done, record_steps, record_finish and the rest of a recording's course.

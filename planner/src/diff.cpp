@@ -235,8 +235,9 @@ PlanDiff diffPlans(const schemas::Plan& a, const schemas::Plan& b, double tolera
   const auto& nb = b.options.network;
   const bool sameNetwork =
       na.has_value() == nb.has_value() && (!na || schemas::sameCollectives(na->measured, nb->measured));
-  d.text("/options/network", "options.network", networkText(na),
-         networkText(nb) + (!sameNetwork && networkText(na) == networkText(nb) ? ", other times" : ""));
+  const std::string textA = networkText(na), textB = networkText(nb);
+  d.text("/options/network", "options.network", textA,
+         textB + (!sameNetwork && textA == textB ? ", other times" : ""));
   d.text("/options/in_situ_scale", "options.in_situ_scale", optNumber(a.options.inSituScale),
          optNumber(b.options.inSituScale), true);
   // Provenance: the same schedule from a re-recorded trace or a newer dcplan is the same plan.

@@ -276,8 +276,11 @@ GraphRun readRun(Workload& w, const schemas::TraceGraph& tg, const std::string& 
       // Only the gather's own call ran since the op before: what the activations rose by is its
       // scratch (the plan's is the simulator's), up to the scratch's size.
       const uint64_t before = run.activationBytes.back();
-      activation -= std::min(scratch, activation > before ? activation - before : 0);
-      computePeak -= std::min(scratch, computePeak > before ? computePeak - before : 0);
+      auto riseOverBefore = [&](uint64_t bytes) {
+        return std::min(scratch, bytes > before ? bytes - before : 0);
+      };
+      activation -= riseOverBefore(activation);
+      computePeak -= riseOverBefore(computePeak);
     }
     run.activationBytes.push_back(activation);
     run.computePeakBytes.push_back(computePeak);

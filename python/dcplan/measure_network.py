@@ -10,7 +10,6 @@ import json
 import os
 import pathlib
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -66,11 +65,11 @@ def main(argv=None) -> int:
             if pg.rank() == 0:
                 print(f"dcplan.measure_network: timing the collectives of {pg.size()} ranks ({name}) "
                       f"for up to {args.seconds:g} s", flush=True)
-            text = _C.measure_network(args.seconds, str(device), name)
+            # Rank 0 writes the file (schemas::writeFileAtomically: no partial file, whatever fails).
+            text = _C.measure_network(args.seconds, str(device), name, str(output) if pg.rank() == 0 else "")
         finally:
             _C.cleanup()
         if pg.rank() == 0:
-            write_atomically(output, text)
             print(f"dcplan.measure_network: wrote {args.output}", flush=True)
             for line in summary(json.loads(text)):
                 print("  " + line, flush=True)
@@ -99,24 +98,6 @@ def unwritable(path: pathlib.Path):
     if path.is_dir():
         return "a directory"
     return None
-
-
-def write_atomically(path: pathlib.Path, text: str) -> None:
-    """Writes beside the file and renames it into place: no partial file, whatever fails."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as open() would have made it, not mkstemp's 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 if __name__ == "__main__":
