@@ -7,6 +7,9 @@
 #   bash bench/gpu/run_on_box.sh predict [budget]     # record, plan at $BUDGETS, replay, check_replay --curve;
 #       $ROUNDS: timed again without the replay log, interleaved; GRAPHED=1: the step in one CUDA graph
 #       (--cuda-graph: recorded uncaptured, planned with the device's own times, replayed captured)
+#   FROM=M NPROC=N bash bench/gpu/run_on_box.sh whatif  # the predict model recorded on M GPUs (default 1) and
+#       planned for N (M=1: --network, measured on N; else --world-size), beside a trace of N's plan; both
+#       replayed on N, checked, timed over $ROUNDS (GRAPHED=1 as in predict)
 #   bash bench/gpu/run_on_box.sh compiled comm|compute [args]  # compiled replay: GPU tests, then a
 #       trace of the compiled model, its plan, and fsdp2, fsdp2-compiled, dcplan, dcplan-compiled
 #       (default schedule and the plan) and the bound in one process, interleaved over rounds
@@ -77,6 +80,60 @@ record_bench() {
 report() { "$PY" bench/gpu/predict_report.py "$@"; }
 quiet() { grep -v "^\[\|UserWarning\|_warn_once\|^W1\|^\*\*\*\|OMP_NUM_THREADS" || true; }
 
+# The predict and whatif targets' model: examples/train_llama.py at the reference size (hidden 2048,
+# 16 layers, $BATCH x $SEQ tokens per GPU, default 1x1024, bf16 gathers, fp32 reduce; $PREDICT_ARGS:
+# more of its arguments, e.g. --compile). GRAPHED=1: its --cuda-graph, and plans made --cuda-graph.
+graphed=${GRAPHED:-0}
+plan_args=(); [ "$graphed" = 1 ] && plan_args=(--cuda-graph)
+# llama_on N: the torchrun arguments of that model on N GPUs, in $T.
+llama_on() {
+  T=(-m torch.distributed.run --nproc-per-node "$1" examples/train_llama.py --device cuda --hidden 2048
+     --layers 16 --heads 16 --vocab 32000 --seq "${SEQ:-1024}" --batch "${BATCH:-1}" --param-dtype bfloat16
+     --reduce-dtype float32 ${PREDICT_ARGS:-} "${plan_args[@]}")
+}
+# record_llama TRACE N: `dcplan record` of the model on N GPUs (3 steps after 2), its log beside TRACE.
+record_llama() {
+  llama_on "$2"
+  build/cuda/bin/dcplan record -o "$1" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 8 \
+    2>&1 | tee "${1%.json}.record.log" | quiet | tail -4
+  grep -h "Warning: record" "${1%.json}.record.log" | sort -u || true
+}
+# replay_llama DIR NAME N TRACE: the plan DIR/NAME.json (of TRACE) replayed on N GPUs with a replay log
+# and checked against its memory curve (DIR/NAME.check; not GRAPHED=1: a replay log cannot watch a
+# captured step), then timed without the log, whose own host work lies inside a logged step (rank
+# 0's step lines, DIR/NAME.steps, median of steps 4-11).
+replay_llama() {
+  local d=$1 name=$2
+  llama_on "$3"
+  build/cuda/bin/dcplan inspect "$d/$name.json" --trace "$4" --memory-curve "$d/$name.curve.json" > /dev/null
+  : > "$d/$name.check"
+  if [ "$graphed" != 1 ]; then
+    DCPLAN_PLAN="$d/$name.json" DCPLAN_REPLAY_LOG="$d/$name.{rank}.jsonl" "$PY" "${T[@]}" --steps 12 2>&1 | quiet \
+      | tail -1
+    "$PY" -m dcplan.check_replay "$d/$name.json" "$d/$name".[0-9]*.jsonl --curve "$d/$name.curve.json" \
+      > "$d/$name.check" || true
+  fi
+  DCPLAN_PLAN="$d/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step \|^peak memory" > "$d/$name.steps" || true
+  report one-run "$d/$name.steps" "$d/$name.json" >> "$d/$name.check" || true
+  echo "== $name"; grep -v "^  graph\|follows" "$d/$name.check" | head -14
+}
+# timed_rounds DIR N "NAMES": $ROUNDS > 1: the plans again on N GPUs without the log, interleaved (one
+# machine's host drifts from run to run); then each plan's predicted step against its rounds' median.
+timed_rounds() {
+  local d=$1 r name
+  llama_on "$2"
+  for r in $(seq 2 "${ROUNDS:-1}"); do
+    for name in $3; do
+      DCPLAN_PLAN="$d/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step \|^peak memory" > "$d/$name.steps.$r" \
+        || true
+    done
+  done
+  echo "== predicted against measured without the log, ${ROUNDS:-1} round(s) interleaved"
+  for name in $3; do
+    report rounds "$name" "$d/$name.json" "$d/$name".steps* || true
+  done
+}
+
 case "$what" in
   build) ;;
   tests)
@@ -114,27 +171,18 @@ case "$what" in
       examples/train_llama.py --device cuda --steps 3 2>&1 | quiet | tail -3
     ;;
   predict)
-    # The memory model and check_replay on GPUs: examples/train_llama.py at the reference size
-    # (hidden 2048, 16 layers, $BATCH x $SEQ tokens per GPU, default 1x1024, bf16 gathers, fp32
-    # reduce) recorded, then planned and replayed with a replay log for each of $BUDGETS (default
-    # "default 0.97 1.0 1.05": the default schedule, and budgets at those fractions of its
-    # predicted peak; or "$1", one budget; $PREDICT_ARGS: more arguments of the example, e.g.
-    # --compile); check_replay --curve compares each plan's prediction,
-    # op by op, with every rank's allocation log. Ends with a table of all plans.
+    # The memory model and check_replay on GPUs: the predict model (llama_on) recorded, then planned
+    # and replayed with a replay log for each of $BUDGETS (default "default 0.97 1.0 1.05": the default
+    # schedule, and budgets at those fractions of its predicted peak; or "$1", one budget;
+    # $PREDICT_ARGS: more arguments of the example, e.g. --compile); check_replay --curve compares each
+    # plan's prediction, op by op, with every rank's allocation log. Ends with a table of all plans.
     # GRAPHED=1: the example's --cuda-graph and plans with --cuda-graph; a replay log cannot watch a
     # captured step, so each plan is only timed, with the peak the run reports; then each plan's
     # prediction from the same trace without op_device_us (what the ops' own device work adds).
     P=$OUT/predict
     mkdir -p "$P"
     gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
-    graphed=${GRAPHED:-0}
-    plan_args=(); [ "$graphed" = 1 ] && plan_args=(--cuda-graph)
-    T=(-m torch.distributed.run --nproc-per-node "$gpus" examples/train_llama.py --device cuda --hidden 2048
-       --layers 16 --heads 16 --vocab 32000 --seq "${SEQ:-1024}" --batch "${BATCH:-1}" --param-dtype bfloat16
-       --reduce-dtype float32 ${PREDICT_ARGS:-} "${plan_args[@]}")  # PREDICT_ARGS=--compile: the compiled replay
-    build/cuda/bin/dcplan record -o "$P/trace.json" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 8 \
-      2>&1 | tee "$P/record.log" | quiet | tail -4
-    grep -h "Warning: record" "$P/record.log" | sort -u || true
+    record_llama "$P/trace.json" "$gpus"
     build/cuda/bin/dcplan inspect "$P/trace.json" | grep "per step:" || true
     build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/default.json" --strategy default "${plan_args[@]}" > /dev/null
     names=""
@@ -147,32 +195,10 @@ case "$what" in
         *) name=budget-$b; build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/$name.json" --memory-budget "$b" \
              "${plan_args[@]}" > /dev/null || { echo "$name: refused"; continue; };;
       esac
-      build/cuda/bin/dcplan inspect "$P/$name.json" --trace "$P/trace.json" --memory-curve "$P/$name.curve.json" \
-        > /dev/null
-      if [ "$graphed" != 1 ]; then
-        DCPLAN_PLAN="$P/$name.json" DCPLAN_REPLAY_LOG="$P/$name.{rank}.jsonl" "$PY" "${T[@]}" --steps 12 2>&1 | quiet \
-          | tail -1
-        "$PY" -m dcplan.check_replay "$P/$name.json" "$P/$name".[0-9]*.jsonl --curve "$P/$name.curve.json" \
-          > "$P/$name.check" || true
-      fi
-      # The replay log's own host work lies inside a logged step: time the plan again without it
-      # (rank 0's step lines, median of steps 4-11).
-      DCPLAN_PLAN="$P/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step \|^peak memory" > "$P/$name.steps" || true
-      report one-run "$P/$name.steps" "$P/$name.json" >> "$P/$name.check" || true
-      echo "== $name"; grep -v "^  graph\|follows" "$P/$name.check" | head -14
+      replay_llama "$P" "$name" "$gpus" "$P/trace.json"
       names="$names $name"
     done
-    # $ROUNDS > 1: the plans again without the log, interleaved (one machine's host drifts from
-    # run to run), then each plan's predicted step against the median of its rounds.
-    for r in $(seq 2 "${ROUNDS:-1}"); do
-      for name in $names; do
-        DCPLAN_PLAN="$P/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step \|^peak memory" > "$P/$name.steps.$r" || true
-      done
-    done
-    echo "== predicted against measured without the log, ${ROUNDS:-1} round(s) interleaved"
-    for name in $names; do
-      report rounds "$name" "$P/$name.json" "$P/$name".steps* || true
-    done
+    timed_rounds "$P" "$gpus" "$names"
     if [ "$graphed" = 1 ]; then
       # What the ops' own device work (op_device_us) adds: each plan's options again, on the trace without it.
       report strip-op-device "$P/trace.json" "$P/trace.no-op-device.json"
@@ -183,6 +209,34 @@ case "$what" in
           && report with-without "$name" "$P/$name.json" "$P/$name.no-op-device.json" || true
       done
     fi
+    ;;
+  whatif)
+    # A plan for another world size against the measured step: the predict model (llama_on)
+    # recorded on $FROM GPUs (default 1) and planned for $NPROC (default: all): from one GPU with
+    # the collectives measured on $NPROC (torchrun -m dcplan.measure_network, dcplan plan
+    # --network), from more with --world-size; beside it the plan of a trace recorded on $NPROC.
+    # Both replayed on $NPROC with the log and checked, then timed without it over $ROUNDS rounds.
+    gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
+    from=${FROM:-1}
+    P=$OUT/whatif-$from-to-$gpus
+    mkdir -p "$P"
+    echo "== record on $from GPU(s), and on $gpus"
+    record_llama "$P/trace-$from.json" "$from"
+    record_llama "$P/trace-$gpus.json" "$gpus"
+    if [ "$from" = 1 ]; then
+      "$PY" -m torch.distributed.run --nproc-per-node "$gpus" -m dcplan.measure_network -o "$P/network.json" \
+        --device cuda 2>&1 | quiet | tail -3
+      whatif_args=(--network "$P/network.json")
+    else
+      whatif_args=(--world-size "$gpus")
+    fi
+    echo "== plan the $from-GPU trace for $gpus (${whatif_args[*]}), and the $gpus-GPU trace"
+    build/cuda/bin/dcplan plan "$P/trace-$from.json" -o "$P/from-$from.json" "${whatif_args[@]}" "${plan_args[@]}" \
+      | grep "predicted" || true
+    build/cuda/bin/dcplan plan "$P/trace-$gpus.json" -o "$P/from-$gpus.json" "${plan_args[@]}" | grep "predicted" || true
+    replay_llama "$P" "from-$from" "$gpus" "$P/trace-$from.json"
+    replay_llama "$P" "from-$gpus" "$gpus" "$P/trace-$gpus.json"
+    timed_rounds "$P" "$gpus" "from-$from from-$gpus"
     ;;
   offload)
     # Planned offload against FSDP2's CPUOffloadPolicy, one shape (comm|compute) on $NPROC GPUs
@@ -335,6 +389,6 @@ print(int(float(sys.argv[1])*float(n)*{'B':1,'KiB':2**10,'MiB':2**20,'GiB':2**30
     done
     "$PY" bench/gpu/fsdp_vs_dcplan.py --merge "$P"/round*.json | tee "$P/merged.log"
     ;;
-  *) echo "run_on_box.sh: expected build, tests, bench, train, predict, graphed, compiled, deepspeed, comm or compute, got '$what'" >&2; exit 2 ;;
+  *) echo "run_on_box.sh: expected build, tests, bench, train, predict, whatif, graphed, compiled, deepspeed, comm or compute, got '$what'" >&2; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - start )) s"

@@ -22,6 +22,7 @@ import json
 import os
 import time
 import warnings
+import weakref
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -71,6 +72,19 @@ def optimizer_advice(opt: torch.optim.Optimizer) -> List[str]:
         out.append(f"{name} is not fused: torch's capturable {name} then runs per-tensor kernels, 11 to 20 ms "
                    f"a step on 2xH100 for a 0.94B model; pass fused=True (with capturable=True)")
     return out
+
+
+# Every graphed step that captured its graph, until it drops it (release_graphs).
+_captured_steps: "weakref.WeakSet[GraphedStep]" = weakref.WeakSet()
+
+
+def release_graphs() -> None:
+    """Drops the captured graph of every graphed step (GraphedStep.close), before the runtime stops
+    (dcplan.shutdown(), the process's exit): destroying an NCCL communicator waits until every CUDA
+    graph that captured its collectives is destroyed, so on 2 GPUs or more a process that kept its
+    graphed step hung there."""
+    for step in list(_captured_steps):
+        step.close()
 
 
 class _OptimizerWatch:
@@ -279,6 +293,7 @@ class GraphedStep:
             warnings.warn(f"dcplan.graphed_step: {advice}", RuntimeWarning, stacklevel=3)
         self._graph = graph
         self._outputs = outputs
+        _captured_steps.add(self)
         if times is not None:
             times.captured()
         self._times = times
@@ -290,6 +305,8 @@ class GraphedStep:
         torch.cuda.synchronize()
         if self._times is not None:
             self._times.flush()
+        _captured_steps.discard(self)
+        self._graph.reset()  # now, not whenever the last reference goes: NCCL waits for it (release_graphs)
         self._graph = None
         self._outputs = None
         self._inputs = None

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _plan
-from . import _C, _class_swap, _compile, _meta_init, _offload, _record, _shm
+from . import _C, _class_swap, _compile, _graphed, _meta_init, _offload, _record, _shm
 from ._shard_param import ShardParameter
 
 _DEFAULT_BUCKET_BYTES = _C.DEFAULT_BUCKET_BYTES  # the runtime's own default (schemas::kDefaultBucketBytes)
@@ -633,7 +633,8 @@ def init(process_group: Optional[dist.ProcessGroup] = None, *, device="cpu") -> 
 @atexit.register
 def _cleanup_at_exit() -> None:
     # Pending collectives are waited for and the process group released while
-    # Python and torch are still alive, not during static destruction.
+    # Python and torch are still alive, not during static destruction; captured graphs first.
+    _graphed.release_graphs()
     _C.cleanup()
     if _runtime_started:
         # A Gloo worker thread that ran the script's last collective may still hold the script's
@@ -652,6 +653,7 @@ def shutdown() -> None:
     _plan.stop_marks()
     _plan.forget()
     _offload.forget()
+    _graphed.release_graphs()
     _C.cleanup()
     _runtime_group = None
     _next_ds_id = 0

@@ -182,6 +182,28 @@ def test_a_graphed_step_with_planned_offload_keeps_its_budget_and_trains_alike(d
     assert runs["offload"][1] <= budget < runs["plain"][1], (runs["offload"][1], budget, runs["plain"][1])
 
 
+def test_a_graphed_run_on_two_gpus_exits(dcplan_module, tmp_path):
+    """examples/train_llama.py --cuda-graph on 2 GPUs ends: dcplan.shutdown() drops the captured
+    graph before the runtime destroys its NCCL communicator, which waits until every graph that
+    captured its collectives is destroyed (it hung there, after the last step, on 2 and 4 H100s)."""
+    import os
+    import subprocess
+    import sys
+
+    require_gpus(dcplan_module, 2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(root, "examples", "train_llama.py"), "--device", "cuda", "--cuda-graph", "--layers", "2",
+           "--hidden", "256", "--steps", "5"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"the graphed run did not end within 240 s (after its steps: {'step   4' in out}):\n{out[-2000:]}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "step   4" in r.stdout, r.stdout[-2000:]
+
+
 def test_the_examples_graphed_recipe_resumes_from_its_checkpoint(dcplan_module, tmp_path):
     """examples/train_transformers.py --compile --graphed as documented: gradient accumulation,
     clipping and a warmup-cosine schedule inside the captured step, eval forwards beside the graph,

@@ -716,6 +716,30 @@ TEST(Workload, AWorldSizeWhatIfScalesTheOptimizerWithItsShards) {
   EXPECT_DOUBLE_EQ(makeWorkload(t).optimizerHostUs, 40.0);
 }
 
+TEST(Workload, AWorldSizeWhatIfScalesWhatTheOptimizerHoldsWithItsShards) {
+  // The recorded optimizer step held 80,000 bytes above the first op's memory (gradient shards,
+  // temporaries: per shard): 20,000 at 8 ranks, 160,000 at 1; the first op's own memory is kept.
+  schemas::Trace t = test::tinyTrace();
+  schemas::OpEvent& first = t.steps[0].graphs[0].events[0];
+  first.peakBytes = first.memoryBytes + 80'000;
+  auto optimizerHolds = [](const Workload& w) {
+    return w.runs.front().computePeakBytes.front() - w.runs.front().activationBytes.front();
+  };
+  const Workload recorded = makeWorkload(t);
+  EXPECT_EQ(optimizerHolds(recorded), 80'000u);
+  EXPECT_EQ(recorded.leastOptimizerExcessBytes, 80'000u);
+  const Workload eight = makeWorkload(t, 8);
+  EXPECT_EQ(optimizerHolds(eight), 20'000u);
+  EXPECT_EQ(eight.leastOptimizerExcessBytes, 20'000u);
+  EXPECT_EQ(eight.runs.front().activationBytes.front(), recorded.runs.front().activationBytes.front());
+  EXPECT_EQ(optimizerHolds(makeWorkload(t, 1)), 160'000u);
+  // The rest of the step is the model's: not scaled.
+  EXPECT_EQ(eight.runs.back().computePeakBytes, recorded.runs.back().computePeakBytes);
+  // ZeRO-1 holds full gradients there, which do not shrink: kept.
+  t.meta.stage = 1;
+  EXPECT_EQ(optimizerHolds(makeWorkload(t, 8)), optimizerHolds(makeWorkload(t)));
+}
+
 TEST(Workload, StepsThatAgreeArePlannedFromTheLast) {
   Workload w = makeWorkload(traceWithHostTimes({1.0, 1.09, 1.0}));
   EXPECT_EQ(w.traceStep, 2);
