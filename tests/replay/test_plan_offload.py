@@ -30,9 +30,10 @@ def train(steps):
 
 
 def run(cmd, env=None, expect=0):
+    """cmd's result, its exit code expected to be `expect` (None: any)."""
     res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
                          text=True, timeout=300)
-    assert res.returncode == expect, \
+    assert expect is None or res.returncode == expect, \
         f"{' '.join(cmd)} exited {res.returncode}, expected {expect}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     return res
 
@@ -71,10 +72,13 @@ def test_a_budget_under_the_on_device_floor_is_planned_with_offload_and_kept(tmp
     reference = run(train(6)).stdout
     assert losses(replayed) == losses(reference) and len(losses(reference)) == 6, (replayed, reference)
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
-    check = run([exe, "check", str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable}).stdout
+    # The memory curve op by op beside each rank's log: where a failure's memory went (CI, 1 of 50
+    # runs: rank 0 1.4 MiB over the budget, not reproduced since).
+    check = run([exe, "check", "--trace", str(trace), str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable},
+                expect=None).stdout
     assert check.count("follows") == 2 and "OVER BUDGET" not in check, check
     predicted = p["predicted"]["peak_memory_bytes"]
     for rank, path in enumerate(logs):
         m = _plan.measured(_plan.read_replay_log(path))
-        assert m["peak_bytes"] <= budget, (rank, m["peak_bytes"], budget)
-        assert abs(m["peak_bytes"] / predicted - 1) <= PEAK_TOLERANCE, (rank, m["peak_bytes"], predicted)
+        assert m["peak_bytes"] <= budget, (rank, m["peak_bytes"], budget, check)
+        assert abs(m["peak_bytes"] / predicted - 1) <= PEAK_TOLERANCE, (rank, m["peak_bytes"], predicted, check)
