@@ -113,7 +113,9 @@ replay_llama() {
     "$PY" -m dcplan.check_replay "$d/$name.json" "$d/$name".[0-9]*.jsonl --curve "$d/$name.curve.json" \
       > "$d/$name.check" || true
   fi
-  DCPLAN_PLAN="$d/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step \|^peak memory" > "$d/$name.steps" || true
+  # --line-buffered: a run that never ends (4d2fae4) still leaves the steps it made.
+  DCPLAN_PLAN="$d/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep --line-buffered "^step \|^peak memory" \
+    > "$d/$name.steps" || true
   report one-run "$d/$name.steps" "$d/$name.json" >> "$d/$name.check" || true
   echo "== $name"; grep -v "^  graph\|follows" "$d/$name.check" | head -14
 }
@@ -124,8 +126,8 @@ timed_rounds() {
   llama_on "$2"
   for r in $(seq 2 "${ROUNDS:-1}"); do
     for name in $3; do
-      DCPLAN_PLAN="$d/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep "^step \|^peak memory" > "$d/$name.steps.$r" \
-        || true
+      DCPLAN_PLAN="$d/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep --line-buffered "^step \|^peak memory" \
+        > "$d/$name.steps.$r" || true
     done
   done
   echo "== predicted against measured without the log, ${ROUNDS:-1} round(s) interleaved"
@@ -218,6 +220,10 @@ case "$what" in
     # Both replayed on $NPROC with the log and checked, then timed without it over $ROUNDS rounds.
     gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
     from=${FROM:-1}
+    if [ "$from" = "$gpus" ]; then
+      echo "run_on_box.sh whatif: FROM and NPROC are both $gpus: nothing to compare" >&2
+      exit 2
+    fi
     P=$OUT/whatif-$from-to-$gpus
     mkdir -p "$P"
     echo "== record on $from GPU(s), and on $gpus"
@@ -233,7 +239,8 @@ case "$what" in
     echo "== plan the $from-GPU trace for $gpus (${whatif_args[*]}), and the $gpus-GPU trace"
     build/cuda/bin/dcplan plan "$P/trace-$from.json" -o "$P/from-$from.json" "${whatif_args[@]}" "${plan_args[@]}" \
       | grep "predicted" || true
-    build/cuda/bin/dcplan plan "$P/trace-$gpus.json" -o "$P/from-$gpus.json" "${plan_args[@]}" | grep "predicted" || true
+    build/cuda/bin/dcplan plan "$P/trace-$gpus.json" -o "$P/from-$gpus.json" "${plan_args[@]}" | grep "predicted" \
+      || true
     replay_llama "$P" "from-$from" "$gpus" "$P/trace-$from.json"
     replay_llama "$P" "from-$gpus" "$gpus" "$P/trace-$gpus.json"
     timed_rounds "$P" "$gpus" "from-$from from-$gpus"

@@ -293,16 +293,17 @@ GraphRun readRun(Workload& w, const schemas::TraceGraph& tg, const std::string& 
 
 /// The optimizer steps the rank's shards: with --world-size its device work (on CPU ranks, where
 /// the host is the device, its host time too) shrinks or grows with them, as the baseline does.
-/// On a GPU the host's time issuing it is per tensor, whatever their size: kept. So does what it
-/// holds beyond the step's activations, the step's first op's recorded peak (ZeRO-2 and 3: the
-/// gradient shards it steps and its temporaries, per shard; 1×H100, 1 -> 2 GPUs: 3.5 GiB too
-/// high unscaled). ZeRO-1 keeps it: its full gradients do not shrink (its temporaries, which do,
-/// are not told apart, so the peak errs high).
+/// On a GPU the host's time issuing it is per tensor, whatever their size: kept. Under ZeRO-3
+/// what the optimizer step holds beyond the step's activations (the first op's recorded peak
+/// above its memory) scales too: the gradient shards it steps and its temporaries, per shard
+/// (1xH100, 1 -> 2 GPUs: 3.5 GiB too high unscaled), and what the script keeps meanwhile (the
+/// last micro-step's logits: per rank, so that part errs low for N > W). ZeRO-1/2 keep it: their
+/// gathered copies and ZeRO-1's full gradients, held there too, do not shrink.
 void scaleOptimizerToShards(Workload& w) {
   const double shards = static_cast<double>(w.traceWorldSize) / static_cast<double>(w.worldSize);
   w.optimizerUs *= shards;
   if (w.waitsBlockHost) w.optimizerHostUs *= shards;
-  if (w.stage < 2 || w.runs.empty() || w.runs.front().computePeakBytes.empty()) return;
+  if (w.stage < 3 || w.runs.empty() || w.runs.front().computePeakBytes.empty()) return;
   auto scaled = [shards](uint64_t bytes) {
     return static_cast<uint64_t>(std::llround(static_cast<double>(bytes) * shards));
   };

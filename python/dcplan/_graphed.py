@@ -74,7 +74,7 @@ def optimizer_advice(opt: torch.optim.Optimizer) -> List[str]:
     return out
 
 
-# Every graphed step that captured its graph, until it drops it (release_graphs).
+# Every graphed step that captured its graph, until its close().
 _captured_steps: "weakref.WeakSet[GraphedStep]" = weakref.WeakSet()
 
 
@@ -82,9 +82,15 @@ def release_graphs() -> None:
     """Drops the captured graph of every graphed step (GraphedStep.close), before the runtime stops
     (dcplan.shutdown(), the process's exit): destroying an NCCL communicator waits until every CUDA
     graph that captured its collectives is destroyed, so on 2 GPUs or more a process that kept its
-    graphed step hung there."""
+    graphed step hung there. Each step's failure (a CUDA error the job already hit) is a warning:
+    the runtime must still stop."""
     for step in list(_captured_steps):
-        step.close()
+        try:
+            step.close()
+        except Exception as e:  # noqa: BLE001 (whatever it is, the next step's graph and the runtime still go)
+            _captured_steps.discard(step)
+            warnings.warn(f"dcplan: closing a graphed step before the runtime stops failed: {e}", RuntimeWarning,
+                          stacklevel=2)
 
 
 class _OptimizerWatch:
@@ -311,7 +317,8 @@ class GraphedStep:
         self._outputs = None
         self._inputs = None
         self._times = None
-        _C.release_capture()
+        if _C.is_initialized():  # else the runtime, and what it held for the graph, is gone already
+            _C.release_capture()
 
 
 def graphed_step(fn: Callable, warmup: int = 2, pool: Optional[tuple] = None) -> GraphedStep:

@@ -634,8 +634,10 @@ def init(process_group: Optional[dist.ProcessGroup] = None, *, device="cpu") -> 
 def _cleanup_at_exit() -> None:
     # Pending collectives are waited for and the process group released while
     # Python and torch are still alive, not during static destruction; captured graphs first.
-    _graphed.release_graphs()
-    _C.cleanup()
+    try:
+        _graphed.release_graphs()
+    finally:
+        _C.cleanup()
     if _runtime_started:
         # A Gloo worker thread that ran the script's last collective may still hold the script's
         # tensors; dropping the last reference of a Python tensor takes the GIL, and a thread
@@ -649,11 +651,11 @@ def _cleanup_at_exit() -> None:
 def shutdown() -> None:
     """Stops the runtime: every sharded model of this process stops working."""
     global _runtime_group, _next_ds_id, _next_graph_id
+    _graphed.release_graphs()  # first: the device is done with the graphs before the rest is forgotten
     _record.stop()
     _plan.stop_marks()
     _plan.forget()
     _offload.forget()
-    _graphed.release_graphs()
     _C.cleanup()
     _runtime_group = None
     _next_ds_id = 0

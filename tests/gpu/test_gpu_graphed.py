@@ -195,13 +195,22 @@ def test_a_graphed_run_on_two_gpus_exits(dcplan_module, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(root, "examples", "train_llama.py"), "--device", "cuda", "--cuda-graph", "--layers", "2",
            "--hidden", "256", "--steps", "5"]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"the graphed run did not end within 240 s (after its steps: {'step   4' in out}):\n{out[-2000:]}")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "step   4" in r.stdout, r.stdout[-2000:]
+        out, err = run.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, which torchrun passes on to its ranks (they run in sessions of their own, so a
+        # kill of torchrun alone would leave them hung on the GPUs for the tests after this one).
+        run.terminate()
+        try:
+            out, err = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            out, err = run.communicate()
+        pytest.fail(f"the graphed run did not end within 240 s (after its steps: {'step   4' in out}):\n"
+                    f"{out[-2000:]}\n{err[-2000:]}")
+    assert run.returncode == 0, out[-2000:] + err[-3000:]
+    assert "step   4" in out, out[-2000:]
 
 
 def test_the_examples_graphed_recipe_resumes_from_its_checkpoint(dcplan_module, tmp_path):

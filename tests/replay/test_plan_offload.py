@@ -74,8 +74,10 @@ def test_a_budget_under_the_on_device_floor_is_planned_with_offload_and_kept(tmp
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
     # The memory curve op by op beside each rank's log: where a failure's memory went (CI, 1 of 50
     # runs: rank 0 1.4 MiB over the budget, not reproduced since).
-    check = run([exe, "check", "--trace", str(trace), str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable},
-                expect=None).stdout
+    checked = run([exe, "check", "--trace", str(trace), str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable},
+                  expect=None)
+    check = checked.stdout + checked.stderr
+    assert checked.returncode in (0, 1), check  # 1: departed or over the budget, said below
     assert check.count("follows") == 2 and "OVER BUDGET" not in check, check
     predicted = p["predicted"]["peak_memory_bytes"]
     for rank, path in enumerate(logs):

@@ -717,8 +717,9 @@ TEST(Workload, AWorldSizeWhatIfScalesTheOptimizerWithItsShards) {
 }
 
 TEST(Workload, AWorldSizeWhatIfScalesWhatTheOptimizerHoldsWithItsShards) {
-  // The recorded optimizer step held 80,000 bytes above the first op's memory (gradient shards,
-  // temporaries: per shard): 20,000 at 8 ranks, 160,000 at 1; the first op's own memory is kept.
+  // The recorded optimizer step held 80,000 bytes above the first op's memory (ZeRO-3: gradient
+  // shards, temporaries, per shard): 20,000 at 8 ranks, 160,000 at 1; the first op's own memory
+  // is kept.
   schemas::Trace t = test::tinyTrace();
   schemas::OpEvent& first = t.steps[0].graphs[0].events[0];
   first.peakBytes = first.memoryBytes + 80'000;
@@ -735,9 +736,11 @@ TEST(Workload, AWorldSizeWhatIfScalesWhatTheOptimizerHoldsWithItsShards) {
   EXPECT_EQ(optimizerHolds(makeWorkload(t, 1)), 160'000u);
   // The rest of the step is the model's: not scaled.
   EXPECT_EQ(eight.runs.back().computePeakBytes, recorded.runs.back().computePeakBytes);
-  // ZeRO-1 holds full gradients there, which do not shrink: kept.
-  t.meta.stage = 1;
-  EXPECT_EQ(optimizerHolds(makeWorkload(t, 8)), optimizerHolds(makeWorkload(t)));
+  // ZeRO-1/2 hold every gathered copy there (and ZeRO-1 full gradients), which do not shrink: kept.
+  for (int64_t stage : {1, 2}) {
+    t.meta.stage = stage;
+    EXPECT_EQ(optimizerHolds(makeWorkload(t, 8)), optimizerHolds(makeWorkload(t))) << "ZeRO-" << stage;
+  }
 }
 
 TEST(Workload, StepsThatAgreeArePlannedFromTheLast) {

@@ -67,7 +67,8 @@ struct GraphRun {
   /// waiting in a bucket, as the recorded run held them.
   std::vector<uint64_t> activationBytes;
   /// The most of it during the compute before each op (the trace's peak_bytes; activationBytes
-  /// where the trace has none): temporaries that come and go between two ops.
+  /// where the trace has none): temporaries that come and go between two ops. The step's first
+  /// holds the optimizer step's, scaled to the planned world size under ZeRO-3 (workload.cpp).
   std::vector<uint64_t> computePeakBytes;
   std::vector<double> copyUs;  ///< recorded duration of each op that startsCopy
   /// Workload::cudaGraph only (else empty): each op's own work on the compute stream, before
@@ -92,7 +93,8 @@ struct Workload {
   std::string reduceDtype;
   /// The least, over the recorded optimizer steps (one micro-step each), that the compute before a
   /// step's first op held above that op's memory: the optimizer step's temporaries, which an
-  /// offloading plan models (what a loaded machine leaves there beside them only adds).
+  /// offloading plan models (what a loaded machine leaves there beside them only adds); scaled
+  /// to the planned world size under ZeRO-3, as the first op's computePeakBytes is.
   uint64_t leastOptimizerExcessBytes = std::numeric_limits<uint64_t>::max();
   uint64_t baselineBytes = 0;  ///< shards and optimizer state, re-scaled to the planned world
   /// The trace has optimizer_state_bytes (of parameters its recorder saw an optimizer step):
