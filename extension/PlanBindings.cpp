@@ -186,6 +186,8 @@ void bindPlan(py::module_& m) {
   m.def("input_shapes_text", &schemas::inputShapesText, py::arg("shapes"),
         "Input shapes as inspect, diff and the replay's warning print them: \"[(2, 64), (2,)]\".");
   m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
+  m.def("replay_log_cost_us", &replayLogCostUs,
+        "The host time this rank's replay log took to write so far (us), which its times leave out.");
   m.def("log_replay_event", &logReplayEvent, py::arg("json"), py::call_guard<py::gil_scoped_release>(),
         "Appends one JSON object (one line) to this rank's replay log, if one is open.");
   m.def("plan_active", &planActive, "Whether a loaded plan drives the schedule (no departure so far).");

@@ -321,8 +321,10 @@ class _StepMarks:
 
     def mark(self) -> None:
         self.peak = max(self.peak, self.probe.peak())
-        t_us = time.monotonic_ns() // 1000  # the clock of the op lines' t_us (CLOCK_MONOTONIC)
-        line = {"ev": "mark", "t_us": t_us, "peak_bytes": self.peak}
+        # The clock of the op lines' t_us: CLOCK_MONOTONIC less the log's own time so far (log_us).
+        log_us = _C.replay_log_cost_us()
+        t_us = time.monotonic_ns() // 1000 - log_us
+        line = {"ev": "mark", "t_us": t_us, "peak_bytes": self.peak, "log_us": log_us}
         if not torch.is_grad_enabled():
             line["grad"] = False  # an eval forward: it starts no step (dcplan/schemas/replay_log.h)
         _C.log_replay_event(json.dumps(line))

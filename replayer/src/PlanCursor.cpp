@@ -13,9 +13,6 @@ namespace dcplan::replayer {
 
 namespace {
 
-/// An op line's time: the host's monotonic clock in microseconds, comparable with the step marks'.
-int64_t monotonicUs() { return monotonicNs() / 1000; }
-
 std::string idList(const std::vector<int64_t>& ids) {
   std::string out;
   for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
@@ -150,7 +147,7 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
   curPos_ = pos;
   launching_.clear();
   if (log_) {
-    const int64_t enteredUs = monotonicUs();  // before the memory gauge, which may take a while
+    const int64_t enteredNs = monotonicNs();  // before the memory gauge, which may take a while
     nlohmann::ordered_json line{
         {"ev", "op"}, {"graph", event.graphId}, {"pos", pos}, {"op", event.op}, {"ds_id", event.dsId}};
     if (gauge_) {
@@ -158,8 +155,8 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
       line["mem"] = m.inUse;
       if (m.peakBefore >= 0) line["peak"] = m.peakBefore;
     }
-    line["t_us"] = enteredUs;
-    logJson(line);
+    line["t_us"] = (enteredNs - logNs_) / 1000;  // the run's clock without the log's own time
+    logJson(line, enteredNs);
   }
   Planned* g = planned(event.graphId);
   if (g == nullptr) return {};
@@ -323,7 +320,7 @@ void PlanCursor::onGraphEnd(int64_t graphId) {
   }
   if (log_) {
     logJson({{"ev", "end"}, {"graph", graphId}});
-    log_->flush();
+    flushLog();
   }
 }
 
@@ -344,7 +341,7 @@ void PlanCursor::depart(int64_t graphId, int64_t pos, const Departure& d) {
              {"expected", expected},
              {"actual", actual},
              {"action", onMismatch_ == OnMismatch::Error ? "error" : "fallback"}});
-    log_->flush();
+    flushLog();
   }
   if (onMismatch_ == OnMismatch::Error) {
     TORCH_CHECK(false, msg, "; on_mismatch=\"fallback\" continues without the plan (gather on use)");
@@ -388,7 +385,10 @@ void PlanCursor::logPlan() {
 }
 
 void PlanCursor::flushLog() {
-  if (log_) log_->flush();
+  if (!log_) return;
+  const int64_t start = monotonicNs();
+  log_->flush();
+  logNs_ += monotonicNs() - start;
 }
 
 void PlanCursor::takeLogFrom(PlanCursor& other) {
@@ -398,6 +398,7 @@ void PlanCursor::takeLogFrom(PlanCursor& other) {
   other.logPath_.clear();
   gauge_ = std::move(other.gauge_);
   other.gauge_ = {};
+  logNs_ = other.logNs_;  // one clock for the whole log
   if (!path.empty()) {
     // Reopen for appending: what the other cursor wrote stays.
     log_ = std::make_unique<std::ofstream>(path, std::ios::out | std::ios::app);
@@ -407,12 +408,18 @@ void PlanCursor::takeLogFrom(PlanCursor& other) {
 }
 
 void PlanCursor::logLine(const std::string& json) {
-  if (log_) *log_ << json << '\n';
+  if (!log_) return;
+  const int64_t start = monotonicNs();
+  *log_ << json << '\n';
+  logNs_ += monotonicNs() - start;
 }
 
-void PlanCursor::logJson(const nlohmann::ordered_json& line) {
+void PlanCursor::logJson(const nlohmann::ordered_json& line, int64_t sinceNs) {
+  if (!log_) return;
+  const int64_t start = sinceNs > 0 ? sinceNs : monotonicNs();
   // Invalid UTF-8 (a file name) replaced, never an exception from the log.
-  if (log_) *log_ << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+  *log_ << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+  logNs_ += monotonicNs() - start;
 }
 
 // ---------------------------------------------------------------- loading
@@ -639,6 +646,14 @@ void flushReplayLog() {
   withSchedule([](SchedulePolicy& s) {
     if (PlanCursor* c = installedCursor(s)) c->flushLog();
   });
+}
+
+int64_t replayLogCostUs() {
+  int64_t us = 0;
+  withSchedule([&](SchedulePolicy& s) {
+    if (PlanCursor* c = installedCursor(s)) us = c->logCostUs();
+  });
+  return us;
 }
 
 void logReplayEvent(const std::string& json) {

@@ -68,14 +68,19 @@ class PlanCursor final : public SchedulePolicy {
   /// is read at each op.
   void openLog(const std::string& path, MemoryGauge gauge = {});
   void flushLog();
+  /// The host time this log's writing took so far (its lines, the gauge, its flushes), in
+  /// microseconds. The times it writes leave it out: they are the run's clock less it, so that a
+  /// logged run is timed as one without the log (docs/replay.md).
+  int64_t logCostUs() const { return logNs_ / 1000; }
   /// Moves the log (open file and path) from another cursor.
   void takeLogFrom(PlanCursor& other);
   /// Writes the log's plan line (file and persistent set).
   void logPlan();
   /// Writes one raw JSON object line (already formatted) to the log.
   void logLine(const std::string& json);
-  /// Writes one JSON object as a line of the log.
-  void logJson(const nlohmann::ordered_json& line);
+  /// Writes one JSON object as a line of the log; its cost counts from sinceNs (the host clock,
+  /// where the caller began the line's work) or, 0, from the call.
+  void logJson(const nlohmann::ordered_json& line, int64_t sinceNs = 0);
 
  private:
   /// One op as the cursor checks it. The runtime's op names are string literals: kept as such (no
@@ -152,6 +157,7 @@ class PlanCursor final : public SchedulePolicy {
   std::string logPath_;
   std::unique_ptr<std::ofstream> log_;
   MemoryGauge gauge_;
+  int64_t logNs_ = 0;  // logCostUs(), in nanoseconds
 };
 
 }  // namespace dcplan::replayer

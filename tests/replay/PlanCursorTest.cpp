@@ -173,3 +173,36 @@ TEST(PlanCursor, WritesTheReplayLog) {
   EXPECT_NE(log.find("{\"ev\":\"end\",\"graph\":-1}"), std::string::npos);
   std::remove(path.c_str());
 }
+
+TEST(PlanCursor, TheLogsTimesLeaveOutTheLogsOwnWork) {
+  // A gauge that takes 2 ms a read: the forward's six op lines take at least 12 ms to write, yet
+  // their times, issued back to back, stay within the rest of the work (< 12 ms from the first to
+  // the last), and logCostUs() holds what was taken out.
+  const std::string path = ::testing::TempDir() + "plan_cursor_log_cost.jsonl";
+  PlanCursor c("p.json", twoGraphs(), {2}, OnMismatch::Error, c10::ScalarType::Undefined);
+  c.openLog(path, [] {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+    return OpMemory{};
+  });
+  const auto start = std::chrono::steady_clock::now();
+  forward(c);
+  const double wallUs =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+  c.flushLog();
+  std::ifstream in(path);
+  std::vector<int64_t> times;
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find("\"t_us\":");
+    if (line.rfind("{\"ev\":\"op\"", 0) == 0 && at != std::string::npos)
+      times.push_back(std::stoll(line.substr(at + 7)));
+  }
+  ASSERT_EQ(times.size(), 6u);
+  EXPECT_GE(c.logCostUs(), 12'000);
+  EXPECT_LE(c.logCostUs(), static_cast<int64_t>(wallUs) + 1);
+  // What the ops took beside the log: the wall time less the log's, within a microsecond's rounding a line.
+  EXPECT_LE(times.back() - times.front(), static_cast<int64_t>(wallUs) - c.logCostUs() + 6);
+  EXPECT_LT(times.back() - times.front(), 10'000);
+  std::remove(path.c_str());
+}

@@ -117,6 +117,9 @@ std::string takeBudgetGuardNote();
 void setReplayLog(const std::string& path, MemoryGauge gauge = {});
 /// Writes what the replay log has buffered.
 void flushReplayLog();
+/// The host time the replay log's writing took so far (PlanCursor::logCostUs), microseconds; 0
+/// without one. Its times leave it out: a line's t_us is the monotonic clock less this.
+int64_t replayLogCostUs();
 /// Appends one JSON object (one line, no newline) to this rank's replay log, if one is open:
 /// what the Python side measures (step marks: time and memory peak).
 void logReplayEvent(const std::string& json);
