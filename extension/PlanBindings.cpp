@@ -142,7 +142,8 @@ void bindPlan(py::module_& m) {
             return m;
           };
         }
-        setReplayLog(path, std::move(gauge));
+        // On CPU ranks the host is the device: the log's host work lengthens the step by all of it.
+        setReplayLog(path, std::move(gauge), device && c10::Device(*device).is_cpu());
       },
       py::arg("path"), py::arg("device") = std::nullopt, py::call_guard<py::gil_scoped_release>(),
       "Writes this rank's replay log (JSON lines) to path from now on; '' stops. With device "
@@ -186,8 +187,8 @@ void bindPlan(py::module_& m) {
   m.def("input_shapes_text", &schemas::inputShapesText, py::arg("shapes"),
         "Input shapes as inspect, diff and the replay's warning print them: \"[(2, 64), (2,)]\".");
   m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
-  m.def("replay_log_cost_us", &replayLogCostUs,
-        "The host time this rank's replay log took to write so far (us), which its times leave out.");
+  m.def("replay_log_cost_us", &replayLogCostUs, py::call_guard<py::gil_scoped_release>(),
+        "The host time this rank's replay log took to write since it opened (us).");
   m.def("log_replay_event", &logReplayEvent, py::arg("json"), py::call_guard<py::gil_scoped_release>(),
         "Appends one JSON object (one line) to this rank's replay log, if one is open.");
   m.def("plan_active", &planActive, "Whether a loaded plan drives the schedule (no departure so far).");

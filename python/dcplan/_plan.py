@@ -321,9 +321,10 @@ class _StepMarks:
 
     def mark(self) -> None:
         self.peak = max(self.peak, self.probe.peak())
-        # The clock of the op lines' t_us: CLOCK_MONOTONIC less the log's own time so far (log_us).
+        # The clock of the op lines' t_us: CLOCK_MONOTONIC, on CPU ranks less the log's own host time
+        # so far (log_us), which lengthens their steps by all of it (docs/replay.md).
         log_us = _C.replay_log_cost_us()
-        t_us = time.monotonic_ns() // 1000 - log_us
+        t_us = time.monotonic_ns() // 1000 - (log_us if torch.device(self.device).type == "cpu" else 0)
         line = {"ev": "mark", "t_us": t_us, "peak_bytes": self.peak, "log_us": log_us}
         if not torch.is_grad_enabled():
             line["grad"] = False  # an eval forward: it starts no step (dcplan/schemas/replay_log.h)

@@ -155,7 +155,7 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
       line["mem"] = m.inUse;
       if (m.peakBefore >= 0) line["peak"] = m.peakBefore;
     }
-    line["t_us"] = (enteredNs - logNs_) / 1000;  // the run's clock without the log's own time
+    line["t_us"] = (enteredNs - (leaveOutOwnTime_ ? logNs_ : 0)) / 1000;
     logJson(line, enteredNs);
   }
   Planned* g = planned(event.graphId);
@@ -357,11 +357,13 @@ std::string PlanCursor::takeDeparture() {
   return departure_;
 }
 
-void PlanCursor::openLog(const std::string& path, MemoryGauge gauge) {
+void PlanCursor::openLog(const std::string& path, MemoryGauge gauge, bool leaveOutOwnTime) {
   flushLog();
   log_.reset();
   logPath_ = path;
   gauge_ = path.empty() ? MemoryGauge{} : std::move(gauge);
+  logNs_ = 0;
+  leaveOutOwnTime_ = leaveOutOwnTime;
   if (path.empty()) return;
   auto f = std::make_unique<std::ofstream>(path, std::ios::out | std::ios::trunc);
   TORCH_CHECK(f->good(), "replay log: cannot open ", path, " for writing");
@@ -398,7 +400,8 @@ void PlanCursor::takeLogFrom(PlanCursor& other) {
   other.logPath_.clear();
   gauge_ = std::move(other.gauge_);
   other.gauge_ = {};
-  logNs_ = other.logNs_;  // one clock for the whole log
+  logNs_ = other.logNs_;  // one log, one clock
+  leaveOutOwnTime_ = other.leaveOutOwnTime_;
   if (!path.empty()) {
     // Reopen for appending: what the other cursor wrote stays.
     log_ = std::make_unique<std::ofstream>(path, std::ios::out | std::ios::app);
@@ -628,17 +631,17 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
   return summary;
 }
 
-void setReplayLog(const std::string& path, MemoryGauge gauge) {
+void setReplayLog(const std::string& path, MemoryGauge gauge, bool leaveOutOwnTime) {
   bool haveCursor = false;
   withSchedule([&](SchedulePolicy& s) {
     if (PlanCursor* c = installedCursor(s)) {
-      c->openLog(path, std::move(gauge));
+      c->openLog(path, std::move(gauge), leaveOutOwnTime);
       haveCursor = true;
     }
   });
   if (haveCursor || path.empty()) return;
   auto cursor = std::make_unique<PlanCursor>();
-  cursor->openLog(path, std::move(gauge));
+  cursor->openLog(path, std::move(gauge), leaveOutOwnTime);
   setSchedule(std::move(cursor));
 }
 

@@ -65,12 +65,13 @@ class PlanCursor final : public SchedulePolicy {
   std::string takeDeparture();
 
   /// Replay log: JSON lines written to path (truncated); "" stops logging. The gauge, if any,
-  /// is read at each op.
-  void openLog(const std::string& path, MemoryGauge gauge = {});
+  /// is read at each op. leaveOutOwnTime: the op lines' t_us are the host's clock less
+  /// logCostUs(), for where the host is the device (CPU ranks), whose steps the log's host work
+  /// lengthens by all of it; on a GPU it may overlap the device's work, and the clock is kept.
+  void openLog(const std::string& path, MemoryGauge gauge = {}, bool leaveOutOwnTime = false);
   void flushLog();
-  /// The host time this log's writing took so far (its lines, the gauge, its flushes), in
-  /// microseconds. The times it writes leave it out: they are the run's clock less it, so that a
-  /// logged run is timed as one without the log (docs/replay.md).
+  /// The host time this log's writing took since it opened (its lines' dump and write, each op
+  /// line's gauge read, its flushes), in microseconds.
   int64_t logCostUs() const { return logNs_ / 1000; }
   /// Moves the log (open file and path) from another cursor.
   void takeLogFrom(PlanCursor& other);
@@ -157,7 +158,8 @@ class PlanCursor final : public SchedulePolicy {
   std::string logPath_;
   std::unique_ptr<std::ofstream> log_;
   MemoryGauge gauge_;
-  int64_t logNs_ = 0;  // logCostUs(), in nanoseconds
+  int64_t logNs_ = 0;             // logCostUs(), in nanoseconds
+  bool leaveOutOwnTime_ = false;  // openLog's
 };
 
 }  // namespace dcplan::replayer

@@ -113,12 +113,13 @@ std::string takeBudgetGuardNote();
 /// Writes the replay log of this rank to `path` from now on (JSON lines, see
 /// docs/replay.md); replaces the default schedule by an equivalent one that logs
 /// when no plan is loaded. An empty path stops logging. With a gauge, each op line
-/// carries its memory (the runtime's allocation log).
-void setReplayLog(const std::string& path, MemoryGauge gauge = {});
+/// carries its memory (the runtime's allocation log). leaveOutOwnTime (CPU ranks): the lines'
+/// times leave out the log's own host time (PlanCursor::openLog).
+void setReplayLog(const std::string& path, MemoryGauge gauge = {}, bool leaveOutOwnTime = false);
 /// Writes what the replay log has buffered.
 void flushReplayLog();
-/// The host time the replay log's writing took so far (PlanCursor::logCostUs), microseconds; 0
-/// without one. Its times leave it out: a line's t_us is the monotonic clock less this.
+/// The host time the replay log's writing took since it opened (PlanCursor::logCostUs),
+/// microseconds; 0 if none was opened.
 int64_t replayLogCostUs();
 /// Appends one JSON object (one line, no newline) to this rank's replay log, if one is open:
 /// what the Python side measures (step marks: time and memory peak).
