@@ -83,13 +83,14 @@ quiet() { grep -v "^\[\|UserWarning\|_warn_once\|^W1\|^\*\*\*\|OMP_NUM_THREADS" 
 # The predict and whatif targets' model: examples/train_llama.py at the reference size (hidden 2048,
 # 16 layers, $BATCH x $SEQ tokens per GPU, default 1x1024, bf16 gathers, fp32 reduce; $PREDICT_ARGS:
 # more of its arguments, e.g. --compile). GRAPHED=1: its --cuda-graph, and plans made --cuda-graph.
+# --lr 1e-4, the bench's: the example's default 1e-2 made this size diverge (losses 10.5 to 26).
 graphed=${GRAPHED:-0}
 plan_args=(); [ "$graphed" = 1 ] && plan_args=(--cuda-graph)
 # llama_on N: the torchrun arguments of that model on N GPUs, in $T.
 llama_on() {
   T=(-m torch.distributed.run --nproc-per-node "$1" examples/train_llama.py --device cuda --hidden 2048
      --layers 16 --heads 16 --vocab 32000 --seq "${SEQ:-1024}" --batch "${BATCH:-1}" --param-dtype bfloat16
-     --reduce-dtype float32 ${PREDICT_ARGS:-} "${plan_args[@]}")
+     --reduce-dtype float32 --lr 1e-4 ${PREDICT_ARGS:-} "${plan_args[@]}")
 }
 # record_llama TRACE N: `dcplan record` of the model on N GPUs (3 steps after 2), its log beside TRACE.
 record_llama() {
