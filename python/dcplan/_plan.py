@@ -324,8 +324,11 @@ class _StepMarks:
         # The clock of the op lines' t_us: CLOCK_MONOTONIC, on CPU ranks less the log's own host time
         # so far (log_us), which lengthens their steps by all of it (docs/replay.md).
         log_us = _C.replay_log_cost_us()
-        t_us = time.monotonic_ns() // 1000 - (log_us if torch.device(self.device).type == "cpu" else 0)
+        taken_out = torch.device(self.device).type == "cpu"
+        t_us = time.monotonic_ns() // 1000 - (log_us if taken_out else 0)
         line = {"ev": "mark", "t_us": t_us, "peak_bytes": self.peak, "log_us": log_us}
+        if taken_out:
+            line["log_taken_out"] = True
         if not torch.is_grad_enabled():
             line["grad"] = False  # an eval forward: it starts no step (dcplan/schemas/replay_log.h)
         _C.log_replay_event(json.dumps(line))
@@ -568,7 +571,21 @@ def measured(events: List[Dict]) -> Dict:
         return _measured_graphed(events, replays)
     peak = max((ev["peak_bytes"] for ev in events if ev["ev"] == "mark"), default=None)
     median, steps = _C.replay_steps(_step_events(events))
-    return {"step_us": median, "steps": steps, "peak_bytes": peak}
+    out = {"step_us": median, "steps": steps, "peak_bytes": peak}
+    out.update(_log_cost(events))
+    return out
+
+
+def _log_cost(events: List[Dict]) -> Dict:
+    """The replay log's own host time a step (``log_us``: the median over the steps the step rule
+    times, from the step starts' marks) and whether the times leave it out (``log_taken_out``: CPU
+    ranks); nothing for a log without it (older versions) or with fewer than 3 steps."""
+    starts = set(_step_starts(events))
+    marks = [ev for ev in events if ev["ev"] == "mark" and "log_us" in ev and int(ev["t_us"]) in starts]
+    if len(marks) < 3:
+        return {}
+    per_step = statistics.median(b["log_us"] - a["log_us"] for a, b in zip(marks[1:], marks[2:]))
+    return {"log_us": per_step, "log_taken_out": all(m.get("log_taken_out", False) for m in marks)}
 
 
 def _measured_graphed(events: List[Dict], replays: List[Dict]) -> Dict:
@@ -612,6 +629,14 @@ def prediction_report(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
         timed = (f"{m['steps']} graph replays timed on the device" if "warmup_peak_bytes" in m
                  else f"{m['steps']} steps timed")
         lines.append(f"  {os.path.basename(name):24s} {step:>20s} {peak:>20s}  ({timed})")
+    logged = {os.path.basename(name): m for name, m in runs.items() if m.get("log_us") is not None}
+    if logged:
+        out = all(m["log_taken_out"] for m in logged.values())
+        lines.append("  the replay logs' own host time a step: " +
+                     ", ".join(f"{_ms(m['log_us'])} ({name})" for name, m in logged.items()) +
+                     (", left out of the steps above (CPU ranks)" if out else
+                      ", inside the steps above (on a GPU it may overlap the device's work: time a run without "
+                      "the log to compare steps)"))
     lines.append(f"  budget: {_mib(budget) if budget else 'none (the plan was made without --memory-budget)'}")
     for name, m in runs.items():
         if m.get("capture_s") is not None:

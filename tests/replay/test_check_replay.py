@@ -7,12 +7,18 @@ import pytest
 from dcplan import _plan
 
 
-def log(*steps, accum=1, eval_between=False):
-    """A replay log: per optimizer step (t_us, peak_bytes) marks before each micro-step's forward."""
+def log(*steps, accum=1, eval_between=False, log_us=None, taken_out=False):
+    """A replay log: per optimizer step (t_us, peak_bytes) marks before each micro-step's forward;
+    log_us: the log's own host time a step (its marks' log_us), taken_out: marked so (CPU ranks)."""
     events = [{"ev": "plan", "file": "p.json", "persistent": []}]
-    for t, peak in steps:
+    for i, (t, peak) in enumerate(steps):
         for micro in range(accum):
-            events += [{"ev": "mark", "t_us": t + micro, "peak_bytes": peak}, {"ev": "start_forward"},
+            mark = {"ev": "mark", "t_us": t + micro, "peak_bytes": peak}
+            if log_us is not None:
+                mark["log_us"] = i * log_us + micro
+                if taken_out:
+                    mark["log_taken_out"] = True
+            events += [mark, {"ev": "start_forward"},
                        {"ev": "start_backward", "update": True, "sync": micro == accum - 1}]
         if eval_between:
             events += [{"ev": "mark", "t_us": t + 50, "peak_bytes": 1}, {"ev": "start_forward"}]
@@ -194,3 +200,15 @@ def test_a_graphed_run_keeps_its_budget_in_the_graph_and_before_it(capture, warm
     flagged = [re.match(r"OVER BUDGET: r\.0\.jsonl: (.*) [\d.]+ MiB > budget", line) for line in lines
                if line.startswith("OVER BUDGET")]
     assert [f.group(1) for f in flagged] == over
+
+
+@pytest.mark.parametrize("taken_out", [True, False])
+def test_the_logs_own_time_a_step_is_reported_and_where_it_is(taken_out):
+    m = _plan.measured(log((0, 10), (1000, 30), (2000, 20), (3000, 20), log_us=340, taken_out=taken_out))
+    assert m["step_us"] == 1000 and m["log_us"] == 340 and m["log_taken_out"] == taken_out
+    lines = _plan.prediction_report(PLAN, {"r.0.jsonl": m})
+    assert lines[-2].startswith("  the replay logs' own host time a step: 0.340 ms (r.0.jsonl), "), lines
+    assert ("left out of the steps above" in lines[-2]) == taken_out, lines
+    assert lines[-1] == "  budget: 100.0 MiB"
+    # An older log (no log_us) says nothing of it.
+    assert "log_us" not in _plan.measured(log((0, 10), (1000, 30), (3000, 20)))
