@@ -187,8 +187,15 @@ void bindPlan(py::module_& m) {
   m.def("input_shapes_text", &schemas::inputShapesText, py::arg("shapes"),
         "Input shapes as inspect, diff and the replay's warning print them: \"[(2, 64), (2,)]\".");
   m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());
-  m.def("replay_log_cost_us", &replayLogCostUs, py::call_guard<py::gil_scoped_release>(),
-        "The host time this rank's replay log took to write since it opened (us).");
+  m.def(
+      "replay_log_clock",
+      [] {
+        const ReplayLogClock c = replayLogClock();
+        return std::make_tuple(c.tUs, c.costUs, c.ownTimeLeftOut);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "(t_us, log_us, left_out): the replay log's clock now as its op lines read it, the log's own host time "
+      "since it opened, and whether t_us leaves that out (CPU ranks).");
   m.def("log_replay_event", &logReplayEvent, py::arg("json"), py::call_guard<py::gil_scoped_release>(),
         "Appends one JSON object (one line) to this rank's replay log, if one is open.");
   m.def("plan_active", &planActive, "Whether a loaded plan drives the schedule (no departure so far).");

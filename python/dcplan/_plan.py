@@ -15,7 +15,6 @@ import json
 import os
 import statistics
 import sys
-import time
 import warnings
 from typing import Dict, Iterable, List, NamedTuple, Optional, Union
 
@@ -321,11 +320,8 @@ class _StepMarks:
 
     def mark(self) -> None:
         self.peak = max(self.peak, self.probe.peak())
-        # The clock of the op lines' t_us: CLOCK_MONOTONIC, on CPU ranks less the log's own host time
-        # so far (log_us), which lengthens their steps by all of it (docs/replay.md).
-        log_us = _C.replay_log_cost_us()
-        taken_out = torch.device(self.device).type == "cpu"
-        t_us = time.monotonic_ns() // 1000 - (log_us if taken_out else 0)
+        # The op lines' clock (on CPU ranks less the log's own host time, log_us: docs/replay.md).
+        t_us, log_us, taken_out = _C.replay_log_clock()
         line = {"ev": "mark", "t_us": t_us, "peak_bytes": self.peak, "log_us": log_us}
         if taken_out:
             line["log_taken_out"] = True
@@ -570,17 +566,19 @@ def measured(events: List[Dict]) -> Dict:
     if replays:
         return _measured_graphed(events, replays)
     peak = max((ev["peak_bytes"] for ev in events if ev["ev"] == "mark"), default=None)
-    median, steps = _C.replay_steps(_step_events(events))
+    step_events = _step_events(events)
+    median, steps = _C.replay_steps(step_events)
     out = {"step_us": median, "steps": steps, "peak_bytes": peak}
-    out.update(_log_cost(events))
+    out.update(_log_cost(events, step_events))
     return out
 
 
-def _log_cost(events: List[Dict]) -> Dict:
+def _log_cost(events: List[Dict], step_events: List[tuple]) -> Dict:
     """The replay log's own host time a step (``log_us``: the median over the steps the step rule
     times, from the step starts' marks) and whether the times leave it out (``log_taken_out``: CPU
-    ranks); nothing for a log without it (older versions) or with fewer than 3 steps."""
-    starts = set(_step_starts(events))
+    ranks); nothing for a log without it (older versions) or with fewer than 3 steps. step_events:
+    the events' _step_events."""
+    starts = set(_C.replay_step_starts(step_events))
     marks = [ev for ev in events if ev["ev"] == "mark" and "log_us" in ev and int(ev["t_us"]) in starts]
     if len(marks) < 3:
         return {}

@@ -155,7 +155,7 @@ std::vector<SchedulePolicy::Prefetch> PlanCursor::beforeOp(const OpEvent& event)
       line["mem"] = m.inUse;
       if (m.peakBefore >= 0) line["peak"] = m.peakBefore;
     }
-    line["t_us"] = (enteredNs - (leaveOutOwnTime_ ? logNs_ : 0)) / 1000;
+    line["t_us"] = logClockUs(enteredNs);
     logJson(line, enteredNs);
   }
   Planned* g = planned(event.graphId);
@@ -651,12 +651,18 @@ void flushReplayLog() {
   });
 }
 
-int64_t replayLogCostUs() {
-  int64_t us = 0;
+ReplayLogClock replayLogClock() {
+  ReplayLogClock clock;
   withSchedule([&](SchedulePolicy& s) {
-    if (PlanCursor* c = installedCursor(s)) us = c->logCostUs();
+    const int64_t now = monotonicNs();
+    clock.tUs = now / 1000;
+    if (PlanCursor* c = installedCursor(s)) {
+      clock.tUs = c->logClockUs(now);
+      clock.costUs = c->logCostUs();
+      clock.ownTimeLeftOut = c->leavesOutOwnTime();
+    }
   });
-  return us;
+  return clock;
 }
 
 void logReplayEvent(const std::string& json) {

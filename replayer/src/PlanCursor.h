@@ -73,6 +73,10 @@ class PlanCursor final : public SchedulePolicy {
   /// The host time this log's writing took since it opened (its lines' dump and write, each op
   /// line's gauge read, its flushes), in microseconds.
   int64_t logCostUs() const { return logNs_ / 1000; }
+  /// The log's clock at host time nowNs (monotonicNs), in microseconds: what every line's t_us
+  /// reads, less logCostUs() where openLog was told to leave the log's own time out.
+  int64_t logClockUs(int64_t nowNs) const { return (nowNs - (leaveOutOwnTime_ ? logNs_ : 0)) / 1000; }
+  bool leavesOutOwnTime() const { return leaveOutOwnTime_; }
   /// Moves the log (open file and path) from another cursor.
   void takeLogFrom(PlanCursor& other);
   /// Writes the log's plan line (file and persistent set).

@@ -72,8 +72,8 @@ def test_a_budget_under_the_on_device_floor_is_planned_with_offload_and_kept(tmp
     reference = run(train(6)).stdout
     assert losses(replayed) == losses(reference) and len(losses(reference)) == 6, (replayed, reference)
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
-    # The memory curve op by op beside each rank's log: where a failure's memory went (CI, 1 of 50
-    # runs: rank 0 1.4 MiB over the budget, not reproduced since).
+    # The memory curve op by op beside each rank's log: where a failure's memory went (one clean-clone
+    # run, 2026-11-27: rank 0 1.4 MiB over the budget, not reproduced in 15 runs since).
     checked = run([exe, "check", "--trace", str(trace), str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable},
                   expect=None)
     check = checked.stdout + checked.stderr

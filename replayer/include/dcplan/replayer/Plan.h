@@ -118,9 +118,15 @@ std::string takeBudgetGuardNote();
 void setReplayLog(const std::string& path, MemoryGauge gauge = {}, bool leaveOutOwnTime = false);
 /// Writes what the replay log has buffered.
 void flushReplayLog();
-/// The host time the replay log's writing took since it opened (PlanCursor::logCostUs),
-/// microseconds; 0 if none was opened.
-int64_t replayLogCostUs();
+/// The replay log's clock now, as its op lines read it (PlanCursor::logClockUs): the host's
+/// monotonic microseconds, less the log's own host time since it opened (costUs) where it leaves
+/// that out (CPU ranks); the plain clock and 0 without a log.
+struct ReplayLogClock {
+  int64_t tUs = 0;
+  int64_t costUs = 0;
+  bool ownTimeLeftOut = false;
+};
+ReplayLogClock replayLogClock();
 /// Appends one JSON object (one line, no newline) to this rank's replay log, if one is open:
 /// what the Python side measures (step marks: time and memory peak).
 void logReplayEvent(const std::string& json);
