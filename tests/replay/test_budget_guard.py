@@ -65,29 +65,30 @@ def guard_case(tmp_path, device):
     peaks = [g.get("peak_bytes") for graph in p["graphs"] for g in graph["prefetch"]]
     assert peaks and all(0 < b <= predicted for b in peaks), p["graphs"]
     assert len(p["guard"]["persistent_peak_bytes"]) == len(p["persistent"]), p["guard"]
-    # What the plan's choices add at the peak: the room the guard works in, at least what the memory
-    # model can miss by, so that its error cannot decide the test: on Gloo up to 2% here, on NCCL
-    # 0.2% (docs/planning.md, "What it does not cover"), each with a margin.
+    # What the plan's choices add at the peak: the room the guard works in. The ballast below (memory the
+    # recording did not hold) puts the unguarded peak three quarters of the room over the budget and the
+    # gather-on-use peak a quarter of it under. The split is uneven because the memory model errs unequally
+    # (docs/planning.md, memory model): on Gloo the measured peak falls below the modelled one by what the
+    # worker had already freed (a gather group's flat output, up to 0.9 MB, 3.3%, seen in CI) but rises
+    # above it by at most a bucket's scratch (196 KB, 0.7%, once in 100 loaded replays); on NCCL it is
+    # within 0.2% either way. So the room must exceed both errors on their sides: 4.5% on Gloo (the
+    # recordings here have 11-15%), 1% on NCCL (an H100 pair had 2.4%).
     room = predicted - on_use
-    least = {"cpu": 0.025, "cuda": 0.005}[device]
+    least = {"cpu": 0.045, "cuda": 0.01}[device]
     assert predicted <= budget and room >= least * predicted, (on_use, predicted, budget)
-    # Memory the recording did not hold: without the guard the planned peak crosses the budget by
-    # half the room; gathering on use keeps half the room under it.
-    ballast = budget - (predicted + on_use) // 2
+    ballast = budget - on_use - room // 4
     env = {"DCPLAN_PLAN": str(plan), "BALLAST_BYTES": str(ballast), "BALLAST_RANK": "1"}
 
     unguarded_log = tmp_path / "off.{rank}.jsonl"
     run(train(BALLAST, 6, device), env={**env, "DCPLAN_BUDGET_GUARD": "off", "DCPLAN_REPLAY_LOG": str(unguarded_log)})
     unguarded = [_plan.measured(_plan.read_replay_log(str(unguarded_log).replace("{rank}", str(r))))["peak_bytes"]
                  for r in range(2)]
-    # The premise: rank 1 holds the ballast beyond what rank 0 holds, and the plan's peak with it crosses the
-    # budget. Measured on Gloo, rank 1's peak crosses it unless Gloo's worker had finished a gather whose flat
-    # output the model holds until the wait (an upper bound: docs/planning.md, memory model): one CI run measured
-    # both ranks 0.9 MB under the prediction, rank 1 then 79 KB under the budget. Rank 0 measures that shortfall
-    # in the same run, so it is added back: rank 1's peak over rank 0's is the ballast, over the plan's peak.
-    assert unguarded[1] - unguarded[0] >= 0.9 * ballast, ("rank 1 did not hold the ballast", unguarded, ballast)
-    assert predicted + unguarded[1] - unguarded[0] > budget, ("the plan alone kept the budget: no premise",
-                                                              unguarded, predicted, budget)
+    # The premise: with the ballast and without the guard, rank 1 crosses the budget. Rank 0 is no
+    # baseline for it, since each rank's worker frees its scratch early or not: a CI run with the ballast
+    # at half the room measured rank 1's peak only 1.78 MB over rank 0's with a 2.56 MB ballast.
+    assert unguarded[1] > budget, ("the plan alone kept the budget: no premise",
+                                   dict(unguarded=unguarded, predicted=predicted, on_use=on_use, budget=budget,
+                                        ballast=ballast))
 
     log = tmp_path / "guarded.{rank}.jsonl"
     guarded = run(train(BALLAST, 6, device), env={**env, "DCPLAN_REPLAY_LOG": str(log)})
