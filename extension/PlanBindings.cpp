@@ -108,6 +108,7 @@ void bindPlan(py::module_& m) {
         out["cuda_graph"] = summary.cudaGraph;
         out["buckets"] = summary.buckets;
         out["optimizer_offload"] = summary.optimizerOffload;
+        out["master_offload"] = summary.masterOffload;
         out["memory_budget_bytes"] = summary.memoryBudgetBytes
                                          ? py::object(py::int_(*summary.memoryBudgetBytes))
                                          : py::object(py::none());

@@ -189,6 +189,12 @@ void bindRegistration(py::module_& m) {
   m.def("reset", &reset, Release(), "Drops the graph executors (parameters stay registered).");
   m.def("invalidate_gathered_param", &invalidateGatheredParam, py::arg("ds_id"), Release());
   m.def("clear_all_gathered_params", &clearAllGatheredParams, Release());
+  m.def("set_masters_on_host", &setMastersOnHost, py::arg("ds_ids"), Release(),
+        "A plan's master offload: these shards live on the host from now on, back for each gather.");
+  m.def("reload_masters", &reloadMasters, py::arg("ds_ids"), Release(),
+        "Brings host-kept master shards back to the device (their update, a state dict).");
+  m.def("offload_masters", &offloadMasters, py::arg("ds_ids"), Release(),
+        "Copies host-kept master shards out again and frees them on the device.");
   m.def("gathered_param_ids", &gatheredParamIds, Release(),
         "Ids holding a gathered copy (valid or in flight), ascending.");
   m.def("begin_capture", &beginCapture, Release(),

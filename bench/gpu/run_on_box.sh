@@ -269,7 +269,8 @@ case "$what" in
 print(int(float(sys.argv[1])*float(n)*{'B':1,'KiB':2**10,'MiB':2**20,'GiB':2**30}[u]))" "$1" "$2"; }
     ondevice=$( ($D plan "$P/trace.json" -o "$P/x.json" --memory-budget "$(bytes_of 1.01 "$least")B" --explain \
       2>/dev/null || true) | sed -n 's/.*on the device (they need at least \([^)]*\)).*/\1/p' | tr -d ' ')
-    echo "least with the optimizer state on the device: $ondevice; with all of it offloaded: $least"
+    # The last floor the refusal names: with every master shard offloaded too where it names one (ZeRO-3).
+    echo "least with the optimizer state on the device: $ondevice; with all of it (and the master shards) offloaded: $least"
     plans=$P/free.json
     for f in ${BUDGETS:-0.8 0.6 0.4}; do
       if [ "$f" = floor ]; then b=$(bytes_of 1.01 "$least"); else b=$(bytes_of "$f" "$ondevice"); fi

@@ -180,19 +180,25 @@ void diffPrediction(Differ& d, const std::string& path, const std::string& label
 /// Which parameters' optimizer state each plan keeps on the host, and in how many groups.
 void diffOffload(Differ& d, const std::vector<schemas::OffloadGroup>& a,
                  const std::vector<schemas::OffloadGroup>& b) {
-  auto ids = [](const std::vector<schemas::OffloadGroup>& groups) {
+  // masters: only the groups whose master shards are offloaded too.
+  auto ids = [](const std::vector<schemas::OffloadGroup>& groups, bool masters) {
     std::vector<int64_t> out;
-    for (const auto& g : groups) out.insert(out.end(), g.dsIds.begin(), g.dsIds.end());
+    for (const auto& g : groups) {
+      if (!masters || g.masterBytes > 0) out.insert(out.end(), g.dsIds.begin(), g.dsIds.end());
+    }
     std::sort(out.begin(), out.end());
     return out;
   };
-  const std::vector<int64_t> ia = ids(a), ib = ids(b);
-  std::vector<int64_t> added, removed;
-  std::set_difference(ib.begin(), ib.end(), ia.begin(), ia.end(), std::back_inserter(added));
-  std::set_difference(ia.begin(), ia.end(), ib.begin(), ib.end(), std::back_inserter(removed));
   const std::string path = "/offload/optimizer_state";
-  if (!added.empty()) d.ids(path, "offloaded optimizer state", Change::Added, std::nullopt, added);
-  if (!removed.empty()) d.ids(path, "offloaded optimizer state", Change::Removed, removed, std::nullopt);
+  for (bool masters : {false, true}) {
+    const std::vector<int64_t> ia = ids(a, masters), ib = ids(b, masters);
+    std::vector<int64_t> added, removed;
+    std::set_difference(ib.begin(), ib.end(), ia.begin(), ia.end(), std::back_inserter(added));
+    std::set_difference(ia.begin(), ia.end(), ib.begin(), ib.end(), std::back_inserter(removed));
+    const char* what = masters ? "offloaded master shards" : "offloaded optimizer state";
+    if (!added.empty()) d.ids(path, what, Change::Added, std::nullopt, added);
+    if (!removed.empty()) d.ids(path, what, Change::Removed, removed, std::nullopt);
+  }
   d.exact(path, "offload groups", static_cast<double>(a.size()), static_cast<double>(b.size()));
 }
 

@@ -1,5 +1,5 @@
-// Planned offload of optimizer state: resolving a plan's groups, choosing them, and the
-// optimizer step's time with them.
+// Planned offload of optimizer state and master shards: resolving a plan's groups, choosing them,
+// and the optimizer step's time with them.
 #include "dcplan/planner/offload.h"
 
 #include <algorithm>
@@ -20,8 +20,17 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
   uint64_t total = 0;
   for (const WorkParam& p : w.params) total += hasOptimizerState(p) ? p.optimizerStateBytes : 0;
   std::vector<char> seen(w.params.size(), 0);
+  c.masterOnHost.assign(w.params.size(), 0);
   for (size_t g = 0; g < groups.size(); ++g) {
     CompiledOffload::Group group;
+    const bool master = groups[g].masterBytes > 0;
+    if (master && w.stage != 3) {
+      throw std::invalid_argument(
+          "/offload/optimizer_state/" + std::to_string(g) +
+          "/master_bytes: master shards are offloaded under ZeRO-3 only; the trace is "
+          "ZeRO-" +
+          std::to_string(w.stage));
+    }
     for (size_t k = 0; k < groups[g].dsIds.size(); ++k) {
       const int64_t id = groups[g].dsIds[k];
       const std::string ptr =
@@ -40,15 +49,20 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
         throw std::invalid_argument(ptr + ": ds_id " + std::to_string(id) + " is offloaded twice");
       group.params.push_back(p);
       group.bytes += wp.optimizerStateBytes;
+      if (master) {
+        group.masterBytes += wp.mem.master;
+        c.masterOnHost[static_cast<size_t>(p)] = 1;
+      }
     }
     c.bytes += group.bytes;
+    c.masterBytes += group.masterBytes;
     c.groups.push_back(std::move(group));
   }
   // While group g is updated: g-1 still copying out, g, and g+1 coming in.
   for (size_t g = 0; g < c.groups.size(); ++g) {
     const uint64_t before = g > 0 ? c.groups[g - 1].bytes : 0;
     const uint64_t next = g + 1 < c.groups.size() ? c.groups[g + 1].bytes : 0;
-    c.stepBytes = std::max(c.stepBytes, before + c.groups[g].bytes + next);
+    c.stepBytes = std::max(c.stepBytes, before + c.groups[g].bytes + next + c.groups[g].masterBytes);
   }
   c.share = total > 0 ? static_cast<double>(c.bytes) / static_cast<double>(total) : 0.0;
   return c;
@@ -67,7 +81,12 @@ OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost,
     const uint64_t bytes = offload.groups[g].bytes;
     const double inUs = cost.copyUs(bytes, true);
     const double outUs = cost.copyUs(bytes, false);
-    const double own = offloadedUs * static_cast<double>(bytes) / static_cast<double>(offload.bytes);
+    // The master shards' copies, in the update's turn: the update takes that much longer.
+    const uint64_t master = offload.groups[g].masterBytes;
+    const double masterInUs = master > 0 ? cost.copyUs(master, true) : 0.0;
+    const double masterOutUs = master > 0 ? cost.copyUs(master, false) : 0.0;
+    const double own = offloadedUs * static_cast<double>(bytes) / static_cast<double>(offload.bytes) +
+                       masterInUs + masterOutUs;
     if (copiesBlockHost) {
       ph.copies.push_back({true, g, update, update + inUs});
       update += inUs + own;
@@ -88,8 +107,8 @@ OptimizerPhase simulateOptimizerPhase(const Workload& w, const CostModel& cost,
       outEnd.push_back(out);
       ph.copies.push_back({false, g, outStart, out});
     }
-    ph.reloadUs += inUs;
-    ph.offloadUs += outUs;
+    ph.reloadUs += inUs + masterInUs;
+    ph.offloadUs += outUs + masterOutUs;
   }
   ph.endUs = std::max(update, out);
   ph.exposedUs = std::max(0.0, ph.endUs - (startUs + w.optimizerUs));
@@ -128,6 +147,22 @@ std::vector<schemas::OffloadGroup> offloadGroups(const Workload& w, const std::v
     groups.back().dsIds.push_back(wp.id);
     groups.back().bytes += wp.optimizerStateBytes;
   }
+  return groups;
+}
+
+std::vector<schemas::OffloadGroup> offloadMasters(const Workload& w,
+                                                  std::vector<schemas::OffloadGroup> groups, size_t count) {
+  std::vector<uint64_t> master(groups.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (int64_t id : groups[g].dsIds) {
+      const int32_t p = w.paramIndex(id);
+      if (p >= 0) master[g] += w.params[static_cast<size_t>(p)].mem.master;
+    }
+  }
+  std::vector<size_t> order(groups.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return master[a] > master[b]; });
+  for (size_t k = 0; k < order.size(); ++k) groups[order[k]].masterBytes = k < count ? master[order[k]] : 0;
   return groups;
 }
 

@@ -385,7 +385,73 @@ struct OffloadChoice {
   size_t of = 0;       ///< parameters with optimizer state
   uint64_t floor = 0;  ///< the least any schedule needs with the state on the device
   std::vector<std::string> tried;
+  size_t masterGroups = 0;  ///< groups whose master shards are offloaded too (ZeRO-3)
+  uint64_t stateFloor = 0;  ///< with masters: the least any schedule needs with all state offloaded
 };
+
+/// The least peak over `v`'s candidates.
+uint64_t leastPeak(const std::vector<Candidate>& v) {
+  uint64_t least = std::numeric_limits<uint64_t>::max();
+  for (const Candidate& k : v) least = std::min(least, k.sim.prediction.peakMemoryBytes);
+  return least;
+}
+
+/// planOffload's second stage, where no schedule fits with all optimizer state offloaded (`tried`:
+/// those schedules): under ZeRO-3 the master shards of the fewest groups (the most master bytes
+/// first) with which one does are offloaded too, found by bisection. Fills tried/b with the chosen
+/// candidates and returns true; throws naming the floor where even that is not enough, or under
+/// ZeRO-1/2 (whose gathered copies stay on the device).
+bool planMasterOffload(Search& search, const Workload& w, const std::vector<int32_t>& order,
+                       uint64_t defaultPeak, const std::string& limitNote, OffloadChoice& choice,
+                       std::vector<Candidate>& tried, size_t& b, const ProgressFn& progress) {
+  const std::vector<schemas::OffloadGroup> state = offloadGroups(w, order, order.size());
+  const CompiledOffload all = compileOffload(w, offloadMasters(w, state, state.size()));
+  choice.stateFloor = leastPeak(tried);
+  const std::string below = "memory limit " + formatBytes(search.context().limit) + " (" + limitNote +
+                            ") is below what any plan needs with all optimizer state offloaded (" +
+                            formatBytes(all.bytes) + "): at least " + formatBytes(choice.stateFloor);
+  if (w.stage != 3) throw std::invalid_argument(below + "; master shards are offloaded under ZeRO-3 only");
+  auto attempt = [&](size_t k, std::vector<Candidate>& out, size_t& best) {
+    if (progress)
+      progress("planning with all optimizer state and the master shards of " + std::to_string(k) + " of " +
+               count(state.size(), "group") + " offloaded");
+    search.setOffload(offloadMasters(w, state, k));
+    out.clear();
+    Candidate heur = search.heuristicCandidate(defaultPeak);
+    try {
+      best = search.optimizedCandidates(out, search.defaultCandidate(), heur);
+      return true;
+    } catch (const std::invalid_argument&) {
+      return false;
+    }
+  };
+  std::vector<Candidate> fits;
+  size_t fitsBest = 0;
+  if (!attempt(state.size(), fits, fitsBest)) {
+    throw std::invalid_argument(below + "; and with the master shards offloaded too (" +
+                                formatBytes(all.masterBytes) + " more): at least " +
+                                formatBytes(leastPeak(fits)));
+  }
+  size_t lo = 0, hi = state.size();  // lo: does not fit (every master on the device); hi: fits
+  while (hi - lo > 1) {
+    const size_t mid = lo + (hi - lo) / 2;
+    if (attempt(mid, tried, b)) {
+      hi = mid;
+      fits = std::move(tried);
+      fitsBest = b;
+    } else {
+      lo = mid;
+    }
+  }
+  search.setOffload(offloadMasters(w, state, hi));
+  choice.least = choice.chosen = order.size();
+  choice.masterGroups = hi;
+  choice.tried.push_back(std::to_string(order.size()) + " with " + std::to_string(hi) +
+                         " groups' master shards: " + us(fits[fitsBest].sim.prediction.stepUs));
+  tried = std::move(fits);
+  b = fitsBest;
+  return true;
+}
 
 /// Strategy::Optimized under a limit no schedule meets with the optimizer state on the device:
 /// offloads the state of the fewest parameters (the most state first, offloadOrder) with which
@@ -420,12 +486,11 @@ OffloadChoice planOffload(Search& search, const Workload& w, const CostModel& co
   std::vector<Candidate> tried;
   size_t b = 0;
   if (!attempt(order.size(), tried, b)) {
-    uint64_t least = std::numeric_limits<uint64_t>::max();
-    for (const Candidate& k : tried) least = std::min(least, k.sim.prediction.peakMemoryBytes);
-    throw std::invalid_argument("memory limit " + formatBytes(search.context().limit) + " (" + limitNote +
-                                ") is below what any plan needs with all optimizer state offloaded (" +
-                                formatBytes(compileOffload(w, search.context().offload).bytes) +
-                                "): at least " + formatBytes(least));
+    if (planMasterOffload(search, w, order, defaultPeak, limitNote, choice, tried, b, progress)) {
+      all = std::move(tried);
+      best = b;
+      return choice;
+    }
   }
   size_t lo = 0, hi = order.size();  // lo: does not fit (the search without offload); hi: fits
   std::vector<Candidate> fastest = std::move(tried);
@@ -772,6 +837,13 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
               "on the host between steps, in " + count(plan.optimizerOffload.size(), "group") +
               " (at least " + std::to_string(offload->least) + " needed; parameters offloaded: step " +
               tried + ")");
+      if (offload->masterGroups > 0) {
+        ex.line("offload: no schedule fits with all optimizer state offloaded either (they need at least " +
+                formatBytes(offload->stateFloor) + "); the master shards of " +
+                std::to_string(offload->masterGroups) + " of " +
+                count(plan.optimizerOffload.size(), "group") +
+                " (the most first) are kept on the host too, brought back for each gather and their update");
+      }
     }
     ex.buckets(chosen);
     ex.persistence(chosen, gathersPerStep(w));
@@ -780,8 +852,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     if (plan.predicted.offloadBytes > 0) {
       const schemas::Prediction& p = plan.predicted;
       ex.line("  offload: " + formatBytes(p.offloadBytes) +
-              " of optimizer state on the host; copies per step in " + us(p.reloadUs) + ", out " +
-              us(p.offloadUs) + "; they make the optimizer step " + us(p.exposedCopyUs) + " longer");
+              " of optimizer state and master shards on the host; copies per step in " + us(p.reloadUs) +
+              ", out " + us(p.offloadUs) + "; they make the step " + us(p.exposedCopyUs) + " longer");
     }
     ex.line("  against default: step " + formatChange(plan.predictedDefault.stepUs, plan.predicted.stepUs) +
             ", exposed comm " +

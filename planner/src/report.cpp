@@ -138,16 +138,22 @@ void renderSchedule(std::ostream& s, const schemas::Plan& plan) {
     s << "\n";
   }
   if (!plan.optimizerOffload.empty()) {
-    size_t ids = 0;
-    uint64_t bytes = 0;
+    size_t ids = 0, masterIds = 0;
+    uint64_t bytes = 0, masterBytes = 0;
     for (const auto& g : plan.optimizerOffload) {
       ids += g.dsIds.size();
       bytes += g.bytes;
+      if (g.masterBytes > 0) masterIds += g.dsIds.size();
+      masterBytes += g.masterBytes;
     }
     const schemas::Prediction& p = plan.predicted;
     s << "  offload: optimizer state of " << count(ids, "param") << " on the host between steps ("
-      << formatBytes(bytes) << ", " << count(plan.optimizerOffload.size(), "group") << "); per step "
-      << formatMs(p.reloadUs) << " of copies in, " << formatMs(p.offloadUs) << " out, "
+      << formatBytes(bytes) << ", " << count(plan.optimizerOffload.size(), "group") << ")";
+    if (masterIds > 0) {
+      s << "; master shards of " << count(masterIds, "param") << " on the host between uses ("
+        << formatBytes(masterBytes) << ", brought back for each gather and their update)";
+    }
+    s << "; per step " << formatMs(p.reloadUs) << " of copies in, " << formatMs(p.offloadUs) << " out, "
       << formatMs(std::max(0.0, p.reloadUs + p.offloadUs - p.exposedCopyUs)) << " of it beside the "
       << "optimizer's updates, " << formatMs(p.exposedCopyUs) << " added to the step\n";
   }

@@ -30,6 +30,7 @@ ParamMemory RuntimeMemory::param(int64_t numel) const {
   p.gradient = allocation(static_cast<uint64_t>(numel) * gatherSize);
   p.output = allocation(shard * reduceSize);
   p.shardGrad = allocation(shard * 4);
+  p.master = allocation(shard * 4);
   return p;
 }
 

@@ -172,6 +172,7 @@ class Simulation {
     allocated_.assign(w.params.size(), 0);
     callOf_.assign(w.params.size(), -1);
     hasShardGrad_.assign(w.params.size(), 0);
+    masterLive_.assign(w.params.size(), 0);
     readyAt_.assign(w.params.size(), 0.0);
     gatherCount_.assign(w.params.size(), 0);
     res_.repeatStallUs.assign(w.params.size(), 0.0);
@@ -228,13 +229,15 @@ class Simulation {
     res_.computeUs = w_.computeUs();
     res_.optimizerUs = w_.optimizerUs;
     res_.prediction.stepUs = stepUs + (reference_ ? 0.0 : res_.launchDeltaUs);
+    // The master shards' copies for gathers run in the compute stream's turn: all of them exposed.
+    const double copiesExposedUs = phase.exposedUs + res_.masterReloadUs;
     res_.prediction.exposedCommUs =
-        std::max(0.0, stepUs - res_.computeUs - res_.optimizerUs - phase.exposedUs);
+        std::max(0.0, stepUs - res_.computeUs - res_.optimizerUs - copiesExposedUs);
     res_.prediction.peakMemoryBytes = peak_;
-    res_.prediction.offloadBytes = s_.offload.bytes;
-    res_.prediction.reloadUs = phase.reloadUs;
+    res_.prediction.offloadBytes = s_.offload.bytes + s_.offload.masterBytes;
+    res_.prediction.reloadUs = phase.reloadUs + res_.masterReloadUs;
     res_.prediction.offloadUs = phase.offloadUs;
-    res_.prediction.exposedCopyUs = phase.exposedUs;
+    res_.prediction.exposedCopyUs = copiesExposedUs;
     return std::move(res_);
   }
 
@@ -313,6 +316,8 @@ class Simulation {
           size_t p = static_cast<size_t>(op.param);
           if (!allocated_[p]) gatherOne(op.param, r, op.seq);
           endCallScratch(p);
+          liveMasters_ -= masterLive_[p];  // an offloaded master shard is dropped once its gather is done
+          masterLive_[p] = 0;
           if (readyAt_[p] > computeNow_ && gatherCount_[p] > 1)
             res_.repeatStallUs[p] += readyAt_[p] - computeNow_;
           computeNow_ = std::max(computeNow_, readyAt_[p]);
@@ -437,6 +442,7 @@ class Simulation {
       members_.push_back(p);
     }
     if (members_.empty()) return;
+    reloadMasters(r, seq);
     // The call's transient buffers: while it is issued, and until a member is waited on.
     const bool coalesced = members_.size() > 1;
     momentary_ += w_.memory.gatherScratchIssued(bytes, coalesced);
@@ -458,6 +464,27 @@ class Simulation {
             start, gatherFree_);
       res_.gathers.push_back(GatherRecord{r, seq, computeNow_, gatherFree_, members_});
     }
+  }
+
+  /// Master shards on the host come back before their gather reads them: a copy on the compute
+  /// stream (on CPU ranks by the host), held until the member's wait.
+  void reloadMasters(int32_t r, int64_t seq) {
+    if (s_.offload.masterBytes == 0) return;
+    uint64_t bytes = 0;
+    for (int32_t p : members_) {
+      const size_t pi = static_cast<size_t>(p);
+      if (!s_.offload.masterOnHost[pi] || masterLive_[pi]) continue;
+      masterLive_[pi] = w_.params[pi].mem.master;
+      bytes += masterLive_[pi];
+    }
+    if (bytes == 0) return;
+    liveMasters_ += bytes;
+    const double copy = cost_.copyUs(bytes, true);
+    if (record_)
+      event(Stream::Compute, "reload master shards", r, seq, {}, bytes, computeNow_, computeNow_ + copy);
+    computeNow_ += copy;
+    if (w_.waitsBlockHost) hostNow_ = std::max(hostNow_, computeNow_);
+    res_.masterReloadUs += copy;
   }
 
   /// callerGrad: the bytes of the gradient a reduce_grad launching the bucket was called with.
@@ -517,9 +544,11 @@ class Simulation {
 
   /// The memory in use now, with `activation` bytes of activations.
   uint64_t inUse(uint64_t activation) const {
-    // Offloaded optimizer state is on the host outside the optimizer step.
-    return w_.baselineBytes - std::min(w_.baselineBytes, s_.offload.bytes) + livePersistent_ + activation +
-           liveGathered_ + filling_ + pendingBytes_ + liveScratch_ + momentary_ + shardGrads_;
+    // Offloaded optimizer state is on the host outside the optimizer step, offloaded master shards
+    // outside their gathers and their group's update.
+    const uint64_t offloaded = s_.offload.bytes + s_.offload.masterBytes;
+    return w_.baselineBytes - std::min(w_.baselineBytes, offloaded) + livePersistent_ + activation +
+           liveGathered_ + filling_ + pendingBytes_ + liveScratch_ + momentary_ + shardGrads_ + liveMasters_;
   }
 
   void sample(double now, uint64_t activation, int32_t r, int64_t seq, bool atOp) {
@@ -556,6 +585,8 @@ class Simulation {
   uint64_t optimizerExcess_ = 0;    ///< offload: the recorded optimizer step above the first op's activations
   uint64_t shardGrads_ = 0;         ///< ZeRO-2/3: the gradient shards this step's reductions made
   uint64_t liveScratch_ = 0;        ///< scratch of gather calls not waited on yet
+  std::vector<uint64_t> masterLive_;  ///< per param: its offloaded master shard's bytes while reloaded
+  uint64_t liveMasters_ = 0;          ///< offloaded master shards reloaded for a gather, not waited on
   uint64_t momentary_ = 0;          ///< scratch of calls issued since the last sample
   std::vector<int32_t> members_;
   std::vector<int32_t> one_ = std::vector<int32_t>(1, 0);

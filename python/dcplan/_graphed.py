@@ -29,7 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import _C, _clip, _plan, _record
+from . import _C, _clip, _offload, _plan, _record
 
 
 _REUSE_SETTING = "graph_capture_record_stream_reuse"
@@ -265,6 +265,11 @@ class GraphedStep:
         return out
 
     def _capture(self, args, kwargs) -> None:
+        if _offload.has_masters():
+            raise RuntimeError("dcplan.graphed_step: the plan keeps master shards on the host "
+                               "(offload.optimizer_state[].master_bytes), which a captured step does not support "
+                               "yet: plan at a budget that offloading the optimizer state alone meets, or run "
+                               "the step without graphed_step")
         self._inputs = StaticArgs(args, kwargs)
         static_args, static_kwargs = self._inputs.args()
         torch.cuda.synchronize()  # begin_capture takes every earlier collective as complete

@@ -1,4 +1,4 @@
-"""Planned offload of optimizer state (docs/planning.md, "Offload").
+"""Planned offload of optimizer state and master shards (docs/planning.md, "Offload").
 
 A plan's ``offload.optimizer_state`` lists groups of parameters whose optimizer state (AdamW's
 ``exp_avg`` and ``exp_avg_sq``) lives in host memory between optimizer steps. At the step of
@@ -11,6 +11,10 @@ param groups are empty until its post-hook puts them back.
 Between steps ``optimizer.state[p]`` holds the host copies (pinned on a GPU; on CPU ranks a
 pool of their own, outside torch's allocator, so that the device's counted memory is what a
 GPU's would be). Each host buffer is allocated once, when its state first exists, and reused.
+
+A group may keep its master shards on the host too (ZeRO-3): the runtime holds them there from
+registration on, brings one back for each of its gathers and drops it once the gather is done;
+here they come back just before the group's update and go out again just after it.
 """
 from __future__ import annotations
 
@@ -21,10 +25,13 @@ import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from . import _C
+
 # ds_id -> the shard (weakly held: a model dropped takes its plan's offload with it) and its group.
 _shards: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 _group_of: Dict[int, int] = {}
 _group_count = 0  # groups registered so far, over every model: _group_of's stepping order
+_masters: set = set()  # ds_ids whose master shards the runtime keeps on the host
 _handles = []
 # An optimizer -> its param groups' lists while its own step() runs over none.
 _emptied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -54,12 +61,16 @@ def _per_element(optimizer, p) -> Dict[str, torch.Tensor]:
     return {k: t for k, t in optimizer.state.get(p, {}).items() if is_per_element(t, p)}
 
 
-def register(infos, groups: List[List[int]]) -> None:
-    """A model sharded with a plan that offloads: infos its parameters, groups the plan's (checked
-    against the model when the plan was loaded)."""
+def register(infos, groups: List[List[int]], masters: List[int]) -> None:
+    """A model sharded with a plan that offloads: infos its parameters, groups the plan's and
+    masters the ids of those whose master shards stay on the host too (checked against the model
+    when the plan was loaded)."""
     global _group_count
     if not groups:
         return
+    if masters:
+        _C.set_masters_on_host(list(masters))
+        _masters.update(masters)
     by_id = {i.ds_id: i.shard for i in infos}
     for ids in groups:
         for i in ids:
@@ -71,9 +82,23 @@ def register(infos, groups: List[List[int]]) -> None:
         _handles.append(register_optimizer_step_post_hook(_after_step))
 
 
+def has_masters() -> bool:
+    """Whether a plan keeps master shards on the host (what a captured step refuses)."""
+    return bool(_masters)
+
+
+def masters_of(infos) -> List[int]:
+    """The ds_ids of infos whose master shards a plan keeps on the host (what state dicts refuse)."""
+    return [i.ds_id for i in infos if i.ds_id in _masters]
+
+
 def forget() -> None:
-    """dcplan.shutdown(): no plan offloads any more."""
+    """dcplan.shutdown(): no plan offloads any more; master shards come back, so that the model's
+    parameters hold their values once the runtime is gone."""
     global _group_count
+    if _masters:
+        _C.reload_masters(sorted(_masters))
+        _masters.clear()
     _shards.clear()
     _group_of.clear()
     _group_count = 0
@@ -233,7 +258,12 @@ def _before_step(optimizer, args, kwargs) -> None:
             mover.retire(keep=1)  # the group before this one may still be copying out
             if k + 1 < len(groups):
                 mover.reload(optimizer, groups[k + 1])
+            masters = [p._dcplan_ds_id for p in params if p._dcplan_ds_id in _masters]
+            if masters:  # in the update's turn, on the compute stream (the planner's model)
+                _C.reload_masters(masters)
             _step_only(optimizer, params, raw_step)
+            if masters:
+                _C.offload_masters(masters)
             mover.offload(optimizer, params)
         mover.retire(keep=0)  # the step ends with every copy out done on the device
     finally:

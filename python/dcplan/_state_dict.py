@@ -58,6 +58,10 @@ def _state(model: nn.Module, caller: str):
     if state is None:
         raise ValueError(f"dcplan.{caller}: model is not sharded by dcplan.shard(); use model.state_dict() "
                          "or torch.distributed.checkpoint.state_dict for an unsharded model")
+    if _offload.masters_of(state.infos):
+        raise ValueError(f"dcplan.{caller}: this model's plan keeps master shards on the host "
+                         "(offload.optimizer_state[].master_bytes), which state dicts do not support yet; "
+                         "to checkpoint, plan at a budget that offloading the optimizer state alone meets")
     return state
 
 

@@ -55,9 +55,13 @@ struct Param {
   bool valid_ = false;          // gathered_ holds the current shard data
   int64_t uses_ = 0;            // releases seen since the last free
 
-  // Offload: the shard's storage is freed and its data kept in host_.
+  // Offload: the shard's storage is freed and its data kept in host_ (allocated once, kept: a
+  // reload leaves it equal to the shard until the shard is written).
   bool offloaded_ = false;
   at::Tensor host_;
+  // A plan's master offload: the shard lives in host_ between uses; a gather brings it back and
+  // its wait drops it again (unchanged: no copy out).
+  bool masterOnHost_ = false;
 
   bool trainable() const { return trainable_; }
   bool hasGathered() const { return gathered_.defined(); }
@@ -104,7 +108,10 @@ class ParamRegistry {
     released_.clear();
     releasedBytes_ = 0;
   }
-  void offload(Param& p);
+  /// Frees p's shard on the device, its data kept in host_: copied there unless `copyOut` is
+  /// false, which only a shard equal to host_ may pass (brought back and not written since).
+  void offload(Param& p, bool copyOut = true);
+  /// Gives p's shard its memory back and copies host_ into it (on a GPU, on the caller's stream).
   void reload(Param& p);
 
  private:

@@ -114,6 +114,9 @@ void ParamRegistry::waitGather(Param& p) {
     p.gatherHandle_.reset();
   }
   if (p.hasGathered()) p.valid_ = true;
+  // The gather has read the shard: a master kept on the host goes back there (the caller's
+  // stream now follows the gather, so the block is reused only after it).
+  if (p.masterOnHost_ && !p.offloaded_) offload(p, /*copyOut=*/false);
 }
 
 std::vector<at::Tensor> ParamRegistry::forgetGatheredOfGraph() {
@@ -156,12 +159,13 @@ void ParamRegistry::dropGathered(Param& p) {
   clearGathered(p);
 }
 
-void ParamRegistry::offload(Param& p) {
+void ParamRegistry::offload(Param& p, bool copyOut) {
   if (p.offloaded_) return;
-  // Host memory is plain CPU memory; a device shard gets a pinned copy.
-  const bool onHost = p.shard_.device().is_cpu();
-  p.host_ = at::empty_like(p.shard_, p.shard_.options().device(at::kCPU).pinned_memory(!onHost));
-  p.host_.copy_(p.shard_);
+  if (!p.host_.defined()) {
+    TORCH_CHECK(copyOut, p.label(), ": its shard has no host copy to go back to");
+    p.host_ = hostBuffer(p.shard_);
+  }
+  if (copyOut) p.host_.copy_(p.shard_);
   freeStorage(p.shard_);
   p.offloaded_ = true;
 }
@@ -169,8 +173,9 @@ void ParamRegistry::offload(Param& p) {
 void ParamRegistry::reload(Param& p) {
   if (!p.offloaded_) return;
   restoreStorage(p.shard_, static_cast<size_t>(tensorBytes(p.shard_)));
-  p.shard_.copy_(p.host_);
-  p.host_ = at::Tensor();
+  // From pinned memory the copy is queued on the caller's stream; host_ is written again only by
+  // a copy out queued after it.
+  p.shard_.copy_(p.host_, /*non_blocking=*/p.host_.is_pinned());
   p.offloaded_ = false;
 }
 

@@ -230,6 +230,39 @@ void invalidateGatheredParam(int64_t dsId) {
   rt.registry_->dropGathered(rt.registry_->get("invalidate_gathered_param", dsId));
 }
 
+namespace {
+
+/// fn on each registered parameter of dsIds, under the runtime's lock.
+template <typename Fn>
+void forEachParam(const char* op, const std::vector<int64_t>& dsIds, Fn&& fn) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  auto& rt = state(op);
+  for (int64_t id : dsIds) fn(*rt.registry_, rt.registry_->get(op, id));
+}
+
+}  // namespace
+
+void setMastersOnHost(const std::vector<int64_t>& dsIds) {
+  forEachParam("set_masters_on_host", dsIds, [](ParamRegistry& registry, Param& p) {
+    TORCH_CHECK(!p.hasGathered(), "set_masters_on_host: ", p.label(),
+                " holds a gathered copy; a plan's master ", "offload starts before the first step");
+    p.masterOnHost_ = true;
+    registry.offload(p);
+  });
+}
+
+void reloadMasters(const std::vector<int64_t>& dsIds) {
+  forEachParam("reload_masters", dsIds, [](ParamRegistry& registry, Param& p) { registry.reload(p); });
+}
+
+void offloadMasters(const std::vector<int64_t>& dsIds) {
+  forEachParam("offload_masters", dsIds, [](ParamRegistry& registry, Param& p) {
+    TORCH_CHECK(p.masterOnHost_, "offload_masters: ", p.label(),
+                " is not a master the plan keeps on the host");
+    registry.offload(p);
+  });
+}
+
 void clearAllGatheredParams() {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("clear_all_gathered_params");

@@ -213,6 +213,11 @@ class PlanValidator {
       group.dsIds = readIds(item, "ds_ids");
       claimIds(group.dsIds, itemPtr, i, groupOf, "group");
       group.bytes = item.bytes("bytes").value_or(0);
+      if (auto master = item.bytes("master_bytes", P::Optional)) {
+        if (*master == 0)
+          diags_.add(itemPtr + "/master_bytes", "expected an integer >= 1 (absent: kept on the device)");
+        group.masterBytes = *master;
+      }
       item.rejectUnknownFields();
       out_.optimizerOffload.push_back(std::move(group));
     }
@@ -309,7 +314,11 @@ std::string writePlan(const Plan& plan) {
   }
   if (!plan.optimizerOffload.empty()) {
     ordered_json groups = ordered_json::array();
-    for (const auto& g : plan.optimizerOffload) groups.push_back({{"ds_ids", g.dsIds}, {"bytes", g.bytes}});
+    for (const auto& g : plan.optimizerOffload) {
+      ordered_json group{{"ds_ids", g.dsIds}, {"bytes", g.bytes}};
+      if (g.masterBytes > 0) group["master_bytes"] = g.masterBytes;  // absent: on the device
+      groups.push_back(std::move(group));
+    }
     doc["offload"] = {{"optimizer_state", std::move(groups)}};
   }
   doc.update(ordered_json{

@@ -1,9 +1,11 @@
 """Planned offload on 2 CPU ranks, for a model and sizes the demo does not use (wide layers, short
 sequences: the optimizer state is most of what a rank holds): dcplan record -> plan at a budget
 under the least any schedule needs with the optimizer state on the device -> inspect -> replay ->
-check. Asserted: the plan offloads and predicts a peak within its budget, inspect shows it, the
-replay's losses equal training without a plan bit for bit, and each rank's peak stays within the
-budget and within 3% of the prediction. The step time is a benchmark (docs/benchmarks.md)."""
+check, at two budgets: just above what it needs with all optimizer state offloaded, and 60% of the
+on-device floor, below that, where master shards go to the host too. Asserted: the plan offloads
+what the budget needs and predicts a peak within it, inspect shows it, the replay's losses equal
+training without a plan bit for bit, and each rank's peak stays within the budget and within 3% of
+the prediction. The step time is a benchmark (docs/benchmarks.md)."""
 import json
 import os
 import re
@@ -20,6 +22,12 @@ PEAK_TOLERANCE = 0.03
 # The budget: this far above the least the plan needs with all the optimizer state offloaded, so that
 # the planner must offload most of it; the recording's activations vary a little from run to run.
 ABOVE_OFFLOAD_FLOOR = 1.08
+# The issue's budget (issue 30): this share of the least any schedule needs with everything on the
+# device, or less where the state alone meets it: 3% under what the plan needs with all optimizer
+# state offloaded (0.60-0.62 of the on-device floor in two recordings of this model; every master
+# shard offloaded too needs 0.44), so that the planner must put master shards on the host.
+ON_DEVICE_SHARE = 0.6
+UNDER_STATE_FLOOR = 0.97
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,24 +56,43 @@ def losses(out):
 
 
 def test_a_budget_under_the_on_device_floor_is_planned_with_offload_and_kept(tmp_path, dcplan_module):
+    offload_case(tmp_path, masters=False)
+
+
+def test_sixty_percent_of_the_on_device_floor_offloads_master_shards_too_and_is_kept(tmp_path, dcplan_module):
+    offload_case(tmp_path, masters=True)
+
+
+def offload_case(tmp_path, masters):
+    """masters=False: the budget just above the all-state floor; True: ON_DEVICE_SHARE of the
+    on-device floor, which needs master shards on the host."""
     from dcplan import _plan
 
     exe = dcplan_binary()
     trace, plan = tmp_path / "trace.json", tmp_path / "offload.json"
     run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6)])
     refused = run([exe, "plan", str(trace), "-o", str(plan), "--memory-budget", "1MiB"], expect=2).stderr
-    floor = size(re.search(r"with all optimizer state offloaded \([^)]*\): at least (\S+ \S+)", refused).group(1))
+    floor = size(re.search(r"with all optimizer state offloaded \([^)]*\): at least ([0-9.]+ \w+)", refused).group(1))
     budget = int(floor * ABOVE_OFFLOAD_FLOOR)
     explain = run([exe, "plan", str(trace), "-o", str(plan), "--memory-budget", f"{budget}B", "--explain"]).stdout
     on_device = size(re.search(r"optimizer state on the device \(they need at least (\S+ \S+)\)", explain).group(1))
     # Under what any schedule needs with the state on the device (the share varies with the recording:
     # 0.59 to 0.81 of it, as the optimizer's recorded temporaries do).
     assert budget < on_device, (budget, on_device)
+    if masters:
+        masters_floor = size(re.search(r"with the master shards offloaded too \([^)]*\): at least ([0-9.]+ \w+)",
+                                       refused).group(1))
+        budget = int(min(ON_DEVICE_SHARE * on_device, UNDER_STATE_FLOOR * floor))
+        assert masters_floor < budget < floor, (masters_floor, budget, floor, on_device)
+        run([exe, "plan", str(trace), "-o", str(plan), "--memory-budget", f"{budget}B"])
     p = json.loads(plan.read_text())
-    assert p["offload"]["optimizer_state"] and p["predicted"]["offload_bytes"] > 0
+    groups = p["offload"]["optimizer_state"]
+    assert groups and p["predicted"]["offload_bytes"] > 0
+    assert any("master_bytes" in g for g in groups) == masters, groups
     assert p["predicted"]["peak_memory_bytes"] <= budget
     shown = run([exe, "inspect", str(plan)]).stdout
     assert re.search(r"offload: optimizer state of \d+ params on the host between steps", shown), shown
+    assert bool(re.search(r"master shards of \d+ params? on the host between uses", shown)) == masters, shown
 
     log = tmp_path / "offload.{rank}.jsonl"
     replayed = run(train(6), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)}).stdout

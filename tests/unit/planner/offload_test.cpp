@@ -1,5 +1,6 @@
-// Planned offload of optimizer state: the groups, the optimizer step's copies, the memory it
-// saves, and the planner's choice under a budget no schedule meets with the state on the device.
+// Planned offload of optimizer state and master shards: the groups, the optimizer step's copies,
+// the memory it saves, and the planner's choice under a budget no schedule meets with the state on
+// the device, or with all of it offloaded.
 #include <gtest/gtest.h>
 
 #include <stdexcept>
@@ -157,6 +158,80 @@ TEST(Offload, PlannerOffloadsOnlyUnderABudgetNoScheduleMeetsOnTheDevice) {
     EXPECT_NE(
         std::string(e.what()).find("below what any plan needs with all optimizer state offloaded (200 KiB): "
                                    "at least 1.25 MiB"),
+        std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Offload, MasterShardsLeaveTheDeviceBetweenTheirGathers) {
+  Fixture f;
+  SimResult state = f.run({{{0}, kState}, {{1}, kState}});
+  SimResult masters = f.run({{{0}, kState, kTinyShard}, {{1}, kState, kTinyShard}});
+  // Each shard is back only from its gather's issue to its wait: the backward's peak (gathered 0,
+  // both gradients and their bucket) holds neither; the optimizer step holds the one updated.
+  EXPECT_EQ(masters.prediction.peakMemoryBytes, state.prediction.peakMemoryBytes - 2 * kTinyShard);
+  EXPECT_EQ(masters.prediction.offloadBytes, 2 * kState + 2 * kTinyShard);
+  // Every gather first copies its shard in (51.2 us at 1 GB/s), on the compute stream: all of it
+  // added to the step, none of it communication.
+  EXPECT_NEAR(masters.masterReloadUs, 51.2 * static_cast<double>(masters.gatherCalls), 1e-9);
+  EXPECT_GE(masters.gatherCalls, 2);
+  // In the optimizer step each group's shard comes in before its update and goes out after it.
+  EXPECT_NEAR(masters.prediction.reloadUs, state.prediction.reloadUs + masters.masterReloadUs + 2 * 51.2,
+              1e-6);
+  EXPECT_NEAR(masters.prediction.offloadUs, state.prediction.offloadUs + 2 * 102.4, 1e-6);
+  EXPECT_GE(masters.prediction.stepUs, state.prediction.stepUs + masters.masterReloadUs);
+  EXPECT_NEAR(masters.prediction.exposedCommUs, state.prediction.exposedCommUs, 1e-6);
+}
+
+TEST(Offload, MasterShardsAreOffloadedUnderZero3Only) {
+  schemas::Trace t = offloadableTrace();
+  t.meta.stage = 2;
+  const Workload w = makeWorkload(t);
+  EXPECT_NO_THROW(compileOffload(w, {{{0}, kState}}));
+  try {
+    compileOffload(w, {{{0}, kState}, {{1}, kState, kTinyShard}});
+    FAIL() << "a ZeRO-2 plan offloaded master shards";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "/offload/optimizer_state/1/master_bytes: master shards are offloaded under ZeRO-3 only; the "
+              "trace is ZeRO-2");
+  }
+}
+
+TEST(Offload, MastersOfTheGroupsWithTheMostOfThemGoFirst) {
+  const schemas::Trace t = offloadableTrace();
+  const Workload w = makeWorkload(t);
+  const std::vector<schemas::OffloadGroup> groups = offloadMasters(w, {{{0}, kState}, {{1}, kState}}, 1);
+  // Equal shards: the earlier group first.
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].masterBytes, kTinyShard);
+  EXPECT_EQ(groups[1].masterBytes, 0u);
+  EXPECT_EQ(offloadMasters(w, groups, 0)[0].masterBytes, 0u);
+}
+
+TEST(Offload, PlannerOffloadsMasterShardsBelowTheAllStateFloor) {
+  const schemas::Trace t = offloadableTrace();
+  PlanRequest req;
+  // Under the all-state floor (1.25 MiB, above): one group's master shard is enough.
+  req.memoryBudgetBytes = 1'300'000;
+  req.explain = true;
+  PlanResult r = makePlan(t, req);
+  ASSERT_EQ(r.plan.optimizerOffload.size(), 2u);
+  EXPECT_EQ(r.plan.optimizerOffload[0].masterBytes + r.plan.optimizerOffload[1].masterBytes, kTinyShard);
+  EXPECT_LE(r.plan.predicted.peakMemoryBytes, plannedLimit(1'300'000));
+  bool explained = false;
+  for (const std::string& line : r.explanation) {
+    explained |= line.rfind("offload: no schedule fits with all optimizer state offloaded either", 0) == 0;
+  }
+  EXPECT_TRUE(explained);
+  // Below what the plan needs with every master shard offloaded too: refused, naming both floors.
+  req.memoryBudgetBytes = 1'000'000;
+  try {
+    makePlan(t, req);
+    FAIL() << "a budget under the all-offloaded floor was planned";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("; and with the master shards offloaded too (100 KiB more): at least "),
         std::string::npos)
         << e.what();
   }

@@ -90,7 +90,7 @@ TEST(RoundTrip, OptionalPlanFieldsStayAbsentOrPresent) {
   EXPECT_EQ(writePlan(again), text);
   // Planned offload: absent without one, its groups and prediction kept with one.
   EXPECT_EQ(text.find("offload"), std::string::npos);
-  plan.optimizerOffload = {{{0}, 64}};
+  plan.optimizerOffload = {{{0}, 64, 32}};
   plan.predicted.offloadBytes = 64;
   plan.predicted.reloadUs = 1.5;
   plan.predicted.offloadUs = 2.5;
@@ -100,6 +100,8 @@ TEST(RoundTrip, OptionalPlanFieldsStayAbsentOrPresent) {
   ASSERT_TRUE(validatePlan(parseJson(offloaded, "plan"), back).empty());
   ASSERT_EQ(back.optimizerOffload.size(), 1u);
   EXPECT_EQ(back.optimizerOffload[0].dsIds, std::vector<int64_t>{0});
+  EXPECT_EQ(back.optimizerOffload[0].masterBytes, 32u);
+  EXPECT_NE(offloaded.find("\"master_bytes\": 32"), std::string::npos);
   EXPECT_EQ(back.predicted.offloadUs, 2.5);
   EXPECT_EQ(back.predictedDefault.offloadBytes, 0u);
   EXPECT_EQ(writePlan(back), offloaded);

@@ -234,6 +234,11 @@ TEST(Validate, OffloadGroupsHoldEachParameterOnce) {
             std::vector<std::string>{"/offload/optimizer_state: expected at least one group"});
   plan["offload"] = {{"optimizer_state", {{{"ds_ids", {0}}, {"bytes", 8}}}}, {"master", true}};
   EXPECT_EQ(planProblems(plan).size(), 1u);  // an unknown field, named
+  plan["offload"] = {{"optimizer_state", {{{"ds_ids", {0}}, {"bytes", 8}, {"master_bytes", 0}}}}};
+  EXPECT_EQ(
+      planProblems(plan),
+      std::vector<std::string>{
+          "/offload/optimizer_state/0/master_bytes: expected an integer >= 1 (absent: kept on the device)"});
 }
 
 TEST(Validate, PrefetchPositionsMustNotDecrease) {

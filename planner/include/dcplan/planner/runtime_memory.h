@@ -16,6 +16,7 @@ struct ParamMemory {
   uint64_t gradient = 0;   ///< autograd's gradient handed to reduce_grad: numel, gather dtype
   uint64_t output = 0;     ///< ZeRO-2/3: its slice of a reduce-scatter output: a shard, reduce dtype
   uint64_t shardGrad = 0;  ///< the shard's gradient: a shard in fp32, the shards' dtype
+  uint64_t master = 0;     ///< the fp32 master shard itself (what a planned master offload moves)
 };
 
 /// What one reduction of a parameter leaves behind.

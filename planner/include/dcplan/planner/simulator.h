@@ -81,6 +81,7 @@ struct SimResult {
   double computeUs = 0;  ///< sum of compute over the step
   double optimizerUs = 0;
   double gatherBusyUs = 0;  ///< time the all-gather stream was busy
+  double masterReloadUs = 0;  ///< offloaded master shards copied in for gathers, on the compute stream
   double reduceBusyUs = 0;
   int64_t gatherCalls = 0;
   int64_t reduceCalls = 0;

@@ -56,6 +56,8 @@ struct PlanSummary {
   bool cudaGraph = false;  ///< made for one CUDA graph per step (options.cuda_graph)
   /// ds_ids whose optimizer state the plan keeps on the host, per group in stepping order.
   std::vector<std::vector<int64_t>> optimizerOffload;
+  /// ds_ids whose master shards the plan keeps on the host between uses (ZeRO-3).
+  std::vector<int64_t> masterOffload;
   std::optional<uint64_t> memoryBudgetBytes;  ///< the plan's options.memory_budget_bytes
   std::optional<int64_t> guardStartBytes;     ///< the plan's guard.start_bytes
   /// The input shapes of the live model's forward graph in the recorded step (input_shapes).

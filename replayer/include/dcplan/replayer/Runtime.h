@@ -88,6 +88,14 @@ void clearAllGatheredParams();
 /// Ids currently holding a gathered copy (valid or in flight), ascending.
 std::vector<int64_t> gatheredParamIds();
 
+/// A plan's master offload (docs/planning.md, "Offload"): from now on the shards of dsIds live on
+/// the host (copied there now), brought back for each gather and dropped once it is done.
+void setMastersOnHost(const std::vector<int64_t>& dsIds);
+/// Brings the shards of dsIds back from the host, where they are there (their update, a state
+/// dict); offloadMasters copies them out and frees them on the device again.
+void reloadMasters(const std::vector<int64_t>& dsIds);
+void offloadMasters(const std::vector<int64_t>& dsIds);
+
 /// CUDA graph capture of whole steps (python/dcplan/_graphed.py). beginCapture, once the
 /// caller's stream captures and the device has finished all earlier work: the transport's
 /// streams join the capture. endCapture, before the capture ends. From beginCapture on, the

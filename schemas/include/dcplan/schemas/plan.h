@@ -91,6 +91,9 @@ struct PlanGraph {
 struct OffloadGroup {
   std::vector<int64_t> dsIds;
   uint64_t bytes = 0;  ///< the group's optimizer state at the planned world size
+  /// ZeRO-3: the group's fp32 master shards live on the host too, brought back for each gather
+  /// of one of them and for the group's update, and dropped again after (docs/planning.md).
+  uint64_t masterBytes = 0;  ///< their bytes at the planned world size; 0: kept on the device
 };
 
 /// Simulated outcome of a schedule.
@@ -98,9 +101,10 @@ struct Prediction {
   double stepUs = 0;
   double exposedCommUs = 0;
   uint64_t peakMemoryBytes = 0;
-  /// Planned offload only (absent from the plan file without one): the optimizer state kept on
-  /// the host, the copies' time per step each way (host to device, device to host), and how
-  /// much of the step the copies lengthen it by (the rest runs beside the optimizer's updates).
+  /// Planned offload only (absent from the plan file without one): the optimizer state and master
+  /// shards kept on the host, the copies' time per step each way (host to device, device to
+  /// host), and how much of the step the copies lengthen it by (the rest runs beside the
+  /// optimizer's updates).
   uint64_t offloadBytes = 0;
   double reloadUs = 0;
   double offloadUs = 0;
