@@ -396,12 +396,47 @@ uint64_t leastPeak(const std::vector<Candidate>& v) {
   return least;
 }
 
+/// The optimized search with `groups` offloaded: fills out/best and returns true where a schedule
+/// fits the limit.
+bool searchWithOffload(Search& search, std::vector<schemas::OffloadGroup> groups, uint64_t defaultPeak,
+                       std::vector<Candidate>& out, size_t& best) {
+  search.setOffload(std::move(groups));
+  out.clear();
+  Candidate heur = search.heuristicCandidate(defaultPeak);
+  try {
+    best = search.optimizedCandidates(out, search.defaultCandidate(), heur);
+    return true;
+  } catch (const std::invalid_argument&) {
+    return false;
+  }
+}
+
+/// The least n in (lo, hi] for which attempt(n, out, best) fits, by bisection: attempt(lo) does
+/// not fit and attempt(hi) does, with `fits`/`fitsBest` its candidates, which end as the least n's.
+template <typename Attempt>
+size_t fewestThatFit(size_t lo, size_t hi, Attempt&& attempt, std::vector<Candidate>& fits,
+                     size_t& fitsBest) {
+  std::vector<Candidate> tried;
+  size_t b = 0;
+  while (hi - lo > 1) {
+    const size_t mid = lo + (hi - lo) / 2;
+    if (attempt(mid, tried, b)) {
+      hi = mid;
+      fits = std::move(tried);
+      fitsBest = b;
+    } else {
+      lo = mid;
+    }
+  }
+  return hi;
+}
+
 /// planOffload's second stage, where no schedule fits with all optimizer state offloaded (`tried`:
 /// those schedules): under ZeRO-3 the master shards of the fewest groups (the most master bytes
 /// first) with which one does are offloaded too, found by bisection. Fills tried/b with the chosen
-/// candidates and returns true; throws naming the floor where even that is not enough, or under
-/// ZeRO-1/2 (whose gathered copies stay on the device).
-bool planMasterOffload(Search& search, const Workload& w, const std::vector<int32_t>& order,
+/// candidates; throws naming the floor where even that is not enough, or under ZeRO-1/2 (whose
+/// gathered copies stay on the device).
+void planMasterOffload(Search& search, const Workload& w, const std::vector<int32_t>& order,
                        uint64_t defaultPeak, const std::string& limitNote, OffloadChoice& choice,
                        std::vector<Candidate>& tried, size_t& b, const ProgressFn& progress) {
   const std::vector<schemas::OffloadGroup> state = offloadGroups(w, order, order.size());
@@ -415,15 +450,7 @@ bool planMasterOffload(Search& search, const Workload& w, const std::vector<int3
     if (progress)
       progress("planning with all optimizer state and the master shards of " + std::to_string(k) + " of " +
                count(state.size(), "group") + " offloaded");
-    search.setOffload(offloadMasters(w, state, k));
-    out.clear();
-    Candidate heur = search.heuristicCandidate(defaultPeak);
-    try {
-      best = search.optimizedCandidates(out, search.defaultCandidate(), heur);
-      return true;
-    } catch (const std::invalid_argument&) {
-      return false;
-    }
+    return searchWithOffload(search, offloadMasters(w, state, k), defaultPeak, out, best);
   };
   std::vector<Candidate> fits;
   size_t fitsBest = 0;
@@ -432,17 +459,8 @@ bool planMasterOffload(Search& search, const Workload& w, const std::vector<int3
                                 formatBytes(all.masterBytes) + " more): at least " +
                                 formatBytes(leastPeak(fits)));
   }
-  size_t lo = 0, hi = state.size();  // lo: does not fit (every master on the device); hi: fits
-  while (hi - lo > 1) {
-    const size_t mid = lo + (hi - lo) / 2;
-    if (attempt(mid, tried, b)) {
-      hi = mid;
-      fits = std::move(tried);
-      fitsBest = b;
-    } else {
-      lo = mid;
-    }
-  }
+  // From 0 (every master on the device: does not fit) to all of them (fits).
+  const size_t hi = fewestThatFit(0, state.size(), attempt, fits, fitsBest);
   search.setOffload(offloadMasters(w, state, hi));
   choice.least = choice.chosen = order.size();
   choice.masterGroups = hi;
@@ -450,7 +468,6 @@ bool planMasterOffload(Search& search, const Workload& w, const std::vector<int3
                          " groups' master shards: " + us(fits[fitsBest].sim.prediction.stepUs));
   tried = std::move(fits);
   b = fitsBest;
-  return true;
 }
 
 /// Strategy::Optimized under a limit no schedule meets with the optimizer state on the device:
@@ -473,38 +490,20 @@ OffloadChoice planOffload(Search& search, const Workload& w, const CostModel& co
     if (progress)
       progress("planning with the optimizer state of " + std::to_string(n) + " of " +
                std::to_string(order.size()) + " parameters offloaded");
-    search.setOffload(offloadGroups(w, order, n));
-    out.clear();
-    Candidate heur = search.heuristicCandidate(defaultPeak);
-    try {
-      b = search.optimizedCandidates(out, search.defaultCandidate(), heur);
-      return true;
-    } catch (const std::invalid_argument&) {
-      return false;
-    }
+    return searchWithOffload(search, offloadGroups(w, order, n), defaultPeak, out, b);
   };
   std::vector<Candidate> tried;
   size_t b = 0;
   if (!attempt(order.size(), tried, b)) {
-    if (planMasterOffload(search, w, order, defaultPeak, limitNote, choice, tried, b, progress)) {
-      all = std::move(tried);
-      best = b;
-      return choice;
-    }
+    planMasterOffload(search, w, order, defaultPeak, limitNote, choice, tried, b, progress);
+    all = std::move(tried);
+    best = b;
+    return choice;
   }
-  size_t lo = 0, hi = order.size();  // lo: does not fit (the search without offload); hi: fits
   std::vector<Candidate> fastest = std::move(tried);
   size_t fastestBest = b;
-  while (hi - lo > 1) {
-    const size_t mid = lo + (hi - lo) / 2;
-    if (attempt(mid, tried, b)) {
-      hi = mid;
-      fastest = std::move(tried);
-      fastestBest = b;
-    } else {
-      lo = mid;
-    }
-  }
+  // From 0 (the search without offload: does not fit) to every parameter's state (fits).
+  const size_t hi = fewestThatFit(0, order.size(), attempt, fastest, fastestBest);
   choice.least = choice.chosen = hi;
   auto stepOf = [](const std::vector<Candidate>& v, size_t i) { return v[i].sim.prediction.stepUs; };
   choice.tried.push_back(std::to_string(hi) + ": " + us(stepOf(fastest, fastestBest)));
