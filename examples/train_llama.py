@@ -15,6 +15,7 @@ sharded run and a --no-shard run of the same global batch give the same losses.
 Rank 0 prints one line per step; --losses FILE writes them as JSON.
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -166,12 +167,22 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=1,
                    help="with --no-shard: train the global batch of a run on this many ranks")
     p.add_argument("--losses", metavar="FILE", help="write the per-step losses to FILE as JSON")
+    p.add_argument("--save", metavar="DIR",
+                   help="after --save-at steps, save the model, the optimizer and the step in DIR "
+                        "(torch.distributed.checkpoint, sharded), then go on")
+    p.add_argument("--save-at", type=int, default=0, metavar="N", help="with --save: the step count to save at")
+    p.add_argument("--resume", metavar="DIR",
+                   help="load --save's checkpoint from DIR and go on from the step it was saved at")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="after every N-th step, an eval forward without grad on that step's first micro-batch "
                         "(not a training step: dcplan record does not count it)")
     args = p.parse_args(argv)
     if args.cuda_graph and (args.no_shard or args.device == "cpu"):
         p.error("--cuda-graph captures a dcplan-sharded step on a GPU: not with --no-shard or --device cpu")
+    if (args.save or args.resume) and args.no_shard:
+        p.error("--save and --resume checkpoint a dcplan-sharded model: not with --no-shard")
+    if args.save and not 0 < args.save_at <= args.steps:
+        p.error(f"--save-at should be between 1 and --steps ({args.steps}), got {args.save_at}")
     if args.hidden % args.heads:
         p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
     kv = args.kv_heads or args.heads
@@ -192,6 +203,30 @@ def synthetic_batch(step: int, micro: int, sequences: int, seq: int, vocab: int,
     for t in range(1, seq + 1):
         data[:, t] = torch.where(noise[:, t], random_tokens[:, t], successor[data[:, t - 1]])
     return data[:, :-1], data[:, 1:]
+
+
+def checkpoint_state(model, opt, step: int) -> dict:
+    """What --save writes and --resume loads into: dcplan's sharded state dicts and the step count."""
+    import dcplan
+
+    return {"model": dcplan.get_model_state_dict(model), "optim": dcplan.get_optimizer_state_dict(model, opt),
+            "step": torch.tensor(step)}
+
+
+def resume(model, opt, path: str) -> int:
+    """Loads --save's checkpoint at path into model and opt; returns the step count it was saved at."""
+    import torch.distributed.checkpoint as dcp
+
+    import dcplan
+
+    state = checkpoint_state(model, opt, 0)
+    dcp.load(state, checkpoint_id=path)
+    dcplan.set_model_state_dict(model, state["model"])
+    dcplan.set_optimizer_state_dict(model, opt, state["optim"])
+    step = int(state["step"])
+    del state
+    gc.collect()  # DTensors hold reference cycles: their buffers would otherwise outlive the load
+    return step
 
 
 def main(argv=None) -> int:
@@ -247,13 +282,16 @@ def main(argv=None) -> int:
         opt.zero_grad(set_to_none=True)
         return step_loss
 
+    first = resume(model, opt, args.resume) if args.resume else 0
+    if rank == 0 and args.resume:
+        print(f"resumed from {args.resume} at step {first}", flush=True)
     run_step = train_step
     if args.cuda_graph:
         import dcplan
 
         run_step = dcplan.graphed_step(train_step, warmup=2)
     losses = []
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         start = time.perf_counter()
         micro_batches = []
         for micro in range(args.grad_accum):
@@ -280,6 +318,13 @@ def main(argv=None) -> int:
             model.train()
             if rank == 0:
                 print(f"eval after step {step:3d}  loss {float(eval_loss):.6f}", flush=True)
+        if args.save and step + 1 == args.save_at:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(checkpoint_state(model, opt, step + 1), checkpoint_id=args.save)
+            gc.collect()  # DTensors hold reference cycles: their buffers would otherwise outlive the save
+            if rank == 0:
+                print(f"saved {args.save} after step {step:3d}", flush=True)
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump({"losses": losses}, f)

@@ -195,6 +195,8 @@ void bindRegistration(py::module_& m) {
         "Brings host-kept master shards back to the device (their update, a state dict).");
   m.def("offload_masters", &offloadMasters, py::arg("ds_ids"), Release(),
         "Copies host-kept master shards out again and frees them on the device.");
+  m.def("master_host", &masterHost, py::arg("ds_id"), Release(),
+        "The host copy of a master shard a plan keeps there (between steps; state dicts use it in place).");
   m.def("gathered_param_ids", &gatheredParamIds, Release(),
         "Ids holding a gathered copy (valid or in flight), ascending.");
   m.def("begin_capture", &beginCapture, Release(),

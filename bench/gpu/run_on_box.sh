@@ -263,7 +263,7 @@ case "$what" in
     record_bench "$P/trace.json" dcplan 2 240 2>&1 | quiet | tail -1
     $D plan "$P/trace.json" -o "$P/free.json" > /dev/null
     least=$( ($D plan "$P/trace.json" -o "$P/x.json" --memory-budget 1 2>&1 || true) \
-      | sed -n 's/.*offloaded ([^)]*): at least //p' | tr -d ' ')
+      | sed -n 's/.*offloaded[^:]*: at least \([0-9.]* [KMG]*i*B\).*/\1/p' | tr -d ' ')
     # Sizes as dcplan prints them ("7.82 GiB", spaces dropped) to bytes: FRACTION of SIZE.
     bytes_of() { "$PY" -c "import re,sys; n,u=re.fullmatch(r'([0-9.]+)(B|KiB|MiB|GiB)',sys.argv[2]).groups(); \
 print(int(float(sys.argv[1])*float(n)*{'B':1,'KiB':2**10,'MiB':2**20,'GiB':2**30}[u]))" "$1" "$2"; }

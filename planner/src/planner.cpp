@@ -436,16 +436,24 @@ size_t fewestThatFit(size_t lo, size_t hi, Attempt&& attempt, std::vector<Candid
 /// first) with which one does are offloaded too, found by bisection. Fills tried/b with the chosen
 /// candidates; throws naming the floor where even that is not enough, or under ZeRO-1/2 (whose
 /// gathered copies stay on the device).
-void planMasterOffload(Search& search, const Workload& w, const std::vector<int32_t>& order,
-                       uint64_t defaultPeak, const std::string& limitNote, OffloadChoice& choice,
-                       std::vector<Candidate>& tried, size_t& b, const ProgressFn& progress) {
+void planMasterOffload(Search& search, const Workload& w, const std::string& replay,
+                       const std::vector<int32_t>& order, uint64_t defaultPeak, const std::string& limitNote,
+                       OffloadChoice& choice, std::vector<Candidate>& tried, size_t& b,
+                       const ProgressFn& progress) {
   const std::vector<schemas::OffloadGroup> state = offloadGroups(w, order, order.size());
-  const CompiledOffload all = compileOffload(w, offloadMasters(w, state, state.size()));
   choice.stateFloor = leastPeak(tried);
   const std::string below = "memory limit " + formatBytes(search.context().limit) + " (" + limitNote +
                             ") is below what any plan needs with all optimizer state offloaded (" +
-                            formatBytes(all.bytes) + "): at least " + formatBytes(choice.stateFloor);
+                            formatBytes(compileOffload(w, state).bytes) + "): at least " +
+                            formatBytes(choice.stateFloor);
+  // Where the runtime cannot keep master shards on the host (docs/planning.md, "Offload").
   if (w.stage != 3) throw std::invalid_argument(below + "; master shards are offloaded under ZeRO-3 only");
+  if (replay != "eager" || w.cudaGraph) {
+    throw std::invalid_argument(below +
+                                "; master shards kept on the host are planned for an eager replay only, "
+                                "not a compiled one or one CUDA graph per step");
+  }
+  const CompiledOffload all = compileOffload(w, offloadMasters(w, state, state.size()));
   auto attempt = [&](size_t k, std::vector<Candidate>& out, size_t& best) {
     if (progress)
       progress("planning with all optimizer state and the master shards of " + std::to_string(k) + " of " +
@@ -474,11 +482,12 @@ void planMasterOffload(Search& search, const Workload& w, const std::vector<int3
 /// offloads the state of the fewest parameters (the most state first, offloadOrder) with which
 /// one does, found by bisection, then tries up to three larger offloads (more headroom for
 /// prefetch against more copies) and keeps the fastest. Fills all/best as
-/// Search::optimizedCandidates does. Throws naming the floor where offloading all of it is not
-/// enough, and why no offload can be planned where the trace lacks what it needs.
-OffloadChoice planOffload(Search& search, const Workload& w, const CostModel& cost, uint64_t defaultPeak,
-                          const std::string& noFit, const std::string& limitNote, std::vector<Candidate>& all,
-                          size_t& best, const ProgressFn& progress) {
+/// Search::optimizedCandidates does; below that, planMasterOffload (`replay`: the trace's
+/// meta.replay). Throws naming the floor where offloading all of it is not enough, and why no
+/// offload can be planned where the trace lacks what it needs.
+OffloadChoice planOffload(Search& search, const Workload& w, const CostModel& cost, const std::string& replay,
+                          uint64_t defaultPeak, const std::string& noFit, const std::string& limitNote,
+                          std::vector<Candidate>& all, size_t& best, const ProgressFn& progress) {
   const std::string why = offloadUnavailable(w, cost);
   if (!why.empty()) throw std::invalid_argument(noFit + "; and no optimizer state can be offloaded: " + why);
   OffloadChoice choice;
@@ -495,7 +504,7 @@ OffloadChoice planOffload(Search& search, const Workload& w, const CostModel& co
   std::vector<Candidate> tried;
   size_t b = 0;
   if (!attempt(order.size(), tried, b)) {
-    planMasterOffload(search, w, order, defaultPeak, limitNote, choice, tried, b, progress);
+    planMasterOffload(search, w, replay, order, defaultPeak, limitNote, choice, tried, b, progress);
     all = std::move(tried);
     best = b;
     return choice;
@@ -766,8 +775,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
         best = search.optimizedCandidates(all, def, heur);
       } catch (const std::invalid_argument& noFit) {
         if (unlimited) throw;
-        offload = planOffload(search, w, cost, def.sim.prediction.peakMemoryBytes, noFit.what(), limitNote,
-                              all, best, progress);
+        offload = planOffload(search, w, cost, trace.meta.replay, def.sim.prediction.peakMemoryBytes,
+                              noFit.what(), limitNote, all, best, progress);
       }
       chosen = all[best];
       break;

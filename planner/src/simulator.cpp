@@ -480,10 +480,12 @@ class Simulation {
     if (bytes == 0) return;
     liveMasters_ += bytes;
     const double copy = cost_.copyUs(bytes, true);
-    if (record_)
-      event(Stream::Compute, "reload master shards", r, seq, {}, bytes, computeNow_, computeNow_ + copy);
-    computeNow_ += copy;
-    if (w_.waitsBlockHost) hostNow_ = std::max(hostNow_, computeNow_);
+    // On CPU ranks the host copies, once it is there; on a GPU the copy queues behind the compute.
+    const bool byHost = w_.hostLane && w_.waitsBlockHost;
+    const double start = byHost ? std::max(computeNow_, hostNow_) : computeNow_;
+    if (record_) event(Stream::Compute, "reload master shards", r, seq, {}, bytes, start, start + copy);
+    computeNow_ = start + copy;
+    if (byHost) hostNow_ = computeNow_;
     res_.masterReloadUs += copy;
   }
 

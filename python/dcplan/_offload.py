@@ -18,6 +18,7 @@ here they come back just before the group's update and go out again just after i
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Dict, List, Optional
 
@@ -88,8 +89,22 @@ def has_masters() -> bool:
 
 
 def masters_of(infos) -> List[int]:
-    """The ds_ids of infos whose master shards a plan keeps on the host (what state dicts refuse)."""
+    """The ds_ids of infos whose master shards a plan keeps on the host."""
     return [i.ds_id for i in infos if i.ds_id in _masters]
+
+
+@contextlib.contextmanager
+def masters_on_device(infos):
+    """The master shards of infos that a plan keeps on the host, back on the device for the block
+    (a state dict reads or writes them), copied out and dropped again after it."""
+    ids = masters_of(infos)
+    if ids:
+        _C.reload_masters(ids)
+    try:
+        yield
+    finally:
+        if ids:
+            _C.offload_masters(ids)
 
 
 def forget() -> None:
@@ -138,15 +153,6 @@ class _Mover:
             self.to_device.wait_stream(self.compute)
             self.to_host.wait_stream(self.compute)
 
-    def host_buffer(self, t: torch.Tensor) -> torch.Tensor:
-        if self.cuda:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        else:
-            # Outside torch's CPU allocator, which dcplan counts as the device's memory on CPU ranks.
-            host = torch.from_numpy(np.empty(t.nbytes, dtype=np.uint8)).view(t.dtype).view(t.shape)
-        host._dcplan_host_buffer = True  # on CPU ranks the device's tensors are CPU tensors too
-        return host
-
     def reload(self, optimizer, params) -> None:
         """Copies params' host state into new device tensors (on the copy-in stream)."""
         if self.cuda:
@@ -184,7 +190,7 @@ class _Mover:
             for key, dev in _per_element(optimizer, p).items():
                 host = self.host_of.pop(id(dev), None)
                 if host is None:
-                    host = self.host_buffer(dev)  # the state's first step made it: its buffer, once
+                    host = _host_buffer(dev)  # the state's first step made it: its buffer, once
                 self._copy(host, dev, self.to_host if self.cuda else None)
                 optimizer.state[p][key] = host
                 copies.append(dev)
@@ -202,6 +208,31 @@ class _Mover:
             if done is not None:
                 self.compute.wait_event(done)
             del copies
+
+
+def keeps_state_on_host(p: torch.Tensor) -> bool:
+    """Whether a plan keeps shard p's per-element optimizer state on the host between steps."""
+    i = getattr(p, "_dcplan_ds_id", None)
+    return i is not None and _shards.get(i) is p
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host buffer (as the offloaded state lives in) holding t's values: what a loaded state
+    dict's state becomes for a parameter whose state a plan keeps on the host."""
+    host = _host_buffer(t)
+    host.copy_(t)
+    return host
+
+
+def _host_buffer(t: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor like t: pinned for a GPU's; on CPU ranks memory outside torch's CPU
+    allocator, which dcplan counts as the device's memory there."""
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    else:
+        host = torch.from_numpy(np.empty(t.nbytes, dtype=np.uint8)).view(t.dtype).view(t.shape)
+    host._dcplan_host_buffer = True  # on CPU ranks the device's tensors are CPU tensors too
+    return host
 
 
 def _planned_groups(optimizer) -> Optional[List[list]]:
@@ -261,9 +292,11 @@ def _before_step(optimizer, args, kwargs) -> None:
             masters = [p._dcplan_ds_id for p in params if p._dcplan_ds_id in _masters]
             if masters:  # in the update's turn, on the compute stream (the planner's model)
                 _C.reload_masters(masters)
-            _step_only(optimizer, params, raw_step)
-            if masters:
-                _C.offload_masters(masters)
+            try:
+                _step_only(optimizer, params, raw_step)
+            finally:  # copied out even after a failed update: a gather drops them without a copy
+                if masters:
+                    _C.offload_masters(masters)
             mover.offload(optimizer, params)
         mover.retire(keep=0)  # the step ends with every copy out done on the device
     finally:

@@ -58,11 +58,8 @@ def _state(model: nn.Module, caller: str):
     if state is None:
         raise ValueError(f"dcplan.{caller}: model is not sharded by dcplan.shard(); use model.state_dict() "
                          "or torch.distributed.checkpoint.state_dict for an unsharded model")
-    if _offload.masters_of(state.infos):
-        raise ValueError(f"dcplan.{caller}: this model's plan keeps master shards on the host "
-                         "(offload.optimizer_state[].master_bytes), which state dicts do not support yet; "
-                         "to checkpoint, plan at a budget that offloading the optimizer state alone meets")
     return state
+
 
 
 def _options(options, caller: str) -> StateDictOptions:
@@ -165,9 +162,16 @@ class _Sharder:
 
     def __init__(self, state, opts: StateDictOptions):
         self.state, self.opts = state, opts
+        # The master shards a plan keeps on the host: their host copies, which are the shards
+        # between steps (the state dict reads and dcp.load writes them in place).
+        self.masters = {i: _C.master_host(i) for i in _offload.masters_of(state.infos)}
         self.pg = _group(state)
         self.rank, self.world_size = self.pg.rank(), self.pg.size()
         self._mesh = None
+
+    def shard(self, info, t: torch.Tensor) -> torch.Tensor:
+        """info's shard t, or where a plan keeps it on the host, its host copy."""
+        return self.masters.get(info.ds_id, t)
 
     @property
     def keeps_full(self) -> bool:
@@ -182,9 +186,11 @@ class _Sharder:
         return self._mesh
 
     def out(self, info, t: torch.Tensor) -> Optional[torch.Tensor]:
-        """t (shard-shaped, e.g. the shard or an Adam moment) in the state dict's form."""
+        """t (shard-shaped, e.g. the shard or an Adam moment) in the state dict's form. t may be on the
+        host (state or a master shard a plan keeps there): a collective takes it to the model's device."""
+        device = info.shard.device
         if self.opts.full_state_dict:
-            full = _C.all_gather_flat(t.detach())  # a collective: every rank, whatever it keeps
+            full = _C.all_gather_flat(t.detach().to(device))  # a collective: every rank, whatever it keeps
             if not self.keeps_full:
                 return None
             full = full[: info.numel].view(info.shape)
@@ -192,18 +198,19 @@ class _Sharder:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         lo, n = _valid(info, self.rank, self.world_size)
-        mesh = self.mesh(t.device)
+        mesh = self.mesh(device)
+        own = t.detach()[:n]
         if self.opts.flat_shards:
-            return DTensor.from_local(t.detach()[:n], mesh, [Shard(0)], run_check=False,
+            return DTensor.from_local(own, mesh, [Shard(0)], run_check=False,
                                       shape=torch.Size([info.numel]), stride=(1,))
         if not info.shape:  # 0-dim: one element, whole on every rank
-            return DTensor.from_local(_C.all_gather_flat(t.detach())[:1].view(()), mesh, [Replicate()],
+            return DTensor.from_local(_C.all_gather_flat(t.detach().to(device))[:1].view(()), mesh, [Replicate()],
                                       run_check=False)
         if self._aligned(info):
-            local = t.detach()[:n]  # a view: dcp.load writes straight into t
+            local = own  # a view: dcp.load writes straight into t (a master's host copy, where a plan keeps it)
         else:
             local = t.new_empty(_row_elements(info, self.rank, self.world_size)[1])
-            self._exchange(info, t.detach()[:n], local, to_rows=True)
+            self._exchange(info, own, local, to_rows=True)
         local = local.view((_rows(info, self.rank, self.world_size)[1],) + tuple(info.shape[1:]))
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=info.shape,
                                   stride=_contiguous_stride(info.shape))
@@ -319,7 +326,7 @@ def get_model_state_dict(model: nn.Module, *, options=None) -> Dict[str, Any]:
                     else value.clone()
             continue
         if info.ds_id not in done:
-            done[info.ds_id] = sharder.out(info, value)
+            done[info.ds_id] = sharder.out(info, sharder.shard(info, value))
         if done[info.ds_id] is not None:
             out[key] = done[info.ds_id]
     return out
@@ -365,7 +372,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *, 
             with torch.no_grad():
                 dst.copy_(value.reshape(dst.shape))
         elif info.ds_id not in loaded:  # a tied parameter: its first name loaded it
-            sharder.load(info, dst.detach(), value, key, caller)
+            sharder.load(info, sharder.shard(info, dst.detach()), value, key, caller)
             loaded.add(info.ds_id)
     return IncompatibleKeys(missing, unexpected)
 
@@ -524,6 +531,10 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
             raise ValueError(error)
         given_state, given_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
     torch_state: Dict[int, Dict[str, Any]] = {}
+    # Per-element state a plan keeps on the host goes straight there, one tensor at a time: through
+    # torch's load_state_dict it would all be on the device at once (beyond the plan's budget).
+    params = [p for group in optim.param_groups for p in group[_PARAMS]]
+    on_host: Dict[int, Dict[str, torch.Tensor]] = {}
     torch_groups = []
     index = 0
     for given, infos in zip(given_groups, groups):
@@ -539,6 +550,9 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
                     dst = torch.zeros_like(info.shard)
                     sharder.load(info, dst, value, f"state.{info.name}.{key}", caller)
                     value = dst
+                    if _offload.keeps_state_on_host(params[index]):
+                        on_host.setdefault(index, {})[key] = _offload.host_copy(dst)
+                        continue
                 elif isinstance(value, torch.Tensor):
                     value = value.detach().clone()
                 entry[key] = value
@@ -546,6 +560,8 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
                 torch_state[index] = entry
             index += 1
     optim.load_state_dict({"state": torch_state, "param_groups": torch_groups})
+    for i, entries in on_host.items():
+        optim.state[params[i]].update(entries)
 
 
 def _check_optim(optim_state_dict, groups, per_element, sharder: _Sharder, caller: str) -> Optional[str]:

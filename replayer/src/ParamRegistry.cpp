@@ -165,7 +165,9 @@ void ParamRegistry::offload(Param& p, bool copyOut) {
     TORCH_CHECK(copyOut, p.label(), ": its shard has no host copy to go back to");
     p.host_ = hostBuffer(p.shard_);
   }
-  if (copyOut) p.host_.copy_(p.shard_);
+  // Into pinned memory the copy is queued on the caller's stream, and the freed block is reused
+  // only by later work on that stream; a reload reads host_ on that stream too.
+  if (copyOut) p.host_.copy_(p.shard_, /*non_blocking=*/p.host_.is_pinned());
   freeStorage(p.shard_);
   p.offloaded_ = true;
 }

@@ -263,6 +263,16 @@ void offloadMasters(const std::vector<int64_t>& dsIds) {
   });
 }
 
+at::Tensor masterHost(int64_t dsId) {
+  at::Tensor host;
+  forEachParam("master_host", {dsId}, [&](ParamRegistry&, Param& p) {
+    TORCH_CHECK(p.masterOnHost_, "master_host: ", p.label(), " is not a master the plan keeps on the host");
+    TORCH_CHECK(p.offloaded_, "master_host: ", p.label(), "'s master shard is on the device (inside a step)");
+    host = p.host_;
+  });
+  return host;
+}
+
 void clearAllGatheredParams() {
   std::lock_guard<std::mutex> lock(gMutex);
   auto& rt = state("clear_all_gathered_params");

@@ -34,12 +34,14 @@ struct Fixture {
   Workload w = makeWorkload(trace);
   CostModel cost{trace.calibration, 2};
 
-  SimResult run(std::vector<schemas::OffloadGroup> offload) const {
+  SimResult run(std::vector<schemas::OffloadGroup> offload, bool record = false) const {
     Schedule s;
     s.graphs.push_back({0, GraphKind::Forward, {}, {}});
     s.graphs.push_back({1, GraphKind::Backward, {}, {{{1, 0}, 0, "float32"}}});
     s.optimizerOffload = std::move(offload);
-    return simulate(w, cost, compileSchedule(w, s));
+    SimOptions o;
+    o.record = record;
+    return simulate(w, cost, compileSchedule(w, s), o);
   }
 };
 
@@ -181,6 +183,48 @@ TEST(Offload, MasterShardsLeaveTheDeviceBetweenTheirGathers) {
   EXPECT_NEAR(masters.prediction.offloadUs, state.prediction.offloadUs + 2 * 102.4, 1e-6);
   EXPECT_GE(masters.prediction.stepUs, state.prediction.stepUs + masters.masterReloadUs);
   EXPECT_NEAR(masters.prediction.exposedCommUs, state.prediction.exposedCommUs, 1e-6);
+}
+
+TEST(Offload, AMasterShardIsBackFromItsGathersIssueToItsWait) {
+  Fixture f;
+  SimResult state = f.run({{{0}, kState}, {{1}, kState}}, /*record=*/true);
+  SimResult masters = f.run({{{0}, kState, kTinyShard}, {{1}, kState, kTinyShard}}, /*record=*/true);
+  ASSERT_EQ(state.memory.size(), masters.memory.size());
+  // Both shards are off the baseline except while one is brought back for a gather (each gather
+  // is waited on at the next op here, so one at a time) or for its update.
+  size_t inGather = 0;
+  for (size_t i = 0; i < state.memory.size(); ++i) {
+    const uint64_t saved = state.memory[i].bytes - masters.memory[i].bytes;
+    EXPECT_TRUE(saved == 2 * kTinyShard || saved == kTinyShard) << "sample " << i << ": " << saved;
+    inGather += saved == kTinyShard && masters.memory[i].run >= 0;
+  }
+  EXPECT_GE(inGather, 2u);  // a gather of each parameter at least
+}
+
+TEST(Offload, MasterShardsAreRefusedWhereTheRuntimeCannotKeepThem) {
+  PlanRequest req;
+  req.memoryBudgetBytes = 1'300'000;  // under the all-state floor: masters are needed (the test below)
+  schemas::Trace zero2 = offloadableTrace();
+  zero2.meta.stage = 2;
+  schemas::Trace compiled = offloadableTrace();
+  compiled.meta.replay = "compiled";
+  for (const schemas::Trace& t : {zero2, compiled}) {
+    try {
+      makePlan(t, req);
+      FAIL() << "master shards planned for stage " << t.meta.stage << ", replay " << t.meta.replay;
+    } catch (const std::invalid_argument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("below what any plan needs with all optimizer state offloaded ("),
+                std::string::npos)
+          << what;
+      EXPECT_NE(
+          what.find(t.meta.stage == 2 ? "; master shards are offloaded under ZeRO-3 only"
+                                      : "; master shards kept on the host are planned for an eager replay "
+                                        "only"),
+          std::string::npos)
+          << what;
+    }
+  }
 }
 
 TEST(Offload, MasterShardsAreOffloadedUnderZero3Only) {

@@ -95,6 +95,9 @@ void setMastersOnHost(const std::vector<int64_t>& dsIds);
 /// dict); offloadMasters copies them out and frees them on the device again.
 void reloadMasters(const std::vector<int64_t>& dsIds);
 void offloadMasters(const std::vector<int64_t>& dsIds);
+/// The host copy of dsId's master shard, which a plan keeps on the host and which is there now
+/// (between steps): state dicts read and write it in place.
+at::Tensor masterHost(int64_t dsId);
 
 /// CUDA graph capture of whole steps (python/dcplan/_graphed.py). beginCapture, once the
 /// caller's stream captures and the device has finished all earlier work: the transport's
