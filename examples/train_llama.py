@@ -170,7 +170,8 @@ def parse_args(argv=None):
     p.add_argument("--save", metavar="DIR",
                    help="after --save-at steps, save the model, the optimizer and the step in DIR "
                         "(torch.distributed.checkpoint, sharded), then go on")
-    p.add_argument("--save-at", type=int, default=0, metavar="N", help="with --save: the step count to save at")
+    p.add_argument("--save-at", type=int, default=0, metavar="N",
+                   help="with --save: the step count to save at (default: --steps)")
     p.add_argument("--resume", metavar="DIR",
                    help="load --save's checkpoint from DIR and go on from the step it was saved at")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
@@ -181,6 +182,9 @@ def parse_args(argv=None):
         p.error("--cuda-graph captures a dcplan-sharded step on a GPU: not with --no-shard or --device cpu")
     if (args.save or args.resume) and args.no_shard:
         p.error("--save and --resume checkpoint a dcplan-sharded model: not with --no-shard")
+    if args.save_at and not args.save:
+        p.error("--save-at says when --save saves; give --save DIR too")
+    args.save_at = args.save_at or args.steps
     if args.save and not 0 < args.save_at <= args.steps:
         p.error(f"--save-at should be between 1 and --steps ({args.steps}), got {args.save_at}")
     if args.hidden % args.heads:
@@ -285,6 +289,9 @@ def main(argv=None) -> int:
     first = resume(model, opt, args.resume) if args.resume else 0
     if rank == 0 and args.resume:
         print(f"resumed from {args.resume} at step {first}", flush=True)
+    if args.save and args.save_at <= first:
+        raise SystemExit(f"train_llama.py: --save-at {args.save_at} is at or before the step --resume starts at "
+                         f"({first}): nothing would be saved")
     run_step = train_step
     if args.cuda_graph:
         import dcplan

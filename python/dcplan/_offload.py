@@ -19,6 +19,7 @@ here they come back just before the group's update and go out again just after i
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from typing import Dict, List, Optional
 
@@ -216,6 +217,31 @@ def keeps_state_on_host(p: torch.Tensor) -> bool:
     return i is not None and _shards.get(i) is p
 
 
+def master_host(ds_id: int) -> torch.Tensor:
+    """The host copy of a master shard a plan keeps on the host (between steps), marked as a host
+    buffer."""
+    host = _C.master_host(ds_id)
+    host._dcplan_host_buffer = True
+    return host
+
+
+def is_host(t: torch.Tensor) -> bool:
+    """Whether t is where a plan keeps state or a master shard on the host (a host buffer)."""
+    return _is_host_buffer(t)
+
+
+def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty 1-D host buffer of numel elements for a model on device."""
+    return _host_empty((numel,), dtype, pinned=device.type == "cuda")
+
+
+def host_copies_ready(device: torch.device) -> None:
+    """On a GPU, waits until the copies out to host memory queued so far are done (a state dict
+    then reads or writes them on the host); on CPU ranks they were made in place."""
+    if device.type == "cuda" and (_masters or len(_shards)):
+        torch.cuda.current_stream(device).synchronize()
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host buffer (as the offloaded state lives in) holding t's values: what a loaded state
     dict's state becomes for a parameter whose state a plan keeps on the host."""
@@ -225,12 +251,18 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _host_buffer(t: torch.Tensor) -> torch.Tensor:
-    """An empty host tensor like t: pinned for a GPU's; on CPU ranks memory outside torch's CPU
+    """An empty host tensor like t."""
+    return _host_empty(t.shape, t.dtype, pinned=t.device.type == "cuda")
+
+
+def _host_empty(shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """An empty host tensor: pinned for a GPU's model; on CPU ranks memory outside torch's CPU
     allocator, which dcplan counts as the device's memory there."""
-    if t.device.type == "cuda":
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    if pinned:
+        host = torch.empty(shape, dtype=dtype, pin_memory=True)
     else:
-        host = torch.from_numpy(np.empty(t.nbytes, dtype=np.uint8)).view(t.dtype).view(t.shape)
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        host = torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).view(shape)
     host._dcplan_host_buffer = True  # on CPU ranks the device's tensors are CPU tensors too
     return host
 

@@ -598,12 +598,12 @@ def full_parameters(model: nn.Module) -> Dict[str, torch.Tensor]:
     if state is None:
         raise ValueError("dcplan.full_parameters: model is not sharded by dcplan.shard()")
     out = {}
-    with _offload.masters_on_device(state.infos):  # a plan's master shards kept on the host
-        for info in state.infos:
+    for info in state.infos:
+        with _offload.masters_on_device([info]):  # a master shard a plan keeps on the host, for its gather
             # Through the runtime, not dist.all_gather: Gloo's worker would otherwise drop Python
             # tensors after the call returns, which needs the GIL and aborts at interpreter exit.
             full = _C.all_gather_flat(info.shard.detach())
-            out[info.name] = full[: info.numel].view(info.shape).clone()
+        out[info.name] = full[: info.numel].view(info.shape).clone()
     return out
 
 

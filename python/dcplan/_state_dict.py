@@ -162,16 +162,18 @@ class _Sharder:
 
     def __init__(self, state, opts: StateDictOptions):
         self.state, self.opts = state, opts
-        # The master shards a plan keeps on the host: their host copies, which are the shards
-        # between steps (the state dict reads and dcp.load writes them in place).
-        self.masters = {i: _C.master_host(i) for i in _offload.masters_of(state.infos)}
+        self._masters = set(_offload.masters_of(state.infos))
         self.pg = _group(state)
         self.rank, self.world_size = self.pg.rank(), self.pg.size()
         self._mesh = None
+        # On a GPU the copies out to host memory are queued: what the host reads or writes there
+        # below (the state a plan keeps on the host, the master shards' host copies) is complete.
+        _offload.host_copies_ready(state.infos[0].shard.device if state.infos else torch.device("cpu"))
 
     def shard(self, info, t: torch.Tensor) -> torch.Tensor:
-        """info's shard t, or where a plan keeps it on the host, its host copy."""
-        return self.masters.get(info.ds_id, t)
+        """info's shard t, or where a plan keeps it on the host, its host copy: the shard between
+        steps, which the state dict reads and dcp.load and set_model_state_dict write in place."""
+        return _offload.master_host(info.ds_id) if info.ds_id in self._masters else t
 
     @property
     def keeps_full(self) -> bool:
@@ -209,7 +211,10 @@ class _Sharder:
         if self._aligned(info):
             local = own  # a view: dcp.load writes straight into t (a master's host copy, where a plan keeps it)
         else:
-            local = t.new_empty(_row_elements(info, self.rank, self.world_size)[1])
+            rows = _row_elements(info, self.rank, self.world_size)[1]
+            # On the host where t is (the state dict holds every such buffer at once: counted on
+            # CPU ranks as the device's memory, were it torch's).
+            local = _offload.host_empty(rows, t.dtype, device) if _offload.is_host(t) else t.new_empty(rows)
             self._exchange(info, own, local, to_rows=True)
         local = local.view((_rows(info, self.rank, self.world_size)[1],) + tuple(info.shape[1:]))
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=info.shape,

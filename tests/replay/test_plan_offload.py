@@ -18,7 +18,9 @@ import pytest
 from mp_harness import dcplan_binary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODEL = ["--layers", "3", "--hidden", "384", "--heads", "6", "--seq", "16", "--vocab", "768", "--fused"]
+# A vocabulary the 2 ranks do not divide: the embedding's and the head's checkpoint rows go through
+# the state dicts' layout exchange (docs/checkpoints.md), the rest straight into the shards.
+MODEL = ["--layers", "3", "--hidden", "384", "--heads", "6", "--seq", "16", "--vocab", "767", "--fused"]
 # The issue's target for the peak (docs/planning.md, "Offload": 0%, 0% and -1% measured over three recordings).
 PEAK_TOLERANCE = 0.03
 # The budget: this far above the least the plan needs with all the optimizer state offloaded, so that
@@ -31,8 +33,9 @@ ABOVE_OFFLOAD_FLOOR = 1.08
 ON_DEVICE_SHARE = 0.6
 UNDER_STATE_FLOOR = 0.97
 # What a resumed job may hold beyond an uninterrupted one at a step's first op: the scalars a load
-# makes (measured: 20 B), far under a shard's state (hundreds of KiB).
-RESUMED_SLACK = 64 << 10
+# makes (measured: 20 B), under the smallest shard's state kept on the device by mistake (a norm
+# weight's moments: 1.5 KiB).
+RESUMED_SLACK = 1 << 10
 
 pytestmark = pytest.mark.multiprocess
 
