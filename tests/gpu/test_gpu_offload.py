@@ -1,0 +1,66 @@
+"""Planned offload of master shards on one GPU (eager replay): a budget under what the plan needs
+with all optimizer state offloaded is planned with master shards on the host too; the replay's peak
+(torch.cuda.max_memory_allocated) stays within the budget, the losses follow training without a
+plan, and a job resumed from a checkpoint saved halfway goes on alike (the state dicts read and
+write the host copies after waiting for the queued copies out). The CPU ranks' case is
+tests/replay/test_plan_offload.py."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+from mp_harness import dcplan_binary, require_gpus
+
+# As tests/gpu/test_gpu_graphed.py: one GPU's run against another run on it, kernels alike.
+TOL = dict(rtol=1e-5, atol=1e-6)
+# 3% under what the plan needs with all optimizer state offloaded: master shards must go too.
+UNDER_STATE_FLOOR = 0.97
+
+
+def _bytes(number: str, unit: str) -> int:
+    return int(float(number) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
+
+
+def test_master_shards_on_the_host_keep_the_budget_train_alike_and_resume(dcplan_module, tmp_path):
+    require_gpus(dcplan_module, 1)
+    import torch
+
+    cli = dcplan_binary()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # Wide and short: the optimizer state and the master shards are most of what the rank holds.
+    script = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+              os.path.join(root, "examples", "train_llama.py"), "--device", "cuda", "--layers", "2", "--hidden",
+              "1024", "--heads", "8", "--seq", "32", "--batch", "1", "--vocab", "1023", "--steps", "8"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+    trace, plan = tmp_path / "trace.json", tmp_path / "plan.json"
+    subprocess.run([cli, "record", "-o", str(trace), "--steps", "2", "--warmup", "2", "--timeout", "240", "--",
+                    *script], check=True, env=env, cwd=tmp_path)
+    refused = subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--memory-budget", "1"], env=env,
+                             capture_output=True, text=True)
+    floors = re.findall(r"offloaded[^:]*: at least ([0-9.]+) (KiB|MiB|GiB)", refused.stderr)
+    assert len(floors) == 2, refused.stderr  # all state; and every master shard too
+    state_floor, masters_floor = (_bytes(*f) for f in floors)
+    budget = int(UNDER_STATE_FLOOR * state_floor)
+    assert masters_floor < budget, (masters_floor, budget)
+    subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--memory-budget", f"{budget}B"], check=True, env=env,
+                   capture_output=True, text=True)
+    p = json.loads(plan.read_text())
+    assert any(g.get("master_bytes") for g in p["offload"]["optimizer_state"]), p["offload"]
+
+    def train(name, *extra, plan_env=True):
+        losses = tmp_path / f"{name}.losses.json"
+        run = subprocess.run([*script, "--losses", str(losses), *extra], cwd=tmp_path, capture_output=True, text=True,
+                             env=dict(env, **({"DCPLAN_PLAN": str(plan)} if plan_env else {})))
+        assert run.returncode == 0, run.stderr[-3000:]
+        peak = int(re.search(r"peak memory: (\d+) bytes", run.stdout).group(1))
+        return json.loads(losses.read_text())["losses"], peak
+
+    ckpt = tmp_path / "ckpt"
+    plain, plain_peak = train("plain", plan_env=False)
+    offloaded, peak = train("offload", "--save", str(ckpt), "--save-at", "4")
+    torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(plain), **TOL)
+    assert peak <= budget < plain_peak, (peak, budget, plain_peak)
+    resumed, resumed_peak = train("resumed", "--resume", str(ckpt))
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(plain[4:]), **TOL)
+    assert resumed_peak <= budget, (resumed_peak, budget)
