@@ -453,7 +453,6 @@ void planMasterOffload(Search& search, const Workload& w, const std::string& rep
                                 "; master shards kept on the host are planned for an eager replay only, "
                                 "not a compiled one or one CUDA graph per step");
   }
-  const CompiledOffload all = compileOffload(w, offloadMasters(w, state, state.size()));
   auto attempt = [&](size_t k, std::vector<Candidate>& out, size_t& best) {
     if (progress)
       progress("planning with all optimizer state and the master shards of " + std::to_string(k) + " of " +
@@ -463,9 +462,9 @@ void planMasterOffload(Search& search, const Workload& w, const std::string& rep
   std::vector<Candidate> fits;
   size_t fitsBest = 0;
   if (!attempt(state.size(), fits, fitsBest)) {
+    const uint64_t masters = compileOffload(w, offloadMasters(w, state, state.size())).masterBytes;
     throw std::invalid_argument(below + "; and with the master shards offloaded too (" +
-                                formatBytes(all.masterBytes) + " more): at least " +
-                                formatBytes(leastPeak(fits)));
+                                formatBytes(masters) + " more): at least " + formatBytes(leastPeak(fits)));
   }
   // From 0 (every master on the device: does not fit) to all of them (fits).
   const size_t hi = fewestThatFit(0, state.size(), attempt, fits, fitsBest);
@@ -491,8 +490,7 @@ OffloadChoice planOffload(Search& search, const Workload& w, const CostModel& co
   const std::string why = offloadUnavailable(w, cost);
   if (!why.empty()) throw std::invalid_argument(noFit + "; and no optimizer state can be offloaded: " + why);
   OffloadChoice choice;
-  choice.floor = std::numeric_limits<uint64_t>::max();
-  for (const Candidate& k : all) choice.floor = std::min(choice.floor, k.sim.prediction.peakMemoryBytes);
+  choice.floor = leastPeak(all);
   const std::vector<int32_t> order = offloadOrder(w);
   choice.of = order.size();
   auto attempt = [&](size_t n, std::vector<Candidate>& out, size_t& b) {

@@ -128,7 +128,8 @@ def forget() -> None:
 _streams: Dict[torch.device, tuple] = {}
 
 
-def _is_host_buffer(t: torch.Tensor) -> bool:
+def is_host(t: torch.Tensor) -> bool:
+    """Whether t is a host buffer where a plan keeps state or a master shard (host_empty's)."""
     return getattr(t, "_dcplan_host_buffer", False)
 
 
@@ -160,7 +161,7 @@ class _Mover:
             self.to_device.wait_stream(self.compute)  # a reused block's last use on the compute stream
         for p in params:
             for key, host in _per_element(optimizer, p).items():
-                if not _is_host_buffer(host):
+                if not is_host(host):
                     continue  # on the device already (a state its first update makes)
                 dev = torch.empty_like(host, device=self.device)  # on the compute stream
                 self._copy(dev, host, self.to_device if self.cuda else None)
@@ -191,7 +192,7 @@ class _Mover:
             for key, dev in _per_element(optimizer, p).items():
                 host = self.host_of.pop(id(dev), None)
                 if host is None:
-                    host = _host_buffer(dev)  # the state's first step made it: its buffer, once
+                    host = host_empty(dev.shape, dev.dtype, dev.device)  # the state's first step made it: once
                 self._copy(host, dev, self.to_host if self.cuda else None)
                 optimizer.state[p][key] = host
                 copies.append(dev)
@@ -225,16 +226,6 @@ def master_host(ds_id: int) -> torch.Tensor:
     return host
 
 
-def is_host(t: torch.Tensor) -> bool:
-    """Whether t is where a plan keeps state or a master shard on the host (a host buffer)."""
-    return _is_host_buffer(t)
-
-
-def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty 1-D host buffer of numel elements for a model on device."""
-    return _host_empty((numel,), dtype, pinned=device.type == "cuda")
-
-
 def host_copies_ready(device: torch.device) -> None:
     """On a GPU, waits until the copies out to host memory queued so far are done (a state dict
     then reads or writes them on the host); on CPU ranks they were made in place."""
@@ -245,20 +236,15 @@ def host_copies_ready(device: torch.device) -> None:
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host buffer (as the offloaded state lives in) holding t's values: what a loaded state
     dict's state becomes for a parameter whose state a plan keeps on the host."""
-    host = _host_buffer(t)
+    host = host_empty(t.shape, t.dtype, t.device)
     host.copy_(t)
     return host
 
 
-def _host_buffer(t: torch.Tensor) -> torch.Tensor:
-    """An empty host tensor like t."""
-    return _host_empty(t.shape, t.dtype, pinned=t.device.type == "cuda")
-
-
-def _host_empty(shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """An empty host tensor: pinned for a GPU's model; on CPU ranks memory outside torch's CPU
-    allocator, which dcplan counts as the device's memory there."""
-    if pinned:
+def host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty host buffer for a model on device: pinned for a GPU's; on CPU ranks memory outside
+    torch's CPU allocator, which dcplan counts as the device's memory there."""
+    if device.type == "cuda":
         host = torch.empty(shape, dtype=dtype, pin_memory=True)
     else:
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
@@ -272,9 +258,8 @@ def _planned_groups(optimizer) -> Optional[List[list]]:
     found: Dict[int, list] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            i = getattr(p, "_dcplan_ds_id", None)
-            if i is not None and _shards.get(i) is p:
-                found.setdefault(_group_of[i], []).append(p)
+            if keeps_state_on_host(p):
+                found.setdefault(_group_of[p._dcplan_ds_id], []).append(p)
     if not found:
         return None
     return [found[g] for g in sorted(found)]

@@ -214,7 +214,7 @@ class _Sharder:
             rows = _row_elements(info, self.rank, self.world_size)[1]
             # On the host where t is (the state dict holds every such buffer at once: counted on
             # CPU ranks as the device's memory, were it torch's).
-            local = _offload.host_empty(rows, t.dtype, device) if _offload.is_host(t) else t.new_empty(rows)
+            local = _offload.host_empty((rows,), t.dtype, device) if _offload.is_host(t) else t.new_empty(rows)
             self._exchange(info, own, local, to_rows=True)
         local = local.view((_rows(info, self.rank, self.world_size)[1],) + tuple(info.shape[1:]))
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=info.shape,

@@ -10,16 +10,12 @@ import re
 import subprocess
 import sys
 
-from mp_harness import dcplan_binary, require_gpus
+from mp_harness import dcplan_binary, offload_floors, require_gpus
 
 # As tests/gpu/test_gpu_graphed.py: one GPU's run against another run on it, kernels alike.
 TOL = dict(rtol=1e-5, atol=1e-6)
 # 3% under what the plan needs with all optimizer state offloaded: master shards must go too.
 UNDER_STATE_FLOOR = 0.97
-
-
-def _bytes(number: str, unit: str) -> int:
-    return int(float(number) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
 
 
 def test_master_shards_on_the_host_keep_the_budget_train_alike_and_resume(dcplan_module, tmp_path):
@@ -36,11 +32,9 @@ def test_master_shards_on_the_host_keep_the_budget_train_alike_and_resume(dcplan
     trace, plan = tmp_path / "trace.json", tmp_path / "plan.json"
     subprocess.run([cli, "record", "-o", str(trace), "--steps", "2", "--warmup", "2", "--timeout", "240", "--",
                     *script], check=True, env=env, cwd=tmp_path)
-    refused = subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--memory-budget", "1"], env=env,
-                             capture_output=True, text=True)
-    floors = re.findall(r"offloaded[^:]*: at least ([0-9.]+) (KiB|MiB|GiB)", refused.stderr)
-    assert len(floors) == 2, refused.stderr  # all state; and every master shard too
-    state_floor, masters_floor = (_bytes(*f) for f in floors)
+    floors = offload_floors(cli, trace, env)
+    assert len(floors) == 2, floors  # all state; and every master shard too
+    state_floor, masters_floor = floors
     budget = int(UNDER_STATE_FLOOR * state_floor)
     assert masters_floor < budget, (masters_floor, budget)
     subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--memory-budget", f"{budget}B"], check=True, env=env,

@@ -3,6 +3,8 @@ process per rank, reading back what each rank saved, and checking a run against 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import tempfile
 import time
 from typing import Callable, Dict, List, Optional
@@ -19,6 +21,20 @@ def dcplan_binary() -> str:
     if not path or not os.path.exists(path):
         pytest.skip("the dcplan CLI is not built (DCPLAN_BUILD_DIR/bin/dcplan)")
     return path
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def offload_floors(cli: str, trace, env=None) -> List[int]:
+    """The floors `dcplan plan TRACE --memory-budget 1` is refused with, in bytes: what any plan
+    needs with all optimizer state offloaded, then (ZeRO-3, eager) with every master shard too."""
+    refused = os.path.join(os.path.dirname(str(trace)), "refused.plan.json")  # never written
+    res = subprocess.run([cli, "plan", str(trace), "-o", refused, "--memory-budget", "1"], env=env,
+                         capture_output=True, text=True)
+    floors = re.findall(r"offloaded[^:]*: at least ([0-9.]+) (B|KiB|MiB|GiB)", res.stderr)
+    assert res.returncode == 2 and floors, f"exit {res.returncode}: {res.stderr}"
+    return [int(float(n) * _UNITS[u]) for n, u in floors]
 
 
 @pytest.fixture(scope="session")
