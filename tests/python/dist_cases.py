@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import contextlib
 import math
 import os
+import subprocess
+import sys
 import traceback
 from typing import Dict, List, Optional
 
@@ -234,6 +237,10 @@ def run_op_checks(rank: int, ws: int) -> Dict:
         C.register_param(i, shape, shard, grads[i], False)
     C.register_graph_z3(0, [0, 1, 2, 3])
     C.register_graph_z1(1, [0, 1, 2, 3])
+    scratch_shape = [SCRATCH_ROWS, 256]
+    scratch_grad = torch.zeros(-(-math.prod(scratch_shape) // ws))
+    C.register_param(SCRATCH_ID, scratch_shape, torch.zeros_like(scratch_grad), scratch_grad, False)
+    C.register_graph_z3(SCRATCH_GRAPH, [SCRATCH_ID])
     ops = torch.ops.dc
     g = ops.wait_allgather(ops.allgather_param(shards[1], 0, 1), 0, 1)
     out["allgather"] = g.clone()
@@ -254,6 +261,7 @@ def run_op_checks(rank: int, ws: int) -> Dict:
         ops.reduce_grad(torch.full(shape, float(rank + 1)) * (i + 1), 0, i)
     ops.end_backward(0)
     out["z3_grads"] = {i: grads[i].clone() for i in shapes}
+    out["z3_left_allocated"] = reductions_left_allocated(torch.full(scratch_shape, float(rank + 1)))
     # ZeRO-1: two micro-steps, reduced only at the boundary, accumulating.
     C.start_backward(True, False)
     for i, shape in shapes.items():
@@ -273,6 +281,45 @@ def run_op_checks(rank: int, ws: int) -> Dict:
     out["inference_all_reduce_"] = y.clone()
     C.cleanup()
     return out
+
+
+# The op checks' parameter whose ZeRO-3 reductions are checked for what they leave allocated.
+SCRATCH_ID, SCRATCH_GRAPH, SCRATCH_ROWS = 4, 2, 64
+LOAD_ROUNDS, LOAD_PROCESSES = 100, 2
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """n processes spinning on the CPU while the block runs: threads get preempted, as on a loaded CI
+    machine."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def reductions_left_allocated(grad: torch.Tensor) -> List[int]:
+    """Bytes of CPU tensors each of LOAD_ROUNDS ZeRO-3 reductions of grad (one bucket each) left
+    allocated once end_backward returned, counted by the replay log's allocator, on a loaded machine.
+    The planner's memory model frees a reduce-scatter's scratch by then: Gloo's own reduce_scatter
+    returned before its worker threads let go of its copies of the rows, which were freed whenever
+    a worker next ran (a 2-rank replay 1.4 MiB over its prediction)."""
+    import dcplan
+
+    C, ops = dcplan._C, torch.ops.dc
+    probe = C.run_peak_probe("cpu")
+    left = []
+    with busy_processes(LOAD_PROCESSES):
+        for _ in range(LOAD_ROUNDS):
+            before = probe.in_use()
+            C.start_backward(True, True)
+            ops.reduce_grad(grad, SCRATCH_GRAPH, SCRATCH_ID)
+            ops.end_backward(SCRATCH_GRAPH)
+            left.append(probe.in_use() - before)
+    return left
 
 
 def run_cases(rank: int, ws: int, case_names: Optional[List[str]], results: Dict, convert=lambda v: v) -> None:

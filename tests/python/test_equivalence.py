@@ -96,4 +96,6 @@ def test_op_results(dist_results):
         torch.testing.assert_close(v["fused"][2], (torch.arange(14.0) + 300).view(2, 7))
         assert v["held_after_clear"] == []
         assert_reduced_grads(v, rank, ws)
+        left = [(k, b) for k, b in enumerate(v["z3_left_allocated"]) if b]  # (round, bytes)
+        assert len(v["z3_left_allocated"]) == dist_cases.LOAD_ROUNDS and not left, (rank, left)
         torch.testing.assert_close(v["inference_all_reduce_input"], torch.full((4,), float(rank + 1)))

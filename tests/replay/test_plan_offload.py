@@ -126,8 +126,9 @@ def offload_case(tmp_path, masters):
         first = next(e for e in events if e["ev"] == "op")["mem"]
         assert first <= steady + RESUMED_SLACK, ("resumed with more on the device", rank, first, steady)
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
-    # The memory curve op by op beside each rank's log: where a failure's memory went (one clean-clone
-    # run, 2026-11-27: rank 0 1.4 MiB over the budget, not reproduced in 15 runs since).
+    # The memory curve op by op beside each rank's log: where a failure's memory went (2026-11-27: a
+    # rank 1.4 MiB over in the optimizer step, in about one run of three: the copies of Gloo's own
+    # reduce_scatter, freed by its worker whenever it next ran; docs/planning.md, memory model).
     checked = run([exe, "check", "--trace", str(trace), str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable},
                   expect=None)
     check = checked.stdout + checked.stderr
