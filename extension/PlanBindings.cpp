@@ -109,6 +109,7 @@ void bindPlan(py::module_& m) {
         out["buckets"] = summary.buckets;
         out["optimizer_offload"] = summary.optimizerOffload;
         out["master_offload"] = summary.masterOffload;
+        out["offload_host_bytes"] = summary.offloadHostBytes;
         out["memory_budget_bytes"] = summary.memoryBudgetBytes
                                          ? py::object(py::int_(*summary.memoryBudgetBytes))
                                          : py::object(py::none());

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _plan
-from . import _C, _class_swap, _compile, _graphed, _meta_init, _offload, _record, _shm
+from . import _C, _class_swap, _compile, _graphed, _host_memory, _meta_init, _offload, _record, _shm
 from ._shard_param import ShardParameter
 
 _DEFAULT_BUCKET_BYTES = _C.DEFAULT_BUCKET_BYTES  # the runtime's own default (schemas::kDefaultBucketBytes)
@@ -263,6 +263,7 @@ def shard(
     if plan_path is not None:
         loaded = _plan.load(state, plan_path, on_mismatch, reduce_dtype)
         state.hooks.set_keep(loaded["persistent"])
+        _host_memory.check(plan_path, loaded["offload_host_bytes"], _plan.runtime_device)
         _offload.register(state.infos, loaded["optimizer_offload"], loaded["master_offload"])
     if _record.active():
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, pg.size(), param_dtype, reduce_dtype,

@@ -603,6 +603,7 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
       }
     }
     summary.optimizerOffload.push_back(ids);
+    summary.offloadHostBytes += plan.optimizerOffload[g].bytes + plan.optimizerOffload[g].masterBytes;
     if (plan.optimizerOffload[g].masterBytes > 0) {
       if (model.stage != 3) {
         refuse(path, "/offload/optimizer_state/" + std::to_string(g) + "/master_bytes",

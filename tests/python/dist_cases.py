@@ -261,7 +261,8 @@ def run_op_checks(rank: int, ws: int) -> Dict:
         ops.reduce_grad(torch.full(shape, float(rank + 1)) * (i + 1), 0, i)
     ops.end_backward(0)
     out["z3_grads"] = {i: grads[i].clone() for i in shapes}
-    out["z3_left_allocated"] = reductions_left_allocated(torch.full(scratch_shape, float(rank + 1)))
+    out["z3_left_allocated"] = reductions_left_allocated(torch.full(scratch_shape, float(rank + 1)),
+                                                         LOAD_PROCESSES if rank == 0 else 0)
     # ZeRO-1: two micro-steps, reduced only at the boundary, accumulating.
     C.start_backward(True, False)
     for i, shape in shapes.items():
@@ -301,9 +302,10 @@ def busy_processes(n: int):
             p.wait()
 
 
-def reductions_left_allocated(grad: torch.Tensor) -> List[int]:
+def reductions_left_allocated(grad: torch.Tensor, spinning: int) -> List[int]:
     """Bytes of CPU tensors each of LOAD_ROUNDS ZeRO-3 reductions of grad (one bucket each) left
-    allocated once end_backward returned, counted by the replay log's allocator, on a loaded machine.
+    allocated once end_backward returned, counted by the replay log's allocator, on a machine this
+    rank loads with `spinning` busy processes (rank 0 starts them: the machine's, not the rank's).
     The planner's memory model frees a reduce-scatter's scratch by then: Gloo's own reduce_scatter
     returned before its worker threads let go of its copies of the rows, which were freed whenever
     a worker next ran (a 2-rank replay 1.4 MiB over its prediction)."""
@@ -312,7 +314,7 @@ def reductions_left_allocated(grad: torch.Tensor) -> List[int]:
     C, ops = dcplan._C, torch.ops.dc
     probe = C.run_peak_probe("cpu")
     left = []
-    with busy_processes(LOAD_PROCESSES):
+    with busy_processes(spinning):
         for _ in range(LOAD_ROUNDS):
             before = probe.in_use()
             C.start_backward(True, True)

@@ -6,11 +6,13 @@ on-device floor, below that, where master shards go to the host too. Asserted: t
 what the budget needs and predicts a peak within it, inspect shows it, the replay's losses equal
 training without a plan bit for bit, each rank's peak stays within the budget and within 3% of
 the prediction, and a new job resumed from a checkpoint saved after 3 steps (examples/train_llama.py
---save / --resume) loads it within the budget and goes on with the same losses. The step time is a
-benchmark (docs/benchmarks.md)."""
+--save / --resume) loads it within the budget and goes on with the same losses; and ranks told that
+more of them share the host than its memory holds the offload for refuse before step 0. The step
+time is a benchmark (docs/benchmarks.md)."""
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -40,9 +42,12 @@ RESUMED_SLACK = 1 << 10
 pytestmark = pytest.mark.multiprocess
 
 
+def script(steps):
+    return [os.path.join(ROOT, "examples", "train_llama.py"), "--steps", str(steps), *MODEL]
+
+
 def train(steps):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            os.path.join(ROOT, "examples", "train_llama.py"), "--steps", str(steps), *MODEL]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script(steps)]
 
 
 def run(cmd, env=None, expect=0):
@@ -69,6 +74,29 @@ def test_a_budget_under_the_on_device_floor_is_planned_with_offload_and_kept(tmp
 
 def test_sixty_percent_of_the_on_device_floor_offloads_master_shards_too_and_is_kept(tmp_path, dcplan_module):
     offload_case(tmp_path, masters=True)
+
+
+def refused_on_a_full_host(plan, groups):
+    """Twice as many ranks on this host as its available memory holds the plan's offload for
+    (LOCAL_WORLD_SIZE, which torchrun sets; the ranks are started here without it): each refuses at
+    dcplan.shard(), before step 0, with the bytes needed and available."""
+    from dcplan import _host_memory
+
+    per_rank = sum(g["bytes"] + g.get("master_bytes", 0) for g in groups)
+    ranks = 2 * _host_memory.available()[0] // per_rank + 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DCPLAN_PLAN": str(plan), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, *script(1)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    for r, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0 and not losses(out), (r, out, err)
+        assert re.search(rf"MemoryError: dcplan.shard: plan {re.escape(str(plan))} keeps "
+                         rf"{re.escape(_host_memory._size(per_rank))} .* {ranks} rank\(s\) run "
+                         r"on this host \(LOCAL_WORLD_SIZE\): .* needed, .* available \(", err), (r, err[-3000:])
 
 
 def offload_case(tmp_path, masters):
@@ -100,6 +128,8 @@ def offload_case(tmp_path, masters):
     shown = run([exe, "inspect", str(plan)]).stdout
     assert re.search(r"offload: optimizer state of \d+ params on the host between steps", shown), shown
     assert bool(re.search(r"master shards of \d+ params? on the host between uses", shown)) == masters, shown
+    if masters:
+        refused_on_a_full_host(plan, groups)
 
     log = tmp_path / "offload.{rank}.jsonl"
     replayed = run(train(6), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)}).stdout
@@ -107,10 +137,11 @@ def offload_case(tmp_path, masters):
     assert losses(replayed) == losses(reference) and len(losses(reference)) == 6, (replayed, reference)
     # A job saves after 3 steps and a new one resumes from it: what the plan keeps on the host goes
     # through the state dicts (docs/checkpoints.md). The same losses; the load, all of it before the
-    # resumed job's first forward (its first mark), within the budget; and the resumed job's first step
+    # resumed job's first forward (its first mark), within the budget; the resumed job's first step
     # starts holding what an uninterrupted one holds at a step's first op, up to the scalars a load
     # makes (20 B seen; RESUMED_SLACK): through torch's load_state_dict all the optimizer state stayed on
-    # the device until the step's end (19.5 MB more here, which crossed the budget).
+    # the device until the step's end (19.5 MB more here, which crossed the budget); and its whole run,
+    # the load included, keeps the budget and the prediction as an uninterrupted one does (below).
     ckpt, resumed_log = tmp_path / "ckpt", tmp_path / "resumed.{rank}.jsonl"
     saved = run([*train(3), "--save", str(ckpt), "--save-at", "3"], env={"DCPLAN_PLAN": str(plan)}).stdout
     assert losses(saved) == losses(reference)[:3], (saved, reference)
@@ -125,6 +156,9 @@ def offload_case(tmp_path, masters):
         steady = max(ops[k * len(ops) // 6]["mem"] for k in range(1, 6))  # each later step's first op
         first = next(e for e in events if e["ev"] == "op")["mem"]
         assert first <= steady + RESUMED_SLACK, ("resumed with more on the device", rank, first, steady)
+        whole = _plan.measured(events)["peak_bytes"]
+        assert whole <= budget and abs(whole / p["predicted"]["peak_memory_bytes"] - 1) <= PEAK_TOLERANCE, \
+            ("the resumed run", rank, [m["peak_bytes"] for m in marks], budget, p["predicted"])
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
     # The memory curve op by op beside each rank's log: where a failure's memory went (2026-11-27: a
     # rank 1.4 MiB over in the optimizer step, in about one run of three: the copies of Gloo's own
