@@ -610,11 +610,6 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
                "master shards are offloaded under ZeRO-3 only; this model is sharded with ZeRO-" +
                    std::to_string(model.stage));
       }
-      if (model.compiled) {
-        refuse(path, "/offload/optimizer_state/" + std::to_string(g) + "/master_bytes",
-               "master shards kept on the host are not supported with dcplan.shard(compile=True) yet: "
-               "plan with a budget the optimizer state's offload alone meets, or shard without compile");
-      }
       summary.masterOffload.insert(summary.masterOffload.end(), ids.begin(), ids.end());
     }
   }

@@ -2,7 +2,8 @@
 sequences: the optimizer state is most of what a rank holds): dcplan record -> plan at a budget
 under the least any schedule needs with the optimizer state on the device -> inspect -> replay ->
 check, at two budgets: just above what it needs with all optimizer state offloaded, and 60% of the
-on-device floor, below that, where master shards go to the host too. Asserted: the plan offloads
+on-device floor, below that, where master shards go to the host too (eager, and compiled:
+dcplan.shard(compile=True)). Asserted: the plan offloads
 what the budget needs and predicts a peak within it, inspect shows it, the replay's losses equal
 training without a plan bit for bit, each rank's peak stays within the budget and within 3% of
 the prediction, and a new job resumed from a checkpoint saved after 3 steps (examples/train_llama.py
@@ -42,12 +43,13 @@ RESUMED_SLACK = 1 << 10
 pytestmark = pytest.mark.multiprocess
 
 
-def script(steps):
-    return [os.path.join(ROOT, "examples", "train_llama.py"), "--steps", str(steps), *MODEL]
+def script(steps, extra=()):
+    return [os.path.join(ROOT, "examples", "train_llama.py"), "--steps", str(steps), *MODEL, *extra]
 
 
-def train(steps):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script(steps)]
+def train(steps, extra=()):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            *script(steps, extra)]
 
 
 def run(cmd, env=None, expect=0):
@@ -76,6 +78,10 @@ def test_sixty_percent_of_the_on_device_floor_offloads_master_shards_too_and_is_
     offload_case(tmp_path, masters=True)
 
 
+def test_master_shards_with_a_compiled_model_are_kept_too(tmp_path, dcplan_module):
+    offload_case(tmp_path, masters=True, compiled=True)
+
+
 def refused_on_a_full_host(plan, groups):
     """Twice as many ranks on this host as its available memory holds the plan's offload for
     (LOCAL_WORLD_SIZE, which torchrun sets; the ranks are started here without it): each refuses at
@@ -99,14 +105,18 @@ def refused_on_a_full_host(plan, groups):
                          r"on this host \(LOCAL_WORLD_SIZE\): .* needed, .* available \(", err), (r, err[-3000:])
 
 
-def offload_case(tmp_path, masters):
+def offload_case(tmp_path, masters, compiled=False):
     """masters=False: the budget just above the all-state floor; True: ON_DEVICE_SHARE of the
-    on-device floor, which needs master shards on the host."""
+    on-device floor, which needs master shards on the host. compiled: dcplan.shard(compile=True)
+    (train_llama --compile) records and replays, its losses against its own without a plan; the
+    checkpoints and the host-memory refusal, which compiling does not touch, are left to the eager
+    cases."""
     from dcplan import _plan
 
     exe = dcplan_binary()
     trace, plan = tmp_path / "trace.json", tmp_path / "offload.json"
-    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6)])
+    extra = ["--compile"] if compiled else []
+    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6, extra)])
     floors = offload_floors(exe, trace)  # with all optimizer state offloaded; and every master shard too
     floor = floors[0]
     budget = int(floor * ABOVE_OFFLOAD_FLOOR)
@@ -128,37 +138,15 @@ def offload_case(tmp_path, masters):
     shown = run([exe, "inspect", str(plan)]).stdout
     assert re.search(r"offload: optimizer state of \d+ params on the host between steps", shown), shown
     assert bool(re.search(r"master shards of \d+ params? on the host between uses", shown)) == masters, shown
-    if masters:
+    if masters and not compiled:
         refused_on_a_full_host(plan, groups)
 
     log = tmp_path / "offload.{rank}.jsonl"
-    replayed = run(train(6), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)}).stdout
-    reference = run(train(6)).stdout
+    replayed = run(train(6, extra), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)}).stdout
+    reference = run(train(6, extra)).stdout
     assert losses(replayed) == losses(reference) and len(losses(reference)) == 6, (replayed, reference)
-    # A job saves after 3 steps and a new one resumes from it: what the plan keeps on the host goes
-    # through the state dicts (docs/checkpoints.md). The same losses; the load, all of it before the
-    # resumed job's first forward (its first mark), within the budget; the resumed job's first step
-    # starts holding what an uninterrupted one holds at a step's first op, up to the scalars a load
-    # makes (20 B seen; RESUMED_SLACK): through torch's load_state_dict all the optimizer state stayed on
-    # the device until the step's end (19.5 MB more here, which crossed the budget); and its whole run,
-    # the load included, keeps the budget and the prediction as an uninterrupted one does (below).
-    ckpt, resumed_log = tmp_path / "ckpt", tmp_path / "resumed.{rank}.jsonl"
-    saved = run([*train(3), "--save", str(ckpt), "--save-at", "3"], env={"DCPLAN_PLAN": str(plan)}).stdout
-    assert losses(saved) == losses(reference)[:3], (saved, reference)
-    resumed = run([*train(6), "--resume", str(ckpt)],
-                  env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(resumed_log)}).stdout
-    assert "resumed from" in resumed and losses(resumed) == losses(reference)[3:], (resumed, reference)
-    for rank in range(2):
-        events = _plan.read_replay_log(str(resumed_log).replace("{rank}", str(rank)))
-        marks = [e for e in events if e["ev"] == "mark"]
-        assert marks and marks[0]["peak_bytes"] <= budget, ("the load", rank, marks[:1], budget)
-        ops = [e for e in _plan.read_replay_log(str(log).replace("{rank}", str(rank))) if e["ev"] == "op"]
-        steady = max(ops[k * len(ops) // 6]["mem"] for k in range(1, 6))  # each later step's first op
-        first = next(e for e in events if e["ev"] == "op")["mem"]
-        assert first <= steady + RESUMED_SLACK, ("resumed with more on the device", rank, first, steady)
-        whole = _plan.measured(events)["peak_bytes"]
-        assert whole <= budget and abs(whole / p["predicted"]["peak_memory_bytes"] - 1) <= PEAK_TOLERANCE, \
-            ("the resumed run", rank, [m["peak_bytes"] for m in marks], budget, p["predicted"])
+    if not compiled:
+        resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, losses(reference))
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
     # The memory curve op by op beside each rank's log: where a failure's memory went (2026-11-27: a
     # rank 1.4 MiB over in the optimizer step, in about one run of three: the copies of Gloo's own
@@ -173,3 +161,34 @@ def offload_case(tmp_path, masters):
         m = _plan.measured(_plan.read_replay_log(path))
         assert m["peak_bytes"] <= budget, (rank, m["peak_bytes"], budget, check)
         assert abs(m["peak_bytes"] / predicted - 1) <= PEAK_TOLERANCE, (rank, m["peak_bytes"], predicted, check)
+
+
+def resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, reference):
+    """plan's job saved after 3 steps and resumed (p: the plan; log: the uninterrupted replay's logs;
+    reference: the losses without a plan)."""
+    from dcplan import _plan
+
+    # A job saves after 3 steps and a new one resumes from it: what the plan keeps on the host goes
+    # through the state dicts (docs/checkpoints.md). The same losses; the load, all of it before the
+    # resumed job's first forward (its first mark), within the budget; the resumed job's first step
+    # starts holding what an uninterrupted one holds at a step's first op, up to the scalars a load
+    # makes (20 B seen; RESUMED_SLACK): through torch's load_state_dict all the optimizer state stayed on
+    # the device until the step's end (19.5 MB more here, which crossed the budget); and its whole run,
+    # the load included, keeps the budget and the predicted peak, as the uninterrupted one must.
+    ckpt, resumed_log = tmp_path / "ckpt", tmp_path / "resumed.{rank}.jsonl"
+    saved = run([*train(3), "--save", str(ckpt), "--save-at", "3"], env={"DCPLAN_PLAN": str(plan)}).stdout
+    assert losses(saved) == reference[:3], (saved, reference)
+    resumed = run([*train(6), "--resume", str(ckpt)],
+                  env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(resumed_log)}).stdout
+    assert "resumed from" in resumed and losses(resumed) == reference[3:], (resumed, reference)
+    for rank in range(2):
+        events = _plan.read_replay_log(str(resumed_log).replace("{rank}", str(rank)))
+        marks = [e for e in events if e["ev"] == "mark"]
+        assert marks and marks[0]["peak_bytes"] <= budget, ("the load", rank, marks[:1], budget)
+        ops = [e for e in _plan.read_replay_log(str(log).replace("{rank}", str(rank))) if e["ev"] == "op"]
+        steady = max(ops[k * len(ops) // 6]["mem"] for k in range(1, 6))  # each later step's first op
+        first = next(e for e in events if e["ev"] == "op")["mem"]
+        assert first <= steady + RESUMED_SLACK, ("resumed with more on the device", rank, first, steady)
+        whole = _plan.measured(events)["peak_bytes"]
+        assert whole <= budget and abs(whole / p["predicted"]["peak_memory_bytes"] - 1) <= PEAK_TOLERANCE, \
+            ("the resumed run", rank, [m["peak_bytes"] for m in marks], budget, p["predicted"])
