@@ -109,7 +109,8 @@ void bindPlan(py::module_& m) {
         out["buckets"] = summary.buckets;
         out["optimizer_offload"] = summary.optimizerOffload;
         out["master_offload"] = summary.masterOffload;
-        out["offload_host_bytes"] = summary.offloadHostBytes;
+        out["offload_state_bytes"] = summary.offloadStateBytes;
+        out["offload_master_bytes"] = summary.offloadMasterBytes;
         out["memory_budget_bytes"] = summary.memoryBudgetBytes
                                          ? py::object(py::int_(*summary.memoryBudgetBytes))
                                          : py::object(py::none());

@@ -448,11 +448,10 @@ void planMasterOffload(Search& search, const Workload& w, const std::string& rep
                             formatBytes(choice.stateFloor);
   // Where the runtime cannot keep master shards on the host (docs/planning.md, "Offload").
   if (w.stage != 3) throw std::invalid_argument(below + "; master shards are offloaded under ZeRO-3 only");
-  if (w.cudaGraph) {
-    throw std::invalid_argument(
-        below +
-        "; master shards kept on the host are not planned for one CUDA graph per step "
-        "(dcplan.graphed_step does not capture their copies)");
+  if (replay != "eager" || w.cudaGraph) {
+    throw std::invalid_argument(below +
+                                "; master shards kept on the host are planned for an eager replay only, "
+                                "not a compiled one or one CUDA graph per step");
   }
   auto attempt = [&](size_t k, std::vector<Candidate>& out, size_t& best) {
     if (progress)

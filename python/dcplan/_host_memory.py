@@ -3,20 +3,25 @@
 A plan that keeps optimizer state or master shards on the host needs that memory on every rank
 (pinned on a GPU). It is checked when the plan is loaded, before any of it is allocated and
 before step 0, so that a host without enough fails with the bytes needed and available rather
-than at an allocation in the middle of a step.
+than at an allocation in the middle of a step. The check counts the plan's bytes: on a GPU torch's
+pinned allocator may round a buffer up, and on CPU ranks the device's own memory is host memory
+too, so it is a lower bound there.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-# Where the host memory still available is read: the kernel's estimate, then a container's limit
-# less its usage where that is less (cgroup v2, then v1).
+# Where the host memory still available is read: the kernel's estimate, then this process's
+# memory cgroup and its ancestors, each limit less its usage (page cache that can be dropped left
+# out), where that is less.
 MEMINFO = "/proc/meminfo"
-CGROUP_LIMITS = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_V1_MEMORY = "/sys/fs/cgroup/memory"
+CGROUP_V2 = "/sys/fs/cgroup"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 
 
 def _read_int(path: str) -> Optional[int]:
@@ -25,12 +30,55 @@ def _read_int(path: str) -> Optional[int]:
             text = f.read().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+    return int(text) if text.isdecimal() else None  # cgroup v2 writes "max" for no limit
+
+
+def _stat(path: str, key: str) -> int:
+    """A counter of a cgroup's memory.stat (0 where absent)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key and value.strip().isdecimal():
+                    return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def _memory_cgroups() -> List[Tuple[str, str, str, str]]:
+    """(directory, limit file, usage file, reclaimable page cache in memory.stat) of this process's
+    memory cgroup and each ancestor mounted here: the v1 memory controller's, else v2's."""
+    try:
+        with open(PROC_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if "memory" in controllers.split(","):
+            found = (CGROUP_V1_MEMORY, path, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            break
+        if hierarchy == "0" and not controllers:
+            found = (CGROUP_V2, path, "memory.max", "memory.current", "inactive_file")
+    if found is None:
+        return []
+    root, path, limit, usage, cache = found
+    dirs, parts = [], [p for p in path.split("/") if p]
+    for k in range(len(parts), -1, -1):  # itself first, the mount's root last
+        d = os.path.join(root, *parts[:k])
+        if os.path.isdir(d):
+            dirs.append((d, limit, usage, cache))
+    return dirs
 
 
 def available() -> Optional[Tuple[int, str]]:
     """The host memory this process may still take, in bytes, and where that was read; None where
-    neither the kernel nor a container says (not Linux)."""
+    neither the kernel nor a cgroup says (not Linux)."""
     found = None
     try:
         with open(MEMINFO) as f:
@@ -39,46 +87,67 @@ def available() -> Optional[Tuple[int, str]]:
                     found = (int(line.split()[1]) * 1024, f"MemAvailable in {MEMINFO}")
     except OSError:
         pass
-    for limit_path, usage_path in CGROUP_LIMITS:
-        limit, usage = _read_int(limit_path), _read_int(usage_path)
-        if limit is not None and usage is not None:
-            left = max(0, limit - usage)
-            if found is None or left < found[0]:
-                found = (left, f"the container's limit less its usage, {limit_path} and {usage_path}")
-            break
+    for d, limit_file, usage_file, cache in _memory_cgroups():
+        limit, usage = _read_int(os.path.join(d, limit_file)), _read_int(os.path.join(d, usage_file))
+        if limit is None or usage is None:
+            continue
+        left = max(0, limit - max(0, usage - _stat(os.path.join(d, "memory.stat"), cache)))
+        if found is None or left < found[0]:
+            found = (left, f"the memory cgroup {d}: {limit_file} less {usage_file} and {cache}")
     return found
 
 
 def ranks_on_host() -> Tuple[int, str]:
-    """How many ranks of the job share this host, and where that was read (torchrun's
-    LOCAL_WORLD_SIZE; 1 without it)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    if value is not None and value.isdigit() and int(value) > 0:
-        return int(value), "LOCAL_WORLD_SIZE"
-    return 1, "LOCAL_WORLD_SIZE unset: this rank alone"
+    """How many ranks of the job share this host, and where that was read: torchrun's
+    LOCAL_WORLD_SIZE, 1 without it."""
+    value = os.environ.get(ENV_LOCAL_WORLD_SIZE)
+    if value is None:
+        return 1, f"${ENV_LOCAL_WORLD_SIZE} unset: this rank alone"
+    if not value.strip().isdecimal() or int(value) < 1:
+        raise ValueError(f"dcplan.shard: ${ENV_LOCAL_WORLD_SIZE} (the ranks on this host) should be an integer "
+                         f">= 1, got '{value}'")
+    return int(value), f"${ENV_LOCAL_WORLD_SIZE}"
 
 
-def _size(b: int) -> str:
-    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+def size(b: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b} B"
 
 
-def check(plan_path: str, per_rank: int, device: torch.device, found: Optional[Tuple[int, str]] = None,
-          ranks: Optional[Tuple[int, str]] = None) -> None:
-    """Raises MemoryError where the ranks on this host together need more host memory for the
-    plan's offload (per_rank bytes each: the plan's optimizer state and master shard bytes) than
-    is available. found and ranks: available() and ranks_on_host(), read here unless given."""
-    if per_rank <= 0:
-        return
-    found = available() if found is None else found
-    if found is None:
-        return  # nothing says how much there is: the allocations will
-    count, counted_by = ranks_on_host() if ranks is None else ranks
+def shortfall(plan_path: str, state: int, masters: int, device: torch.device, found: Optional[Tuple[int, str]],
+              ranks: Tuple[int, str]) -> Optional[str]:
+    """What this host lacks for the plan's offload, said, or None: state and masters, the plan's
+    bytes a rank keeps on the host; found and ranks, available() and ranks_on_host()."""
+    per_rank = state + masters
+    if per_rank <= 0 or found is None:
+        return None  # nothing offloaded, or nothing says how much there is: the allocations will
+    count, counted_by = ranks
     have, source = found
     if per_rank * count <= have:
-        return
+        return None
     kind = "pinned host memory" if device.type == "cuda" else "host memory"
-    raise MemoryError(
-        f"dcplan.shard: plan {plan_path} keeps {_size(per_rank)} of optimizer state and master shards in "
-        f"{kind} on each rank, and {count} rank(s) run on this host ({counted_by}): {_size(per_rank * count)} "
-        f"needed, {_size(have)} available ({source}). Plan with a larger --memory-budget, which offloads "
-        "less, or run fewer ranks on this host")
+    what = f"optimizer state {size(state)}" + (f", master shards {size(masters)}" if masters else "")
+    return (f"{plan_path}: /offload/optimizer_state: the plan keeps {size(per_rank)} in {kind} on each rank "
+            f"({what}) and {count} rank(s) run on this host ({counted_by}): {size(per_rank * count)} needed, "
+            f"{size(have)} available ({source}). Plan with a larger --memory-budget, which offloads less, or "
+            "run fewer ranks on this host")
+
+
+def check(plan_path: str, state: int, masters: int, device: torch.device, group) -> None:
+    """Raises MemoryError on every rank of group (a collective: each rank reaches it as it loads the
+    plan) where the host of one of them lacks the memory the plan's offload keeps there; before any
+    of it is allocated, so that no rank's allocations hide from another's reading."""
+    if state + masters <= 0:
+        return  # every rank loads the same plan: none takes part
+    import torch.distributed as dist
+
+    mine = shortfall(plan_path, state, masters, device, available(), ranks_on_host())
+    short = torch.tensor([int(mine is not None)], dtype=torch.int64, device=device)
+    dist.all_reduce(short, op=dist.ReduceOp.MAX, group=group)
+    if mine is not None:
+        raise MemoryError(f"dcplan.shard: {mine}")
+    if int(short.item()):
+        raise MemoryError(f"dcplan.shard: {plan_path}: /offload/optimizer_state: another rank's host lacks the "
+                          "memory the plan's offload keeps there (its error says how much)")

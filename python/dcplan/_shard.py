@@ -263,7 +263,8 @@ def shard(
     if plan_path is not None:
         loaded = _plan.load(state, plan_path, on_mismatch, reduce_dtype)
         state.hooks.set_keep(loaded["persistent"])
-        _host_memory.check(plan_path, loaded["offload_host_bytes"], _plan.runtime_device)
+        _host_memory.check(plan_path, loaded["offload_state_bytes"], loaded["offload_master_bytes"],
+                           _plan.runtime_device, pg)
         _offload.register(state.infos, loaded["optimizer_offload"], loaded["master_offload"])
     if _record.active():
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, pg.size(), param_dtype, reduce_dtype,

@@ -603,12 +603,18 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
       }
     }
     summary.optimizerOffload.push_back(ids);
-    summary.offloadHostBytes += plan.optimizerOffload[g].bytes + plan.optimizerOffload[g].masterBytes;
+    summary.offloadStateBytes += plan.optimizerOffload[g].bytes;
+    summary.offloadMasterBytes += plan.optimizerOffload[g].masterBytes;
     if (plan.optimizerOffload[g].masterBytes > 0) {
       if (model.stage != 3) {
         refuse(path, "/offload/optimizer_state/" + std::to_string(g) + "/master_bytes",
                "master shards are offloaded under ZeRO-3 only; this model is sharded with ZeRO-" +
                    std::to_string(model.stage));
+      }
+      if (model.compiled) {
+        refuse(path, "/offload/optimizer_state/" + std::to_string(g) + "/master_bytes",
+               "master shards kept on the host are not supported with dcplan.shard(compile=True) yet: "
+               "plan with a budget the optimizer state's offload alone meets, or shard without compile");
       }
       summary.masterOffload.insert(summary.masterOffload.end(), ids.begin(), ids.end());
     }

@@ -182,6 +182,9 @@ class ProcessGroupTransport final : public Transport {
     const int ws = worldSize();
     TORCH_CHECK(input.dim() == 2 && input.size(0) == ws && input.size(1) == output.numel(),
                 "reduceScatter: input should be [world_size, ", output.numel(), "], got ", input.sizes());
+    TORCH_CHECK(output.is_contiguous() && output.scalar_type() == input.scalar_type(),
+                "reduceScatter: output should be contiguous and of the input's dtype ", input.scalar_type(),
+                ", got ", output.scalar_type(), output.is_contiguous() ? "" : " (not contiguous)");
     if (output.numel() == 0) return handle({});
     std::vector<at::Tensor> rows;
     for (int r = 0; r < ws; ++r) {
@@ -220,11 +223,14 @@ class ProcessGroupTransport final : public Transport {
   /// (awaitWorkerRelease) where the planner's memory model does (RuntimeMemory::reduceScatterScratch).
   CommHandlePtr reduceScatterByReduces(const at::Tensor& output, const std::vector<at::Tensor>& rows) {
     const int self = rank();
-    at::Tensor mine = cppOwned(output);
-    mine.copy_(rows[static_cast<size_t>(self)]);
+    // The other rows are copied before output, which may overlap one of them, is written.
+    std::vector<at::Tensor> tensors;
+    for (int r = 0; r < static_cast<int>(rows.size()); ++r)
+      tensors.push_back(r == self ? cppOwned(output) : rows[static_cast<size_t>(r)].clone());
+    tensors[static_cast<size_t>(self)].copy_(rows[static_cast<size_t>(self)]);
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     for (int r = 0; r < static_cast<int>(rows.size()); ++r) {
-      std::vector<at::Tensor> tensor{r == self ? mine : rows[static_cast<size_t>(r)].clone()};
+      std::vector<at::Tensor> tensor{tensors[static_cast<size_t>(r)]};
       c10d::ReduceOptions opts;
       opts.reduceOp = c10d::ReduceOp::SUM;
       opts.rootRank = r;

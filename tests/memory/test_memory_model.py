@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 import pytest
-from mp_harness import dcplan_binary
+from mp_harness import busy_processes, dcplan_binary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "train_llama.py")
@@ -110,11 +110,6 @@ def reductions_in_flight(events):
     return held_in_windows(buckets)
 
 
-def busy_processes(n):
-    """n processes that spin on a core each: the loaded machine of a CI run."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-
-
 def run(cmd, env=None, check=True):
     res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
                          text=True, timeout=600)
@@ -191,13 +186,8 @@ def test_a_loaded_machine_frees_scratch_where_the_model_does(recorded, dcplan_mo
         curve = d / f"loaded-{factor}.curve.json"
         run([exe, "inspect", str(plan), "--trace", str(trace), "--memory-curve", str(curve)])
         log = d / f"loaded-{factor}.{{rank}}.jsonl"
-        busy = busy_processes(2)
-        try:
+        with busy_processes(2):
             res = run(train(*args), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)})
-        finally:
-            for p in busy:
-                p.kill()
-                p.wait()
         # The transport waited for Gloo's worker and did not give up (it warns when it does).
         assert "still referenced elsewhere" not in res.stderr, res.stderr[-2000:]
         simulated = json.loads(curve.read_text())

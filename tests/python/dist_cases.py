@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import contextlib
 import math
 import os
-import subprocess
-import sys
 import traceback
 from typing import Dict, List, Optional
 
@@ -289,19 +286,6 @@ SCRATCH_ID, SCRATCH_GRAPH, SCRATCH_ROWS = 4, 2, 64
 LOAD_ROUNDS, LOAD_PROCESSES = 100, 2
 
 
-@contextlib.contextmanager
-def busy_processes(n: int):
-    """n processes spinning on the CPU while the block runs: threads get preempted, as on a loaded CI
-    machine."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-
-
 def reductions_left_allocated(grad: torch.Tensor, spinning: int) -> List[int]:
     """Bytes of CPU tensors each of LOAD_ROUNDS ZeRO-3 reductions of grad (one bucket each) left
     allocated once end_backward returned, counted by the replay log's allocator, on a machine this
@@ -310,6 +294,7 @@ def reductions_left_allocated(grad: torch.Tensor, spinning: int) -> List[int]:
     returned before its worker threads let go of its copies of the rows, which were freed whenever
     a worker next ran (a 2-rank replay 1.4 MiB over its prediction)."""
     import dcplan
+    from mp_harness import busy_processes
 
     C, ops = dcplan._C, torch.ops.dc
     probe = C.run_peak_probe("cpu")

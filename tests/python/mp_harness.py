@@ -2,9 +2,11 @@
 process per rank, reading back what each rank saved, and checking a run against its reference."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Callable, Dict, List, Optional
@@ -24,6 +26,21 @@ def dcplan_binary() -> str:
 
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """n processes spinning on a core each while the block runs: the loaded machine of a CI run,
+    where threads get preempted. Each also stops once this process is gone (a rank killed by its
+    launcher never reaches the block's end)."""
+    spin = f"import os\nwhile os.getppid() == {os.getpid()}:\n    pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def offload_floors(cli: str, trace, env=None) -> List[int]:

@@ -258,11 +258,13 @@ def run_all(rank: int, ws: int, tmp: str, results: Dict) -> None:
             path = write_plan(plan, os.path.join(tmp, f"refuse-{name}.plan.json"))
             out[name] = (path, expect_error(lambda: dcplan.shard(make_model(), stage=3, plan=path)))
             dcplan.shutdown()
-        # Master shards kept on the host under ZeRO-2 (the planner makes none: a hand-made plan).
-        p = build_plan("prefetch", 2, ws, results["zero2-baseline"]["value"])
+        # Master shards kept on the host, for a compiled replay (the planner makes none: a hand-made plan).
+        p = copy.deepcopy(good)
+        p["source"]["replay"] = "compiled"
         p["offload"] = {"optimizer_state": [{"ds_ids": [0], "bytes": 8, "master_bytes": 4}]}
-        path = write_plan(p, os.path.join(tmp, "refuse-master-zero2.plan.json"))
-        out["master_zero2"] = (path, expect_error(lambda: dcplan.shard(make_model(), stage=2, plan=path)))
+        path = write_plan(p, os.path.join(tmp, "refuse-master-compiled.plan.json"))
+        out["master_compiled"] = (path, expect_error(
+            lambda: dcplan.shard(make_model(), stage=3, plan=path, compile=True)))
         dcplan.shutdown()
         path = os.path.join(tmp, "refuse-corrupt.plan.json")
         with open(path, "w") as f:

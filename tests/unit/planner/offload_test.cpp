@@ -206,42 +206,25 @@ TEST(Offload, MasterShardsAreRefusedWhereTheRuntimeCannotKeepThem) {
   req.memoryBudgetBytes = 1'300'000;  // under the all-state floor: masters are needed (the test below)
   schemas::Trace zero2 = offloadableTrace();
   zero2.meta.stage = 2;
-  schemas::Trace graphed = offloadableTrace();
-  graphed.meta.graphed = true;  // a CUDA graph's plan runs on the device's own times
-  for (schemas::TraceStep& step : graphed.steps) {
-    step.optimizerDeviceUs = 30.0;
-    for (schemas::TraceGraph& g : step.graphs) {
-      for (schemas::OpEvent& e : g.events) e.deviceUs = 0.5 * e.computeUs;
-    }
-  }
-  for (const schemas::Trace& t : {zero2, graphed}) {
+  schemas::Trace compiled = offloadableTrace();
+  compiled.meta.replay = "compiled";
+  for (const schemas::Trace& t : {zero2, compiled}) {
     try {
       makePlan(t, req);
-      FAIL() << "master shards planned for stage " << t.meta.stage << (t.meta.graphed ? ", graphed" : "");
+      FAIL() << "master shards planned for stage " << t.meta.stage << ", replay " << t.meta.replay;
     } catch (const std::invalid_argument& e) {
       const std::string what = e.what();
       EXPECT_NE(what.find("below what any plan needs with all optimizer state offloaded ("),
                 std::string::npos)
           << what;
-      EXPECT_NE(what.find(t.meta.stage == 2 ? "; master shards are offloaded under ZeRO-3 only"
-                                            : "; master shards kept on the host are not planned for one CUDA "
-                                              "graph per step"),
-                std::string::npos)
+      EXPECT_NE(
+          what.find(t.meta.stage == 2 ? "; master shards are offloaded under ZeRO-3 only"
+                                      : "; master shards kept on the host are planned for an eager replay "
+                                        "only"),
+          std::string::npos)
           << what;
     }
   }
-}
-
-TEST(Offload, MasterShardsArePlannedForACompiledReplay) {
-  PlanRequest req;
-  req.memoryBudgetBytes = 1'300'000;  // as above: under the all-state floor
-  schemas::Trace compiled = offloadableTrace();
-  compiled.meta.replay = "compiled";
-  const PlanResult r = makePlan(compiled, req);
-  uint64_t masters = 0;
-  for (const schemas::OffloadGroup& g : r.plan.optimizerOffload) masters += g.masterBytes;
-  EXPECT_GT(masters, 0u);
-  EXPECT_LE(r.plan.predicted.peakMemoryBytes, plannedLimit(1'300'000));
 }
 
 TEST(Offload, MasterShardsAreOffloadedUnderZero3Only) {

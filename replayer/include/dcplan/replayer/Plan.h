@@ -58,9 +58,10 @@ struct PlanSummary {
   std::vector<std::vector<int64_t>> optimizerOffload;
   /// ds_ids whose master shards the plan keeps on the host between uses (ZeRO-3).
   std::vector<int64_t> masterOffload;
-  /// The host memory the plan's offload keeps on each rank: its groups' optimizer state and master
-  /// shard bytes (the plan's, at its world size), checked against the host's before step 0.
-  uint64_t offloadHostBytes = 0;
+  /// The host memory the plan's offload keeps on each rank (the plan's bytes at its world size):
+  /// its groups' optimizer state and their master shards, checked against the host's before step 0.
+  uint64_t offloadStateBytes = 0;
+  uint64_t offloadMasterBytes = 0;
   std::optional<uint64_t> memoryBudgetBytes;  ///< the plan's options.memory_budget_bytes
   std::optional<int64_t> guardStartBytes;     ///< the plan's guard.start_bytes
   /// The input shapes of the live model's forward graph in the recorded step (input_shapes).
