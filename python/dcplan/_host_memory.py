@@ -46,14 +46,15 @@ def _stat(path: str, key: str) -> int:
     return 0
 
 
-def _memory_cgroups() -> List[Tuple[str, str, str, str]]:
-    """(directory, limit file, usage file, reclaimable page cache in memory.stat) of this process's
-    memory cgroup and each ancestor mounted here: the v1 memory controller's, else v2's."""
+def _memory_cgroups() -> Tuple[List[str], Tuple[str, str, str]]:
+    """The directories of this process's memory cgroup and of each ancestor mounted here (itself
+    first), and the files read in each: its limit, its usage and the reclaimable page cache's key in
+    memory.stat; the v1 memory controller's, else v2's."""
     try:
         with open(PROC_CGROUP) as f:
             lines = f.read().splitlines()
     except OSError:
-        return []
+        return [], ("", "", "")
     found = None
     for line in lines:
         parts = line.split(":", 2)
@@ -61,19 +62,16 @@ def _memory_cgroups() -> List[Tuple[str, str, str, str]]:
             continue
         hierarchy, controllers, path = parts
         if "memory" in controllers.split(","):
-            found = (CGROUP_V1_MEMORY, path, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            found = (CGROUP_V1_MEMORY, path, ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
             break
         if hierarchy == "0" and not controllers:
-            found = (CGROUP_V2, path, "memory.max", "memory.current", "inactive_file")
+            found = (CGROUP_V2, path, ("memory.max", "memory.current", "inactive_file"))
     if found is None:
-        return []
-    root, path, limit, usage, cache = found
-    dirs, parts = [], [p for p in path.split("/") if p]
-    for k in range(len(parts), -1, -1):  # itself first, the mount's root last
-        d = os.path.join(root, *parts[:k])
-        if os.path.isdir(d):
-            dirs.append((d, limit, usage, cache))
-    return dirs
+        return [], ("", "", "")
+    root, path, files = found
+    parts = [p for p in path.split("/") if p]
+    dirs = [os.path.join(root, *parts[:k]) for k in range(len(parts), -1, -1)]  # the mount's root last
+    return [d for d in dirs if os.path.isdir(d)], files
 
 
 def available() -> Optional[Tuple[int, str]]:
@@ -87,7 +85,8 @@ def available() -> Optional[Tuple[int, str]]:
                     found = (int(line.split()[1]) * 1024, f"MemAvailable in {MEMINFO}")
     except OSError:
         pass
-    for d, limit_file, usage_file, cache in _memory_cgroups():
+    dirs, (limit_file, usage_file, cache) = _memory_cgroups()
+    for d in dirs:
         limit, usage = _read_int(os.path.join(d, limit_file)), _read_int(os.path.join(d, usage_file))
         if limit is None or usage is None:
             continue
