@@ -281,7 +281,9 @@ class GraphedStep:
         watch = _OptimizerWatch()
         try:
             # thread_local: the runtime's watchdog thread keeps querying its (uncaptured) events.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            # On the warm-up's stream: cuBLAS keeps a workspace per stream (2 x 32 MiB on an H100),
+            # which a stream of its own would allocate again for the capture, beyond the plan's peak.
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._side, capture_error_mode="thread_local"):
                 _C.begin_capture()
                 try:
                     outputs = self._fn(*static_args, **static_kwargs)

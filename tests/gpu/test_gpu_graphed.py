@@ -132,14 +132,13 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
             "captured in one CUDA graph") in run.stderr, run.stderr[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason="1xH100, 2026-11-26: the captured step trains alike but peaks at 398.6 MB "
-                   "against a budget of 339.1 MB (661.4 MB without a plan); the eager grouped step keeps its budgets "
-                   "(docs/benchmarks.md); not yet explained")
 def test_a_graphed_step_with_planned_offload_keeps_its_budget_and_trains_alike(dcplan_module, tmp_path):
     """A plan under the least any schedule needs with the optimizer state on the device, for a
     graphed step (train_llama.py --cuda-graph, recorded through graphed_step): the grouped optimizer
     step with its copies in and out is captured with the rest, the run's peak stays within the
-    budget, and the losses follow the same graphed step without a plan."""
+    budget, and the losses follow the same graphed step without a plan. Its peak is the plan's to 3%
+    (issue 29's bound): it was 64 MiB over (1xH100, 421.2 MB against 354.1 predicted) while the
+    capture ran on a stream of its own, for which cuBLAS allocated its two workspaces again."""
     import json
     import os
     import re
@@ -176,6 +175,8 @@ def test_a_graphed_step_with_planned_offload_keeps_its_budget_and_trains_alike(d
 
     torch.testing.assert_close(torch.tensor(runs["offload"][0]), torch.tensor(runs["plain"][0]), **TOL)
     assert runs["offload"][1] <= budget < runs["plain"][1], (runs["offload"][1], budget, runs["plain"][1])
+    predicted = p["predicted"]["peak_memory_bytes"]
+    assert abs(runs["offload"][1] - predicted) <= 0.03 * predicted, (runs["offload"][1], predicted)
 
 
 def test_a_graphed_run_on_two_gpus_exits(dcplan_module, tmp_path):
