@@ -234,11 +234,12 @@ void bindRecorder(py::module_& m) {
       "The recorded script runs its step through dcplan.graphed_step: the trace says so (meta.graphed).");
   m.def(
       "record_optimizer_state",
-      [](const std::map<int64_t, uint64_t>& bytesById) {
-        current("record_optimizer_state")->setOptimizerState(bytesById);
+      [](const std::map<int64_t, uint64_t>& bytesById, const std::map<int64_t, std::string>& implById) {
+        current("record_optimizer_state")->setOptimizerState(bytesById, implById);
       },
-      py::arg("bytes_by_id"),
-      "After an optimizer step: the per-element optimizer state of each shard it stepped, bytes by ds_id.");
+      py::arg("bytes_by_id"), py::arg("impl_by_id") = std::map<int64_t, std::string>{},
+      "After an optimizer step: the per-element optimizer state of each shard it stepped, bytes by ds_id, "
+      "and how the optimizer ran over each where known (for_loop, foreach or fused).");
   bindRecordingState(m);
   bindNetwork(m);
   bindProbes(m);

@@ -15,6 +15,17 @@ bool hasOptimizerState(const WorkParam& p) { return p.requiresGrad && p.optimize
 
 }  // namespace
 
+/// CompiledOffload::scratchShare of `c`, whose optimizer steps `total` bytes of state in all.
+double scratchShare(const Workload& w, const CompiledOffload& c, uint64_t total) {
+  const bool perCall = std::all_of(w.params.begin(), w.params.end(), [](const WorkParam& p) {
+    return !hasOptimizerState(p) || p.optimizerImpl == "foreach" || p.optimizerImpl == "fused";
+  });
+  if (!perCall || total == 0) return 1.0;
+  uint64_t largest = total - c.bytes;  // the parameters kept on the device: one call, first
+  for (const CompiledOffload::Group& g : c.groups) largest = std::max(largest, g.bytes);
+  return static_cast<double>(largest) / static_cast<double>(total);
+}
+
 CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::OffloadGroup>& groups) {
   CompiledOffload c;
   uint64_t total = 0;
@@ -65,6 +76,7 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
     c.stepBytes = std::max(c.stepBytes, before + c.groups[g].bytes + next + c.groups[g].masterBytes);
   }
   c.share = total > 0 ? static_cast<double>(c.bytes) / static_cast<double>(total) : 0.0;
+  c.scratchShare = scratchShare(w, c, total);
   return c;
 }
 

@@ -193,10 +193,13 @@ class Simulation {
         w_.hostLane ? std::max(0.0, start - hostNow_) : 0.0;  // the device, at the backward's end
     if (w_.hostLane) start = std::max(start, hostNow_);  // the optimizer's kernels come after the backward's
     // Offloaded state comes back a group or two at a time (CompiledOffload::stepBytes), beside the
-    // optimizer's temporaries: the recorded step's, less the gradient shards it held. Kept whole:
-    // a per-tensor loop's are its largest parameter's, whatever a call steps (1xH100: 0.49 GiB
-    // for the 0.95B model's embedding); a foreach step's shrink with the call, so this errs high.
-    momentary_ += s_.offload.stepBytes + (optimizerExcess_ - std::min(optimizerExcess_, shardGrads_));
+    // optimizer's temporaries: the recorded step's, less the gradient shards it held, as much of
+    // them as the grouped step's largest call holds (CompiledOffload::scratchShare; a per-tensor
+    // loop's are its largest parameter's whatever a call steps: 1xH100, 0.49 GiB for the 0.95B
+    // model's embedding; a foreach step's, one fp32 copy of what it steps: 3.5 GiB there).
+    const uint64_t scratch = optimizerExcess_ - std::min(optimizerExcess_, shardGrads_);
+    momentary_ += s_.offload.stepBytes +
+                  static_cast<uint64_t>(static_cast<double>(scratch) * s_.offload.scratchShare);
     sample(start, 0, -1, -1, false);
     const OptimizerPhase phase = optimizerPhase(start);
     double stepUs = phase.endUs;

@@ -144,6 +144,7 @@ Workload workloadShape(const schemas::Trace& trace, int64_t worldSize) {
           static_cast<uint64_t>(static_cast<double>(*p.optimizerStateBytes) * static_cast<double>(shard) /
                                 static_cast<double>(p.shardNumel));
     }
+    wp.optimizerImpl = p.optimizerImpl.value_or("");
     w.params.push_back(std::move(wp));
   }
   w.optimizerStateRecorded = std::any_of(trace.params.begin(), trace.params.end(),

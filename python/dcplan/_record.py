@@ -94,7 +94,7 @@ _optimizer_hook = None  # torch's global optimizer post-hook while recording
 def _optimizer_stepped(optimizer, args, kwargs) -> None:
     # The device-lead step checks that the device had not caught up while the optimizer was issued.
     _C.record_optimizer_step_issued()
-    _C.record_optimizer_state(_offload.state_bytes(optimizer))
+    _C.record_optimizer_state(_offload.state_bytes(optimizer), _offload.impl_of(optimizer))
 
 
 def _unhook_optimizers() -> None:

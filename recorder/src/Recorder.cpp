@@ -146,9 +146,15 @@ void Recorder::markGraphed() {
   graphed_ = true;
 }
 
-void Recorder::setOptimizerState(const std::map<int64_t, uint64_t>& bytesById) {
+void Recorder::setOptimizerState(const std::map<int64_t, uint64_t>& bytesById,
+                                 const std::map<int64_t, std::string>& implById) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   for (const auto& [id, bytes] : bytesById) optimizerState_[id] = bytes;
+  for (const auto& [id, impl] : implById) {
+    TORCH_CHECK(impl == "for_loop" || impl == "foreach" || impl == "fused", "record_optimizer_state: impl_by_id[",
+                id, "] should be for_loop, foreach or fused, got '", impl, "'");
+    optimizerImpl_[id] = impl;
+  }
 }
 
 fs::path Recorder::tracePath() const {
@@ -510,6 +516,7 @@ schemas::Trace Recorder::traceHeader(const schemas::Calibration& calibration, Tr
       if (auto it = optimizerState_.find(p.id); it != optimizerState_.end()) {
         t.params.back().optimizerStateBytes = it->second;
       }
+      if (auto it = optimizerImpl_.find(p.id); it != optimizerImpl_.end()) t.params.back().optimizerImpl = it->second;
       model.shardNumel[p.id] = p.shardNumel;
     }
   }

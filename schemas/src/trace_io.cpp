@@ -148,6 +148,7 @@ class TraceValidator {
       auto shardNumel = r.integer("shard_numel", 0);
       auto requiresGrad = r.boolean("requires_grad");
       p.optimizerStateBytes = r.bytes("optimizer_state_bytes", P::Optional);
+      p.optimizerImpl = r.oneOf("optimizer_impl", {"for_loop", "foreach", "fused"}, P::Optional);
       r.rejectUnknownFields();
       if (id) {
         auto [it, fresh] = firstById.emplace(*id, i);
@@ -390,6 +391,7 @@ std::string writeTrace(const Trace& t) {
                      {"shard_numel", p.shardNumel},
                      {"requires_grad", p.requiresGrad}};
     if (p.optimizerStateBytes) row["optimizer_state_bytes"] = *p.optimizerStateBytes;
+    if (p.optimizerImpl) row["optimizer_impl"] = *p.optimizerImpl;
     params.push_back(std::move(row));
   }
   ordered_json calibration = calibrationJson(t.calibration);

@@ -194,6 +194,20 @@ TEST(RoundTrip, InputShapesStayAbsentOrPresent) {
   EXPECT_EQ(writePlan(p2), writePlan(plan));
 }
 
+TEST(RoundTrip, AnOptimizersImplementationStaysAbsentOrPresentAndIsOneOfThree) {
+  Trace trace = readTrace(kInputs / "minimal.trace.json");
+  EXPECT_EQ(writeTrace(trace).find("optimizer_impl"), std::string::npos);
+  trace.params[0].optimizerImpl = "foreach";
+  Trace t2;
+  ASSERT_TRUE(validateTrace(parseJson(writeTrace(trace), "trace"), t2).empty());
+  EXPECT_EQ(t2.params[0].optimizerImpl, "foreach");
+  EXPECT_FALSE(t2.params[1].optimizerImpl.has_value());
+  trace.params[0].optimizerImpl = "vectorized";
+  const auto diags = validateTrace(parseJson(writeTrace(trace), "trace"), t2);
+  ASSERT_FALSE(diags.empty());
+  EXPECT_EQ(diags[0].pointer, "/params/0/optimizer_impl");
+}
+
 TEST(Signature, DependsOnNamesShapesDtypesAndWorldSizeOnly) {
   std::vector<TraceParam> params{{0, "a.weight", {4, 3}, "float32", 12, 6, true, std::nullopt},
                                  {1, "a.bias", {3}, "float32", 3, 2, true, std::nullopt}};

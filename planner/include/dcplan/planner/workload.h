@@ -47,6 +47,8 @@ struct WorkParam {
   /// The optimizer's per-element state of one rank's shard at the planned world size (the
   /// trace's optimizer_state_bytes, rescaled with the shard); 0: none recorded.
   uint64_t optimizerStateBytes = 0;
+  /// The trace's optimizer_impl: "for_loop", "foreach", "fused", or empty (not known).
+  std::string optimizerImpl;
 };
 
 /// The op structure of a graph id; every run of it must have the same structure.

@@ -48,6 +48,9 @@ struct TraceParam {
   /// The optimizer's per-element state of this rank's shard (AdamW: exp_avg and exp_avg_sq),
   /// bytes, after a recorded optimizer step; absent: not recorded (no planned offload of it).
   std::optional<uint64_t> optimizerStateBytes;
+  /// How the optimizer that steps it runs (torch's names): "for_loop" (one parameter at a time),
+  /// "foreach" (a call over all it steps) or "fused" (one kernel); absent: not known.
+  std::optional<std::string> optimizerImpl;
 };
 
 /// A measured collective time for one message size.
