@@ -250,7 +250,15 @@ class _Sharder:
         have, want = (shards, rows) if to_rows else (rows, shards)
         sends = [_overlap(have[self.rank], want[q]) for q in range(ws)]
         receives = [_overlap(have[q], want[self.rank]) for q in range(ws)]
-        dist.all_to_all_single(dst, src.contiguous(), receives, sends, group=self.pg)
+        device = info.shard.device
+        if src.device == device and dst.device == device:
+            dist.all_to_all_single(dst, src.contiguous(), receives, sends, group=self.pg)
+            return
+        # Host memory (state or a master shard a plan keeps there) on a GPU model: NCCL moves device
+        # tensors only, so this one tensor goes through the device, and back.
+        out = torch.empty(dst.shape, dtype=dst.dtype, device=device)
+        dist.all_to_all_single(out, src.to(device).contiguous(), receives, sends, group=self.pg)
+        dst.copy_(out)
 
     def load(self, info, dst: torch.Tensor, value, key: str, caller: str) -> None:
         """Copies value (this key's state-dict form) into dst, shard-shaped. A DTensor not
