@@ -418,8 +418,10 @@ class Bench:
         model = dcplan.shard(model, stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                              compile=compiled, **kw)
         lr = torch.tensor(self.args.lr, device=self.device) if recipe else self.args.lr
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, capturable=graphed,
-                                fused=self.args.adamw == "fused")
+        # Named explicitly: fused=False alone makes torch take its per-tensor loop, not foreach
+        # (which the dcplan modes ran until 2026-11-27 while fsdp2 and the bound ran foreach).
+        impl = {"fused": True} if self.args.adamw == "fused" else {"foreach": True}
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, capturable=graphed, **impl)
         mode = ("dcplan-compiled" if compiled else "dcplan") + ("-graphed" if graphed else "")
         train_step = graphed_step = None
         if graphed:
