@@ -335,9 +335,13 @@ def main(argv=None) -> int:
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump({"losses": losses}, f)
-    if rank == 0 and use_cuda:
-        print(f"peak memory: {torch.cuda.max_memory_allocated()} bytes (torch.cuda.max_memory_allocated, rank 0)",
-              flush=True)
+    if use_cuda:
+        peak = torch.tensor(torch.cuda.max_memory_allocated(), device=device)
+        if distributed:  # a budget holds on every rank: the most of them
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(f"peak memory: {int(peak)} bytes (torch.cuda.max_memory_allocated, the most over ranks)",
+                  flush=True)
     if distributed:
         # Every rank done with every collective before any tears down its process group:
         # a rank that exits while a peer's Gloo threads still talk to it can abort the peer.

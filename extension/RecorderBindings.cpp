@@ -234,12 +234,15 @@ void bindRecorder(py::module_& m) {
       "The recorded script runs its step through dcplan.graphed_step: the trace says so (meta.graphed).");
   m.def(
       "record_optimizer_state",
-      [](const std::map<int64_t, uint64_t>& bytesById, const std::map<int64_t, std::string>& implById) {
-        current("record_optimizer_state")->setOptimizerState(bytesById, implById);
+      [](const std::map<int64_t, uint64_t>& bytesById, const std::map<int64_t, std::string>& implById,
+         const std::map<int64_t, int64_t>& groupById) {
+        current("record_optimizer_state")->setOptimizerState(bytesById, implById, groupById);
       },
       py::arg("bytes_by_id"), py::arg("impl_by_id") = std::map<int64_t, std::string>{},
+      py::arg("group_by_id") = std::map<int64_t, int64_t>{},
       "After an optimizer step: the per-element optimizer state of each shard it stepped, bytes by ds_id, "
-      "and how the optimizer ran over each where known (for_loop, foreach or fused).");
+      "how the optimizer ran over each where known (for_loop, foreach or fused), and the number of each "
+      "one's param group.");
   bindRecordingState(m);
   bindNetwork(m);
   bindProbes(m);

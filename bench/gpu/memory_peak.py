@@ -34,20 +34,36 @@ def peak_report(snapshot: dict, device: int = 0, top: int = 25, around: int = 12
     """The report of one device's trace: it must hold the run from its first allocation on (the
     history's max_entries large enough), or the live bytes start from what it missed."""
     events = snapshot["device_traces"][device]
-    live, total, peak, peak_at, peak_live = {}, 0, -1, -1, {}
-    for i, e in enumerate(events):
-        if e["action"] == "alloc":
-            live[e["addr"]] = e
-            total += e["size"]
-        elif e["action"] == "free_requested" and e["addr"] in live:
-            total -= live.pop(e["addr"])["size"]
-        else:
-            continue
-        if total > peak:
-            peak, peak_at, peak_live = total, i, dict(live)
+
+    def replay(upto: int):
+        """The live blocks after events[:upto], and each event's total (None: no change)."""
+        live, total, totals = {}, 0, []
+        for e in events[:upto]:
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+                total += e["size"]
+            elif e["action"] == "free_requested" and e["addr"] in live:
+                total -= live.pop(e["addr"])["size"]
+            else:
+                totals.append(None)
+                continue
+            totals.append(total)
+        return live, totals
+
+    totals = replay(len(events))[1]
+    peak, peak_at = max(((t, i) for i, t in enumerate(totals) if t is not None), key=lambda ti: (ti[0], -ti[1]),
+                        default=(0, -1))
+    peak_live = replay(peak_at + 1)[0]
     lines = [f"{len(events)} events; peak {peak / MiB:.2f} MiB live at event {peak_at}"]
-    if events and events[0]["action"] != "alloc":
-        lines.append(f"(the trace starts with a {events[0]['action']}: it may have lost its beginning)")
+    seen, unseen = set(), 0
+    for e in events:
+        if e["action"] == "alloc":
+            seen.add(e["addr"])
+        elif e["action"] == "free_requested" and e["addr"] not in seen:
+            unseen += 1
+    if unseen:
+        lines.append(f"({unseen} frees of blocks allocated before the trace begins: it lost its beginning, "
+                     "and the live bytes leave those blocks out; raise --max-entries)")
     by_site = defaultdict(lambda: [0, 0])
     for e in peak_live.values():
         s = by_site[_site(e.get("frames"))]
@@ -72,11 +88,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", metavar="DIR", help="run the script after --, dump snapshots to DIR")
     p.add_argument("--report", metavar="PICKLE", help="print the report of a dumped snapshot")
     p.add_argument("--max-entries", type=int, default=1_000_000, help="allocator events kept")
+    p.add_argument("--device", type=int, default=None,
+                   help="--report: the device's trace (default: the one with the most events)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS")
     args = p.parse_args(argv)
     if args.report:
         with open(args.report, "rb") as f:
-            print(peak_report(pickle.load(f)))
+            snapshot = pickle.load(f)
+        traces = snapshot["device_traces"]
+        device = args.device if args.device is not None else max(range(len(traces)), key=lambda d: len(traces[d]))
+        print(peak_report(snapshot, device=device))
         return 0
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not args.out or not script:

@@ -3,8 +3,10 @@
 #include "dcplan/planner/offload.h"
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 #include <stdexcept>
+#include <utility>
 
 namespace dcplan::planner {
 
@@ -13,18 +15,31 @@ namespace {
 /// The one rule of what can be offloaded: a trainable parameter whose optimizer state was recorded.
 bool hasOptimizerState(const WorkParam& p) { return p.requiresGrad && p.optimizerStateBytes > 0; }
 
-}  // namespace
-
-/// CompiledOffload::scratchShare of `c`, whose optimizer steps `total` bytes of state in all.
-double scratchShare(const Workload& w, const CompiledOffload& c, uint64_t total) {
-  const bool perCall = std::all_of(w.params.begin(), w.params.end(), [](const WorkParam& p) {
-    return !hasOptimizerState(p) || p.optimizerImpl == "foreach" || p.optimizerImpl == "fused";
-  });
-  if (!perCall || total == 0) return 1.0;
-  uint64_t largest = total - c.bytes;  // the parameters kept on the device: one call, first
-  for (const CompiledOffload::Group& g : c.groups) largest = std::max(largest, g.bytes);
-  return static_cast<double>(largest) / static_cast<double>(total);
+/// CompiledOffload::scratchShare of `c`. The grouped step's calls are the parameters kept on the
+/// device, then each offload group, and a foreach or fused optimizer splits each by param group
+/// (one call per group); the recorded step's largest call was its largest param group.
+double scratchShare(const Workload& w, const CompiledOffload& c) {
+  std::vector<int64_t> callOf(w.params.size(), -1);  // offload group; -1: kept on the device
+  for (size_t g = 0; g < c.groups.size(); ++g) {
+    for (int32_t p : c.groups[g].params) callOf[static_cast<size_t>(p)] = static_cast<int64_t>(g);
+  }
+  std::map<int64_t, uint64_t> recorded;                   // param group -> its state
+  std::map<std::pair<int64_t, int64_t>, uint64_t> calls;  // (call, param group) -> its state
+  for (size_t p = 0; p < w.params.size(); ++p) {
+    const WorkParam& wp = w.params[p];
+    if (!hasOptimizerState(wp)) continue;
+    const bool perCall = wp.optimizerImpl == "foreach" || wp.optimizerImpl == "fused";
+    if (!perCall || wp.optimizerGroup < 0) return 1.0;
+    recorded[wp.optimizerGroup] += wp.optimizerStateBytes;
+    calls[{callOf[p], wp.optimizerGroup}] += wp.optimizerStateBytes;
+  }
+  uint64_t most = 0, largest = 0;
+  for (const auto& [group, bytes] : recorded) most = std::max(most, bytes);
+  for (const auto& [call, bytes] : calls) largest = std::max(largest, bytes);
+  return most == 0 ? 1.0 : static_cast<double>(largest) / static_cast<double>(most);
 }
+
+}  // namespace
 
 CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::OffloadGroup>& groups) {
   CompiledOffload c;
@@ -76,7 +91,7 @@ CompiledOffload compileOffload(const Workload& w, const std::vector<schemas::Off
     c.stepBytes = std::max(c.stepBytes, before + c.groups[g].bytes + next + c.groups[g].masterBytes);
   }
   c.share = total > 0 ? static_cast<double>(c.bytes) / static_cast<double>(total) : 0.0;
-  c.scratchShare = scratchShare(w, c, total);
+  c.scratchShare = scratchShare(w, c);
   return c;
 }
 

@@ -198,8 +198,8 @@ class Simulation {
     // loop's are its largest parameter's whatever a call steps: 1xH100, 0.49 GiB for the 0.95B
     // model's embedding; a foreach step's, one fp32 copy of what it steps: 3.5 GiB there).
     const uint64_t scratch = optimizerExcess_ - std::min(optimizerExcess_, shardGrads_);
-    momentary_ += s_.offload.stepBytes +
-                  static_cast<uint64_t>(static_cast<double>(scratch) * s_.offload.scratchShare);
+    momentary_ +=
+        s_.offload.stepBytes + static_cast<uint64_t>(static_cast<double>(scratch) * s_.offload.scratchShare);
     sample(start, 0, -1, -1, false);
     const OptimizerPhase phase = optimizerPhase(start);
     double stepUs = phase.endUs;

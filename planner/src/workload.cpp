@@ -145,6 +145,7 @@ Workload workloadShape(const schemas::Trace& trace, int64_t worldSize) {
                                 static_cast<double>(p.shardNumel));
     }
     wp.optimizerImpl = p.optimizerImpl.value_or("");
+    wp.optimizerGroup = p.optimizerGroup.value_or(-1);
     w.params.push_back(std::move(wp));
   }
   w.optimizerStateRecorded = std::any_of(trace.params.begin(), trace.params.end(),

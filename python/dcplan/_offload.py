@@ -53,38 +53,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
     return out
 
 
-def impl_of(optimizer: torch.optim.Optimizer) -> Dict[int, str]:
-    """How `optimizer` runs over each dcplan shard it steps, by ds_id (the trace's optimizer_impl):
-    "fused", "foreach" or "for_loop", torch's choice where a param group leaves it open (as its
-    Adam, AdamW and SGD decide: foreach where every parameter allows it, unless lr is a tensor and
-    the optimizer is not capturable); none for an optimizer without those options. Its temporaries
-    follow from it: a foreach call's grow with what the call steps, a loop's are one parameter's."""
-    from torch.optim.optimizer import _default_to_fused_or_foreach
-
-    out = {}
-    for group in optimizer.param_groups:
-        if "foreach" not in group:
-            continue  # not one of torch's multi-implementation optimizers: unknown
-        fused, foreach = group.get("fused"), group.get("foreach")
-        if fused:
-            impl = "fused"
-        elif foreach:
-            impl = "foreach"
-        elif fused is None and foreach is None:
-            params = [p for p in group["params"] if p.grad is not None] or list(group["params"])
-            default = _default_to_fused_or_foreach(params, group.get("differentiable", False), use_fused=False)[1]
-            if default and isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable", False):
-                default = False
-            impl = "foreach" if default else "for_loop"
-        else:
-            impl = "for_loop"
-        for p in group["params"]:
-            ds_id = getattr(p, "_dcplan_ds_id", None)
-            if ds_id is not None:
-                out[ds_id] = impl
-    return out
-
-
 def is_per_element(t, shard: torch.Tensor) -> bool:
     """Whether optimizer state t holds one value per element of `shard` (Adam's moments), not a
     scalar (its step count): the state that is sharded in state dicts and offloaded by a plan."""

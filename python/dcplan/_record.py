@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import _C, _offload
+from . import _C, _offload, _optimizer_calls
 
 _VERSION = "0.1.0"
 _DEFAULTS = {"DCPLAN_RECORD_STEPS": 3, "DCPLAN_RECORD_WARMUP": 2, "DCPLAN_RECORD_EXIT": 1}
@@ -89,12 +89,14 @@ def settings(record) -> Optional[Settings]:
 
 _active: Optional[Settings] = None
 _optimizer_hook = None  # torch's global optimizer post-hook while recording
+_calls = _optimizer_calls.CallRecorder()  # the recording's param groups, numbered
 
 
 def _optimizer_stepped(optimizer, args, kwargs) -> None:
     # The device-lead step checks that the device had not caught up while the optimizer was issued.
     _C.record_optimizer_step_issued()
-    _C.record_optimizer_state(_offload.state_bytes(optimizer), _offload.impl_of(optimizer))
+    impls, groups = _calls.of(optimizer)
+    _C.record_optimizer_state(_offload.state_bytes(optimizer), impls, groups)
 
 
 def _unhook_optimizers() -> None:
@@ -110,7 +112,7 @@ def active() -> bool:
 
 def begin(s: Settings, device: torch.device) -> None:
     """Arms the recorder; must come before the runtime starts (_C.init wraps its transport then)."""
-    global _active, _optimizer_hook
+    global _active, _optimizer_hook, _calls
     versions = {"torch": torch.__version__, "python": platform.python_version()}
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -122,6 +124,7 @@ def begin(s: Settings, device: torch.device) -> None:
         name = device.type
     _C.record_begin(str(s.directory), s.steps, s.warmup, str(device), name, versions, s.calibration_seconds)
     _active = s
+    _calls = _optimizer_calls.CallRecorder()
     _unhook_optimizers()
     _optimizer_hook = register_optimizer_step_post_hook(_optimizer_stepped)
 

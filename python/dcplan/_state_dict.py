@@ -167,6 +167,8 @@ def _dtensor(local: torch.Tensor, mesh, placement, shape, stride):
 
     if local.device.type == mesh.device_type:
         return DTensor.from_local(local, mesh, [placement], run_check=False, shape=shape, stride=stride)
+    # As FSDP2 builds its sharded parameters (torch/distributed/fsdp/_fully_shard/_fsdp_common.py,
+    # _from_local_no_grad): the spec and the constructor, which leaves the local tensor where it is.
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))

@@ -147,13 +147,19 @@ void Recorder::markGraphed() {
 }
 
 void Recorder::setOptimizerState(const std::map<int64_t, uint64_t>& bytesById,
-                                 const std::map<int64_t, std::string>& implById) {
+                                 const std::map<int64_t, std::string>& implById,
+                                 const std::map<int64_t, int64_t>& groupById) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   for (const auto& [id, bytes] : bytesById) optimizerState_[id] = bytes;
   for (const auto& [id, impl] : implById) {
-    TORCH_CHECK(impl == "for_loop" || impl == "foreach" || impl == "fused", "record_optimizer_state: impl_by_id[",
-                id, "] should be for_loop, foreach or fused, got '", impl, "'");
+    TORCH_CHECK(impl == "for_loop" || impl == "foreach" || impl == "fused",
+                "record_optimizer_state: impl_by_id[", id, "] should be for_loop, foreach or fused, got '",
+                impl, "'");
     optimizerImpl_[id] = impl;
+  }
+  for (const auto& [id, group] : groupById) {
+    TORCH_CHECK(group >= 0, "record_optimizer_state: group_by_id[", id, "] should be >= 0, got ", group);
+    optimizerGroup_[id] = group;
   }
 }
 
@@ -516,7 +522,11 @@ schemas::Trace Recorder::traceHeader(const schemas::Calibration& calibration, Tr
       if (auto it = optimizerState_.find(p.id); it != optimizerState_.end()) {
         t.params.back().optimizerStateBytes = it->second;
       }
-      if (auto it = optimizerImpl_.find(p.id); it != optimizerImpl_.end()) t.params.back().optimizerImpl = it->second;
+      if (auto it = optimizerImpl_.find(p.id); it != optimizerImpl_.end())
+        t.params.back().optimizerImpl = it->second;
+      if (auto it = optimizerGroup_.find(p.id); it != optimizerGroup_.end()) {
+        t.params.back().optimizerGroup = it->second;
+      }
       model.shardNumel[p.id] = p.shardNumel;
     }
   }

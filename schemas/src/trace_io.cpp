@@ -149,6 +149,7 @@ class TraceValidator {
       auto requiresGrad = r.boolean("requires_grad");
       p.optimizerStateBytes = r.bytes("optimizer_state_bytes", P::Optional);
       p.optimizerImpl = r.oneOf("optimizer_impl", {"for_loop", "foreach", "fused"}, P::Optional);
+      p.optimizerGroup = r.integer("optimizer_group", 0, P::Optional);
       r.rejectUnknownFields();
       if (id) {
         auto [it, fresh] = firstById.emplace(*id, i);
@@ -392,6 +393,7 @@ std::string writeTrace(const Trace& t) {
                      {"requires_grad", p.requiresGrad}};
     if (p.optimizerStateBytes) row["optimizer_state_bytes"] = *p.optimizerStateBytes;
     if (p.optimizerImpl) row["optimizer_impl"] = *p.optimizerImpl;
+    if (p.optimizerGroup) row["optimizer_group"] = *p.optimizerGroup;
     params.push_back(std::move(row));
   }
   ordered_json calibration = calibrationJson(t.calibration);

@@ -67,7 +67,7 @@ def _plan(tmp_path, name, step_us, peak, **options):
 def _steps(tmp_path, name, times_ms, peak=None):
     lines = [f"step {i:3d}  loss 10.0  {t:8.1f} ms" for i, t in enumerate(times_ms)]
     if peak is not None:
-        lines.append(f"peak memory: {peak} bytes (torch.cuda.max_memory_allocated, rank 0)")
+        lines.append(f"peak memory: {peak} bytes (torch.cuda.max_memory_allocated, the most over ranks)")
     path = tmp_path / name
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -113,3 +113,30 @@ def test_predict_report_strips_op_device_us_only(tmp_path):
     assert _report(tmp_path, "strip-op-device", trace, tmp_path / "out.json")[0] == 0
     events = json.loads((tmp_path / "out.json").read_text())["steps"][0]["graphs"][0]["events"]
     assert events == [{"op": "reduce_grad", "device_us": 7.0}, {"op": "wait_allgather"}]
+
+
+def test_memory_peak_names_what_is_live_at_the_first_highest_total():
+    spec = importlib.util.spec_from_file_location("memory_peak", ROOT / "bench/gpu/memory_peak.py")
+    mp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mp)
+    mib = 2**20
+
+    def frames(line):  # torch's own frame first: the site is the first one outside torch
+        return [{"filename": "/x/torch/nn/linear.py", "line": 1, "name": "forward"},
+                {"filename": "/p/dcplan/_offload.py", "line": line, "name": "reload"}]
+
+    events = [
+        {"action": "segment_alloc", "addr": 0, "size": 8 * mib},
+        {"action": "alloc", "addr": 1, "size": mib, "stream": 0, "frames": frames(10)},
+        {"action": "alloc", "addr": 2, "size": 3 * mib, "stream": 7, "frames": frames(20)},
+        {"action": "free_requested", "addr": 1, "size": mib, "stream": 0, "frames": []},
+        {"action": "free_completed", "addr": 1, "size": mib, "stream": 0, "frames": []},
+        {"action": "alloc", "addr": 3, "size": mib, "stream": 0, "frames": frames(30)},  # 4 MiB again: not the first
+        {"action": "free_requested", "addr": 9, "size": mib, "stream": 0, "frames": []},  # allocated before the trace
+    ]
+    report = mp.peak_report({"device_traces": [[], events]}, device=1).splitlines()
+    assert report[0] == "7 events; peak 4.00 MiB live at event 2", report
+    assert "1 frees of blocks allocated before the trace begins" in report[1], report
+    assert report[3].split() == ["3.00", "MiB", "1", "blocks", "_offload.py:20", "reload"], report
+    assert report[4].split() == ["1.00", "MiB", "1", "blocks", "_offload.py:10", "reload"], report
+    assert any(line.startswith(" >") and "3.00 MiB stream   7" in line for line in report), report

@@ -85,10 +85,10 @@ def test_trace_content_matches_the_run(recorded):
     # CPU ranks: the host pool's memcpy rate, each way (planned offload copies at it).
     assert t["calibration"]["h2d_gbps"] > 0 and t["calibration"]["d2h_gbps"] > 0
     # The optimizer's per-element state (the example's AdamW: exp_avg, exp_avg_sq) of each shard,
-    # and how it ran: torch's default on CPU tensors, one parameter at a time.
+    # how it ran (torch's default on CPU tensors: one parameter at a time), in the one param group.
     for p in t["params"]:
         assert p["optimizer_state_bytes"] == 2 * 4 * p["shard_numel"], p
-        assert p["optimizer_impl"] == "for_loop", p
+        assert p["optimizer_impl"] == "for_loop" and p["optimizer_group"] == 0, p
     assert [s["index"] for s in t["steps"]] == [0, 1, 2]
     sequences = []
     for s in t["steps"]:

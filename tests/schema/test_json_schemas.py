@@ -59,6 +59,7 @@ def test_offload_fields_match_their_schema():
     for p in trace["params"]:
         p["optimizer_state_bytes"] = 8 * p["shard_numel"]
         p["optimizer_impl"] = "foreach"
+        p["optimizer_group"] = 0
     plan = json.loads((ROOT / "tests/lit/Inputs/minimal.plan.json").read_text())
     plan["offload"] = {"optimizer_state": [{"ds_ids": [0], "bytes": 64}]}
     plan["predicted"].update(offload_bytes=64, reload_us=1.5, offload_us=2.5, exposed_copy_us=0.5)

@@ -91,14 +91,15 @@ TEST(Offload, ResidentParametersUpdateWhileTheFirstGroupComesIn) {
 TEST(Offload, AForeachOrFusedOptimizersTemporariesShrinkWithWhatACallSteps) {
   // The optimizer step peaks 1 MB above the step's first op; less the two gradient shards it
   // holds, 897,600 bytes of temporaries. Stepped group by group, a foreach optimizer's largest
-  // call steps half of the state (each group is one of two equal parameters), so half of them;
-  // a per-parameter loop's, or an optimizer not recorded, are kept whole.
+  // call steps half of the state (each offload group is one of two equal parameters of one param
+  // group), so half of them; a per-parameter loop's, or an optimizer not recorded, are kept whole.
   auto peak = [](const char* impl, const char* other) {
     Fixture f;
     schemas::OpEvent& first = f.trace.steps[0].graphs[0].events[0];
     first.peakBytes = first.memoryBytes + 1'000'000;
     f.trace.params[0].optimizerImpl = impl;
     f.trace.params[1].optimizerImpl = other;
+    for (auto& p : f.trace.params) p.optimizerGroup = 0;
     f.w = makeWorkload(f.trace);
     return f.run({{{0}, kState}, {{1}, kState}}).prediction.peakMemoryBytes;
   };
@@ -106,14 +107,30 @@ TEST(Offload, AForeachOrFusedOptimizersTemporariesShrinkWithWhatACallSteps) {
   EXPECT_EQ(whole - peak("foreach", "foreach"), (1'000'000 - 2 * kTinyShard) / 2);
   EXPECT_EQ(peak("fused", "foreach"), peak("foreach", "foreach"));
   EXPECT_EQ(peak("foreach", "for_loop"), whole);  // one loop among them: its call is not known
+}
 
+TEST(Offload, AForeachOptimizerCallsOncePerParamGroup) {
   Fixture f;
-  for (auto& p : f.trace.params) p.optimizerImpl = "foreach";
+  for (auto& p : f.trace.params) {
+    p.optimizerImpl = "foreach";
+    p.optimizerGroup = 0;
+  }
   f.w = makeWorkload(f.trace);
   EXPECT_DOUBLE_EQ(compileOffload(f.w, {{{0}, kState}, {{1}, kState}}).scratchShare, 0.5);
-  // Parameter 0 kept on the device is a call of its own, as large as group 1.
+  // Parameter 0 kept on the device is a call of its own, as large as offload group 1.
   EXPECT_DOUBLE_EQ(compileOffload(f.w, {{{1}, kState}}).scratchShare, 0.5);
   EXPECT_DOUBLE_EQ(compileOffload(f.w, {{{0, 1}, 2 * kState}}).scratchShare, 1.0);
+  // Each parameter in a param group of its own: the recorded step's calls were one parameter
+  // each already, as the grouped step's are.
+  f.trace.params[1].optimizerGroup = 1;
+  f.w = makeWorkload(f.trace);
+  EXPECT_DOUBLE_EQ(compileOffload(f.w, {{{0}, kState}, {{1}, kState}}).scratchShare, 1.0);
+  EXPECT_DOUBLE_EQ(compileOffload(f.w, {{{0, 1}, 2 * kState}}).scratchShare, 1.0);
+  // Not known: an implementation or a param group not recorded.
+  f.trace.params[1].optimizerGroup.reset();
+  f.w = makeWorkload(f.trace);
+  EXPECT_DOUBLE_EQ(compileOffload(f.w, {{{0}, kState}, {{1}, kState}}).scratchShare, 1.0);
+  f.trace.params[1].optimizerGroup = 0;
   f.trace.params[1].optimizerImpl.reset();
   f.w = makeWorkload(f.trace);
   EXPECT_DOUBLE_EQ(compileOffload(f.w, {{{0}, kState}, {{1}, kState}}).scratchShare, 1.0);

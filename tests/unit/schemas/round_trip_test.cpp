@@ -194,7 +194,7 @@ TEST(RoundTrip, InputShapesStayAbsentOrPresent) {
   EXPECT_EQ(writePlan(p2), writePlan(plan));
 }
 
-TEST(RoundTrip, AnOptimizersImplementationStaysAbsentOrPresentAndIsOneOfThree) {
+TEST(RoundTrip, AnOptimizersImplementationAndGroupStayAbsentOrPresent) {
   Trace trace = readTrace(kInputs / "minimal.trace.json");
   EXPECT_EQ(writeTrace(trace).find("optimizer_impl"), std::string::npos);
   trace.params[0].optimizerImpl = "foreach";
@@ -202,6 +202,11 @@ TEST(RoundTrip, AnOptimizersImplementationStaysAbsentOrPresentAndIsOneOfThree) {
   ASSERT_TRUE(validateTrace(parseJson(writeTrace(trace), "trace"), t2).empty());
   EXPECT_EQ(t2.params[0].optimizerImpl, "foreach");
   EXPECT_FALSE(t2.params[1].optimizerImpl.has_value());
+  EXPECT_EQ(writeTrace(trace).find("optimizer_group"), std::string::npos);
+  trace.params[1].optimizerGroup = 3;
+  ASSERT_TRUE(validateTrace(parseJson(writeTrace(trace), "trace"), t2).empty());
+  EXPECT_EQ(t2.params[1].optimizerGroup, 3);
+  EXPECT_FALSE(t2.params[0].optimizerGroup.has_value());
   trace.params[0].optimizerImpl = "vectorized";
   const auto diags = validateTrace(parseJson(writeTrace(trace), "trace"), t2);
   ASSERT_FALSE(diags.empty());

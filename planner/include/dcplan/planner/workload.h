@@ -49,6 +49,7 @@ struct WorkParam {
   uint64_t optimizerStateBytes = 0;
   /// The trace's optimizer_impl: "for_loop", "foreach", "fused", or empty (not known).
   std::string optimizerImpl;
+  int64_t optimizerGroup = -1;  ///< the trace's optimizer_group; -1: not recorded
 };
 
 /// The op structure of a graph id; every run of it must have the same structure.

@@ -80,9 +80,11 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   void markGraphed();
   /// After an optimizer step: the optimizer's per-element state of each shard it steps, bytes by
   /// ds_id (trace params' optimizer_state_bytes; the planner offloads it under a tight budget),
-  /// and how it runs over each, where known (optimizer_impl: for_loop, foreach or fused).
+  /// how it runs over each where known (optimizer_impl: for_loop, foreach or fused) and the
+  /// number of each one's param group (optimizer_group).
   void setOptimizerState(const std::map<int64_t, uint64_t>& bytesById,
-                         const std::map<int64_t, std::string>& implById = {});
+                         const std::map<int64_t, std::string>& implById = {},
+                         const std::map<int64_t, int64_t>& groupById = {});
   /// A forward that is not a training micro-step (an eval forward, without grad) runs while
   /// paused: its start and ops are not recorded and it counts as no step.
   void setPaused(bool paused);
@@ -237,10 +239,11 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   mutable std::recursive_mutex mutex_;
   bool recording_ = false;  // the current micro-step is recorded
   bool done_ = false;
-  bool graphed_ = false;                        ///< markGraphed()
-  std::map<int64_t, uint64_t> optimizerState_;  ///< setOptimizerState(), by ds_id
+  bool graphed_ = false;                          ///< markGraphed()
+  std::map<int64_t, uint64_t> optimizerState_;    ///< setOptimizerState(), by ds_id
   std::map<int64_t, std::string> optimizerImpl_;  ///< setOptimizerState(), by ds_id
-  bool paused_ = false;                         ///< setPaused()
+  std::map<int64_t, int64_t> optimizerGroup_;     ///< setOptimizerState(), by ds_id
+  bool paused_ = false;                           ///< setPaused()
   bool finished_ = false;
   int64_t optimizerStepsSeen_ = 0;  // completed optimizer steps, warm-up included
   int64_t recordedSteps_ = 0;

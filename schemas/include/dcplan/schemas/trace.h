@@ -51,6 +51,9 @@ struct TraceParam {
   /// How the optimizer that steps it runs (torch's names): "for_loop" (one parameter at a time),
   /// "foreach" (a call over all it steps) or "fused" (one kernel); absent: not known.
   std::optional<std::string> optimizerImpl;
+  /// The param group that steps it, numbered over the recorded optimizers: a foreach or fused
+  /// optimizer makes one call per group; absent: not recorded.
+  std::optional<int64_t> optimizerGroup;
 };
 
 /// A measured collective time for one message size.
