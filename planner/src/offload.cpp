@@ -3,6 +3,7 @@
 #include "dcplan/planner/offload.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <numeric>
 #include <stdexcept>
@@ -16,8 +17,8 @@ namespace {
 bool hasOptimizerState(const WorkParam& p) { return p.requiresGrad && p.optimizerStateBytes > 0; }
 
 /// CompiledOffload::scratchShare of `c`. The grouped step's calls are the parameters kept on the
-/// device, then each offload group, and a foreach or fused optimizer splits each by param group
-/// (one call per group); the recorded step's largest call was its largest param group.
+/// device, then each offload group, and a foreach optimizer splits each by param group (one call
+/// per group); the recorded step's largest call was its largest param group.
 double scratchShare(const Workload& w, const CompiledOffload& c) {
   std::vector<int64_t> callOf(w.params.size(), -1);  // offload group; -1: kept on the device
   for (size_t g = 0; g < c.groups.size(); ++g) {
@@ -25,11 +26,21 @@ double scratchShare(const Workload& w, const CompiledOffload& c) {
   }
   std::map<int64_t, uint64_t> recorded;                   // param group -> its state
   std::map<std::pair<int64_t, int64_t>, uint64_t> calls;  // (call, param group) -> its state
+  double perElement = 0;  // state bytes per master shard byte, the same for every parameter
   for (size_t p = 0; p < w.params.size(); ++p) {
     const WorkParam& wp = w.params[p];
-    if (!hasOptimizerState(wp)) continue;
-    const bool perCall = wp.optimizerImpl == "foreach" || wp.optimizerImpl == "fused";
-    if (!perCall || wp.optimizerGroup < 0) return 1.0;
+    if (!wp.requiresGrad) continue;
+    // Foreach only: a fused step works in place, and a loop's temporaries are one parameter's;
+    // a trainable parameter without state, or a param group not recorded, is not known either.
+    if (!hasOptimizerState(wp) || wp.optimizerImpl != "foreach" || wp.optimizerGroup < 0 ||
+        wp.mem.master == 0) {
+      return 1.0;
+    }
+    // The temporaries follow the elements a call steps; its state stands for them only where
+    // every shard holds as much per element (AdamW without amsgrad: two fp32 moments).
+    const double ratio = static_cast<double>(wp.optimizerStateBytes) / static_cast<double>(wp.mem.master);
+    if (perElement == 0) perElement = ratio;
+    if (std::abs(ratio - perElement) > 1e-9 * perElement) return 1.0;
     recorded[wp.optimizerGroup] += wp.optimizerStateBytes;
     calls[{callOf[p], wp.optimizerGroup}] += wp.optimizerStateBytes;
   }

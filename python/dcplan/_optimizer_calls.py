@@ -6,6 +6,7 @@ parameter's. The planner scales a grouped (offload) step's temporaries by them
 (docs/planning.md, "Offload")."""
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -50,15 +51,22 @@ class CallRecorder:
     """Numbers the param groups of the optimizers a recording sees, in the order first stepped."""
 
     def __init__(self):
-        self._numbers: Dict[Tuple[int, int], int] = {}
+        # optimizer -> {param group index: number}; weakly keyed: a new optimizer at a freed one's
+        # address gets numbers of its own.
+        self._numbers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Dict[int, int]]" = weakref.WeakKeyDictionary()
+        self._count = 0
 
     def of(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[int, str], Dict[int, int]]:
         """By ds_id of each dcplan shard `optimizer` steps: how it runs (where known), and its
         param group's number."""
         impls, groups = {}, {}
+        numbers = self._numbers.setdefault(optimizer, {})
         for index, group in enumerate(optimizer.param_groups):
             impl = _impl(optimizer, group)
-            number = self._numbers.setdefault((id(optimizer), index), len(self._numbers))
+            if index not in numbers:
+                numbers[index] = self._count
+                self._count += 1
+            number = numbers[index]
             for p in group["params"]:
                 ds_id = getattr(p, "_dcplan_ds_id", None)
                 if ds_id is None:

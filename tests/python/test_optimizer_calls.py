@@ -85,3 +85,33 @@ def test_param_groups_are_numbered_over_the_recorded_optimizers_in_the_order_fir
     assert calls.of(second) == ({2: "foreach"}, {2: 0})
     assert calls.of(first) == ({0: "foreach", 1: "for_loop"}, {0: 1, 1: 2})
     assert calls.of(second)[1] == {2: 0}  # the same numbers at every step
+
+
+def test_a_grouped_step_calls_torch_once_per_offload_call_and_param_group(monkeypatch):
+    """What the planner's scratchShare assumes of the runtime (python/dcplan/_offload.py): the
+    parameters kept on the device in one step() first, then one per offload group, and torch's
+    foreach AdamW splits each by param group."""
+    import types
+
+    from dcplan import _offload
+
+    a, b, c, d = shards(4)
+    opt = torch.optim.AdamW([{"params": [a, b]}, {"params": [c, d]}], foreach=True)
+    infos = [types.SimpleNamespace(ds_id=p._dcplan_ds_id, shard=p) for p in (a, b, c, d)]
+    calls = []
+    real = adam._multi_tensor_adam
+
+    def spy(params, *args, **kwargs):
+        calls.append([p._dcplan_ds_id for p in params])
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(adam, "_multi_tensor_adam", spy)
+    _offload.register(infos, [[1, 2]], [])  # one offload group across both param groups
+    try:
+        for p in (a, b, c, d):
+            p.grad = torch.ones_like(p)
+        opt.step()
+    finally:
+        _offload.forget()
+    # Then the optimizer's own step() over the groups the hook emptied: calls over nothing.
+    assert calls == [[0], [3], [1], [2], [], []], calls

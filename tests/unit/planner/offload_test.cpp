@@ -92,7 +92,8 @@ TEST(Offload, AForeachOrFusedOptimizersTemporariesShrinkWithWhatACallSteps) {
   // The optimizer step peaks 1 MB above the step's first op; less the two gradient shards it
   // holds, 897,600 bytes of temporaries. Stepped group by group, a foreach optimizer's largest
   // call steps half of the state (each offload group is one of two equal parameters of one param
-  // group), so half of them; a per-parameter loop's, or an optimizer not recorded, are kept whole.
+  // group), so half of them; a per-parameter loop's, a fused step's (in place), or an optimizer
+  // not recorded, are kept whole.
   auto peak = [](const char* impl, const char* other) {
     Fixture f;
     schemas::OpEvent& first = f.trace.steps[0].graphs[0].events[0];
@@ -105,7 +106,8 @@ TEST(Offload, AForeachOrFusedOptimizersTemporariesShrinkWithWhatACallSteps) {
   };
   const uint64_t whole = peak("for_loop", "for_loop");
   EXPECT_EQ(whole - peak("foreach", "foreach"), (1'000'000 - 2 * kTinyShard) / 2);
-  EXPECT_EQ(peak("fused", "foreach"), peak("foreach", "foreach"));
+  EXPECT_EQ(peak("fused", "fused"), whole);
+  EXPECT_EQ(peak("foreach", "fused"), whole);
   EXPECT_EQ(peak("foreach", "for_loop"), whole);  // one loop among them: its call is not known
 }
 
@@ -134,6 +136,15 @@ TEST(Offload, AForeachOptimizerCallsOncePerParamGroup) {
   f.trace.params[1].optimizerImpl.reset();
   f.w = makeWorkload(f.trace);
   EXPECT_DOUBLE_EQ(compileOffload(f.w, {{{0}, kState}, {{1}, kState}}).scratchShare, 1.0);
+  // State that does not stand for the elements: more per element on one shard (AMSGrad's third
+  // moment, say), or a trainable parameter without state beside the offloaded one.
+  f.trace.params[1].optimizerImpl = "foreach";
+  f.trace.params[1].optimizerStateBytes = 3 * kTinyShard;
+  f.w = makeWorkload(f.trace);
+  EXPECT_DOUBLE_EQ(compileOffload(f.w, {{{0}, kState}, {{1}, 3 * kTinyShard}}).scratchShare, 1.0);
+  f.trace.params[1].optimizerStateBytes = 0;
+  f.w = makeWorkload(f.trace);
+  EXPECT_DOUBLE_EQ(compileOffload(f.w, {{{0}, kState}}).scratchShare, 1.0);
 }
 
 TEST(Offload, GroupsFollowDsIdsAndStaySmallAgainstTheWhole) {

@@ -39,12 +39,13 @@ struct CompiledOffload {
   /// the group being updated, which come and go with its update.
   uint64_t stepBytes = 0;
   double share = 0;  ///< of the optimizer's recorded time: the offloaded parameters' share
-  /// Of the recorded step's temporaries, the most one call of the grouped step holds. A foreach or
-  /// fused optimizer's grow with the state a call steps, and it calls once per param group: the
+  /// Of the recorded step's temporaries, the most one call of the grouped step holds. A foreach
+  /// optimizer's grow with the elements a call steps, and it calls once per param group: the
   /// grouped step's largest call (the parameters kept on the device, then each offload group, each
-  /// split by param group) over the recorded step's (its largest param group). A per-parameter
-  /// loop's are its largest parameter's whatever a call steps, and an optimizer not known (or its
-  /// param groups) is kept whole: 1.
+  /// split by param group) over the recorded step's (its largest param group), by state where
+  /// every shard holds as much per element. Otherwise kept whole, 1: a loop's are its largest
+  /// parameter's whatever a call steps, a fused step's are not the state's size, and an optimizer
+  /// not known (or its param groups) errs high.
   double scratchShare = 1;
 };
 
