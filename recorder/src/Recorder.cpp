@@ -5,6 +5,7 @@
 #include "dcplan/schemas/io.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <cmath>
@@ -150,16 +151,17 @@ void Recorder::setOptimizerState(const std::map<int64_t, uint64_t>& bytesById,
                                  const std::map<int64_t, std::string>& implById,
                                  const std::map<int64_t, int64_t>& groupById) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  for (const auto& [id, bytes] : bytesById) optimizerState_[id] = bytes;
+  const std::vector<std::string>& impls = schemas::optimizerImpls();
+  for (const auto& [id, bytes] : bytesById) optimizer_[id].stateBytes = bytes;
   for (const auto& [id, impl] : implById) {
-    TORCH_CHECK(impl == "for_loop" || impl == "foreach" || impl == "fused",
-                "record_optimizer_state: impl_by_id[", id, "] should be for_loop, foreach or fused, got '",
-                impl, "'");
-    optimizerImpl_[id] = impl;
+    TORCH_CHECK(std::find(impls.begin(), impls.end(), impl) != impls.end(),
+                "record_optimizer_state: impl_by_id[", id, "] should be one of ", c10::Join(", ", impls),
+                ", got '", impl, "'");
+    optimizer_[id].impl = impl;
   }
   for (const auto& [id, group] : groupById) {
     TORCH_CHECK(group >= 0, "record_optimizer_state: group_by_id[", id, "] should be >= 0, got ", group);
-    optimizerGroup_[id] = group;
+    optimizer_[id].group = group;
   }
 }
 
@@ -519,13 +521,10 @@ schemas::Trace Recorder::traceHeader(const schemas::Calibration& calibration, Tr
     model.registered.insert(m.backwardGraph);
     for (const auto& p : m.params) {
       t.params.push_back(p);
-      if (auto it = optimizerState_.find(p.id); it != optimizerState_.end()) {
-        t.params.back().optimizerStateBytes = it->second;
-      }
-      if (auto it = optimizerImpl_.find(p.id); it != optimizerImpl_.end())
-        t.params.back().optimizerImpl = it->second;
-      if (auto it = optimizerGroup_.find(p.id); it != optimizerGroup_.end()) {
-        t.params.back().optimizerGroup = it->second;
+      if (auto it = optimizer_.find(p.id); it != optimizer_.end()) {
+        t.params.back().optimizerStateBytes = it->second.stateBytes;
+        t.params.back().optimizerImpl = it->second.impl;
+        t.params.back().optimizerGroup = it->second.group;
       }
       model.shardNumel[p.id] = p.shardNumel;
     }

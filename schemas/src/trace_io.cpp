@@ -148,7 +148,7 @@ class TraceValidator {
       auto shardNumel = r.integer("shard_numel", 0);
       auto requiresGrad = r.boolean("requires_grad");
       p.optimizerStateBytes = r.bytes("optimizer_state_bytes", P::Optional);
-      p.optimizerImpl = r.oneOf("optimizer_impl", {"for_loop", "foreach", "fused"}, P::Optional);
+      p.optimizerImpl = r.oneOf("optimizer_impl", optimizerImpls(), P::Optional);
       p.optimizerGroup = r.integer("optimizer_group", 0, P::Optional);
       r.rejectUnknownFields();
       if (id) {

@@ -88,7 +88,7 @@ TEST(Offload, ResidentParametersUpdateWhileTheFirstGroupComesIn) {
   EXPECT_NEAR(serial.exposedUs, 102.4 + 204.8, 1e-9);
 }
 
-TEST(Offload, AForeachOrFusedOptimizersTemporariesShrinkWithWhatACallSteps) {
+TEST(Offload, AForeachOptimizersTemporariesShrinkWithWhatACallSteps) {
   // The optimizer step peaks 1 MB above the step's first op; less the two gradient shards it
   // holds, 897,600 bytes of temporaries. Stepped group by group, a foreach optimizer's largest
   // call steps half of the state (each offload group is one of two equal parameters of one param

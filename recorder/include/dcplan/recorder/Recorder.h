@@ -239,11 +239,15 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   mutable std::recursive_mutex mutex_;
   bool recording_ = false;  // the current micro-step is recorded
   bool done_ = false;
-  bool graphed_ = false;                          ///< markGraphed()
-  std::map<int64_t, uint64_t> optimizerState_;    ///< setOptimizerState(), by ds_id
-  std::map<int64_t, std::string> optimizerImpl_;  ///< setOptimizerState(), by ds_id
-  std::map<int64_t, int64_t> optimizerGroup_;     ///< setOptimizerState(), by ds_id
-  bool paused_ = false;                           ///< setPaused()
+  bool graphed_ = false;  ///< markGraphed()
+  /// setOptimizerState(), by ds_id: the trace param's optimizer fields.
+  struct OptimizerFields {
+    std::optional<uint64_t> stateBytes;
+    std::optional<std::string> impl;
+    std::optional<int64_t> group;
+  };
+  std::map<int64_t, OptimizerFields> optimizer_;
+  bool paused_ = false;  ///< setPaused()
   bool finished_ = false;
   int64_t optimizerStepsSeen_ = 0;  // completed optimizer steps, warm-up included
   int64_t recordedSteps_ = 0;

@@ -36,6 +36,12 @@ struct TraceMemory {
   uint64_t baselineBytes = 0;  ///< in use at step start: shards, optimizer state
 };
 
+/// The values of TraceParam::optimizerImpl (params[].optimizer_impl).
+inline const std::vector<std::string>& optimizerImpls() {
+  static const std::vector<std::string> names{"for_loop", "foreach", "fused"};
+  return names;
+}
+
 /// One row of the parameter table; ids are the runtime's ds_ids.
 struct TraceParam {
   int64_t id = 0;
