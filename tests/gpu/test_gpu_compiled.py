@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train"))
 import compiled_cases as cc  # noqa: E402
-from mp_harness import entry, require_gpus, run_ranks  # noqa: E402
+from mp_harness import entry, gpu_ranks, require_gpus, run_ranks  # noqa: E402
 from train_harness import assert_trained_like  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +30,7 @@ def results(dcplan_module):
     require_gpus(dcplan_module, 1)
     import torch
 
-    return run_ranks(cc.worker, min(2, torch.cuda.device_count()), CASES, "cuda")
+    return run_ranks(cc.worker, min(gpu_ranks(), torch.cuda.device_count()), CASES, "cuda")
 
 
 @pytest.mark.parametrize("variant,stage,accum", CASES, ids=[f"{v}-zero{s}-accum{a}" for v, s, a in CASES])

@@ -1,4 +1,4 @@
-"""dcplan on 2 GPUs (NCCL transport) against single-GPU training, and the CUDA kernels' semantics.
+"""dcplan on 2 GPUs ($DCPLAN_TEST_GPUS; NCCL transport) against single-GPU training, and the CUDA kernels' semantics.
 
 Skipped, with the reason, where there are fewer than 2 GPUs or dcplan is a CPU build.
 """
@@ -7,12 +7,12 @@ import torch
 
 import dist_cases
 import gpu_worker
-from mp_harness import (assert_matches_reference, assert_reduced_grads, entry, run_ranks, selected_cases,
-                        skip_unselected)
+from mp_harness import (assert_matches_reference, assert_reduced_grads, entry, gpu_ranks, run_ranks,
+                        selected_cases, skip_unselected)
 
 pytestmark = pytest.mark.gpu
 
-WS = 2
+WS = gpu_ranks()
 CASES = dist_cases.all_cases()
 
 

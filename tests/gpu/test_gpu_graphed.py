@@ -8,7 +8,7 @@ Skipped, with the reason, where there is no GPU or dcplan is a CPU build.
 import pytest
 
 import graphed_cases as gc
-from mp_harness import entry, require_gpus, run_ranks
+from mp_harness import entry, gpu_ranks, require_gpus, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ def results(dcplan_module):
     require_gpus(dcplan_module, 1)
     import torch
 
-    return run_ranks(gc.worker, min(2, torch.cuda.device_count()), CASES, "cuda")
+    return run_ranks(gc.worker, min(gpu_ranks(), torch.cuda.device_count()), CASES, "cuda")
 
 
 @pytest.mark.parametrize("variant,stage,accum,clip", CASES, ids=[gc.case_name(*c) for c in CASES])
@@ -187,9 +187,9 @@ def test_a_graphed_run_on_two_gpus_exits(dcplan_module, tmp_path):
     import subprocess
     import sys
 
-    require_gpus(dcplan_module, 2)
+    require_gpus(dcplan_module, gpu_ranks())
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpu_ranks()),
            os.path.join(root, "examples", "train_llama.py"), "--device", "cuda", "--cuda-graph", "--layers", "2",
            "--hidden", "256", "--steps", "5"]
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
@@ -224,7 +224,7 @@ def test_the_examples_graphed_recipe_resumes_from_its_checkpoint(dcplan_module, 
 
     require_gpus(dcplan_module, 1)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    n = min(2, torch.cuda.device_count())
+    n = min(gpu_ranks(), torch.cuda.device_count())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
            os.path.join(root, "examples", "train_transformers.py"), "--device", "cuda", "--compile", "--graphed",
            "--accum", "2", "--steps", "10", "--save-at", "5", "--eval-every", "3", "--check-resume",

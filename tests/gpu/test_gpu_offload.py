@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from mp_harness import dcplan_binary, offload_floors, require_gpus
+from mp_harness import dcplan_binary, gpu_ranks, offload_floors, require_gpus
 
 # As tests/gpu/test_gpu_graphed.py: one GPU's run against another run on it, kernels alike.
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -19,9 +19,9 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 UNDER_STATE_FLOOR = 0.97
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [1, gpu_ranks()])
 def test_master_shards_on_the_host_keep_the_budget_train_alike_and_resume(dcplan_module, tmp_path, ranks):
-    """On 2 GPUs the vocabulary (1023 rows) is not divided by the ranks: the checkpoint's layout
+    """On 2 GPUs (or $DCPLAN_TEST_GPUS) the vocabulary (1023 rows) is not divided by the ranks: the checkpoint's layout
     exchange of host-kept state goes through the device, which NCCL needs."""
     require_gpus(dcplan_module, ranks)
     import torch

@@ -64,6 +64,15 @@ def dcplan_module():
     return dcplan
 
 
+def gpu_ranks() -> int:
+    """How many GPUs the multi-GPU tests run on: $DCPLAN_TEST_GPUS (default 2; 4 on a 4-GPU machine
+    checks uneven shards and a ring of more than two)."""
+    raw = os.environ.get("DCPLAN_TEST_GPUS", "2")
+    if not raw.isdigit() or int(raw) < 2:
+        raise ValueError(f"DCPLAN_TEST_GPUS: expected a whole number of GPUs, at least 2, got {raw!r}")
+    return int(raw)
+
+
 def require_gpus(dcplan, n: int = 2) -> None:
     """Skips (with the reason) unless this machine has n GPUs and dcplan was built with CUDA."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < n:

@@ -3,16 +3,18 @@ import pytest
 import torch
 
 import replay_cases
-from mp_harness import entry, require_gpus, run_ranks
+from mp_harness import entry, gpu_ranks, require_gpus, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.fixture(scope="module", params=[(2, "gloo"), (3, "gloo"), (2, "nccl")], ids=["ws2", "ws3", "nccl-ws2"])
+@pytest.fixture(scope="module", params=[(2, "gloo"), (3, "gloo"), (gpu_ranks(), "nccl")],
+                ids=["ws2", "ws3", f"nccl-ws{gpu_ranks()}"])
 def runs(request, dcplan_module):
     """Spawns one process per rank once per world size and backend; every case runs inside them.
 
-    nccl: the same cases on 2 GPUs through dcplan's NCCL transport; skipped visibly without them.
+    nccl: the same cases on 2 GPUs ($DCPLAN_TEST_GPUS) through dcplan's NCCL transport; skipped
+    visibly without them.
     """
     ws, backend = request.param
     if backend == "nccl":
