@@ -128,6 +128,17 @@ std::shared_ptr<Transport> makeTimedTransport(std::shared_ptr<Transport> inner,
   return std::make_shared<TimedTransport>(std::move(inner), std::move(listener));
 }
 
+double agreeOnMax(Transport& transport, const CalibrationOptions& o, double value) {
+  const int64_t ws = transport.worldSize();
+  if (ws == 1) return value;
+  // Each rank's value in its own slot of a summing all-reduce: every rank then sees them all.
+  at::Tensor all = at::zeros({ws}, at::TensorOptions().dtype(at::kDouble).device(o.device));
+  all[transport.rank()].fill_(value);
+  transport.allReduce(all)->wait();
+  if (o.synchronize) o.synchronize();
+  return all.max().item<double>();
+}
+
 schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o) {
   TORCH_CHECK(o.repetitions >= 1, "calibrate: repetitions should be >= 1, got ", o.repetitions);
   TORCH_CHECK(o.minBytes > 0 && o.minBytes <= o.maxBytes,

@@ -112,7 +112,11 @@ class LocalTransport final : public Transport {
     out.copy_(in.select(0, 0));
     return launched("reduceScatter");
   }
-  CommHandlePtr allReduce(const at::Tensor&) override { return launched("allReduce"); }
+  CommHandlePtr allReduce(const at::Tensor& t) override {
+    // The other ranks' values of an agreement (agreeOnMax: one slot per rank, summed).
+    for (size_t r = 0; r < peerSlots.size() && t.numel() == ws; ++r) t[static_cast<int64_t>(r) + 1].add_(peerSlots[r]);
+    return launched("allReduce");
+  }
   // A device transport's seams: what reaches them, and with which handle.
   CommHandlePtr markCaller() override {
     ++marks;
@@ -131,6 +135,7 @@ class LocalTransport final : public Transport {
     return last;
   }
   int ws = 1;
+  std::vector<double> peerSlots;  // ranks 1..: what they add to an agreement's slots
   std::vector<std::string> calls;
   std::shared_ptr<ManualHandle> last;
   int marks = 0;
@@ -435,6 +440,20 @@ TEST_F(RecorderTest, TheLastWarmupStepLeadsTheDeviceAndGivesTheDevicesOwnTimes) 
       }
     }
   }
+}
+
+TEST_F(RecorderTest, EveryRankLeadsByTheSlowestHostsStep) {
+  // Rank 1's host took 20 ms for the step before the led one, this rank's far less: both queue
+  // twice the slower one's plus 5 ms, at the start and after end_backward, so that neither
+  // device waits for the other's longer lead in a collective after the optimizer.
+  auto rec = make(/*steps=*/1, /*warmup=*/2);
+  local->peerSlots = {20000.0};
+  microStep(*rec, 0, true);
+  microStep(*rec, 100, true, 0.5);
+  EXPECT_EQ(std::count(local->calls.begin(), local->calls.end(), "allReduce"), 1);
+  ASSERT_EQ(timer->leads.size(), 8u);
+  EXPECT_DOUBLE_EQ(timer->leads[0], 2 * 20000.0 + 5000.0);
+  EXPECT_DOUBLE_EQ(timer->leads[7], timer->leads[0]);
 }
 
 TEST_F(RecorderTest, NoDeviceTimesWithoutALeadOrWhereTheHostOutranIt) {

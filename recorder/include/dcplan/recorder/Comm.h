@@ -50,6 +50,10 @@ struct CalibrationOptions {
   std::function<void()> synchronize;
 };
 
+/// The largest `value` over the ranks of `transport` (an all-reduce on options.device, then a
+/// wait for it). Collective: every rank calls it at the same point.
+double agreeOnMax(replayer::Transport& transport, const CalibrationOptions& options, double value);
+
 /// Measures all-gather, reduce-scatter and all-reduce time against message size
 /// through `transport`, and the host<->device copy rate when the device is not
 /// the CPU. Collective: every rank of the transport calls it with the same options.
