@@ -25,7 +25,8 @@ reduction. Modes:
             share of the fp32 parameters.
 
 Prints, per mode: step time (mean over --steps after --warmup, one synchronisation at each
-end), tokens/s over all GPUs, peak memory (max over ranks, torch.cuda.max_memory_allocated),
+end), tokens/s over all GPUs, peak memory (max over ranks, torch.cuda.max_memory_allocated, in
+the steps; "setup": building the model on the device and sharding it, before them),
 the ratio of the step time to the compute-only bound, and the first/last loss. --json FILE
 writes the same as JSON. --rounds N runs the modes N times in turn and reports each mode's
 median step time (the GPU machines' hosts vary from minute to minute, and these shapes
@@ -163,6 +164,11 @@ class Bench:
             (update or default_update)(loss)
             losses.append(loss.detach())
 
+        # The setup (the whole model built on the device, then sharded) has its own peak: the
+        # steps' peak starts here. CPUOffloadPolicy's 1x1024 "peak" was the setup's (3.53 GiB of
+        # fp32 model) until 2026-11-27: its steps peaked at 2.03 GiB on 2xH100.
+        self.setup_peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         for i in range(a.warmup):
             step(i)
         torch.cuda.synchronize()
@@ -331,10 +337,17 @@ class Bench:
             print(f"{a.label} {mode}: host time by function, rank 0, {a.host_profile_steps} steps "
                   f"({1e3 * host:.1f} ms a step issued under the profiler)\n" + "\n".join(lines[:24]), flush=True)
 
-    def peak(self):
-        peak = torch.tensor([self.run_peak], device=self.device, dtype=torch.float64)
+    def peak(self, value):
+        peak = torch.tensor([value], device=self.device, dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return int(peak.item())
+
+    def measured(self, step, losses):
+        """What every mode reports after run(): the slowest rank's step, the most memory over the
+        ranks in the steps and in the setup before them, the losses, the profiles."""
+        return {"step_s": self.slowest(step), "peak_bytes": self.peak(self.run_peak),
+                "setup_peak_bytes": self.peak(self.setup_peak), "losses": losses, "breakdown": self.breakdown,
+                "phase_peaks_gib": self.phase_peaks}
 
     def slowest(self, seconds):
         t = torch.tensor([seconds], device=self.device, dtype=torch.float64)
@@ -363,8 +376,7 @@ class Bench:
         fully_shard(model, mp_policy=mp, offload_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, weight_decay=0.01)
         step, losses = self.run(model, opt, "fsdp2-compiled" if compiled else "fsdp2-offload" if offload else "fsdp2")
-        out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
-               "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks}
+        out = self.measured(step, losses)
         del model, opt
         return out
 
@@ -392,8 +404,7 @@ class Bench:
 
         mode = "deepcompile" if compiled else "deepspeed"
         step, losses = self.run(engine, opt, mode, update)
-        out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
-               "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks, "deepspeed": deepspeed.__version__}
+        out = dict(self.measured(step, losses), deepspeed=deepspeed.__version__)
         if hasattr(engine, "destroy"):
             engine.destroy()
         del engine, model, opt
@@ -441,8 +452,7 @@ class Bench:
             graphed_step = dcplan.graphed_step(one_step, warmup=2)
             train_step = self.timed_capture(graphed_step, opt if recipe else None)
         step, losses = self.run(model, opt, mode, train_step=train_step)
-        out = {"step_s": self.slowest(step), "peak_bytes": self.peak(), "losses": losses,
-               "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks}
+        out = self.measured(step, losses)
         if graphed:
             out["capture_s"] = self.capture_s
         if plan:
@@ -525,12 +535,14 @@ class Bench:
 
 def merge_rounds(rs):
     """One mode's results over the rounds: the median step time (the hosts of the GPU machine
-    vary from minute to minute), the highest peak, the rest from the last round."""
+    vary from minute to minute), the highest peaks (steps, setup), the rest from the last round."""
     r = dict(rs[-1])
     if len(rs) > 1 and all("step_s" in x for x in rs):
         r["round_step_s"] = [x["step_s"] for x in rs]
         r["step_s"] = statistics.median(r["round_step_s"])
-        r["peak_bytes"] = max(x["peak_bytes"] for x in rs)
+        for key in ("peak_bytes", "setup_peak_bytes"):
+            if all(key in x for x in rs):
+                r[key] = max(x[key] for x in rs)
     return r
 
 
@@ -544,16 +556,17 @@ def report(results, meta):
           f"{a.batch}x{a.seq} tokens per GPU, {world} GPUs ({meta['device']}), torch {meta['torch']}")
     bound = results.get("bound", {}).get("step_s")
     width = max(8, *(len(m) for m in results))
-    print(f"{'mode':<{width}} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9} {'x bound':>8} {'pred ms':>8} {'pred GiB':>8} "
-          f"{'loss first/last':>16}")
+    print(f"{'mode':<{width}} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9} {'setup GiB':>9} {'x bound':>8} {'pred ms':>8} "
+          f"{'pred GiB':>8} {'loss first/last':>16}")
     for mode, r in results.items():
         ratio = f"{r['step_s'] / bound:8.2f}" if bound else f"{'-':>8}"
         pred = f"{1e3 * r['predicted_step_s']:8.1f}" if "predicted_step_s" in r else f"{'-':>8}"
         pred += f" {r['predicted_peak_bytes'] / 2**30:8.2f}" if "predicted_peak_bytes" in r else f" {'-':>8}"
         losses = r.get("losses")
         loss = f"{losses[0]:7.3f}/{losses[-1]:7.3f}" if losses else f"{'-':>16}"
+        setup = f"{r['setup_peak_bytes'] / 2**30:9.2f}" if "setup_peak_bytes" in r else f"{'-':>9}"
         print(f"{mode:<{width}} {1e3 * r['step_s']:9.1f} {tokens / r['step_s']:10.0f} {r['peak_bytes'] / 2**30:9.2f} "
-              f"{ratio} {pred} {loss}")
+              f"{setup} {ratio} {pred} {loss}")
     for mode, r in results.items():
         ph = r.get("phase_peaks_gib")
         if ph:

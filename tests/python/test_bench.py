@@ -14,13 +14,14 @@ def _bench():
 
 def test_rounds_report_the_median_step_and_the_highest_peak():
     merge = _bench().merge_rounds
-    rounds = [{"step_s": 0.080, "peak_bytes": 5, "losses": [1.0]},
-              {"step_s": 0.055, "peak_bytes": 7, "losses": [2.0]},
-              {"step_s": 0.060, "peak_bytes": 6, "losses": [3.0]}]
+    rounds = [{"step_s": 0.080, "peak_bytes": 5, "setup_peak_bytes": 9, "losses": [1.0]},
+              {"step_s": 0.055, "peak_bytes": 7, "setup_peak_bytes": 8, "losses": [2.0]},
+              {"step_s": 0.060, "peak_bytes": 6, "setup_peak_bytes": 8, "losses": [3.0]}]
     r = merge(rounds)
     assert r["step_s"] == 0.060
     assert r["round_step_s"] == [0.080, 0.055, 0.060]
     assert r["peak_bytes"] == 7
+    assert r["setup_peak_bytes"] == 9  # each peak the highest of its own
     assert r["losses"] == [3.0]  # the rest from the last round
     assert merge(rounds[:1]) == rounds[0]  # one round: as measured
     assert merge([{}, {}]) == {}  # the bound's other ranks report nothing
