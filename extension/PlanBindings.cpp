@@ -108,6 +108,7 @@ void bindPlan(py::module_& m) {
         out["cuda_graph"] = summary.cudaGraph;
         out["buckets"] = summary.buckets;
         out["optimizer_offload"] = summary.optimizerOffload;
+        out["optimizer_offload_bytes"] = summary.optimizerOffloadBytes;
         out["master_offload"] = summary.masterOffload;
         out["offload_state_bytes"] = summary.offloadStateBytes;
         out["offload_master_bytes"] = summary.offloadMasterBytes;

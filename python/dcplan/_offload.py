@@ -8,9 +8,11 @@ group once its state is back, the next group's copy in running beside its update
 copy out issued after it. The optimizer's ``step()`` itself then finds no parameters: its
 param groups are empty until its post-hook puts them back.
 
-Between steps ``optimizer.state[p]`` holds the host copies (pinned on a GPU; on CPU ranks a
-pool of their own, outside torch's allocator, so that the device's counted memory is what a
-GPU's would be). Each host buffer is allocated once, when its state first exists, and reused.
+Between steps ``optimizer.state[p]`` holds the host copies (pinned on a GPU; on CPU ranks memory
+of their own, outside torch's allocator, so that the device's counted memory is what a GPU's
+would be). Each group's host memory is allocated once, when the plan is loaded (before step 0:
+the plan's bytes for the group), and each state tensor's copy is a view into it, taken at the
+state's first step (or a loaded state dict) and reused.
 
 A group may keep its master shards on the host too (ZeRO-3): the runtime holds them there from
 registration on, brings one back for each of its gathers and drops it once the gather is done;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 import weakref
 from typing import Dict, List, Optional
 
@@ -34,6 +37,8 @@ _shards: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDic
 _group_of: Dict[int, int] = {}
 _group_count = 0  # groups registered so far, over every model: _group_of's stepping order
 _masters: set = set()  # ds_ids whose master shards the runtime keeps on the host
+_pools: Dict[int, "_HostPool"] = {}  # group -> its host memory, allocated at registration
+_slots: Dict[tuple, torch.Tensor] = {}  # (ds_id, state key) -> its host copy, a view into a pool
 _handles = []
 # An optimizer -> its param groups' lists while its own step() runs over none.
 _emptied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -63,10 +68,36 @@ def _per_element(optimizer, p) -> Dict[str, torch.Tensor]:
     return {k: t for k, t in optimizer.state.get(p, {}).items() if is_per_element(t, p)}
 
 
-def register(infos, groups: List[List[int]], masters: List[int]) -> None:
-    """A model sharded with a plan that offloads: infos its parameters, groups the plan's and
-    masters the ids of those whose master shards stay on the host too (checked against the model
-    when the plan was loaded)."""
+# Room between two state tensors of a pool, so that each starts aligned (as torch's allocators
+# align theirs); a pool holds this much more per state tensor a group's parameters may have.
+_ALIGN = 64
+_TENSORS_PER_PARAM = 4  # AdamW has two per-element tensors; AMSGrad three
+
+
+class _HostPool:
+    """One group's host memory, taken in aligned views as its state tensors first need copies."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.buffer = host_empty((nbytes,), torch.uint8, device)
+        self.used = 0
+
+    def take(self, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """A view of shape and dtype at the next aligned offset; None where the pool is full."""
+        start = -(-self.used // _ALIGN) * _ALIGN
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if start + nbytes > self.buffer.numel():
+            return None
+        self.used = start + nbytes
+        view = self.buffer[start:start + nbytes].view(dtype).view(shape)
+        view._dcplan_host_buffer = True
+        return view
+
+
+def register(infos, groups: List[List[int]], masters: List[int], group_bytes: Optional[List[int]] = None) -> None:
+    """A model sharded with a plan that offloads: infos its parameters, groups the plan's,
+    group_bytes each group's optimizer state in bytes (allocated here, before step 0) and masters
+    the ids of those whose master shards stay on the host too (checked against the model when the
+    plan was loaded)."""
     global _group_count
     if not groups:
         return
@@ -74,10 +105,13 @@ def register(infos, groups: List[List[int]], masters: List[int]) -> None:
         _C.set_masters_on_host(list(masters))
         _masters.update(masters)
     by_id = {i.ds_id: i.shard for i in infos}
-    for ids in groups:
+    for g, ids in enumerate(groups):
         for i in ids:
             _shards[i] = by_id[i]
             _group_of[i] = _group_count
+        if group_bytes is not None:
+            room = group_bytes[g] + _ALIGN * _TENSORS_PER_PARAM * len(ids)
+            _pools[_group_count] = _HostPool(room, by_id[ids[0]].device)
         _group_count += 1
     if not _handles:
         _handles.append(register_optimizer_step_pre_hook(_before_step))
@@ -117,6 +151,8 @@ def forget() -> None:
         _masters.clear()
     _shards.clear()
     _group_of.clear()
+    _pools.clear()
+    _slots.clear()
     _group_count = 0
     for h in _handles:
         h.remove()
@@ -191,8 +227,8 @@ class _Mover:
         for p in params:
             for key, dev in _per_element(optimizer, p).items():
                 host = self.host_of.pop(id(dev), None)
-                if host is None:
-                    host = host_empty(dev.shape, dev.dtype, dev.device)  # the state's first step made it: once
+                if host is None:  # the state's first step made it
+                    host = host_slot(p, key, dev)
                 self._copy(host, dev, self.to_host if self.cuda else None)
                 optimizer.state[p][key] = host
                 copies.append(dev)
@@ -233,11 +269,34 @@ def host_copies_ready(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host buffer (as the offloaded state lives in) holding t's values: what a loaded state
-    dict's state becomes for a parameter whose state a plan keeps on the host."""
-    host = host_empty(t.shape, t.dtype, t.device)
+def host_copy(p: torch.Tensor, key: str, t: torch.Tensor) -> torch.Tensor:
+    """shard p's host buffer for its state `key`, holding t's values: what a loaded state dict's
+    state becomes for a parameter whose state a plan keeps on the host."""
+    host = host_slot(p, key, t)
     host.copy_(t)
+    return host
+
+
+def host_slot(p: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
+    """The host buffer of shard p's state `key` (a tensor like `like`): taken from its group's pool
+    once, then the same one. State larger than the plan's bytes for the group (an optimizer other
+    than the recorded one) gets memory of its own, with a warning: the host check before step 0
+    did not count it."""
+    slot = (p._dcplan_ds_id, key)
+    host = _slots.get(slot)
+    if host is not None and host.shape == like.shape and host.dtype == like.dtype:
+        return host
+    pool = _pools.get(_group_of[p._dcplan_ds_id])
+    host = pool.take(like.shape, like.dtype) if pool is not None else None
+    if host is None:
+        host = host_empty(like.shape, like.dtype, like.device)
+        if pool is not None:
+            warnings.warn(f"dcplan: the optimizer state {key!r} of parameter ds_id {p._dcplan_ds_id} does not fit "
+                          f"its offload group's host memory ({pool.buffer.numel()} bytes, {pool.used} taken; the "
+                          "plan's bytes for the group, from the trace's optimizer_state_bytes): allocated apart, "
+                          "beyond what the host memory check before step 0 counted. Record the optimizer this "
+                          "run steps and plan again")
+    _slots[slot] = host
     return host
 
 

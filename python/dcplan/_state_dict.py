@@ -580,7 +580,7 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
                     sharder.load(info, dst, value, f"state.{info.name}.{key}", caller)
                     value = dst
                     if _offload.keeps_state_on_host(params[index]):
-                        on_host.setdefault(index, {})[key] = _offload.host_copy(dst)
+                        on_host.setdefault(index, {})[key] = _offload.host_copy(params[index], key, dst)
                         continue
                 elif isinstance(value, torch.Tensor):
                     value = value.detach().clone()

@@ -603,6 +603,7 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
       }
     }
     summary.optimizerOffload.push_back(ids);
+    summary.optimizerOffloadBytes.push_back(plan.optimizerOffload[g].bytes);
     summary.offloadStateBytes += plan.optimizerOffload[g].bytes;
     summary.offloadMasterBytes += plan.optimizerOffload[g].masterBytes;
     if (plan.optimizerOffload[g].masterBytes > 0) {

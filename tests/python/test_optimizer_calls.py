@@ -115,3 +115,58 @@ def test_a_grouped_step_calls_torch_once_per_offload_call_and_param_group(monkey
         _offload.forget()
     # Then the optimizer's own step() over the groups the hook emptied: calls over nothing.
     assert calls == [[0], [3], [1], [2], [], []], calls
+
+
+def test_a_plans_host_memory_is_allocated_before_step_0_and_each_state_reuses_its_view(monkeypatch):
+    """Pinned host buffers allocated once, at start (issue 30): register() takes each group's
+    bytes from the plan; the steps take views of that memory, the same ones every step, and
+    allocate no host memory of their own."""
+    import types
+
+    from dcplan import _offload
+
+    a, b, c = shards(3)
+    opt = torch.optim.AdamW([a, b, c], foreach=True)
+    infos = [types.SimpleNamespace(ds_id=p._dcplan_ds_id, shard=p) for p in (a, b, c)]
+    # AdamW's exp_avg and exp_avg_sq in fp32: 8 bytes per element of each 4-element shard.
+    _offload.register(infos, [[1], [2]], [], [32, 32])
+    allocated = []
+    real = _offload.host_empty
+    monkeypatch.setattr(_offload, "host_empty", lambda *args: allocated.append(args) or real(*args))
+    try:
+        pools = {g: pool.buffer for g, pool in _offload._pools.items()}
+        assert sorted(pools) == [0, 1] and all(buf.numel() >= 32 for buf in pools.values())
+        ptrs = []
+        for _ in range(2):
+            for p in (a, b, c):
+                p.grad = torch.ones_like(p)
+            opt.step()
+            ptrs.append({(p._dcplan_ds_id, k): t.data_ptr() for p in (b, c) for k, t in opt.state[p].items()
+                         if _offload.is_host(t)})
+        assert allocated == []  # no host memory beyond the pools
+        assert ptrs[0] == ptrs[1] and len(ptrs[0]) == 4  # exp_avg and exp_avg_sq of b and c, reused
+        for (ds_id, _), ptr in ptrs[0].items():
+            buf = pools[ds_id - 1]  # b's group is 0, c's 1
+            assert buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel()
+        assert not any(_offload.is_host(t) for t in opt.state[a].values())  # kept on the device
+    finally:
+        _offload.forget()
+
+
+def test_state_larger_than_the_plan_said_gets_memory_of_its_own_and_a_warning():
+    import types
+
+    from dcplan import _offload
+
+    a = torch.nn.Parameter(torch.randn(100))
+    a._dcplan_ds_id = 0
+    # Recorded as AdamW (800 bytes: two fp32 moments), run with AMSGrad's third (1200 bytes).
+    opt = torch.optim.AdamW([a], foreach=True, amsgrad=True)
+    _offload.register([types.SimpleNamespace(ds_id=0, shard=a)], [[0]], [], [800])
+    try:
+        a.grad = torch.ones_like(a)
+        with pytest.warns(UserWarning, match="does not fit its offload group's host memory"):
+            opt.step()
+        assert all(_offload.is_host(t) for k, t in opt.state[a].items() if k != "step")
+    finally:
+        _offload.forget()

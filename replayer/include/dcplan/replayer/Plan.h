@@ -56,6 +56,9 @@ struct PlanSummary {
   bool cudaGraph = false;  ///< made for one CUDA graph per step (options.cuda_graph)
   /// ds_ids whose optimizer state the plan keeps on the host, per group in stepping order.
   std::vector<std::vector<int64_t>> optimizerOffload;
+  /// Each of those groups' optimizer state on the host, in bytes (the plan's offload bytes): the
+  /// runtime allocates its host buffers before step 0.
+  std::vector<uint64_t> optimizerOffloadBytes;
   /// ds_ids whose master shards the plan keeps on the host between uses (ZeRO-3).
   std::vector<int64_t> masterOffload;
   /// The host memory the plan's offload keeps on each rank (the plan's bytes at its world size):
