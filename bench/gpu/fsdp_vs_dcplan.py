@@ -164,9 +164,9 @@ class Bench:
             (update or default_update)(loss)
             losses.append(loss.detach())
 
-        # The setup (the whole model built on the device, then sharded) has its own peak: the
-        # steps' peak starts here. CPUOffloadPolicy's 1x1024 "peak" was the setup's (3.53 GiB of
-        # fp32 model) until 2026-11-27: its steps peaked at 2.03 GiB on 2xH100.
+        # The setup (the whole model built on the device, then sharded) has its own peak, which
+        # hid the steps' of modes that hold less (docs/benchmarks.md, Planned offload): the steps'
+        # peak starts here.
         self.setup_peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         for i in range(a.warmup):

@@ -38,7 +38,9 @@ _group_of: Dict[int, int] = {}
 _group_count = 0  # groups registered so far, over every model: _group_of's stepping order
 _masters: set = set()  # ds_ids whose master shards the runtime keeps on the host
 _pools: Dict[int, "_HostPool"] = {}  # group -> its host memory, allocated at registration
-_slots: Dict[tuple, torch.Tensor] = {}  # (ds_id, state key) -> its host copy, a view into a pool
+# (ds_id, state key) -> (its host copy: a view of its group's pool, the optimizer using it (weakly)).
+_slots: Dict[tuple, tuple] = {}
+_pool_finalizers: list = []  # a group's pool goes when its first shard does (a model dropped)
 _handles = []
 # An optimizer -> its param groups' lists while its own step() runs over none.
 _emptied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -68,23 +70,35 @@ def _per_element(optimizer, p) -> Dict[str, torch.Tensor]:
     return {k: t for k, t in optimizer.state.get(p, {}).items() if is_per_element(t, p)}
 
 
-# Room between two state tensors of a pool, so that each starts aligned (as torch's allocators
-# align theirs); a pool holds this much more per state tensor a group's parameters may have.
+# Each state tensor of a pool starts at a multiple of this (as torch's CUDA allocators align
+# theirs); a pool holds room for that padding beside the plan's bytes, for up to
+# _TENSORS_PER_PARAM tensors per parameter (AdamW has two per-element ones, AMSGrad three).
 _ALIGN = 64
-_TENSORS_PER_PARAM = 4  # AdamW has two per-element tensors; AMSGrad three
+_TENSORS_PER_PARAM = 4
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 class _HostPool:
-    """One group's host memory, taken in aligned views as its state tensors first need copies."""
+    """One offload group's host memory, allocated when the plan is loaded, taken in aligned views as
+    its state tensors first need host copies. plan, index and planned name the plan's group and
+    its bytes (for the message when state does not fit)."""
 
-    def __init__(self, nbytes: int, device: torch.device):
-        self.buffer = host_empty((nbytes,), torch.uint8, device)
+    def __init__(self, plan: str, index: int, planned: int, params: int, device: torch.device):
+        self.plan, self.index, self.planned = plan, index, planned
+        room = planned + _ALIGN * _TENSORS_PER_PARAM * params
+        raw = host_empty((room + _ALIGN,), torch.uint8, device)
+        skip = -raw.data_ptr() % _ALIGN  # numpy's memory (CPU ranks) is only 16-byte aligned
+        self.buffer = raw[skip:skip + room]
         self.used = 0
+        self.warned = False
 
     def take(self, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """A view of shape and dtype at the next aligned offset; None where the pool is full."""
         start = -(-self.used // _ALIGN) * _ALIGN
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = _nbytes(shape, dtype)
         if start + nbytes > self.buffer.numel():
             return None
         self.used = start + nbytes
@@ -93,11 +107,20 @@ class _HostPool:
         return view
 
 
-def register(infos, groups: List[List[int]], masters: List[int], group_bytes: Optional[List[int]] = None) -> None:
-    """A model sharded with a plan that offloads: infos its parameters, groups the plan's,
-    group_bytes each group's optimizer state in bytes (allocated here, before step 0) and masters
-    the ids of those whose master shards stay on the host too (checked against the model when the
-    plan was loaded)."""
+def _drop_pool(group: int, pool: _HostPool) -> None:
+    """A dropped model's pool and the slots taken from it (the optimizer's state keeps its own)."""
+    if _pools.get(group) is pool:
+        del _pools[group]
+    for slot in [k for k, (_, _, p) in _slots.items() if p is pool]:
+        del _slots[slot]
+
+
+def register(infos, groups: List[List[int]], masters: List[int], group_bytes: Optional[List[int]] = None,
+             plan: str = "") -> None:
+    """A model sharded with a plan that offloads: infos its parameters, groups the plan's (from the
+    file `plan`), group_bytes each group's optimizer state in bytes (its host memory, allocated here,
+    before step 0) and masters the ids of those whose master shards stay on the host too (checked
+    against the model when the plan was loaded)."""
     global _group_count
     if not groups:
         return
@@ -110,8 +133,10 @@ def register(infos, groups: List[List[int]], masters: List[int], group_bytes: Op
             _shards[i] = by_id[i]
             _group_of[i] = _group_count
         if group_bytes is not None:
-            room = group_bytes[g] + _ALIGN * _TENSORS_PER_PARAM * len(ids)
-            _pools[_group_count] = _HostPool(room, by_id[ids[0]].device)
+            first = by_id[ids[0]]
+            pool = _HostPool(plan, g, group_bytes[g], len(ids), first.device)
+            _pools[_group_count] = pool
+            _pool_finalizers.append(weakref.finalize(first, _drop_pool, _group_count, pool))
         _group_count += 1
     if not _handles:
         _handles.append(register_optimizer_step_pre_hook(_before_step))
@@ -151,6 +176,9 @@ def forget() -> None:
         _masters.clear()
     _shards.clear()
     _group_of.clear()
+    for f in _pool_finalizers:
+        f.detach()
+    _pool_finalizers.clear()
     _pools.clear()
     _slots.clear()
     _group_count = 0
@@ -228,7 +256,7 @@ class _Mover:
             for key, dev in _per_element(optimizer, p).items():
                 host = self.host_of.pop(id(dev), None)
                 if host is None:  # the state's first step made it
-                    host = host_slot(p, key, dev)
+                    host = host_slot(optimizer, p, key, dev)
                 self._copy(host, dev, self.to_host if self.cuda else None)
                 optimizer.state[p][key] = host
                 copies.append(dev)
@@ -269,35 +297,42 @@ def host_copies_ready(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def host_copy(p: torch.Tensor, key: str, t: torch.Tensor) -> torch.Tensor:
-    """shard p's host buffer for its state `key`, holding t's values: what a loaded state dict's
-    state becomes for a parameter whose state a plan keeps on the host."""
-    host = host_slot(p, key, t)
+def host_copy(optimizer, p: torch.Tensor, key: str, t: torch.Tensor) -> torch.Tensor:
+    """optimizer's host buffer for shard p's state `key`, holding t's values: what a loaded state
+    dict's state becomes for a parameter whose state a plan keeps on the host."""
+    host = host_slot(optimizer, p, key, t)
     host.copy_(t)
     return host
 
 
-def host_slot(p: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
-    """The host buffer of shard p's state `key` (a tensor like `like`): taken from its group's pool
-    once, then the same one. State larger than the plan's bytes for the group (an optimizer other
-    than the recorded one) gets memory of its own, with a warning: the host check before step 0
-    did not count it."""
+def host_slot(optimizer, p: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
+    """optimizer's host buffer for shard p's state `key` (a tensor like `like`): a view of the
+    group's pool taken once, then the same one, also for a new optimizer once the one that used it
+    is gone. Where it does not fit (state beyond the plan's bytes: an optimizer other than the
+    recorded one, or a second live optimizer over the same shards) it gets memory of its own, with
+    a warning (once per group): the host check before step 0 did not count it."""
     slot = (p._dcplan_ds_id, key)
-    host = _slots.get(slot)
-    if host is not None and host.shape == like.shape and host.dtype == like.dtype:
-        return host
     pool = _pools.get(_group_of[p._dcplan_ds_id])
-    host = pool.take(like.shape, like.dtype) if pool is not None else None
-    if host is None:
-        host = host_empty(like.shape, like.dtype, like.device)
-        if pool is not None:
-            warnings.warn(f"dcplan: the optimizer state {key!r} of parameter ds_id {p._dcplan_ds_id} does not fit "
-                          f"its offload group's host memory ({pool.buffer.numel()} bytes, {pool.used} taken; the "
-                          "plan's bytes for the group, from the trace's optimizer_state_bytes): allocated apart, "
-                          "beyond what the host memory check before step 0 counted. Record the optimizer this "
-                          "run steps and plan again")
-    _slots[slot] = host
-    return host
+    found = _slots.get(slot)
+    taken = None
+    if found is not None:
+        view, user, _ = found
+        if user() in (None, optimizer) and view.shape == like.shape and view.dtype == like.dtype:
+            taken = view
+    elif pool is not None:
+        taken = pool.take(like.shape, like.dtype)
+    if taken is not None:
+        _slots[slot] = (taken, weakref.ref(optimizer), pool)
+        return taken
+    if pool is not None and not pool.warned:
+        pool.warned = True
+        warnings.warn(f"dcplan: {pool.plan}: /offload/optimizer_state/{pool.index}/bytes: the plan keeps "
+                      f"{pool.planned} bytes of optimizer state on the host for this group, and the state "
+                      f"{key!r} of parameter ds_id {p._dcplan_ds_id} ({_nbytes(like.shape, like.dtype)} bytes) "
+                      "does not fit beside what it holds (an optimizer other than the recorded one, or a second "
+                      "one over the same model): allocated apart, beyond what the host memory check before "
+                      "step 0 counted. Record the optimizer this run steps and plan again")
+    return host_empty(like.shape, like.dtype, like.device)
 
 
 def host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -306,8 +341,7 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         host = torch.empty(shape, dtype=dtype, pin_memory=True)
     else:
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        host = torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        host = torch.from_numpy(np.empty(_nbytes(shape, dtype), dtype=np.uint8)).view(dtype).view(shape)
     host._dcplan_host_buffer = True  # on CPU ranks the device's tensors are CPU tensors too
     return host
 

@@ -266,7 +266,7 @@ def shard(
         _host_memory.check(plan_path, loaded["offload_state_bytes"], loaded["offload_master_bytes"],
                            _plan.runtime_device, pg)
         _offload.register(state.infos, loaded["optimizer_offload"], loaded["master_offload"],
-                          loaded["optimizer_offload_bytes"])
+                          loaded["optimizer_offload_bytes"], str(plan_path))
     if _record.active():
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, pg.size(), param_dtype, reduce_dtype,
                           state.compiled)

@@ -580,7 +580,10 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
                     sharder.load(info, dst, value, f"state.{info.name}.{key}", caller)
                     value = dst
                     if _offload.keeps_state_on_host(params[index]):
-                        on_host.setdefault(index, {})[key] = _offload.host_copy(params[index], key, dst)
+                        # Staged in host memory of its own: the optimizer's buffers take it only
+                        # once everything loaded (a failure leaves the state as it was).
+                        staged = _offload.host_empty(dst.shape, dst.dtype, dst.device)
+                        on_host.setdefault(index, {})[key] = staged.copy_(dst)
                         continue
                 elif isinstance(value, torch.Tensor):
                     value = value.detach().clone()
@@ -590,7 +593,8 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
             index += 1
     optim.load_state_dict({"state": torch_state, "param_groups": torch_groups})
     for i, entries in on_host.items():
-        optim.state[params[i]].update(entries)
+        optim.state[params[i]].update({key: _offload.host_copy(optim, params[i], key, staged)
+                                       for key, staged in entries.items()})
 
 
 def _check_optim(optim_state_dict, groups, per_element, sharder: _Sharder, caller: str) -> Optional[str]:

@@ -135,8 +135,7 @@ double agreeOnMax(Transport& transport, const CalibrationOptions& o, double valu
   at::Tensor all = at::zeros({ws}, at::TensorOptions().dtype(at::kDouble).device(o.device));
   all[transport.rank()].fill_(value);
   transport.allReduce(all)->wait();
-  if (o.synchronize) o.synchronize();
-  return all.max().item<double>();
+  return all.max().item<double>();  // item() waits for the device
 }
 
 schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o) {

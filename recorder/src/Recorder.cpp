@@ -237,12 +237,14 @@ void Recorder::onStartForward() {
   if (drain) timer_->drain();
   if (!recording_ && config_.warmup >= 2 && optimizerStepsSeen_ == config_.warmup - 1) {
     // The last warm-up step is the device-lead step (a first one may still compile). Every rank
-    // queues the same lead, the longest host's: with each its own, a rank's device waited in the
-    // next collective after the lead queued at end_backward (a script's loss all-reduce) for the
-    // other's longer one, and that wait went into optimizer_device_us (2xH100, 4x2048: 115.7 ms,
-    // 36.8 with the lead agreed; the graphed step's prediction -26% before, +5% after).
-    const double span = transport_ ? agreeOnMax(*transport_, config_.calibration, lastSpanUs) : lastSpanUs;
-    current_.leadUs = leadUsFor(span);
+    // queues the same lead, the slowest host's: with each its own, a device waited in the first
+    // collective after the lead queued at end_backward (a script's loss all-reduce) for another's
+    // longer one, and optimizer_device_us held that wait (docs/recording.md). Agreed once, at the
+    // step's first micro-step, which every rank reaches after the same optimizer steps; on CPU
+    // ranks too (one small all-reduce per recording), whose host timer cannot lead.
+    if (microInStep_ == 0)
+      agreedSpanUs_ = transport_ ? agreeOnMax(*transport_, config_.calibration, lastSpanUs) : lastSpanUs;
+    current_.leadUs = leadUsFor(agreedSpanUs_);
     current_.led = timer_->queueLead(current_.leadUs);
   }
   // The step starts after the recorder's work at its boundary, on both clocks.

@@ -114,7 +114,8 @@ class LocalTransport final : public Transport {
   }
   CommHandlePtr allReduce(const at::Tensor& t) override {
     // The other ranks' values of an agreement (agreeOnMax: one slot per rank, summed).
-    for (size_t r = 0; r < peerSlots.size() && t.numel() == ws; ++r) t[static_cast<int64_t>(r) + 1].add_(peerSlots[r]);
+    for (size_t r = 0; r < peerSlots.size() && t.numel() == ws; ++r)
+      t[static_cast<int64_t>(r) + 1].add_(peerSlots[r]);
     return launched("allReduce");
   }
   // A device transport's seams: what reaches them, and with which handle.
@@ -454,6 +455,37 @@ TEST_F(RecorderTest, EveryRankLeadsByTheSlowestHostsStep) {
   ASSERT_EQ(timer->leads.size(), 8u);
   EXPECT_DOUBLE_EQ(timer->leads[0], 2 * 20000.0 + 5000.0);
   EXPECT_DOUBLE_EQ(timer->leads[7], timer->leads[0]);
+}
+
+TEST_F(RecorderTest, TheSlowestHostMayBeThisRanksOwn) {
+  // The peer's slot stays 0: the lead is this rank's own host time (the host clock's, more than
+  // nothing) twice plus 5 ms, so its own slot was filled.
+  auto rec = make(/*steps=*/1, /*warmup=*/2);
+  local->peerSlots = {0.0};
+  microStep(*rec, 0, true);
+  microStep(*rec, 100, true, 0.5);
+  ASSERT_FALSE(timer->leads.empty());
+  EXPECT_GT(timer->leads[0], 5000.0);
+}
+
+TEST_F(RecorderTest, TheLeadIsAgreedOncePerRecordingAndOnlyForALedStep) {
+  // Two micro-steps in the led step: one agreement, at its first, and the same lead for both.
+  auto rec = make(/*steps=*/1, /*warmup=*/2);
+  local->peerSlots = {20000.0};
+  microStep(*rec, 0, true);
+  microStep(*rec, 100, false, 0.5);
+  microStep(*rec, 200, true, 0.5);
+  microStep(*rec, 300, true);  // recorded
+  EXPECT_EQ(std::count(local->calls.begin(), local->calls.end(), "allReduce"), 1);
+  // Each micro-step's start and end_backward (4 leads) the agreed one, every op's 1 ms.
+  EXPECT_EQ(std::count(timer->leads.begin(), timer->leads.end(), 45000.0), 4);
+  EXPECT_EQ(std::count(timer->leads.begin(), timer->leads.end(), 1000.0) + 4,
+            static_cast<std::ptrdiff_t>(timer->leads.size()));
+  // Without a led step (fewer than 2 warm-up steps), no agreement at all.
+  auto plain = make(/*steps=*/1, /*warmup=*/1);
+  microStep(*plain, 0, true);
+  microStep(*plain, 100, true);
+  EXPECT_EQ(std::count(local->calls.begin(), local->calls.end(), "allReduce"), 0);
 }
 
 TEST_F(RecorderTest, NoDeviceTimesWithoutALeadOrWhereTheHostOutranIt) {

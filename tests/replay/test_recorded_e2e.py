@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import dist_cases
 import pytest
 from mp_harness import dcplan_binary
 
@@ -35,7 +36,7 @@ def test_record_plan_replay(tmp_path, stage, dcplan_module):
     p = json.loads(plan.read_text())
     assert p["source"]["world_size"] == 2 and p["source"]["stage"] == stage
     # The recorded inputs (each rank's slice of the batch) travel from the trace into the plan.
-    recorded_shapes = [[3, 6]]
+    recorded_shapes = [[dist_cases.BATCH // 2, dist_cases.SEQ]]
     assert [g["input_shapes"] for g in json.loads(trace.read_text())["steps"][0]["graphs"]
             if g["kind"] == "forward"] == [recorded_shapes]
     assert [g.get("input_shapes") for g in p["graphs"]] == [recorded_shapes, None]
@@ -70,5 +71,7 @@ def test_a_replay_whose_inputs_differ_from_the_recording_warns_once(tmp_path):
     # ... at the line that called the model (dist_cases.loss_fn, for the script), not in torch or dcplan.
     assert all("dist_cases.py:" in line for line in res.stderr.splitlines() if "InputShapeWarning" in line), \
         res.stderr
-    assert "inputs have shapes [(4, 6)]" in res.stderr and "inputs had shapes [(3, 6)]" in res.stderr, res.stderr
+    rows, seq = dist_cases.BATCH // 2, dist_cases.SEQ
+    assert f"inputs have shapes [(4, {seq})]" in res.stderr and f"inputs had shapes [({rows}, {seq})]" in res.stderr, \
+        res.stderr
     assert str(plan) in res.stderr

@@ -252,6 +252,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   int64_t optimizerStepsSeen_ = 0;  // completed optimizer steps, warm-up included
   int64_t recordedSteps_ = 0;
   int64_t microInStep_ = 0;  // micro-steps of the optimizer step in progress
+  double agreedSpanUs_ = 0;  // the device-lead step's host span, agreed over the ranks at its start
   int64_t gradAccumSteps_ = 1;
   bool haveMicro_ = false;
   MicroStep current_;  // the micro-step in progress (events only when recording_)
