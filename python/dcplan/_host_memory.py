@@ -10,9 +10,11 @@ too, so it is a lower bound there.
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # Where the host memory still available is read: the kernel's estimate, then this process's
 # memory cgroup and its ancestors, each limit less its usage (page cache that can be dropped left
@@ -134,19 +136,47 @@ def shortfall(plan_path: str, state: int, masters: int, device: torch.device, fo
             "run fewer ranks on this host")
 
 
+def _agree(mine: Optional[str], others: str, device: torch.device, group) -> None:
+    """Raises MemoryError on every rank of group where one rank has a complaint (mine: this rank's,
+    or None): that rank with its own, the others with `others`. A collective, so that no rank
+    refuses while the others wait for it at their next one."""
+    import torch.distributed as dist
+
+    short = torch.tensor([int(mine is not None)], dtype=torch.int64, device=device)
+    dist.all_reduce(short, op=dist.ReduceOp.MAX, group=group)
+    if mine is not None:
+        raise MemoryError(f"dcplan.shard: {mine}")
+    if int(short.item()):
+        raise MemoryError(f"dcplan.shard: {others}")
+
+
 def check(plan_path: str, state: int, masters: int, device: torch.device, group) -> None:
     """Raises MemoryError on every rank of group (a collective: each rank reaches it as it loads the
     plan) where the host of one of them lacks the memory the plan's offload keeps there; before any
     of it is allocated, so that no rank's allocations hide from another's reading."""
     if state + masters <= 0:
         return  # every rank loads the same plan: none takes part
-    import torch.distributed as dist
-
     mine = shortfall(plan_path, state, masters, device, available(), ranks_on_host())
-    short = torch.tensor([int(mine is not None)], dtype=torch.int64, device=device)
-    dist.all_reduce(short, op=dist.ReduceOp.MAX, group=group)
-    if mine is not None:
-        raise MemoryError(f"dcplan.shard: {mine}")
-    if int(short.item()):
-        raise MemoryError(f"dcplan.shard: {plan_path}: /offload/optimizer_state: another rank's host lacks the "
-                          "memory the plan's offload keeps there (its error says how much)")
+    _agree(mine, f"{plan_path}: /offload/optimizer_state: another rank's host lacks the memory the plan's offload "
+           "keeps there (its error says how much)", device, group)
+
+
+def allocate(plan_path: str, state: int, device: torch.device, group, make: Callable[[], T]) -> T:
+    """make()'s result: the plan's host memory for the optimizer state (state bytes on this rank),
+    allocated on every rank of group or refused on all (MemoryError; a collective, as check()):
+    a host that had the memory by check() may still not give it (pinned memory counts against
+    the locked-memory limit; torch's pinned allocator rounds each block up to a power of two)."""
+    if state <= 0:
+        return make()
+    mine = None
+    try:
+        made = make()
+    except (RuntimeError, MemoryError) as e:  # torch's pinned allocator, numpy's
+        made = None
+        kind = "pinned host memory" if device.type == "cuda" else "host memory"
+        mine = (f"{plan_path}: /offload/optimizer_state: this rank could not allocate the {size(state)} of {kind} "
+                f"the plan keeps its optimizer state in ({type(e).__name__}: {e}). Plan with a larger "
+                "--memory-budget, which offloads less, or run fewer ranks on this host")
+    _agree(mine, f"{plan_path}: /offload/optimizer_state: another rank could not allocate the host memory the plan "
+           "keeps its optimizer state in (its error says why)", device, group)
+    return made

@@ -115,12 +115,18 @@ def _drop_pool(group: int, pool: _HostPool) -> None:
         del _slots[slot]
 
 
-def register(infos, groups: List[List[int]], masters: List[int], group_bytes: Optional[List[int]] = None,
-             plan: str = "") -> None:
-    """A model sharded with a plan that offloads: infos its parameters, groups the plan's (from the
-    file `plan`), group_bytes each group's optimizer state in bytes (its host memory, allocated here,
-    before step 0) and masters the ids of those whose master shards stay on the host too (checked
-    against the model when the plan was loaded)."""
+def allocate_pools(infos, groups: List[List[int]], group_bytes: List[int], plan: str) -> List[_HostPool]:
+    """Each of the plan's groups' host memory (group_bytes, from the file `plan`), in order; raises
+    where the host does not give it (dcplan.shard agrees on that over the ranks first)."""
+    by_id = {i.ds_id: i.shard for i in infos}
+    return [_HostPool(plan, g, group_bytes[g], len(ids), by_id[ids[0]].device) for g, ids in enumerate(groups)]
+
+
+def register(infos, groups: List[List[int]], masters: List[int], pools: Optional[List[_HostPool]] = None) -> None:
+    """A model sharded with a plan that offloads: infos its parameters, groups the plan's, pools
+    their host memory (allocate_pools; None: each state tensor's own, at its first step) and
+    masters the ids of those whose master shards stay on the host too (checked against the model
+    when the plan was loaded)."""
     global _group_count
     if not groups:
         return
@@ -132,11 +138,9 @@ def register(infos, groups: List[List[int]], masters: List[int], group_bytes: Op
         for i in ids:
             _shards[i] = by_id[i]
             _group_of[i] = _group_count
-        if group_bytes is not None:
-            first = by_id[ids[0]]
-            pool = _HostPool(plan, g, group_bytes[g], len(ids), first.device)
-            _pools[_group_count] = pool
-            _pool_finalizers.append(weakref.finalize(first, _drop_pool, _group_count, pool))
+        if pools is not None:
+            _pools[_group_count] = pools[g]
+            _pool_finalizers.append(weakref.finalize(by_id[ids[0]], _drop_pool, _group_count, pools[g]))
         _group_count += 1
     if not _handles:
         _handles.append(register_optimizer_step_pre_hook(_before_step))

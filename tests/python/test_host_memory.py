@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from mp_harness import run_ranks
 
 from dcplan import _host_memory
 
@@ -85,3 +86,37 @@ def test_a_cgroup_v2_limit_of_max_is_no_limit(tmp_path, monkeypatch):
 def test_this_host_reports_some_memory():
     found = _host_memory.available()
     assert found is not None and found[0] > 0, found
+
+
+def _allocating_rank(rank, ws, init_file, out_dir):
+    """Rank 1's allocation fails, then both succeed: what each rank was told, and what it got."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ws)
+
+    def make():
+        if rank == 1:
+            raise MemoryError("Unable to allocate 3.00 MiB")
+        return "pools"
+
+    try:
+        said = f"returned {_host_memory.allocate(PLAN, 3 * MIB, torch.device('cpu'), None, make)}"
+    except MemoryError as e:
+        said = str(e)
+    got = _host_memory.allocate(PLAN, 3 * MIB, torch.device("cpu"), None, lambda: "pools")
+    torch.save({"said": said, "got": got}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_an_allocation_that_fails_on_one_rank_is_refused_on_every_rank():
+    """The host memory of a plan's offload is allocated when the plan is loaded: where one rank's
+    host does not give it, every rank raises (none waits for it at its next collective), that one
+    saying what failed."""
+    ranks = run_ranks(_allocating_rank, 2)
+    assert ranks[1]["said"] == (f"dcplan.shard: {PLAN}: /offload/optimizer_state: this rank could not allocate the "
+                                "3.00 MiB of host memory the plan keeps its optimizer state in (MemoryError: Unable "
+                                "to allocate 3.00 MiB). Plan with a larger --memory-budget, which offloads less, or "
+                                "run fewer ranks on this host")
+    assert ranks[0]["said"] == (f"dcplan.shard: {PLAN}: /offload/optimizer_state: another rank could not allocate "
+                                "the host memory the plan keeps its optimizer state in (its error says why)")
+    assert [r["got"] for r in ranks] == ["pools", "pools"]

@@ -29,7 +29,7 @@ def register(groups, params, numel=4, plan="plan.json"):
     infos = [types.SimpleNamespace(ds_id=p._dcplan_ds_id, shard=p) for p in params]
     by_id = {p._dcplan_ds_id: p for p in params}
     nbytes = [sum(ADAMW_BYTES_PER_ELEMENT * by_id[i].numel() for i in ids) for ids in groups]
-    _offload.register(infos, groups, [], nbytes, plan)
+    _offload.register(infos, groups, [], _offload.allocate_pools(infos, groups, nbytes, plan))
 
 
 def step(opt, params):
