@@ -161,12 +161,13 @@ def check(plan_path: str, state: int, masters: int, device: torch.device, group)
            "keeps there (its error says how much)", device, group)
 
 
-def allocate(plan_path: str, state: int, device: torch.device, group, make: Callable[[], T]) -> T:
-    """make()'s result: the plan's host memory for the optimizer state (state bytes on this rank),
-    allocated on every rank of group or refused on all (MemoryError; a collective, as check()):
-    a host that had the memory by check() may still not give it (pinned memory counts against
-    the locked-memory limit; torch's pinned allocator rounds each block up to a power of two)."""
-    if state <= 0:
+def allocate(plan_path: str, state: int, masters: int, device: torch.device, group, make: Callable[[], T]) -> T:
+    """make()'s result: the plan's host memory (state bytes for the optimizer state, their
+    alignment included, and masters for the master shards on this rank), allocated on every rank of
+    group or refused on all (MemoryError; a collective, as check()): a host that had the memory by
+    check() may still not give it (pinned memory counts against the locked-memory limit; torch's
+    pinned allocator rounds each block up to a power of two)."""
+    if state + masters <= 0:
         return make()
     mine = None
     try:
@@ -174,9 +175,10 @@ def allocate(plan_path: str, state: int, device: torch.device, group, make: Call
     except (RuntimeError, MemoryError) as e:  # torch's pinned allocator, numpy's
         made = None
         kind = "pinned host memory" if device.type == "cuda" else "host memory"
-        mine = (f"{plan_path}: /offload/optimizer_state: this rank could not allocate the {size(state)} of {kind} "
-                f"the plan keeps its optimizer state in ({type(e).__name__}: {e}). Plan with a larger "
+        what = f"optimizer state {size(state)}" + (f", master shards {size(masters)}" if masters else "")
+        mine = (f"{plan_path}: /offload/optimizer_state: this rank could not allocate the {size(state + masters)} of "
+                f"{kind} the plan's offload keeps there ({what}; {type(e).__name__}: {e}). Plan with a larger "
                 "--memory-budget, which offloads less, or run fewer ranks on this host")
-    _agree(mine, f"{plan_path}: /offload/optimizer_state: another rank could not allocate the host memory the plan "
-           "keeps its optimizer state in (its error says why)", device, group)
+    _agree(mine, f"{plan_path}: /offload/optimizer_state: another rank could not allocate the host memory the plan's "
+           "offload keeps there (its error says why)", device, group)
     return made

@@ -88,12 +88,17 @@ class _HostPool:
 
     def __init__(self, plan: str, index: int, planned: int, params: int, device: torch.device):
         self.plan, self.index, self.planned = plan, index, planned
-        room = planned + _ALIGN * _TENSORS_PER_PARAM * params
+        room = self.room(planned, params)
         raw = host_empty((room + _ALIGN,), torch.uint8, device)
         skip = -raw.data_ptr() % _ALIGN  # numpy's memory (CPU ranks) is only 16-byte aligned
         self.buffer = raw[skip:skip + room]
         self.used = 0
         self.warned = False
+
+    @staticmethod
+    def room(planned: int, params: int) -> int:
+        """The plan's bytes for a group of `params` parameters, and room to align their tensors."""
+        return planned + _ALIGN * _TENSORS_PER_PARAM * params
 
     def take(self, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """A view of shape and dtype at the next aligned offset; None where the pool is full."""
@@ -111,36 +116,46 @@ def _drop_pool(group: int, pool: _HostPool) -> None:
     """A dropped model's pool and the slots taken from it (the optimizer's state keeps its own)."""
     if _pools.get(group) is pool:
         del _pools[group]
-    for slot in [k for k, (_, _, p) in _slots.items() if p is pool]:
+    for slot in [k for k, (_, _, p) in list(_slots.items()) if p is pool]:
         del _slots[slot]
 
 
-def allocate_pools(infos, groups: List[List[int]], group_bytes: List[int], plan: str) -> List[_HostPool]:
-    """Each of the plan's groups' host memory (group_bytes, from the file `plan`), in order; raises
-    where the host does not give it (dcplan.shard agrees on that over the ranks first)."""
+def host_bytes(groups: List[List[int]], group_bytes: List[int]) -> int:
+    """The host memory allocate() asks for the plan's groups: their bytes, and room to align."""
+    return sum(_HostPool.room(b, len(ids)) + _ALIGN for ids, b in zip(groups, group_bytes))
+
+
+def allocate(infos, groups: List[List[int]], group_bytes: List[int], masters: List[int], plan: str) -> List[_HostPool]:
+    """Each of the plan's groups' host memory (group_bytes, from the file `plan`), in order, and
+    the master shards of `masters` moved to the host (the runtime's own copies there); raises where
+    the host does not give it (dcplan.shard agrees on that over the ranks)."""
     by_id = {i.ds_id: i.shard for i in infos}
-    return [_HostPool(plan, g, group_bytes[g], len(ids), by_id[ids[0]].device) for g, ids in enumerate(groups)]
+    pools = [_HostPool(plan, g, group_bytes[g], len(ids), by_id[ids[0]].device) for g, ids in enumerate(groups)]
+    if masters:
+        _C.set_masters_on_host(list(masters))
+    return pools
 
 
 def register(infos, groups: List[List[int]], masters: List[int], pools: Optional[List[_HostPool]] = None) -> None:
     """A model sharded with a plan that offloads: infos its parameters, groups the plan's, pools
-    their host memory (allocate_pools; None: each state tensor's own, at its first step) and
-    masters the ids of those whose master shards stay on the host too (checked against the model
+    their host memory (allocate(); None: each state tensor's own, at its first step) and masters
+    the ids of those whose master shards allocate() moved to the host (checked against the model
     when the plan was loaded)."""
     global _group_count
     if not groups:
         return
-    if masters:
-        _C.set_masters_on_host(list(masters))
-        _masters.update(masters)
+    _masters.update(masters)
     by_id = {i.ds_id: i.shard for i in infos}
+    _pool_finalizers[:] = [f for f in _pool_finalizers if f.alive]
     for g, ids in enumerate(groups):
         for i in ids:
             _shards[i] = by_id[i]
             _group_of[i] = _group_count
         if pools is not None:
             _pools[_group_count] = pools[g]
-            _pool_finalizers.append(weakref.finalize(by_id[ids[0]], _drop_pool, _group_count, pools[g]))
+            done = weakref.finalize(by_id[ids[0]], _drop_pool, _group_count, pools[g])
+            done.atexit = False  # at exit the process lets go of it all anyway
+            _pool_finalizers.append(done)
         _group_count += 1
     if not _handles:
         _handles.append(register_optimizer_step_pre_hook(_before_step))
@@ -319,12 +334,11 @@ def host_slot(optimizer, p: torch.Tensor, key: str, like: torch.Tensor) -> torch
     pool = _pools.get(_group_of[p._dcplan_ds_id])
     found = _slots.get(slot)
     taken = None
-    if found is not None:
-        view, user, _ = found
-        if user() in (None, optimizer) and view.shape == like.shape and view.dtype == like.dtype:
-            taken = view
-    elif pool is not None:
-        taken = pool.take(like.shape, like.dtype)
+    if found is not None and found[1]() in (None, optimizer):
+        view = found[0]
+        taken = view if view.shape == like.shape and view.dtype == like.dtype else None
+    if taken is None and pool is not None and (found is None or found[1]() is None):
+        taken = pool.take(like.shape, like.dtype)  # a first slot, or another shape than its gone user's
     if taken is not None:
         _slots[slot] = (taken, weakref.ref(optimizer), pool)
         return taken
@@ -336,6 +350,15 @@ def host_slot(optimizer, p: torch.Tensor, key: str, like: torch.Tensor) -> torch
                       "does not fit beside what it holds (an optimizer other than the recorded one, or a second "
                       "one over the same model): allocated apart, beyond what the host memory check before "
                       "step 0 counted. Record the optimizer this run steps and plan again")
+    return host_empty(like.shape, like.dtype, like.device)
+
+
+def staging(like: torch.Tensor) -> torch.Tensor:
+    """Host memory of its own for a copy of `like` that waits to go into a host buffer: ordinary
+    (pageable) memory for a GPU's, which torch's pinned allocator would keep cached after its use;
+    on CPU ranks memory outside torch's allocator, as every host buffer there."""
+    if like.device.type == "cuda":
+        return torch.empty(like.shape, dtype=like.dtype)
     return host_empty(like.shape, like.dtype, like.device)
 
 

@@ -265,11 +265,12 @@ def shard(
         state.hooks.set_keep(loaded["persistent"])
         _host_memory.check(plan_path, loaded["offload_state_bytes"], loaded["offload_master_bytes"],
                            _plan.runtime_device, pg)
+        groups, group_bytes = loaded["optimizer_offload"], loaded["optimizer_offload_bytes"]
         pools = _host_memory.allocate(
-            plan_path, loaded["offload_state_bytes"], _plan.runtime_device, pg,
-            lambda: _offload.allocate_pools(state.infos, loaded["optimizer_offload"],
-                                            loaded["optimizer_offload_bytes"], str(plan_path)))
-        _offload.register(state.infos, loaded["optimizer_offload"], loaded["master_offload"], pools)
+            plan_path, _offload.host_bytes(groups, group_bytes) if groups else 0, loaded["offload_master_bytes"],
+            _plan.runtime_device, pg,
+            lambda: _offload.allocate(state.infos, groups, group_bytes, loaded["master_offload"], str(plan_path)))
+        _offload.register(state.infos, groups, loaded["master_offload"], pools)
     if _record.active():
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, pg.size(), param_dtype, reduce_dtype,
                           state.compiled)

@@ -582,8 +582,7 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
                     if _offload.keeps_state_on_host(params[index]):
                         # Staged in host memory of its own: the optimizer's buffers take it only
                         # once everything loaded (a failure leaves the state as it was).
-                        staged = _offload.host_empty(dst.shape, dst.dtype, dst.device)
-                        on_host.setdefault(index, {})[key] = staged.copy_(dst)
+                        on_host.setdefault(index, {})[key] = _offload.staging(dst).copy_(dst)
                         continue
                 elif isinstance(value, torch.Tensor):
                     value = value.detach().clone()

@@ -100,10 +100,10 @@ def _allocating_rank(rank, ws, init_file, out_dir):
         return "pools"
 
     try:
-        said = f"returned {_host_memory.allocate(PLAN, 3 * MIB, torch.device('cpu'), None, make)}"
+        said = f"returned {_host_memory.allocate(PLAN, 3 * MIB, MIB, torch.device('cpu'), None, make)}"
     except MemoryError as e:
         said = str(e)
-    got = _host_memory.allocate(PLAN, 3 * MIB, torch.device("cpu"), None, lambda: "pools")
+    got = _host_memory.allocate(PLAN, 3 * MIB, MIB, torch.device("cpu"), None, lambda: "pools")
     torch.save({"said": said, "got": got}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -114,9 +114,9 @@ def test_an_allocation_that_fails_on_one_rank_is_refused_on_every_rank():
     saying what failed."""
     ranks = run_ranks(_allocating_rank, 2)
     assert ranks[1]["said"] == (f"dcplan.shard: {PLAN}: /offload/optimizer_state: this rank could not allocate the "
-                                "3.00 MiB of host memory the plan keeps its optimizer state in (MemoryError: Unable "
-                                "to allocate 3.00 MiB). Plan with a larger --memory-budget, which offloads less, or "
-                                "run fewer ranks on this host")
+                                "4.00 MiB of host memory the plan's offload keeps there (optimizer state 3.00 MiB, "
+                                "master shards 1.00 MiB; MemoryError: Unable to allocate 3.00 MiB). Plan with a "
+                                "larger --memory-budget, which offloads less, or run fewer ranks on this host")
     assert ranks[0]["said"] == (f"dcplan.shard: {PLAN}: /offload/optimizer_state: another rank could not allocate "
-                                "the host memory the plan keeps its optimizer state in (its error says why)")
+                                "the host memory the plan's offload keeps there (its error says why)")
     assert [r["got"] for r in ranks] == ["pools", "pools"]

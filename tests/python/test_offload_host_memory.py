@@ -29,7 +29,7 @@ def register(groups, params, numel=4, plan="plan.json"):
     infos = [types.SimpleNamespace(ds_id=p._dcplan_ds_id, shard=p) for p in params]
     by_id = {p._dcplan_ds_id: p for p in params}
     nbytes = [sum(ADAMW_BYTES_PER_ELEMENT * by_id[i].numel() for i in ids) for ids in groups]
-    _offload.register(infos, groups, [], _offload.allocate_pools(infos, groups, nbytes, plan))
+    _offload.register(infos, groups, [], _offload.allocate(infos, groups, nbytes, [], plan))
 
 
 def step(opt, params):
@@ -53,7 +53,9 @@ def test_the_host_memory_is_allocated_before_step_0_and_each_state_keeps_its_vie
     opt = torch.optim.AdamW([a, b, c], foreach=True)
     register([[1], [2]], [a, b, c])
     pools = {g: pool.buffer for g, pool in _offload._pools.items()}
-    assert sorted(pools) == [0, 1] and all(buf.numel() >= 32 for buf in pools.values())
+    # Each the plan's 32 bytes and room to align up to four state tensors of its one parameter.
+    assert sorted(pools) == [0, 1] and [buf.numel() for buf in pools.values()] == [32 + 4 * 64] * 2
+    assert _offload.host_bytes([[1], [2]], [32, 32]) == 2 * (32 + 4 * 64 + 64)  # and room to start aligned
     allocated = []
     real = _offload.host_empty
     monkeypatch.setattr(_offload, "host_empty", lambda *args: allocated.append(args) or real(*args))
@@ -111,3 +113,22 @@ def test_a_dropped_models_pool_goes_with_it():
     del params
     gc.collect()
     assert _offload._pools == {}
+
+
+def test_a_plan_registered_again_after_forget_starts_from_new_memory():
+    """dcplan.shutdown() forgets the plan; ds_ids start again at 0 for the next model, whose
+    optimizer must not get the old model's views."""
+    a, b = shards(2)
+    register([[0, 1]], [a, b])
+    opt = torch.optim.AdamW([a, b], foreach=True)
+    step(opt, [a, b])
+    old = {t.data_ptr() for t in host_state(opt, [a, b]).values()}
+    _offload.forget()
+    c, d = shards(2)  # the next model's, with the same ds_ids
+    register([[0, 1]], [c, d])
+    nxt = torch.optim.AdamW([c, d], foreach=True)
+    step(nxt, [c, d])
+    new = {t.data_ptr() for t in host_state(nxt, [c, d]).values()}
+    assert len(new) == 4 and not new & old
+    pool = _offload._pools[0].buffer
+    assert all(pool.data_ptr() <= p < pool.data_ptr() + pool.numel() for p in new)
