@@ -560,8 +560,9 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, opt
             raise ValueError(error)
         given_state, given_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
     torch_state: Dict[int, Dict[str, Any]] = {}
-    # Per-element state a plan keeps on the host goes straight there, one tensor at a time: through
-    # torch's load_state_dict it would all be on the device at once (beyond the plan's budget).
+    # Per-element state a plan keeps on the host goes to host memory one tensor at a time: through
+    # torch's load_state_dict it would all be on the device at once (beyond the plan's budget). It is
+    # staged there, and copied into the optimizer's host buffers once torch's load succeeded.
     params = [p for group in optim.param_groups for p in group[_PARAMS]]
     on_host: Dict[int, Dict[str, torch.Tensor]] = {}
     torch_groups = []
