@@ -337,22 +337,14 @@ class Bench:
             print(f"{a.label} {mode}: host time by function, rank 0, {a.host_profile_steps} steps "
                   f"({1e3 * host:.1f} ms a step issued under the profiler)\n" + "\n".join(lines[:24]), flush=True)
 
-    def peak(self, value):
-        peak = torch.tensor([value], device=self.device, dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return int(peak.item())
-
     def measured(self, step, losses):
         """What every mode reports after run(): the slowest rank's step, the most memory over the
-        ranks in the steps and in the setup before them, the losses, the profiles."""
-        return {"step_s": self.slowest(step), "peak_bytes": self.peak(self.run_peak),
-                "setup_peak_bytes": self.peak(self.setup_peak), "losses": losses, "breakdown": self.breakdown,
-                "phase_peaks_gib": self.phase_peaks}
-
-    def slowest(self, seconds):
-        t = torch.tensor([seconds], device=self.device, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        ranks in the steps and in the setup before them (one all-reduce), the losses, the profiles."""
+        most = torch.tensor([step, self.run_peak, self.setup_peak], device=self.device, dtype=torch.float64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        step_s, peak, setup = most.tolist()
+        return {"step_s": step_s, "peak_bytes": int(peak), "setup_peak_bytes": int(setup), "losses": losses,
+                "breakdown": self.breakdown, "phase_peaks_gib": self.phase_peaks}
 
     def fresh(self):
         gc.collect()

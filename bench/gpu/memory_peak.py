@@ -36,8 +36,9 @@ def peak_report(snapshot: dict, device: int = 0, top: int = 25, around: int = 12
     events = snapshot["device_traces"][device]
 
     def replay(upto: int):
-        """The live blocks after events[:upto], and each event's total (None: no change)."""
-        live, total, totals = {}, 0, []
+        """The live blocks after events[:upto], each event's total (None: no change), and how many
+        frees were of blocks the trace never saw allocated."""
+        live, total, totals, unseen = {}, 0, [], 0
         for e in events[:upto]:
             if e["action"] == "alloc":
                 live[e["addr"]] = e
@@ -45,22 +46,17 @@ def peak_report(snapshot: dict, device: int = 0, top: int = 25, around: int = 12
             elif e["action"] == "free_requested" and e["addr"] in live:
                 total -= live.pop(e["addr"])["size"]
             else:
+                unseen += e["action"] == "free_requested"
                 totals.append(None)
                 continue
             totals.append(total)
-        return live, totals
+        return live, totals, unseen
 
-    totals = replay(len(events))[1]
+    _, totals, unseen = replay(len(events))
     peak, peak_at = max(((t, i) for i, t in enumerate(totals) if t is not None), key=lambda ti: (ti[0], -ti[1]),
                         default=(0, -1))
     peak_live = replay(peak_at + 1)[0]
     lines = [f"{len(events)} events; peak {peak / MiB:.2f} MiB live at event {peak_at}"]
-    seen, unseen = set(), 0
-    for e in events:
-        if e["action"] == "alloc":
-            seen.add(e["addr"])
-        elif e["action"] == "free_requested" and e["addr"] not in seen:
-            unseen += 1
     if unseen:
         lines.append(f"({unseen} frees of blocks allocated before the trace begins: it lost its beginning, "
                      "and the live bytes leave those blocks out; raise --max-entries)")

@@ -88,17 +88,17 @@ class _HostPool:
 
     def __init__(self, plan: str, index: int, planned: int, params: int, device: torch.device):
         self.plan, self.index, self.planned = plan, index, planned
-        room = self.room(planned, params)
-        raw = host_empty((room + _ALIGN,), torch.uint8, device)
+        raw = host_empty((self.request(planned, params),), torch.uint8, device)
         skip = -raw.data_ptr() % _ALIGN  # numpy's memory (CPU ranks) is only 16-byte aligned
-        self.buffer = raw[skip:skip + room]
+        self.buffer = raw[skip:skip + raw.numel() - _ALIGN]
         self.used = 0
         self.warned = False
 
     @staticmethod
-    def room(planned: int, params: int) -> int:
-        """The plan's bytes for a group of `params` parameters, and room to align their tensors."""
-        return planned + _ALIGN * _TENSORS_PER_PARAM * params
+    def request(planned: int, params: int) -> int:
+        """The bytes a pool asks for: the plan's for a group of `params` parameters, room to align
+        their tensors, and room to start aligned."""
+        return planned + _ALIGN * _TENSORS_PER_PARAM * params + _ALIGN
 
     def take(self, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """A view of shape and dtype at the next aligned offset; None where the pool is full."""
@@ -122,7 +122,7 @@ def _drop_pool(group: int, pool: _HostPool) -> None:
 
 def host_bytes(groups: List[List[int]], group_bytes: List[int]) -> int:
     """The host memory allocate() asks for the plan's groups: their bytes, and room to align."""
-    return sum(_HostPool.room(b, len(ids)) + _ALIGN for ids, b in zip(groups, group_bytes))
+    return sum(_HostPool.request(b, len(ids)) for ids, b in zip(groups, group_bytes))
 
 
 def allocate(infos, groups: List[List[int]], group_bytes: List[int], masters: List[int], plan: str) -> List[_HostPool]:
@@ -333,11 +333,12 @@ def host_slot(optimizer, p: torch.Tensor, key: str, like: torch.Tensor) -> torch
     slot = (p._dcplan_ds_id, key)
     pool = _pools.get(_group_of[p._dcplan_ds_id])
     found = _slots.get(slot)
+    user = found[1]() if found is not None else None
     taken = None
-    if found is not None and found[1]() in (None, optimizer):
-        view = found[0]
-        taken = view if view.shape == like.shape and view.dtype == like.dtype else None
-    if taken is None and pool is not None and (found is None or found[1]() is None):
+    if found is not None and user in (None, optimizer) and found[0].shape == like.shape and \
+            found[0].dtype == like.dtype:
+        taken = found[0]
+    elif pool is not None and user is None:
         taken = pool.take(like.shape, like.dtype)  # a first slot, or another shape than its gone user's
     if taken is not None:
         _slots[slot] = (taken, weakref.ref(optimizer), pool)

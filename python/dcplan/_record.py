@@ -89,7 +89,7 @@ def settings(record) -> Optional[Settings]:
 
 _active: Optional[Settings] = None
 _optimizer_hook = None  # torch's global optimizer post-hook while recording
-_calls = _optimizer_calls.CallRecorder()  # the recording's param groups, numbered
+_calls: Optional[_optimizer_calls.CallRecorder] = None  # the recording's param groups, numbered (begin())
 
 
 def _optimizer_stepped(optimizer, args, kwargs) -> None:

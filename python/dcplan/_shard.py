@@ -267,7 +267,7 @@ def shard(
                            _plan.runtime_device, pg)
         groups, group_bytes = loaded["optimizer_offload"], loaded["optimizer_offload_bytes"]
         pools = _host_memory.allocate(
-            plan_path, _offload.host_bytes(groups, group_bytes) if groups else 0, loaded["offload_master_bytes"],
+            plan_path, _offload.host_bytes(groups, group_bytes), loaded["offload_master_bytes"],
             _plan.runtime_device, pg,
             lambda: _offload.allocate(state.infos, groups, group_bytes, loaded["master_offload"], str(plan_path)))
         _offload.register(state.infos, groups, loaded["master_offload"], pools)
