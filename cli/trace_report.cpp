@@ -74,6 +74,17 @@ void printTraceSummary(std::ostream& out, const std::string& file, const Trace& 
     out << " + optimizer " << formatMs(s.optimizerDeviceUs)
         << " (with the step queued ahead: what a CUDA graph's replay runs)\n";
   }
+  if (s.savedActivations) {
+    char tensors[32];
+    std::snprintf(tensors, sizeof tensors, "%.0f", s.savedTensors);
+    out << "saved for backward per step: " << tensors << " tensors, " << formatBytes(s.savedBytes);
+    if (s.savedTried) {
+      out << "; moved to the host as saved, " << formatBytes(s.savedFreedBytes)
+          << " of them leave the device by the forward's end (the recorder's trial)\n";
+    } else {
+      out << " (no trial: recorded without a warm-up step)\n";
+    }
+  }
   if (!s.slowest.empty()) {
     out << "\nslowest communication ops:\n"
         << "  step  graph    seq  op                     time       bytes  parameter\n";

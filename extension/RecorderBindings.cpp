@@ -230,6 +230,34 @@ void bindRecorder(py::module_& m) {
       py::arg("forward_graph"), py::arg("shapes"),
       "In a recorded micro-step: the shapes of the tensor arguments of the model's forward (input_shapes).");
   m.def(
+      "record_saved_activations",
+      [](int64_t forwardGraph, const std::vector<py::tuple>& saved) {
+        std::vector<schemas::SavedActivation> out;
+        for (const py::tuple& t : saved) {
+          TORCH_CHECK(t.size() == 5,
+                      "record_saved_activations: expected (packs, bytes, seq, freed_at, used_at), got ",
+                      t.size(), " fields");
+          schemas::SavedActivation a;
+          a.packs = t[0].cast<std::vector<int64_t>>();
+          a.bytes = t[1].cast<uint64_t>();
+          a.seq = t[2].cast<int64_t>();
+          if (!t[3].is_none()) a.freedAt = t[3].cast<int64_t>();
+          if (!t[4].is_none()) a.usedAt = t[4].cast<int64_t>();
+          out.push_back(std::move(a));
+        }
+        current("record_saved_activations")->setSavedActivations(forwardGraph, std::move(out));
+      },
+      py::arg("forward_graph"), py::arg("saved"),
+      "In a recorded micro-step, by its backward's end: what the forward saved for the backward, each "
+      "(packs, bytes, seq, freed_at or None, used_at or None) (the trace graph's saved_activations).");
+  m.def(
+      "record_position", [](int64_t graphId) { return current("record_position")->position(graphId); },
+      py::arg("graph_id"),
+      "In a recorded micro-step: the ops of graph_id it has run so far (the next op's seq); -1 outside one.");
+  m.def(
+      "record_warmup_step", [] { return current("record_warmup_step")->warmupStep(); },
+      "In a warm-up step: the optimizer steps before it; -1 otherwise.");
+  m.def(
       "record_graphed", [] { current("record_graphed")->markGraphed(); },
       "The recorded script runs its step through dcplan.graphed_step: the trace says so (meta.graphed).");
   m.def(

@@ -154,6 +154,12 @@ def pause(paused: bool) -> None:
     _C.record_pause(paused)
 
 
+def saved_activations(forward_graph: int, saved) -> None:
+    """In a recorded micro-step, by its backward's end: what its forward saved for the backward
+    (_activations.Forward.report), the trace graph's saved_activations."""
+    _C.record_saved_activations(forward_graph, saved)
+
+
 def input_shapes(forward_graph: int, shapes) -> None:
     """A training forward's tensor input shapes: the recorded micro-step's trace graph keeps them
     (input_shapes), and the plan made from it, so that a replay can tell other inputs."""

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _plan
-from . import _C, _class_swap, _compile, _graphed, _host_memory, _meta_init, _offload, _record, _shm
+from . import _C, _activations, _class_swap, _compile, _graphed, _host_memory, _meta_init, _offload, _record, _shm
 from ._shard_param import ShardParameter
 
 _DEFAULT_BUCKET_BYTES = _C.DEFAULT_BUCKET_BYTES  # the runtime's own default (schemas::kDefaultBucketBytes)
@@ -84,6 +84,9 @@ class _ShardState:
         self.infos: List[_ParamInfo] = []
         self.forward_depth = 0
         self.saved_hooks = None
+        self.saved: Optional[_activations.Forward] = None  # counts this forward's saves while recording
+        self.activation_trial: Optional[_activations.Trial] = None  # the recorder's trial forward found
+        self.trial_started = False
         self.record_paused = False  # this forward (no grad) is not recorded as a micro-step
         self.plan: Optional[tuple] = None  # (path, made for one CUDA graph) of the plan it follows
         self.plan_inputs = None  # _plan.PlannedInputs: the input shapes the plan's recording ran
@@ -124,12 +127,35 @@ class _ShardState:
     # -- saved tensors (ZeRO-3) -------------------------------------------
     def pack(self, t: torch.Tensor):
         ds_id = self.hooks.pack(t)
-        return t if ds_id < 0 else _Packed(ds_id, t.size(), t.stride(), t.storage_offset())
+        if ds_id >= 0:
+            return _Packed(ds_id, t.size(), t.stride(), t.storage_offset())
+        return t if self.saved is None else self.saved.pack(t)
 
     def unpack(self, x):
         if not isinstance(x, _Packed):
-            return x
+            return _activations.unpack(x)
         return self.hooks.unpack(x.ds_id, x.size, x.stride, x.offset)
+
+    def count_saves(self) -> None:
+        """At a training forward's start, while recording: what counts its saves (the recorder's
+        trial in the first warm-up step's first forward, a recorded micro-step's count)."""
+        self.saved = None
+        if not _record.active() or not torch.is_grad_enabled() or not _activations.recording_enabled():
+            return
+        trial = _C.record_warmup_step() == 0 and not self.trial_started
+        if trial or _C.record_position(self.fwd_graph) >= 0:
+            self.trial_started |= trial
+            self.saved = _activations.Forward(self.fwd_graph, self.bwd_graph, _plan.runtime_device, trial)
+
+    def report_saves(self) -> None:
+        """At the backward's end: the trial's findings kept, a recorded micro-step's saves recorded."""
+        saved, self.saved = self.saved, None
+        if saved is None:
+            return
+        if saved.trial:
+            self.activation_trial = saved.findings()
+        elif _record.active():
+            _record.saved_activations(self.fwd_graph, saved.report(self.activation_trial))
 
     # -- backward ----------------------------------------------------------
     def begin_backward(self) -> None:
@@ -149,6 +175,7 @@ class _ShardState:
                 i.shard.grad = grad
         if self.stage == 3:
             self.hooks.after_backward()
+            self.report_saves()
 
 
 def _weak_begin_backward(state: "_ShardState"):
@@ -542,6 +569,7 @@ def _make_root_pre_hook(state: _ShardState):
                 if compared:
                     _plan.check_input_shapes(state, shapes)
         if state.stage == 3 and not state.compiled:  # compiled: the partitioner re-gathers
+            state.count_saves()
             state.saved_hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
             state.saved_hooks.__enter__()
 
@@ -557,6 +585,8 @@ def _make_root_post_hook(state: _ShardState):
         if state.saved_hooks is not None:
             hooks, state.saved_hooks = state.saved_hooks, None
             hooks.__exit__(None, None, None)
+            if state.saved is not None:
+                state.saved.end()
         _C.end_forward()
         if state.record_paused:
             state.record_paused = False

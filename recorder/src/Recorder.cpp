@@ -142,6 +142,25 @@ void Recorder::setInputShapes(int64_t forwardGraph, schemas::InputShapes shapes)
   current_.inputShapes[forwardGraph] = std::move(shapes);
 }
 
+void Recorder::setSavedActivations(int64_t forwardGraph, std::vector<schemas::SavedActivation> saved) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (finished_ || done_ || paused_ || !recording_ || !haveMicro_) return;
+  current_.savedActivations[forwardGraph] = std::move(saved);
+}
+
+int64_t Recorder::position(int64_t graphId) const {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (finished_ || done_ || paused_ || !recording_ || !haveMicro_) return -1;
+  return std::count_if(current_.events.begin(), current_.events.end(),
+                       [&](const RawEvent& e) { return e.graphId == graphId; });
+}
+
+int64_t Recorder::warmupStep() const {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (finished_ || done_ || recording_ || !haveMicro_) return -1;
+  return optimizerStepsSeen_;
+}
+
 void Recorder::markGraphed() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   graphed_ = true;
@@ -607,9 +626,11 @@ schemas::TraceGraph Recorder::traceGraph(const MicroStep& step, int64_t g, const
   schemas::TraceGraph graph;
   graph.id = g;
   graph.kind = kind;
-  if (auto it = step.inputShapes.find(g);
-      it != step.inputShapes.end() && kind == schemas::GraphKind::Forward) {
-    graph.inputShapes = it->second;
+  if (kind == schemas::GraphKind::Forward) {
+    if (auto it = step.inputShapes.find(g); it != step.inputShapes.end()) graph.inputShapes = it->second;
+    if (auto it = step.savedActivations.find(g); it != step.savedActivations.end()) {
+      graph.savedActivations = it->second;
+    }
   }
   TimePoint prevEnd = origin;
   HostTime hostPrevEnd = hostOrigin;

@@ -255,8 +255,67 @@ class TraceValidator {
                                          static_cast<int64_t>(e), lastStartByStream));
       }
     }
+    if (auto* saved = r.array("saved_activations", FieldReader::Optional)) {
+      if (graph.kind != GraphKind::Forward) {
+        diags_.add(r.pointerOf("saved_activations"),
+                   "saved activations belong to forward graphs; this graph is a backward");
+      } else {
+        readSavedActivations(*saved, r.pointerOf("saved_activations"), graph);
+      }
+    }
     r.rejectUnknownFields();
     return graph;
+  }
+
+  /// A forward's saved_activations: each one's saves after the previous one's first, none twice,
+  /// and its ops within the forward (a backward's ops are checked by the planner, which pairs them).
+  void readSavedActivations(const ordered_json& list, const std::string& ptr, TraceGraph& graph) {
+    const auto ops = static_cast<int64_t>(graph.events.size());
+    std::set<int64_t> packs;
+    int64_t lastFirst = -1;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::string at = ptr + "/" + std::to_string(i);
+      FieldReader r(list[i], at, diags_);
+      SavedActivation a;
+      a.packs = r.integers("packs", 0).value_or(std::vector<int64_t>{});
+      if (a.packs.empty() && r.isObject()) diags_.add(r.pointerOf("packs"), "expected at least one save");
+      for (size_t k = 0; k < a.packs.size(); ++k) {
+        const std::string packPtr = r.pointerOf("packs") + "/" + std::to_string(k);
+        if (k > 0 && a.packs[k] <= a.packs[k - 1]) {
+          diags_.add(packPtr, "expected the saves in increasing order, got " + std::to_string(a.packs[k]) +
+                                  " after " + std::to_string(a.packs[k - 1]));
+        } else if (!packs.insert(a.packs[k]).second) {
+          diags_.add(packPtr,
+                     "save " + std::to_string(a.packs[k]) + " belongs to an earlier saved activation too");
+        }
+      }
+      if (!a.packs.empty()) {
+        if (a.packs.front() <= lastFirst) {
+          diags_.add(r.pointerOf("packs") + "/0",
+                     "expected the activations in the order first saved: " + std::to_string(a.packs.front()) +
+                         " after " + std::to_string(lastFirst));
+        }
+        lastFirst = a.packs.front();
+      }
+      a.bytes = r.bytes("bytes").value_or(0);
+      if (a.bytes == 0 && r.isObject()) diags_.add(r.pointerOf("bytes"), "expected the storage's size, > 0");
+      auto opWithin = [&](const char* key, FieldReader::Presence presence,
+                          int64_t least) -> std::optional<int64_t> {
+        auto v = r.integer(key, 0, presence);
+        if (v && (*v < least || *v > ops)) {
+          diags_.add(r.pointerOf(key), "expected an op of this forward from " + std::to_string(least) +
+                                           " to " + std::to_string(ops) + " (its end), got " +
+                                           std::to_string(*v));
+          return std::nullopt;
+        }
+        return v;
+      };
+      a.seq = opWithin("seq", FieldReader::Required, 0).value_or(0);
+      a.freedAt = opWithin("freed_at", FieldReader::Optional, a.seq);
+      a.usedAt = r.integer("used_at", 0, FieldReader::Optional);
+      r.rejectUnknownFields();
+      graph.savedActivations.push_back(std::move(a));
+    }
   }
 
   void checkParamId(int64_t id, const std::string& ptr) {
@@ -427,6 +486,16 @@ std::string writeTrace(const Trace& t) {
       ordered_json graph{{"id", g.id}, {"kind", graphKindName(g.kind)}};
       if (g.inputShapes) graph["input_shapes"] = *g.inputShapes;
       graph["events"] = std::move(events);
+      if (!g.savedActivations.empty()) {
+        ordered_json saved = ordered_json::array();
+        for (const SavedActivation& a : g.savedActivations) {
+          ordered_json entry{{"packs", a.packs}, {"bytes", a.bytes}, {"seq", a.seq}};
+          if (a.freedAt) entry["freed_at"] = *a.freedAt;
+          if (a.usedAt) entry["used_at"] = *a.usedAt;
+          saved.push_back(std::move(entry));
+        }
+        graph["saved_activations"] = std::move(saved);
+      }
       graphs.push_back(std::move(graph));
     }
     ordered_json step{{"index", s.index}, {"optimizer_us", s.optimizerUs}};

@@ -35,6 +35,15 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
       s.optimizerDeviceUs += step.optimizerDeviceUs.value_or(0);
     }
     for (const auto& g : step.graphs) {
+      for (const SavedActivation& a : g.savedActivations) {
+        s.savedActivations = true;
+        s.savedTensors += 1;
+        s.savedBytes += a.bytes;
+        if (a.freedAt) {
+          s.savedTried = true;
+          s.savedFreedBytes += a.bytes;
+        }
+      }
       GraphSummary& gs = byGraph[g.id];
       gs.id = g.id;
       gs.kind = g.kind;
@@ -81,6 +90,9 @@ TraceSummary summarizeTrace(const Trace& trace, size_t topOps) {
     s.exposedCommUs += gs.exposedCommUs;
     s.graphs.push_back(gs);
   }
+  s.savedTensors /= steps;
+  s.savedBytes = static_cast<uint64_t>(static_cast<double>(s.savedBytes) / steps + 0.5);
+  s.savedFreedBytes = static_cast<uint64_t>(static_cast<double>(s.savedFreedBytes) / steps + 0.5);
   s.hostComputeUs /= steps;
   s.issueUs /= steps;
   s.deviceComputeUs /= steps;

@@ -194,6 +194,27 @@ TEST(RoundTrip, InputShapesStayAbsentOrPresent) {
   EXPECT_EQ(writePlan(p2), writePlan(plan));
 }
 
+TEST(RoundTrip, SavedActivationsStayAbsentOrPresent) {
+  Trace trace = readTrace(kInputs / "minimal.trace.json");
+  EXPECT_EQ(writeTrace(trace).find("saved_activations"), std::string::npos);
+  SavedActivation tried{{0, 2}, 65536, 0, 3, 5};
+  SavedActivation held{{1}, 131072, 1, std::nullopt, std::nullopt};
+  trace.steps[0].graphs[0].savedActivations = {tried, held};
+  Trace t2;
+  ASSERT_TRUE(validateTrace(parseJson(writeTrace(trace), "trace"), t2).empty());
+  const auto& saved = t2.steps[0].graphs[0].savedActivations;
+  ASSERT_EQ(saved.size(), 2u);
+  EXPECT_EQ(saved[0].packs, (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(saved[0].bytes, 65536u);
+  EXPECT_EQ(saved[0].freedAt, 3);
+  EXPECT_EQ(saved[0].usedAt, 5);
+  EXPECT_EQ(saved[1].seq, 1);
+  EXPECT_FALSE(saved[1].freedAt.has_value());
+  EXPECT_FALSE(saved[1].usedAt.has_value());
+  EXPECT_TRUE(t2.steps[0].graphs[1].savedActivations.empty());
+  EXPECT_EQ(writeTrace(t2), writeTrace(trace));
+}
+
 TEST(RoundTrip, AnOptimizersImplementationAndGroupStayAbsentOrPresent) {
   Trace trace = readTrace(kInputs / "minimal.trace.json");
   EXPECT_EQ(writeTrace(trace).find("optimizer_impl"), std::string::npos);

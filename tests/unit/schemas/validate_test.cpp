@@ -144,6 +144,60 @@ INSTANTIATE_TEST_SUITE_P(
                   [](auto& t) { t["steps"][0]["graphs"][1]["input_shapes"] = {{2, 6}}; },
                   {"/steps/0/graphs/1/input_shapes: input shapes belong to forward graphs; this graph is a "
                    "backward"}},
+        TraceCase{
+            "SavedActivationsOnABackward",
+            [](auto& t) {
+              t["steps"][0]["graphs"][1]["saved_activations"] = {{{"packs", {0}}, {"bytes", 4}, {"seq", 0}}};
+            },
+            {"/steps/0/graphs/1/saved_activations: saved activations belong to forward graphs; this graph "
+             "is a backward"}},
+        TraceCase{
+            "SavesOutOfOrder",
+            [](auto& t) {
+              t["steps"][0]["graphs"][0]["saved_activations"] = {
+                  {{"packs", {0, 3}}, {"bytes", 4}, {"seq", 0}},
+                  {{"packs", {2, 1}}, {"bytes", 4}, {"seq", 1}}};
+            },
+            {"/steps/0/graphs/0/saved_activations/1/packs/1: expected the saves in increasing order, got 1 "
+             "after 2"}},
+        TraceCase{
+            "ASaveInTwoActivations",
+            [](auto& t) {
+              t["steps"][0]["graphs"][0]["saved_activations"] = {
+                  {{"packs", {0, 2}}, {"bytes", 4}, {"seq", 0}}, {{"packs", {2}}, {"bytes", 4}, {"seq", 1}}};
+            },
+            {"/steps/0/graphs/0/saved_activations/1/packs/0: save 2 belongs to an earlier saved activation "
+             "too"}},
+        TraceCase{
+            "ActivationsNotInTheOrderFirstSaved",
+            [](auto& t) {
+              t["steps"][0]["graphs"][0]["saved_activations"] = {{{"packs", {1}}, {"bytes", 4}, {"seq", 0}},
+                                                                 {{"packs", {0}}, {"bytes", 4}, {"seq", 1}}};
+            },
+            {"/steps/0/graphs/0/saved_activations/1/packs/0: expected the activations in the order first "
+             "saved: 0 after 1"}},
+        TraceCase{
+            "SavedPastTheForward",
+            [](auto& t) {
+              t["steps"][0]["graphs"][0]["saved_activations"] = {{{"packs", {0}}, {"bytes", 4}, {"seq", 4}}};
+            },
+            {"/steps/0/graphs/0/saved_activations/0/seq: expected an op of this forward from 0 to 3 (its "
+             "end), got 4"}},
+        TraceCase{"FreedBeforeSaved",
+                  [](auto& t) {
+                    t["steps"][0]["graphs"][0]["saved_activations"] = {
+                        {{"packs", {0}}, {"bytes", 4}, {"seq", 2}, {"freed_at", 1}}};
+                  },
+                  {"/steps/0/graphs/0/saved_activations/0/freed_at: expected an op of this forward from 2 to "
+                   "3 (its "
+                   "end), got 1"}},
+        TraceCase{"ASavedActivationWithoutSavesOrBytes",
+                  [](auto& t) {
+                    t["steps"][0]["graphs"][0]["saved_activations"] = {
+                        {{"packs", ordered_json::array()}, {"bytes", 0}, {"seq", 0}}};
+                  },
+                  {"/steps/0/graphs/0/saved_activations/0/packs: expected at least one save",
+                   "/steps/0/graphs/0/saved_activations/0/bytes: expected the storage's size, > 0"}},
         TraceCase{"EmptyCurve",
                   [](auto& t) { t["calibration"]["all_reduce"] = ordered_json::array(); },
                   {"/calibration/all_reduce: expected at least one calibration point"}},

@@ -91,6 +91,14 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   /// In a recorded micro-step, after its start_forward: the shapes of the tensor arguments of the
   /// forward of the model whose forward graph is `forwardGraph` (the trace graph's input_shapes).
   void setInputShapes(int64_t forwardGraph, schemas::InputShapes shapes);
+  /// In a recorded micro-step, by its backward's end: what the forward whose graph is
+  /// `forwardGraph` saved for the backward (the trace graph's saved_activations).
+  void setSavedActivations(int64_t forwardGraph, std::vector<schemas::SavedActivation> saved);
+  /// In a recorded micro-step: how many ops of graph `graphId` it has run so far (the seq of
+  /// the next one); -1 outside one.
+  int64_t position(int64_t graphId) const;
+  /// In a warm-up step (not recorded): how many optimizer steps came before it; -1 otherwise.
+  int64_t warmupStep() const;
 
   void onOpBegin(const replayer::OpEvent& event) override;
   void onOpEnd(const replayer::OpEvent& event) override;
@@ -175,6 +183,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     std::optional<double> optimizerHostUs;  // none when a host reading is missing
     std::vector<RawEvent> events;
     std::map<int64_t, schemas::InputShapes> inputShapes;  // by forward graph id
+    std::map<int64_t, std::vector<schemas::SavedActivation>> savedActivations;  // by forward graph id
     std::vector<size_t> pendingReduce;  // reduce_grad events not yet carried by a collective
   };
 

@@ -159,12 +159,33 @@ using InputShapes = std::vector<std::vector<int64_t>>;
 /// "[(2, 64), (2,)]": as Python prints the shapes (inspect, diff, the replay's warning).
 std::string inputShapesText(const InputShapes& shapes);
 
+/// A tensor a forward saved for its backward (autograd's saved tensors other than the gathered
+/// parameters, docs/recording.md "Saved activations"): what offloading activations could move to
+/// the host. One per storage: the views of one storage saved again share it.
+struct SavedActivation {
+  /// Its saves, counted over the forward's saves of eligible tensors from 0, in order: the
+  /// first made it, the others saved a view of the same storage. A replay counts alike.
+  std::vector<int64_t> packs;
+  uint64_t bytes = 0;  ///< its storage's size
+  int64_t seq = 0;     ///< first saved during the compute before this op of the forward
+  /// Taken off the device in the recorder's trial step (everything eligible moved to the host as
+  /// it was saved), its memory was gone by this op of the forward (the events' count: by the
+  /// forward's end); absent where it was still held then (a forward's output) or not tried.
+  std::optional<int64_t> freedAt;
+  /// First read by the backward during the compute before this op of the same micro-step's
+  /// backward; absent where the backward never read it.
+  std::optional<int64_t> usedAt;
+};
+
 struct TraceGraph {
   int64_t id = 0;
   GraphKind kind = GraphKind::Forward;
   std::vector<OpEvent> events;
   /// Forward graphs: the inputs of this micro-step's forward; absent in older traces.
   std::optional<InputShapes> inputShapes;
+  /// Forward graphs: what it saved for the backward, in the order first saved; empty where not
+  /// recorded (older traces, ZeRO-1/2 or compiled forwards, DCPLAN_RECORD_ACTIVATIONS=0).
+  std::vector<SavedActivation> savedActivations;
 };
 
 /// One recorded training step (one micro-step per graph pair when accumulating).

@@ -58,6 +58,14 @@ struct TraceSummary {
   double deviceOpUs = 0;  ///< the ops' own device work (op_device_us), per step
   double optimizerDeviceUs = 0;
   std::vector<SlowOp> slowest;  ///< communication ops, longest first
+  /// What the forwards saved for the backward (saved_activations), per step: tensors and bytes,
+  /// and of those bytes the ones the recorder's trial saw leave the device by the forward's end
+  /// once moved to the host (what offloading them frees at the backward's start).
+  bool savedActivations = false;
+  double savedTensors = 0;
+  uint64_t savedBytes = 0;
+  uint64_t savedFreedBytes = 0;
+  bool savedTried = false;  ///< some saved activation has freed_at: a trial ran
 };
 
 /// Averages over the recorded steps; `slowest` keeps the `topOps` longest collectives.

@@ -1,0 +1,178 @@
+"""Saved activations: what a sharded model's forward saves for its backward besides the gathered
+parameters, as the recorder measures it (docs/recording.md, "Saved activations").
+
+While recording, the ZeRO-3 eager hooks' pack and unpack (``_ShardState``) hand every other
+saved tensor of the device of at least ``MIN_BYTES`` here. Per storage (views of one storage saved
+again share it), a recorded micro-step counts its saves, its bytes, the op of the forward before
+which it was first saved and the op of the backward before which it was first read; nothing else
+changes. The first warm-up step is the trial: each storage goes to host memory as it is first
+saved and comes back when the backward reads it, so that the device holds it only while something
+besides autograd does (the module's own locals until it returns, the caller's for an output); the
+save before which its memory was found gone says where offloading it frees it. A storage is known
+again by its address only while it lives (a weak reference to it): a freed one's address may be
+another's. $DCPLAN_RECORD_ACTIVATIONS=0 records none of it.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import _C
+
+# Smaller saved tensors are not worth a copy of their own. One definition: the recorder and the
+# runtime count the same saves.
+MIN_BYTES = 64 << 10
+ENV_RECORD_ACTIVATIONS = "DCPLAN_RECORD_ACTIVATIONS"
+
+
+def recording_enabled() -> bool:
+    """$DCPLAN_RECORD_ACTIVATIONS: "1" (the default) or "0"."""
+    value = os.environ.get(ENV_RECORD_ACTIVATIONS, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f'dcplan: ${ENV_RECORD_ACTIVATIONS} should be "0" or "1", got "{value}"')
+    return value == "1"
+
+
+def eligible(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether a saved tensor that is not a gathered parameter counts: of the model's device and of
+    at least MIN_BYTES of storage."""
+    return t.device == device and t.untyped_storage().nbytes() >= MIN_BYTES
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _view(storage: torch.UntypedStorage, meta: Tuple) -> torch.Tensor:
+    dtype, size, stride, offset = meta
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
+def _meta(t: torch.Tensor) -> Tuple:
+    return t.dtype, t.size(), t.stride(), t.storage_offset()
+
+
+class _Entry:
+    """One saved storage of a forward: its saves (pack indices), bytes and first op."""
+
+    __slots__ = ("packs", "bytes", "seq", "used_at", "alive", "host", "reloaded", "freed_before")
+
+    def __init__(self, pack: int, storage: torch.UntypedStorage, seq: int):
+        self.packs = [pack]
+        self.bytes = storage.nbytes()
+        self.seq = seq
+        self.used_at: Optional[int] = None
+        self.alive = weakref.ref(storage)  # the device storage, while it lives
+        self.host: Optional[torch.Tensor] = None  # the trial's copy
+        self.reloaded = None  # the trial's device copy in the backward, while it lives
+        self.freed_before: Optional[int] = None  # the trial: the save before which it was gone
+
+
+class _Saved:
+    """What pack returns for a counted save: the tensor itself in a recorded step, its entry and
+    view in the trial (the device copy then lives only as long as other holders keep it)."""
+
+    __slots__ = ("forward", "entry", "tensor", "meta")
+
+    def __init__(self, forward: "Forward", entry: _Entry, tensor: Optional[torch.Tensor], meta: Optional[Tuple]):
+        self.forward, self.entry, self.tensor, self.meta = forward, entry, tensor, meta
+
+
+class Forward:
+    """The saves of one forward of a sharded model while recording: a recorded micro-step's
+    (trial False) or the trial's."""
+
+    def __init__(self, forward_graph: int, backward_graph: int, device: torch.device, trial: bool):
+        self.forward_graph, self.backward_graph = forward_graph, backward_graph
+        self.device, self.trial = device, trial
+        self.entries: List[_Entry] = []
+        self.by_address: Dict[int, _Entry] = {}
+        self.pack_seq: List[int] = []  # the op of the forward before which each save came
+        self.ops_at_end = -1
+
+    def _known(self, storage: torch.UntypedStorage) -> Optional[_Entry]:
+        entry = self.by_address.get(storage.data_ptr())
+        return entry if entry is not None and entry.alive() is storage else None
+
+    def _note_freed(self) -> None:
+        """The trial: entries whose device memory is gone by the save about to be counted."""
+        index = len(self.pack_seq)
+        for e in self.entries:
+            if e.freed_before is None and e.alive() is None:
+                e.freed_before = index
+
+    def pack(self, t: torch.Tensor):
+        """A save of the forward: t (not a gathered parameter)."""
+        if not eligible(t, self.device):
+            return t
+        if self.trial:
+            self._note_freed()
+        index = len(self.pack_seq)
+        self.pack_seq.append(-1 if self.trial else _C.record_position(self.forward_graph))
+        storage = t.untyped_storage()
+        entry = self._known(storage)
+        if entry is None:
+            entry = _Entry(index, storage, self.pack_seq[-1])
+            self.entries.append(entry)
+            self.by_address[storage.data_ptr()] = entry
+            if self.trial:
+                entry.host = torch.empty(entry.bytes, dtype=torch.uint8, device="cpu")
+                entry.host.copy_(_bytes_view(storage))
+        else:
+            entry.packs.append(index)
+        return _Saved(self, entry, None, _meta(t)) if self.trial else _Saved(self, entry, t, None)
+
+    def end(self) -> None:
+        """The forward has returned."""
+        if self.trial:
+            self._note_freed()
+        else:
+            self.ops_at_end = _C.record_position(self.forward_graph)
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        entry = saved.entry
+        if entry.used_at is None:
+            entry.used_at = -1 if self.trial else _C.record_position(self.backward_graph)
+        if not self.trial:
+            return saved.tensor
+        storage = entry.reloaded() if entry.reloaded is not None else None
+        if storage is None:
+            device = torch.empty(entry.bytes, dtype=torch.uint8, device=self.device)
+            device.copy_(entry.host)
+            storage = device.untyped_storage()
+            entry.reloaded = weakref.ref(storage)
+        return _view(storage, saved.meta)
+
+    def findings(self) -> "Trial":
+        """The trial's findings, for the recorded micro-steps of the same forward."""
+        return Trial(len(self.pack_seq), {e.packs[0]: (e.bytes, e.freed_before) for e in self.entries})
+
+    def report(self, trial: Optional["Trial"]) -> List[tuple]:
+        """A recorded micro-step's entries for the trace, each (packs, bytes, seq, freed_at, used_at):
+        freed_at where the trial saved as often and the same storage first at the same save, and
+        found its memory gone by the forward's end."""
+        same = trial is not None and trial.saves == len(self.pack_seq)
+        out = []
+        for e in self.entries:
+            found = trial.freed.get(e.packs[0]) if same else None
+            freed_at = None
+            if found is not None and found[0] == e.bytes and found[1] is not None:
+                freed_at = self.pack_seq[found[1]] if found[1] < len(self.pack_seq) else self.ops_at_end
+            out.append((list(e.packs), e.bytes, e.seq, freed_at, e.used_at))
+        return out
+
+
+class Trial:
+    """What a trial forward found: its count of saves, and by first save each storage's bytes and
+    the save before which its memory was gone (`saves`: by the forward's end; None: held then)."""
+
+    def __init__(self, saves: int, freed: Dict[int, Tuple[int, Optional[int]]]):
+        self.saves, self.freed = saves, freed
+
+
+def unpack(x):
+    """The hooks' unpack for what Forward.pack returned (anything else comes back as it is)."""
+    return x.forward.unpack(x) if isinstance(x, _Saved) else x
