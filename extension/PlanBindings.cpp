@@ -118,6 +118,10 @@ void bindPlan(py::module_& m) {
         out["guard_start_bytes"] =
             summary.guardStartBytes ? py::object(py::int_(*summary.guardStartBytes)) : py::object(py::none());
         out["input_shapes"] = summary.inputShapes ? py::cast(*summary.inputShapes) : py::object(py::none());
+        py::list saves;
+        for (const schemas::OffloadedSave& o : summary.offloadSaves)
+          saves.append(py::make_tuple(o.pack, o.bytes));
+        out["offload_saves"] = saves;
         return out;
       },
       py::arg("path"), py::arg("params"), py::arg("world_size"), py::arg("stage"), py::arg("forward_graph"),

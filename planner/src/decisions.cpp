@@ -586,6 +586,7 @@ Schedule assemble(const Context& c, const std::vector<char>& persistent, const B
     pg.inputShapes = c.w.graphs[g].inputShapes;
     if (g < groups.size()) pg.prefetch = groups[g];
     if (g < buckets.size()) pg.buckets = buckets[g];
+    if (g < c.offloadSaves.size()) pg.offloadSaves = c.offloadSaves[g];
     s.graphs.push_back(std::move(pg));
   }
   s.optimizerOffload = c.offload;

@@ -26,6 +26,9 @@ struct Context {
   Collective reduceOp;
   /// Optimizer state kept on the host (planned offload): every schedule assembled carries it.
   std::vector<schemas::OffloadGroup> offload;
+  /// Saved activations kept on the host (planned activation offload), by Workload graph index:
+  /// every schedule assembled carries them.
+  std::vector<std::vector<schemas::OffloadedSave>> offloadSaves;
   int32_t runOfGraph(int32_t g) const { return views[static_cast<size_t>(g)].run; }
 };
 

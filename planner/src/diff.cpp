@@ -110,6 +110,20 @@ void diffGraph(Differ& d, const schemas::PlanGraph& a, const schemas::PlanGraph&
     };
     d.text(pb + "/input_shapes", label + " recorded inputs", text(a.inputShapes), text(b.inputShapes));
   }
+  // Saved activations kept on the host, by first save.
+  auto packs = [](const schemas::PlanGraph& g) {
+    std::vector<int64_t> out;
+    for (const auto& o : g.offloadSaves) out.push_back(o.pack);
+    return out;
+  };
+  const std::vector<int64_t> sa = packs(a), sb = packs(b);
+  std::vector<int64_t> movedIn, movedOut;
+  std::set_difference(sb.begin(), sb.end(), sa.begin(), sa.end(), std::back_inserter(movedIn));
+  std::set_difference(sa.begin(), sa.end(), sb.begin(), sb.end(), std::back_inserter(movedOut));
+  if (!movedIn.empty())
+    d.ids(pb + "/offload_saves", label + " offloaded saves", Change::Added, std::nullopt, movedIn);
+  if (!movedOut.empty())
+    d.ids(pa + "/offload_saves", label + " offloaded saves", Change::Removed, movedOut, std::nullopt);
   // Prefetch groups by position; several groups at one position compare in order.
   std::map<int64_t, std::vector<std::pair<size_t, const schemas::PrefetchGroup*>>> ga, gb;
   for (size_t i = 0; i < a.prefetch.size(); ++i) ga[a.prefetch[i].position].emplace_back(i, &a.prefetch[i]);
@@ -174,6 +188,12 @@ void diffPrediction(Differ& d, const std::string& path, const std::string& label
     d.predicted(path + "/offload_bytes", label + " offload_bytes", static_cast<double>(a.offloadBytes),
                 static_cast<double>(b.offloadBytes));
     d.predicted(path + "/exposed_copy_us", label + " exposed_copy_us", a.exposedCopyUs, b.exposedCopyUs);
+  }
+  if (a.activationOffloadBytes > 0 || b.activationOffloadBytes > 0) {
+    d.predicted(path + "/activation_offload_bytes", label + " activation_offload_bytes",
+                static_cast<double>(a.activationOffloadBytes), static_cast<double>(b.activationOffloadBytes));
+    d.predicted(path + "/activation_copy_us", label + " activation_copy_us", a.activationCopyUs,
+                b.activationCopyUs);
   }
 }
 

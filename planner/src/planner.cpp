@@ -127,6 +127,10 @@ class Search {
   /// Every schedule evaluated from now on keeps this optimizer state on the host (the default
   /// candidate, the recorded run, keeps none).
   void setOffload(std::vector<schemas::OffloadGroup> groups) { c_.offload = std::move(groups); }
+  /// ... and these saved activations, by Workload graph index.
+  void setOffloadSaves(std::vector<std::vector<schemas::OffloadedSave>> saves) {
+    c_.offloadSaves = std::move(saves);
+  }
 
   Candidate evaluate(std::string label, std::vector<char> persistent, std::string persistLabel,
                      BucketSet buckets, std::string bucketLabel, PrefetchResult prefetch,
@@ -387,6 +391,9 @@ struct OffloadChoice {
   std::vector<std::string> tried;
   size_t masterGroups = 0;  ///< groups whose master shards are offloaded too (ZeRO-3)
   uint64_t stateFloor = 0;  ///< with masters: the least any schedule needs with all state offloaded
+  size_t saves = 0;         ///< saved activations offloaded too (ZeRO-3, eager)
+  size_t savesOf = 0;       ///< ... of those offloading can move
+  uint64_t mastersFloor = 0;  ///< with saves: the least any schedule needs with every master offloaded
 };
 
 /// The least peak over `v`'s candidates.
@@ -431,6 +438,59 @@ size_t fewestThatFit(size_t lo, size_t hi, Attempt&& attempt, std::vector<Candid
   return hi;
 }
 
+/// planMasterOffload's last stage, where no schedule fits with all optimizer state and every
+/// master shard offloaded (`tried`: those schedules; `below`: the refusal so far): the fewest
+/// saved activations (each forward graph's in the order first saved, graph by graph) with which
+/// one does are kept on the host from their save until the backward reads them, found by
+/// bisection. Throws naming the floor where even all of them are not enough, or where the trace
+/// recorded none that can move.
+void planActivationOffload(Search& search, const Workload& w, uint64_t defaultPeak, const std::string& below,
+                           OffloadChoice& choice, std::vector<Candidate>& tried, size_t& b,
+                           const ProgressFn& progress) {
+  std::vector<std::pair<int32_t, schemas::OffloadedSave>> order;
+  uint64_t total = 0;
+  for (size_t g = 0; g < w.graphs.size(); ++g) {
+    for (const schemas::OffloadedSave& s : offloadableSaves(w, static_cast<int32_t>(g))) {
+      order.emplace_back(static_cast<int32_t>(g), s);
+      total += s.bytes;
+    }
+  }
+  if (order.empty()) {
+    throw std::invalid_argument(
+        below +
+        "; and the trace records no saved activation that can be offloaded (a ZeRO-3 "
+        "eager recording with a warm-up step does: docs/recording.md, \"Saved activations\")");
+  }
+  auto firstSaves = [&](size_t k) {
+    std::vector<std::vector<schemas::OffloadedSave>> out(w.graphs.size());
+    for (size_t i = 0; i < k; ++i) out[static_cast<size_t>(order[i].first)].push_back(order[i].second);
+    return out;
+  };
+  auto attempt = [&](size_t k, std::vector<Candidate>& out, size_t& best) {
+    if (progress)
+      progress("planning with all optimizer state, every master shard and " + std::to_string(k) + " of " +
+               std::to_string(order.size()) + " saved activations offloaded");
+    search.setOffloadSaves(firstSaves(k));
+    return searchWithOffload(search, search.context().offload, defaultPeak, out, best);
+  };
+  choice.mastersFloor = leastPeak(tried);
+  std::vector<Candidate> fits;
+  size_t fitsBest = 0;
+  if (!attempt(order.size(), fits, fitsBest)) {
+    throw std::invalid_argument(below + "; and with every saved activation offloaded too (" +
+                                formatBytes(total) + " a step): at least " + formatBytes(leastPeak(fits)));
+  }
+  // From 0 (none: does not fit) to every one (fits).
+  const size_t hi = fewestThatFit(0, order.size(), attempt, fits, fitsBest);
+  search.setOffloadSaves(firstSaves(hi));
+  choice.saves = hi;
+  choice.savesOf = order.size();
+  choice.tried.push_back("all with " + std::to_string(hi) +
+                         " saved activations: " + us(fits[fitsBest].sim.prediction.stepUs));
+  tried = std::move(fits);
+  b = fitsBest;
+}
+
 /// planOffload's second stage, where no schedule fits with all optimizer state offloaded (`tried`:
 /// those schedules): under ZeRO-3 the master shards of the fewest groups (the most master bytes
 /// first) with which one does are offloaded too, found by bisection. Fills tried/b with the chosen
@@ -463,8 +523,15 @@ void planMasterOffload(Search& search, const Workload& w, const std::string& rep
   size_t fitsBest = 0;
   if (!attempt(state.size(), fits, fitsBest)) {
     const uint64_t masters = compileOffload(w, offloadMasters(w, state, state.size())).masterBytes;
-    throw std::invalid_argument(below + "; and with the master shards offloaded too (" +
-                                formatBytes(masters) + " more): at least " + formatBytes(leastPeak(fits)));
+    planActivationOffload(search, w, defaultPeak,
+                          below + "; and with the master shards offloaded too (" + formatBytes(masters) +
+                              " more): at least " + formatBytes(leastPeak(fits)),
+                          choice, fits, fitsBest, progress);
+    choice.least = choice.chosen = order.size();
+    choice.masterGroups = state.size();
+    tried = std::move(fits);
+    b = fitsBest;
+    return;
   }
   // From 0 (every master on the device: does not fit) to all of them (fits).
   const size_t hi = fewestThatFit(0, state.size(), attempt, fits, fitsBest);
@@ -850,6 +917,13 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
                 count(plan.optimizerOffload.size(), "group") +
                 " (the most first) are kept on the host too, brought back for each gather and their update");
       }
+      if (offload->saves > 0) {
+        ex.line(
+            "offload: no schedule fits with every master shard offloaded either (they need at least " +
+            formatBytes(offload->mastersFloor) + "); " + std::to_string(offload->saves) + " of " +
+            count(offload->savesOf, "saved activation") +
+            " (the first saved first) are kept on the host from their save until the backward reads them");
+      }
     }
     ex.buckets(chosen);
     ex.persistence(chosen, gathersPerStep(w));
@@ -860,6 +934,11 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
       ex.line("  offload: " + formatBytes(p.offloadBytes) +
               " of optimizer state and master shards on the host; copies per step in " + us(p.reloadUs) +
               ", out " + us(p.offloadUs) + "; they make the step " + us(p.exposedCopyUs) + " longer");
+    }
+    if (plan.predicted.activationOffloadBytes > 0) {
+      ex.line("  offload: " + formatBytes(plan.predicted.activationOffloadBytes) +
+              " of saved activations on the host a step; their copies, " +
+              us(plan.predicted.activationCopyUs) + " both ways, run on the compute stream");
     }
     ex.line("  against default: step " + formatChange(plan.predictedDefault.stepUs, plan.predicted.stepUs) +
             ", exposed comm " +

@@ -157,6 +157,15 @@ void renderSchedule(std::ostream& s, const schemas::Plan& plan) {
       << formatMs(std::max(0.0, p.reloadUs + p.offloadUs - p.exposedCopyUs)) << " of it beside the "
       << "optimizer's updates, " << formatMs(p.exposedCopyUs) << " added to the step\n";
   }
+  size_t saves = 0;
+  for (const auto& g : plan.graphs) saves += g.offloadSaves.size();
+  if (saves > 0) {
+    const schemas::Prediction& p = plan.predicted;
+    s << "  offload: " << count(saves, "saved activation")
+      << " on the host from their save until the backward "
+      << "reads them (" << formatBytes(p.activationOffloadBytes) << " a step); their copies, "
+      << formatMs(p.activationCopyUs) << " a step both ways, run on the compute stream\n";
+  }
 }
 
 /// The plan's predicted step, exposed communication and peak against the default schedule's.

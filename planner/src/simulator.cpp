@@ -155,6 +155,7 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
     if (!planned[g]) compileUnplanned(w.graphs[g], c.graphs[g]);
   }
   c.offload = compileOffload(w, s.optimizerOffload);
+  c.activations = compileActivationOffload(w, s.graphs);
   return c;
 }
 
@@ -234,10 +235,11 @@ class Simulation {
     res_.prediction.stepUs = stepUs + (reference_ ? 0.0 : res_.launchDeltaUs);
     // The master shards' copies for gathers run in the compute stream's turn: all of them exposed.
     const double copiesExposedUs = phase.exposedUs + res_.masterReloadUs;
-    res_.prediction.exposedCommUs =
-        std::max(0.0, stepUs - res_.computeUs - res_.optimizerUs - copiesExposedUs);
+    res_.prediction.exposedCommUs = std::max(
+        0.0, stepUs - res_.computeUs - res_.optimizerUs - copiesExposedUs - res_.prediction.activationCopyUs);
     res_.prediction.peakMemoryBytes = peak_;
     res_.prediction.offloadBytes = s_.offload.bytes + s_.offload.masterBytes;
+    res_.prediction.activationOffloadBytes = s_.activations.bytes;
     res_.prediction.reloadUs = phase.reloadUs + res_.masterReloadUs;
     res_.prediction.offloadUs = phase.offloadUs;
     res_.prediction.exposedCopyUs = copiesExposedUs;
@@ -280,12 +282,19 @@ class Simulation {
     arrived_.assign(cg.bucketSize.size(), 0);
     launched_.assign(cg.bucketSize.size(), 0);
     deferred_.assign(cg.bucketSize.size(), 0);
+    const CompiledActivations::Run* moved = s_.activations.of(static_cast<size_t>(r));
     for (size_t i = 0; i < g.ops.size(); ++i) {
       const WorkOp& op = g.ops[i];
-      const double c = run.computeUs[i];
+      // Offloaded saves: copied on the compute stream (by the host on CPU ranks) in their stretch.
+      const double copy =
+          moved ? cost_.copyUs(moved->outBytes[i], false) + cost_.copyUs(moved->inBytes[i], true) : 0.0;
+      res_.prediction.activationCopyUs += copy;
+      const double c = run.computeUs[i] + copy;
+      const uint64_t activation =
+          run.activationBytes[i] - (moved ? std::min(run.activationBytes[i], moved->less[i]) : 0);
       double end = computeNow_ + c;
       if (w_.hostLane) {  // the device runs the stretch once the host has issued it
-        hostNow_ += run.hostUs[i];
+        hostNow_ += run.hostUs[i] + (w_.waitsBlockHost ? copy : 0.0);
         end = std::max(end, hostNow_);
       }
       if (c > 0 && record_) event(Stream::Compute, "compute", r, op.seq, {}, 0, end - c, end);
@@ -294,11 +303,12 @@ class Simulation {
       // The compute's own peak, before this op changes what is held. Before the step's first
       // op that holds the recorded optimizer step's; a grouped step (offload) is modelled at the
       // optimizer instead, from what it left above the op's own activations.
-      uint64_t computePeak = run.computePeakBytes[i];
+      uint64_t computePeak =
+          run.computePeakBytes[i] - (moved ? std::min(run.computePeakBytes[i], moved->lessPeak[i]) : 0);
       if (r == 0 && i == 0 && s_.offload.bytes > 0) {
-        optimizerExcess_ = std::min(computePeak - std::min(computePeak, run.activationBytes[i]),
-                                    w_.leastOptimizerExcessBytes);
-        computePeak = run.activationBytes[i];
+        optimizerExcess_ =
+            std::min(computePeak - std::min(computePeak, activation), w_.leastOptimizerExcessBytes);
+        computePeak = activation;
       }
       sample(computeNow_, computePeak, r, op.seq, false);
       if (!run.opDeviceUs.empty() && run.opDeviceUs[i] > 0) {
@@ -307,7 +317,7 @@ class Simulation {
           event(Stream::Compute, "dc op", r, op.seq, {}, 0, computeNow_, computeNow_ + run.opDeviceUs[i]);
         computeNow_ += run.opDeviceUs[i];
       }
-      if (record_) res_.entryBytes.push_back(inUse(run.activationBytes[i]));
+      if (record_) res_.entryBytes.push_back(inUse(activation));
       for (int32_t k = cg.groupBegin[i]; k < cg.groupBegin[i + 1]; ++k) {
         gather(cg.groups[static_cast<size_t>(k)], r, op.seq, true);
       }
@@ -381,7 +391,7 @@ class Simulation {
       res_.callsAtOp.push_back(calls);
       if (w_.hostLane) hostNow_ += issueUs(op, run.issueUs[i], calls);
       ++opIndex_;
-      sample(computeNow_, run.activationBytes[i], r, op.seq, true);
+      sample(computeNow_, activation, r, op.seq, true);
       if (op.role == OpRole::EndBackward) {  // every reduction drained: no packed input is left
         releaseAfterSample_ += heldInput_;
         heldInput_ = 0;

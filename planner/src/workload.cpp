@@ -293,6 +293,38 @@ GraphRun readRun(Workload& w, const schemas::TraceGraph& tg, const std::string& 
   return run;
 }
 
+/// The saved activations of a micro-step's one forward run that offloading can move (freed_at and
+/// used_at recorded), paired with its one backward run (`first`: the micro-step's first run in
+/// w.runs); none where it runs more than one of either.
+void pairSavedActivations(Workload& w, const schemas::TraceStep& step, const std::string& stepPtr,
+                          size_t first) {
+  int32_t forward = -1, backward = -1, forwards = 0, backwards = 0;
+  for (size_t gi = 0; gi < step.graphs.size(); ++gi) {
+    const bool isForward = step.graphs[gi].kind == schemas::GraphKind::Forward;
+    (isForward ? forward : backward) = static_cast<int32_t>(first + gi);
+    ++(isForward ? forwards : backwards);
+  }
+  if (forwards != 1 || backwards != 1) return;
+  GraphRun& run = w.runs[static_cast<size_t>(forward)];
+  const size_t backwardOps =
+      w.graphs[static_cast<size_t>(w.runs[static_cast<size_t>(backward)].graph)].ops.size();
+  const size_t gi = static_cast<size_t>(forward) - first;
+  const auto& saved = step.graphs[gi].savedActivations;
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const schemas::SavedActivation& a = saved[i];
+    if (!a.freedAt || !a.usedAt) continue;
+    if (static_cast<size_t>(*a.usedAt) >= backwardOps) {
+      throw std::invalid_argument(stepPtr + "/graphs/" + std::to_string(gi) + "/saved_activations/" +
+                                  std::to_string(i) +
+                                  "/used_at: expected an op of the micro-step's backward (0 to " +
+                                  std::to_string(backwardOps - 1) + "), got " + std::to_string(*a.usedAt));
+    }
+    run.saved.push_back(WorkSaved{a.packs.front(), a.bytes, static_cast<int32_t>(a.seq),
+                                  static_cast<int32_t>(*a.freedAt), static_cast<int32_t>(*a.usedAt)});
+  }
+  run.backwardRun = backward;
+}
+
 /// The optimizer steps the rank's shards: with --world-size its device work (on CPU ranks, where
 /// the host is the device, its host time too) shrinks or grows with them, as the baseline does.
 /// On a GPU the host's time issuing it is per tensor, whatever their size: kept. Under ZeRO-3
@@ -345,11 +377,13 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay
   for (size_t m = 0; m < micro.size(); ++m) {
     const bool sync = m + 1 == micro.size();  // the micro-step the optimizer step follows
     const schemas::TraceStep& step = trace.steps[micro[m]];
+    const size_t first = w.runs.size();
     for (size_t gi = 0; gi < step.graphs.size(); ++gi) {
       const schemas::TraceGraph& tg = step.graphs[gi];
       const std::string ptr = "/steps/" + std::to_string(micro[m]) + "/graphs/" + std::to_string(gi);
       w.runs.push_back(readRun(w, tg, ptr, runsOfGraph[tg.id]++, trace.memory.baselineBytes, recorded, sync));
     }
+    pairSavedActivations(w, step, "/steps/" + std::to_string(micro[m]), first);
   }
   markLastReleases(w);
   if (w.gradAccumSteps == 1) {  // each recorded step follows an optimizer step

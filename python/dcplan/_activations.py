@@ -1,5 +1,6 @@
 """Saved activations: what a sharded model's forward saves for its backward besides the gathered
-parameters, as the recorder measures it (docs/recording.md, "Saved activations").
+parameters, as the recorder measures it (docs/recording.md, "Saved activations") and as a plan moves
+it to the host (docs/planning.md, "Offload").
 
 While recording, the ZeRO-3 eager hooks' pack and unpack (``_ShardState``) hand every other
 saved tensor of the device of at least ``MIN_BYTES`` here. Per storage (views of one storage saved
@@ -11,16 +12,23 @@ besides autograd does (the module's own locals until it returns, the caller's fo
 save before which its memory was found gone says where offloading it frees it. A storage is known
 again by its address only while it lives (a weak reference to it): a freed one's address may be
 another's. $DCPLAN_RECORD_ACTIVATIONS=0 records none of it.
+
+A plan's forward graph may name saves (offload_saves, by their first save): each training forward
+of the model then copies those storages into host memory allocated when the plan was loaded
+(``HostSlots``) as they are saved, and the backward copies each back when it first reads it, on
+the stream that reads it; the views saved again of a storage share its copy.
 """
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C
+from . import _C, _offload
+from ._plan import PlanDepartureWarning
 
 # Smaller saved tensors are not worth a copy of their own. One definition: the recorder and the
 # runtime count the same saves.
@@ -81,17 +89,50 @@ class _Saved:
         self.forward, self.entry, self.tensor, self.meta = forward, entry, tensor, meta
 
 
-class Forward:
-    """The saves of one forward of a sharded model while recording: a recorded micro-step's
-    (trial False) or the trial's."""
+# The host copies of a plan's saves start at multiples of this (the state pools' alignment).
+_ALIGN = 64
 
-    def __init__(self, forward_graph: int, backward_graph: int, device: torch.device, trial: bool):
+
+class HostSlots:
+    """The host memory of a plan's saves of one forward graph (its offload_saves: (pack, bytes)
+    each), allocated once when the plan is loaded, before step 0: pinned for a GPU's model, on CPU
+    ranks outside torch's allocator, which counts as the device's memory there."""
+
+    def __init__(self, plan: str, saves: List[Tuple[int, int]], device: torch.device):
+        self.plan = plan
+        total = sum(self.request(b) for _, b in saves)
+        raw = _offload.host_empty((total + _ALIGN,), torch.uint8, device)
+        at = -raw.data_ptr() % _ALIGN
+        self.slots: Dict[int, torch.Tensor] = {}
+        for pack, nbytes in saves:
+            self.slots[pack] = raw[at:at + nbytes]
+            at += self.request(nbytes)
+
+    @staticmethod
+    def request(nbytes: int) -> int:
+        """A save's room: its bytes, rounded up to the alignment."""
+        return -(-nbytes // _ALIGN) * _ALIGN
+
+    @classmethod
+    def host_bytes(cls, saves: List[Tuple[int, int]]) -> int:
+        """What HostSlots asks the host for, for these saves."""
+        return sum(cls.request(b) for _, b in saves) + _ALIGN
+
+
+class Forward:
+    """The saves of one forward of a sharded model: while recording, a recorded micro-step's
+    (trial False) or the trial's; with a plan that offloads some, `slots` (HostSlots) those."""
+
+    def __init__(self, forward_graph: int, backward_graph: int, device: torch.device, trial: bool,
+                 slots: Optional[HostSlots] = None):
         self.forward_graph, self.backward_graph = forward_graph, backward_graph
-        self.device, self.trial = device, trial
+        self.device, self.trial, self.slots = device, trial, slots
+        self.moves = trial or slots is not None  # saves go to the host and back
         self.entries: List[_Entry] = []
         self.by_address: Dict[int, _Entry] = {}
         self.pack_seq: List[int] = []  # the op of the forward before which each save came
         self.ops_at_end = -1
+        self.departed = False  # a planned save differed from the plan: no more moves this forward
 
     def _known(self, storage: torch.UntypedStorage) -> Optional[_Entry]:
         entry = self.by_address.get(storage.data_ptr())
@@ -111,37 +152,61 @@ class Forward:
         if self.trial:
             self._note_freed()
         index = len(self.pack_seq)
-        self.pack_seq.append(-1 if self.trial else _C.record_position(self.forward_graph))
+        self.pack_seq.append(_C.record_position(self.forward_graph) if self.slots is None and not self.trial else -1)
         storage = t.untyped_storage()
         entry = self._known(storage)
-        if entry is None:
+        if entry is not None:
+            entry.packs.append(index)
+        elif self.slots is not None:
+            entry = self._planned(index, storage)
+            if entry is None:
+                return t
+        else:
             entry = _Entry(index, storage, self.pack_seq[-1])
             self.entries.append(entry)
             self.by_address[storage.data_ptr()] = entry
             if self.trial:
                 entry.host = torch.empty(entry.bytes, dtype=torch.uint8, device="cpu")
                 entry.host.copy_(_bytes_view(storage))
-        else:
-            entry.packs.append(index)
-        return _Saved(self, entry, None, _meta(t)) if self.trial else _Saved(self, entry, t, None)
+        return _Saved(self, entry, None, _meta(t)) if self.moves else _Saved(self, entry, t, None)
+
+    def _planned(self, index: int, storage: torch.UntypedStorage) -> Optional[_Entry]:
+        """A plan's save at its first save, copied into its slot; None where the plan moves none
+        there, or no more (a save that differed from the plan's, warned once)."""
+        slot = None if self.departed else self.slots.slots.get(index)
+        if slot is None:
+            return None
+        if storage.nbytes() != slot.numel():
+            self.departed = True
+            warnings.warn(f"dcplan: {self.slots.plan}: save {index} of graph {self.forward_graph} holds "
+                          f"{storage.nbytes()} bytes, the plan's offload_saves {slot.numel()}: this forward keeps "
+                          "the rest of its saves on the device (the model or its inputs differ from the recording)",
+                          PlanDepartureWarning, stacklevel=3)
+            return None
+        entry = _Entry(index, storage, -1)
+        entry.host = slot
+        slot.copy_(_bytes_view(storage), non_blocking=storage.device.type == "cuda")
+        self.entries.append(entry)
+        self.by_address[storage.data_ptr()] = entry
+        return entry
 
     def end(self) -> None:
         """The forward has returned."""
         if self.trial:
             self._note_freed()
-        else:
+        elif self.slots is None:
             self.ops_at_end = _C.record_position(self.forward_graph)
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
         entry = saved.entry
-        if entry.used_at is None:
-            entry.used_at = -1 if self.trial else _C.record_position(self.backward_graph)
-        if not self.trial:
+        if not self.moves:
+            if entry.used_at is None:
+                entry.used_at = _C.record_position(self.backward_graph)
             return saved.tensor
         storage = entry.reloaded() if entry.reloaded is not None else None
-        if storage is None:
+        if storage is None:  # its first read, or every view read before is gone
             device = torch.empty(entry.bytes, dtype=torch.uint8, device=self.device)
-            device.copy_(entry.host)
+            device.copy_(entry.host, non_blocking=self.device.type == "cuda")
             storage = device.untyped_storage()
             entry.reloaded = weakref.ref(storage)
         return _view(storage, saved.meta)

@@ -87,6 +87,7 @@ class _ShardState:
         self.saved: Optional[_activations.Forward] = None  # counts this forward's saves while recording
         self.activation_trial: Optional[_activations.Trial] = None  # the recorder's trial forward found
         self.trial_started = False
+        self.offload_slots: Optional[_activations.HostSlots] = None  # the plan's saves' host memory
         self.record_paused = False  # this forward (no grad) is not recorded as a micro-step
         self.plan: Optional[tuple] = None  # (path, made for one CUDA graph) of the plan it follows
         self.plan_inputs = None  # _plan.PlannedInputs: the input shapes the plan's recording ran
@@ -136,16 +137,23 @@ class _ShardState:
             return _activations.unpack(x)
         return self.hooks.unpack(x.ds_id, x.size, x.stride, x.offset)
 
-    def count_saves(self) -> None:
-        """At a training forward's start, while recording: what counts its saves (the recorder's
-        trial in the first warm-up step's first forward, a recorded micro-step's count)."""
+    def begin_saves(self) -> None:
+        """At a training forward's start: what takes its saves. While recording, what counts them
+        (the recorder's trial in the first warm-up step's first forward, a recorded micro-step's
+        count); with a plan that offloads some, what moves those; else nothing."""
         self.saved = None
-        if not _record.active() or not torch.is_grad_enabled() or not _activations.recording_enabled():
+        if not torch.is_grad_enabled():
             return
-        trial = _C.record_warmup_step() == 0 and not self.trial_started
-        if trial or _C.record_position(self.fwd_graph) >= 0:
-            self.trial_started |= trial
-            self.saved = _activations.Forward(self.fwd_graph, self.bwd_graph, _plan.runtime_device, trial)
+        if _record.active():
+            if not _activations.recording_enabled():
+                return
+            trial = _C.record_warmup_step() == 0 and not self.trial_started
+            if trial or _C.record_position(self.fwd_graph) >= 0:
+                self.trial_started |= trial
+                self.saved = _activations.Forward(self.fwd_graph, self.bwd_graph, _plan.runtime_device, trial)
+        elif self.offload_slots is not None:
+            self.saved = _activations.Forward(self.fwd_graph, self.bwd_graph, _plan.runtime_device, False,
+                                              self.offload_slots)
 
     def report_saves(self) -> None:
         """At the backward's end: the trial's findings kept, a recorded micro-step's saves recorded."""
@@ -154,7 +162,7 @@ class _ShardState:
             return
         if saved.trial:
             self.activation_trial = saved.findings()
-        elif _record.active():
+        elif saved.slots is None and _record.active():
             _record.saved_activations(self.fwd_graph, saved.report(self.activation_trial))
 
     # -- backward ----------------------------------------------------------
@@ -290,13 +298,19 @@ def shard(
     if plan_path is not None:
         loaded = _plan.load(state, plan_path, on_mismatch, reduce_dtype)
         state.hooks.set_keep(loaded["persistent"])
+        saves = loaded["offload_saves"]
+        saves_bytes = _activations.HostSlots.host_bytes(saves) if saves else 0
         _host_memory.check(plan_path, loaded["offload_state_bytes"], loaded["offload_master_bytes"],
-                           _plan.runtime_device, pg)
+                           _plan.runtime_device, pg, saves_bytes)
         groups, group_bytes = loaded["optimizer_offload"], loaded["optimizer_offload_bytes"]
-        pools = _host_memory.allocate(
+
+        def allocate():
+            pools = _offload.allocate(state.infos, groups, group_bytes, loaded["master_offload"], str(plan_path))
+            return pools, _activations.HostSlots(str(plan_path), saves, _plan.runtime_device) if saves else None
+
+        pools, state.offload_slots = _host_memory.allocate(
             plan_path, _offload.host_bytes(groups, group_bytes), loaded["offload_master_bytes"],
-            _plan.runtime_device, pg,
-            lambda: _offload.allocate(state.infos, groups, group_bytes, loaded["master_offload"], str(plan_path)))
+            _plan.runtime_device, pg, allocate, saves_bytes)
         _offload.register(state.infos, groups, loaded["master_offload"], pools)
     if _record.active():
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, pg.size(), param_dtype, reduce_dtype,
@@ -569,7 +583,7 @@ def _make_root_pre_hook(state: _ShardState):
                 if compared:
                     _plan.check_input_shapes(state, shapes)
         if state.stage == 3 and not state.compiled:  # compiled: the partitioner re-gathers
-            state.count_saves()
+            state.begin_saves()
             state.saved_hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
             state.saved_hooks.__enter__()
 

@@ -588,8 +588,20 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
   summary.cudaGraph = plan.options.cudaGraph;
   summary.memoryBudgetBytes = plan.options.memoryBudgetBytes;
   if (plan.guard) summary.guardStartBytes = static_cast<int64_t>(plan.guard->startBytes);
-  for (const schemas::PlanGraph& g : plan.graphs) {
-    if (g.id == model.forwardGraph) summary.inputShapes = g.inputShapes;
+  for (size_t gi = 0; gi < plan.graphs.size(); ++gi) {
+    const schemas::PlanGraph& g = plan.graphs[gi];
+    if (g.id != model.forwardGraph) continue;
+    summary.inputShapes = g.inputShapes;
+    summary.offloadSaves = g.offloadSaves;
+    // Saved activations move in the eager hooks' saved-tensor hooks, which ZeRO-3 alone installs.
+    if (!g.offloadSaves.empty() && (model.stage != 3 || model.compiled)) {
+      refuse(path, "/graphs/" + std::to_string(gi) + "/offload_saves",
+             model.compiled
+                 ? std::string("saved activations kept on the host are not supported with "
+                               "dcplan.shard(compile=True) yet: plan from an eager recording")
+                 : "saved activations are offloaded under ZeRO-3 only; this model is sharded with ZeRO-" +
+                       std::to_string(model.stage));
+    }
   }
   for (size_t g = 0; g < plan.optimizerOffload.size(); ++g) {
     const auto& ids = plan.optimizerOffload[g].dsIds;

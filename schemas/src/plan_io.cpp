@@ -167,8 +167,36 @@ class PlanValidator {
           graph.buckets.push_back(std::move(bucket));
         }
       }
+      if (auto* saves = r.array("offload_saves", P::Optional))
+        readOffloadSaves(*saves, r.pointerOf("offload_saves"), graph);
       r.rejectUnknownFields();
       out_.graphs.push_back(std::move(graph));
+    }
+  }
+
+  /// A forward graph's offload_saves: first saves in increasing order, each with its bytes.
+  void readOffloadSaves(const ordered_json& list, const std::string& ptr, PlanGraph& graph) {
+    if (graph.kind != GraphKind::Forward) {
+      diags_.add(ptr, "offloaded saves belong to forward graphs; this graph is a backward");
+      return;
+    }
+    std::optional<int64_t> last;
+    for (size_t i = 0; i < list.size(); ++i) {
+      FieldReader item(list[i], ptr + "/" + std::to_string(i), diags_);
+      OffloadedSave save;
+      if (auto pack = item.integer("pack", 0)) {
+        if (last && *pack <= *last) {
+          diags_.add(item.pointerOf("pack"), "expected the saves in increasing order, got " +
+                                                 std::to_string(*pack) + " after " + std::to_string(*last));
+        }
+        last = pack;
+        save.pack = *pack;
+      }
+      save.bytes = item.bytes("bytes").value_or(0);
+      if (save.bytes == 0 && item.isObject())
+        diags_.add(item.pointerOf("bytes"), "expected the storage's size, > 0");
+      item.rejectUnknownFields();
+      graph.offloadSaves.push_back(save);
     }
   }
 
@@ -234,6 +262,8 @@ class PlanValidator {
     p.reloadUs = r.number("reload_us", 0, P::Optional).value_or(0);
     p.offloadUs = r.number("offload_us", 0, P::Optional).value_or(0);
     p.exposedCopyUs = r.number("exposed_copy_us", 0, P::Optional).value_or(0);
+    p.activationOffloadBytes = r.bytes("activation_offload_bytes", P::Optional).value_or(0);
+    p.activationCopyUs = r.number("activation_copy_us", 0, P::Optional).value_or(0);
     r.rejectUnknownFields();
     return p;
   }
@@ -250,6 +280,10 @@ ordered_json predictionJson(const Prediction& p) {
     out["reload_us"] = p.reloadUs;
     out["offload_us"] = p.offloadUs;
     out["exposed_copy_us"] = p.exposedCopyUs;
+  }
+  if (p.activationOffloadBytes > 0) {
+    out["activation_offload_bytes"] = p.activationOffloadBytes;
+    out["activation_copy_us"] = p.activationCopyUs;
   }
   return out;
 }
@@ -295,6 +329,11 @@ std::string writePlan(const Plan& plan) {
     if (g.inputShapes) graph["input_shapes"] = *g.inputShapes;
     graph["prefetch"] = std::move(prefetch);
     graph["buckets"] = std::move(buckets);
+    if (!g.offloadSaves.empty()) {
+      ordered_json saves = ordered_json::array();
+      for (const OffloadedSave& o : g.offloadSaves) saves.push_back({{"pack", o.pack}, {"bytes", o.bytes}});
+      graph["offload_saves"] = std::move(saves);
+    }
     graphs.push_back(std::move(graph));
   }
   ordered_json source{{"trace", plan.source.trace},

@@ -47,7 +47,8 @@ def busy_processes(n: int):
 
 def offload_floors(cli: str, trace, env=None) -> List[int]:
     """The floors `dcplan plan TRACE --memory-budget 1` is refused with, in bytes: what any plan
-    needs with all optimizer state offloaded, then (ZeRO-3, eager) with every master shard too."""
+    needs with all optimizer state offloaded, then (ZeRO-3, eager) with every master shard too, and
+    with every saved activation the trace recorded as movable too."""
     refused = os.path.join(os.path.dirname(str(trace)), "refused.plan.json")  # never written
     res = subprocess.run([cli, "plan", str(trace), "-o", refused, "--memory-budget", "1"], env=env,
                          capture_output=True, text=True)

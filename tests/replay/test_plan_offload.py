@@ -2,7 +2,9 @@
 sequences: the optimizer state is most of what a rank holds): dcplan record -> plan at a budget
 under the least any schedule needs with the optimizer state on the device -> inspect -> replay ->
 check, at two budgets: just above what it needs with all optimizer state offloaded, and 60% of the
-on-device floor, below that, where master shards go to the host too. Asserted: the plan offloads
+on-device floor, below that, where master shards go to the host too; and, for a model of longer
+sequences, below what it needs with every master shard offloaded, where saved activations go to
+the host too. Asserted: the plan offloads
 what the budget needs and predicts a peak within it, inspect shows it, the replay's losses equal
 training without a plan bit for bit, each rank's peak stays within the budget and within 3% of
 the prediction, and a new job resumed from a checkpoint saved after 3 steps (examples/train_llama.py
@@ -35,6 +37,12 @@ ABOVE_OFFLOAD_FLOOR = 1.08
 # shard offloaded too needs 0.44), so that the planner must put master shards on the host.
 ON_DEVICE_SHARE = 0.6
 UNDER_STATE_FLOOR = 0.97
+# A model whose saved activations are most of what a rank holds (the budget guard test's, with
+# longer sequences): every master shard offloaded still needs 25.4 MiB in two recordings here, every
+# saved activation offloaded too 8.3 and 8.6 MiB. (At 96 tokens, 13.0 against 7.5 MiB in three
+# recordings, but one recording in the test put the optimizer step's peak at 13.5 MiB, which no
+# saved activation lowers: both floors the same.)
+ACTIVATIONS_MODEL = ["--layers", "3", "--hidden", "192", "--heads", "6", "--seq", "192", "--vocab", "768", "--fused"]
 # What a resumed job may hold beyond an uninterrupted one at a step's first op: the scalars a load
 # makes (measured: 20 B), under the smallest shard's state kept on the device by mistake (a norm
 # weight's moments: 1.5 KiB).
@@ -43,12 +51,13 @@ RESUMED_SLACK = 1 << 10
 pytestmark = pytest.mark.multiprocess
 
 
-def script(steps):
-    return [os.path.join(ROOT, "examples", "train_llama.py"), "--steps", str(steps), *MODEL]
+def script(steps, model=MODEL):
+    return [os.path.join(ROOT, "examples", "train_llama.py"), "--steps", str(steps), *model]
 
 
-def train(steps):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script(steps)]
+def train(steps, model=MODEL):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            *script(steps, model)]
 
 
 def run(cmd, env=None, expect=0):
@@ -75,6 +84,45 @@ def test_a_budget_under_the_on_device_floor_is_planned_with_offload_and_kept(tmp
 
 def test_sixty_percent_of_the_on_device_floor_offloads_master_shards_too_and_is_kept(tmp_path, dcplan_module):
     offload_case(tmp_path, masters=True)
+
+
+def test_below_every_master_floor_saved_activations_go_to_the_host_too(tmp_path, dcplan_module):
+    from dcplan import _plan
+
+    exe = dcplan_binary()
+    trace, plan = tmp_path / "trace.json", tmp_path / "activations.json"
+    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6, ACTIVATIONS_MODEL)])
+    state_floor, masters_floor, saves_floor = offload_floors(exe, trace)
+    assert saves_floor < masters_floor < state_floor, (saves_floor, masters_floor, state_floor)
+    # Halfway between: the plan must move some saved activations, and not all of them.
+    budget = (saves_floor + masters_floor) // 2
+    run([exe, "plan", str(trace), "-o", str(plan), "--memory-budget", f"{budget}B"])
+    p = json.loads(plan.read_text())
+    saves = [s for g in p["graphs"] for s in g.get("offload_saves", [])]
+    recorded = [a for s in json.loads(trace.read_text())["steps"][:1] for g in s["graphs"]
+                for a in g.get("saved_activations", [])]
+    assert 0 < len(saves) < len(recorded), (len(saves), len(recorded))
+    assert p["predicted"]["activation_offload_bytes"] == sum(s["bytes"] for s in saves)
+    assert all("master_bytes" in g for g in p["offload"]["optimizer_state"])
+    predicted = p["predicted"]["peak_memory_bytes"]
+    assert predicted <= budget
+    shown = run([exe, "inspect", str(plan)]).stdout
+    assert re.search(rf"offload: {len(saves)} saved activations on the host from their save until the backward "
+                     r"reads them", shown), shown
+
+    log = tmp_path / "activations.{rank}.jsonl"
+    replayed = run(train(6, ACTIVATIONS_MODEL), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)})
+    reference = run(train(6, ACTIVATIONS_MODEL)).stdout
+    assert losses(replayed.stdout) == losses(reference) and len(losses(reference)) == 6, (replayed.stdout, reference)
+    assert "PlanDepartureWarning" not in replayed.stderr, replayed.stderr[-3000:]
+    logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
+    checked = run([exe, "check", str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable}, expect=None)
+    check = checked.stdout + checked.stderr
+    assert check.count("follows") == 2 and "OVER BUDGET" not in check, check
+    for rank, path in enumerate(logs):
+        m = _plan.measured(_plan.read_replay_log(path))
+        assert m["peak_bytes"] <= budget, (rank, m["peak_bytes"], budget, check)
+        assert abs(m["peak_bytes"] / predicted - 1) <= PEAK_TOLERANCE, (rank, m["peak_bytes"], predicted, check)
 
 
 def refused_on_a_full_host(plan, groups):

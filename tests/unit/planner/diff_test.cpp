@@ -81,6 +81,19 @@ TEST(Diff, ScheduleChangesArePinnedByPointer) {
   EXPECT_NE(json.find("\"equal\": false"), std::string::npos);
 }
 
+TEST(Diff, SavedActivationsMovedToTheHostAreNamedByFirstSave) {
+  schemas::Plan a = tinyPlan(), b = a;
+  a.graphs[0].offloadSaves = {{0, 4096}, {3, 4096}};
+  b.graphs[0].offloadSaves = {{3, 4096}, {5, 8192}, {6, 8192}};
+  b.predicted.activationOffloadBytes = 20'480;
+  PlanDiff d = diffPlans(a, b);
+  std::string text = renderDiffText(d, "a", "b");
+  EXPECT_NE(text.find("+ graph 0 (forward) offloaded saves: [5-6]"), std::string::npos) << text;
+  EXPECT_NE(text.find("- graph 0 (forward) offloaded saves: [0]"), std::string::npos) << text;
+  EXPECT_NE(text.find("predicted activation_offload_bytes"), std::string::npos) << text;
+  EXPECT_TRUE(diffPlans(b, b).equal());
+}
+
 TEST(Diff, PredictionsWithinToleranceAreEqual) {
   schemas::Plan a = tinyPlan(), b = a;
   b.predicted.stepUs = a.predicted.stepUs * 1.004;

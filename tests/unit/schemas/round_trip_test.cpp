@@ -215,6 +215,24 @@ TEST(RoundTrip, SavedActivationsStayAbsentOrPresent) {
   EXPECT_EQ(writeTrace(t2), writeTrace(trace));
 }
 
+TEST(RoundTrip, OffloadedSavesStayAbsentOrPresent) {
+  Plan plan = readPlan(kInputs / "minimal.plan.json");
+  EXPECT_EQ(writePlan(plan).find("offload_saves"), std::string::npos);
+  EXPECT_EQ(writePlan(plan).find("activation_"), std::string::npos);
+  plan.graphs[0].offloadSaves = {{0, 65536}, {4, 131072}};
+  plan.predicted.activationOffloadBytes = 196'608;
+  plan.predicted.activationCopyUs = 12.5;
+  Plan p2;
+  ASSERT_TRUE(validatePlan(parseJson(writePlan(plan), "plan"), p2).empty());
+  ASSERT_EQ(p2.graphs[0].offloadSaves.size(), 2u);
+  EXPECT_EQ(p2.graphs[0].offloadSaves[1].pack, 4);
+  EXPECT_EQ(p2.graphs[0].offloadSaves[1].bytes, 131072u);
+  EXPECT_TRUE(p2.graphs[1].offloadSaves.empty());
+  EXPECT_EQ(p2.predicted.activationOffloadBytes, 196'608u);
+  EXPECT_EQ(p2.predicted.activationCopyUs, 12.5);
+  EXPECT_EQ(writePlan(p2), writePlan(plan));
+}
+
 TEST(RoundTrip, AnOptimizersImplementationAndGroupStayAbsentOrPresent) {
   Trace trace = readTrace(kInputs / "minimal.trace.json");
   EXPECT_EQ(writeTrace(trace).find("optimizer_impl"), std::string::npos);

@@ -241,6 +241,19 @@ TEST(Validate, PlanProblems) {
                                 }));
 }
 
+TEST(Validate, OffloadedSavesProblems) {
+  ordered_json plan = minimalPlan();
+  plan["graphs"][0]["offload_saves"] = {{{"pack", 3}, {"bytes", 64}}, {{"pack", 3}, {"bytes", 0}}};
+  plan["graphs"][1]["offload_saves"] = {{{"pack", 0}, {"bytes", 64}}};
+  EXPECT_EQ(planProblems(plan), (std::vector<std::string>{
+                                    "/graphs/0/offload_saves/1/pack: expected the saves in increasing order, got 3 "
+                                    "after 3",
+                                    "/graphs/0/offload_saves/1/bytes: expected the storage's size, > 0",
+                                    "/graphs/1/offload_saves: offloaded saves belong to forward graphs; this graph "
+                                    "is a backward",
+                                }));
+}
+
 TEST(Validate, NetworkProblems) {
   const ordered_json good = {{"schema", "dcplan.network/v1"},
                              {"created_by", "test"},

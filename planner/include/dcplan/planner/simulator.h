@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "dcplan/planner/activation_offload.h"
 #include "dcplan/planner/cost_model.h"
 #include "dcplan/planner/offload.h"
 #include "dcplan/planner/workload.h"
@@ -33,6 +34,7 @@ struct CompiledSchedule {
   };
   std::vector<Graph> graphs;  ///< by Workload graph index
   CompiledOffload offload;
+  CompiledActivations activations;  ///< the forward graphs' offload_saves
 };
 
 /// Resolves `schedule` against `workload`. Throws std::invalid_argument with a

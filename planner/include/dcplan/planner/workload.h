@@ -61,6 +61,17 @@ struct WorkGraph {
   std::optional<schemas::InputShapes> inputShapes;
 };
 
+/// A saved activation of a forward run that offloading can move (the trace's saved_activations
+/// entry with freed_at and used_at): off the device from the op by which its memory was gone to
+/// the backward op before which the backward reads it.
+struct WorkSaved {
+  int64_t pack = 0;  ///< its first save: how the plan names it
+  uint64_t bytes = 0;
+  int32_t seq = 0;      ///< first saved during the compute before this op of the forward (its copy out)
+  int32_t freedAt = 0;  ///< gone by this op of the forward (its ops' count: by the forward's end)
+  int32_t usedAt = 0;   ///< read during the compute before this op of the backward run (its copy in)
+};
+
 /// One execution of a graph within the step, with its own timings.
 struct GraphRun {
   int32_t graph = 0;              ///< index into Workload::graphs
@@ -82,6 +93,11 @@ struct GraphRun {
   /// each op, and of each op itself as the recorded schedule issued it.
   std::vector<double> hostUs;
   std::vector<double> issueUs;
+  /// Forward runs: the saved activations offloading can move, in the order first saved, and the
+  /// backward run of the same micro-step that reads them (index into Workload::runs; -1: none,
+  /// where the micro-step runs more than one forward or backward).
+  std::vector<WorkSaved> saved;
+  int32_t backwardRun = -1;
 
   /// The most activation memory of the run, at an op or between two.
   uint64_t mostActivationBytes() const;

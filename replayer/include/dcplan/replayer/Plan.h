@@ -69,6 +69,8 @@ struct PlanSummary {
   std::optional<int64_t> guardStartBytes;     ///< the plan's guard.start_bytes
   /// The input shapes of the live model's forward graph in the recorded step (input_shapes).
   std::optional<schemas::InputShapes> inputShapes;
+  /// The saves of the live model's forward that go to the host (its graph's offload_saves).
+  std::vector<schemas::OffloadedSave> offloadSaves;
 };
 
 /// One prefetch group of a plan: its ids and its peak (the plan's peak_bytes, -1: not given).

@@ -75,6 +75,14 @@ struct PlanBucket {
   std::string dtype;
 };
 
+/// A saved activation of a forward graph kept in host memory from its save until the backward
+/// reads it (planned activation offload, docs/planning.md): the trace's saved_activations entry
+/// whose first save is `pack`.
+struct OffloadedSave {
+  int64_t pack = 0;
+  uint64_t bytes = 0;  ///< its storage's size: the runtime checks the save it offloads against it
+};
+
 struct PlanGraph {
   int64_t id = 0;
   GraphKind kind = GraphKind::Forward;
@@ -83,6 +91,8 @@ struct PlanGraph {
   /// Forward graphs: the inputs of the recorded step the plan was made from (its memory and times
   /// hold for these); a replay whose inputs differ warns once. Absent: the trace did not record them.
   std::optional<InputShapes> inputShapes;
+  /// Forward graphs: the saved activations each run of it moves to the host (ascending packs).
+  std::vector<OffloadedSave> offloadSaves;
 };
 
 /// Parameters whose optimizer state lives in host memory between optimizer steps (planned
@@ -109,6 +119,10 @@ struct Prediction {
   double reloadUs = 0;
   double offloadUs = 0;
   double exposedCopyUs = 0;
+  /// Planned activation offload only: the saved activations moved to the host in a step, and the
+  /// copies' time both ways (on the compute stream: all of it lengthens the step).
+  uint64_t activationOffloadBytes = 0;
+  double activationCopyUs = 0;
 };
 
 struct Plan {
