@@ -96,10 +96,13 @@ _ALIGN = 64
 class HostSlots:
     """The host memory of a plan's saves of one forward graph (its offload_saves: (pack, bytes)
     each), allocated once when the plan is loaded, before step 0: pinned for a GPU's model, on CPU
-    ranks outside torch's allocator, which counts as the device's memory there."""
+    ranks outside torch's allocator, which counts as the device's memory there. One forward at a
+    time uses it: until its saves are gone (its backward ran, or its graph was dropped)."""
 
     def __init__(self, plan: str, saves: List[Tuple[int, int]], device: torch.device):
         self.plan = plan
+        self.user: Optional[weakref.ref] = None  # the Forward whose saves may still be read
+        self.warned = False
         total = sum(self.request(b) for _, b in saves)
         raw = _offload.host_empty((total + _ALIGN,), torch.uint8, device)
         at = -raw.data_ptr() % _ALIGN
@@ -112,6 +115,22 @@ class HostSlots:
     def request(nbytes: int) -> int:
         """A save's room: its bytes, rounded up to the alignment."""
         return -(-nbytes // _ALIGN) * _ALIGN
+
+    def forward(self, forward_graph: int, backward_graph: int, device: torch.device) -> Optional["Forward"]:
+        """A training forward's saves, the plan's moved here; None (warned once) while an earlier
+        forward's saves are still held (two forwards before their backwards, retain_graph): its
+        copies would be overwritten, so this one keeps its saves on the device."""
+        if self.user is not None and self.user() is not None:
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"dcplan: {self.plan}: a forward of graph {forward_graph} began while an earlier "
+                              "one's saved activations were still held (a second forward before its backward, "
+                              "or a graph kept with retain_graph): it keeps its saves on the device, beyond the "
+                              "plan's memory", PlanDepartureWarning, stacklevel=4)
+            return None
+        forward = Forward(forward_graph, backward_graph, device, False, self)
+        self.user = weakref.ref(forward)
+        return forward
 
     @classmethod
     def host_bytes(cls, saves: List[Tuple[int, int]]) -> int:

@@ -152,8 +152,7 @@ class _ShardState:
                 self.trial_started |= trial
                 self.saved = _activations.Forward(self.fwd_graph, self.bwd_graph, _plan.runtime_device, trial)
         elif self.offload_slots is not None:
-            self.saved = _activations.Forward(self.fwd_graph, self.bwd_graph, _plan.runtime_device, False,
-                                              self.offload_slots)
+            self.saved = self.offload_slots.forward(self.fwd_graph, self.bwd_graph, _plan.runtime_device)
 
     def report_saves(self) -> None:
         """At the backward's end: the trial's findings kept, a recorded micro-step's saves recorded."""

@@ -139,3 +139,36 @@ def test_a_recording_carries_what_the_forwards_saved(tmp_path, dcplan_module):
     # dcplan record -v passes the command's output on to stderr.
     assert losses(recorded.stderr)[:2] == losses(plain.stdout) and len(losses(plain.stdout)) == 2, \
         (recorded.stderr, plain.stdout)
+
+
+def test_planned_saves_move_through_their_slots_one_forward_at_a_time(dcplan_module):
+    """A plan's saves (HostSlots) move into host memory and back with the numbers unchanged; a second
+    forward while the first one's saves are held keeps its own on the device (warned once), since its
+    copies would overwrite the first one's; once the first graph is gone the slots serve again."""
+    from dcplan import _activations
+    from dcplan._plan import PlanDepartureWarning
+
+    torch.manual_seed(0)
+    width, rows = 64, 256
+    model = nn.Sequential(Block(width), Block(width))
+    x = torch.randn(rows, width, requires_grad=True)
+    plain = run(model, x, None)
+    g_bytes = rows * 4 * width * 4  # g: relu's output, first saved at save 1 (and again at 2)
+    slots = _activations.HostSlots("plan.json", [(1, g_bytes), (5, g_bytes)], torch.device("cpu"))
+    first = slots.forward(0, 1, torch.device("cpu"))
+    moved = run(model, x, first)
+    assert moved[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(moved[1], plain[1]))
+    assert [e.packs for e in first.entries] == [[1, 2], [5, 6]]  # only the plan's, with their later saves
+    del first
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held = slots.forward(0, 1, torch.device("cpu"))
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t if t.untyped_storage().data_ptr() in params else held.pack(t), _activations.unpack):
+        out = model(x)
+    with pytest.warns(PlanDepartureWarning, match="still held"):
+        assert slots.forward(0, 1, torch.device("cpu")) is None
+    assert slots.forward(0, 1, torch.device("cpu")) is None  # warned once
+    out.square().mean().backward()
+    del out, held
+    assert slots.forward(0, 1, torch.device("cpu")) is not None  # the first graph is gone
