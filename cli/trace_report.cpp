@@ -77,7 +77,7 @@ void printTraceSummary(std::ostream& out, const std::string& file, const Trace& 
   if (s.savedActivations) {
     char tensors[32];
     std::snprintf(tensors, sizeof tensors, "%.0f", s.savedTensors);
-    out << "saved for backward per step: " << tensors << " tensors, " << formatBytes(s.savedBytes);
+    out << "saved for backward per step: " << tensors << " storages, " << formatBytes(s.savedBytes);
     if (s.savedTried) {
       out << "; moved to the host as saved, " << formatBytes(s.savedFreedBytes)
           << " of them leave the device by the forward's end (the recorder's trial)\n";

@@ -122,6 +122,7 @@ void bindPlan(py::module_& m) {
         for (const schemas::OffloadedSave& o : summary.offloadSaves)
           saves.append(py::make_tuple(o.pack, o.bytes));
         out["offload_saves"] = saves;
+        out["offload_saves_pointer"] = summary.offloadSavesPointer;
         return out;
       },
       py::arg("path"), py::arg("params"), py::arg("world_size"), py::arg("stage"), py::arg("forward_graph"),

@@ -50,8 +50,8 @@ CompiledActivations compileActivationOffload(const Workload& w,
       if (run.backwardRun < 0) {
         throw std::invalid_argument(
             ptr + ": graph " + std::to_string(pg.id) +
-            " runs in a micro-step of more than one forward or backward: its saves pair "
-            "with no one backward");
+            " is not the one forward of a micro-step with one backward: its saves pair with no backward that "
+            "reads them");
       }
       std::map<int64_t, const WorkSaved*> byPack;
       for (const WorkSaved& s : run.saved) byPack[s.pack] = &s;
@@ -81,14 +81,21 @@ CompiledActivations compileActivationOffload(const Workload& w,
 }
 
 std::vector<schemas::OffloadedSave> offloadableSaves(const Workload& w, int32_t graph) {
+  // What every run offers alike: a micro-step of other inputs (or one whose saves the trial did not
+  // match) may save others, which no plan of the graph can name.
+  std::map<std::pair<int64_t, uint64_t>, size_t> runsOffering;
+  size_t runs = 0;
   for (const GraphRun& run : w.runs) {
     if (run.graph != graph) continue;
-    std::vector<schemas::OffloadedSave> out;
-    if (run.backwardRun < 0) return out;
-    for (const WorkSaved& s : run.saved) out.push_back({s.pack, s.bytes});
-    return out;
+    if (run.backwardRun < 0) return {};
+    ++runs;
+    for (const WorkSaved& s : run.saved) ++runsOffering[{s.pack, s.bytes}];
   }
-  return {};
+  std::vector<schemas::OffloadedSave> out;
+  for (const auto& [save, n] : runsOffering) {
+    if (n == runs) out.push_back({save.first, save.second});
+  }
+  return out;  // by first save: the order first saved
 }
 
 }  // namespace dcplan::planner

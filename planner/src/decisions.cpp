@@ -38,7 +38,7 @@ schemas::PlanBucket makeBucket(const Context& c, const std::vector<int32_t>& par
 }  // namespace
 
 Context makeContext(const Workload& w, const CostModel& cost, uint64_t limit) {
-  Context c{w, cost, limit, {}, w.stage >= 2 ? Collective::ReduceScatter : Collective::AllReduce, {}};
+  Context c{w, cost, limit, {}, w.stage >= 2 ? Collective::ReduceScatter : Collective::AllReduce, {}, {}};
   c.views.resize(w.graphs.size());
   std::vector<char> seen(w.graphs.size(), 0);
   for (size_t r = 0; r < w.runs.size(); ++r) {

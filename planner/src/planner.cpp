@@ -448,18 +448,25 @@ void planActivationOffload(Search& search, const Workload& w, uint64_t defaultPe
                            OffloadChoice& choice, std::vector<Candidate>& tried, size_t& b,
                            const ProgressFn& progress) {
   std::vector<std::pair<int32_t, schemas::OffloadedSave>> order;
-  uint64_t total = 0;
+  uint64_t total = 0;  // a step's: each save once per run of its graph
   for (size_t g = 0; g < w.graphs.size(); ++g) {
-    for (const schemas::OffloadedSave& s : offloadableSaves(w, static_cast<int32_t>(g))) {
-      order.emplace_back(static_cast<int32_t>(g), s);
-      total += s.bytes;
+    const auto graph = static_cast<int32_t>(g);
+    const auto runs = static_cast<uint64_t>(
+        std::count_if(w.runs.begin(), w.runs.end(), [&](const GraphRun& r) { return r.graph == graph; }));
+    for (const schemas::OffloadedSave& s : offloadableSaves(w, graph)) {
+      order.emplace_back(graph, s);
+      total += s.bytes * runs;
     }
   }
   if (order.empty()) {
     throw std::invalid_argument(
         below +
-        "; and the trace records no saved activation that can be offloaded (a ZeRO-3 "
-        "eager recording with a warm-up step does: docs/recording.md, \"Saved activations\")");
+        "; and the trace records no saved activation that can be offloaded: one moves where its forward "
+        "graph's "
+        "saved_activations entry has freed_at and used_at (a ZeRO-3 eager recording with a warm-up step "
+        "records "
+        "them: docs/recording.md, \"Saved activations\"), alike in every micro-step of one forward and one "
+        "backward");
   }
   auto firstSaves = [&](size_t k) {
     std::vector<std::vector<schemas::OffloadedSave>> out(w.graphs.size());

@@ -45,9 +45,14 @@ def recording_enabled() -> bool:
 
 
 def eligible(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether a saved tensor that is not a gathered parameter counts: of the model's device and of
-    at least MIN_BYTES of storage."""
-    return t.device == device and t.untyped_storage().nbytes() >= MIN_BYTES
+    """Whether a saved tensor that is not a gathered parameter counts: a plain dense tensor (no
+    subclass, no lazy conjugate or negation, whose copy would lose them) of the model's device (an
+    index left open is the current one's) and of at least MIN_BYTES of storage."""
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_conj() or t.is_neg():
+        return False
+    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+        return False
+    return t.untyped_storage().nbytes() >= MIN_BYTES
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -66,7 +71,7 @@ def _meta(t: torch.Tensor) -> Tuple:
 class _Entry:
     """One saved storage of a forward: its saves (pack indices), bytes and first op."""
 
-    __slots__ = ("packs", "bytes", "seq", "used_at", "alive", "host", "reloaded", "freed_before")
+    __slots__ = ("packs", "bytes", "seq", "used_at", "alive", "host", "back", "reads", "freed_before")
 
     def __init__(self, pack: int, storage: torch.UntypedStorage, seq: int):
         self.packs = [pack]
@@ -74,8 +79,11 @@ class _Entry:
         self.seq = seq
         self.used_at: Optional[int] = None
         self.alive = weakref.ref(storage)  # the device storage, while it lives
-        self.host: Optional[torch.Tensor] = None  # the trial's copy
-        self.reloaded = None  # the trial's device copy in the backward, while it lives
+        self.host: Optional[torch.Tensor] = None  # its copy on the host (the trial's, or a plan's slot)
+        # Its copy back on the device, kept from the backward's first read of it until each of its
+        # saves has been read once (as autograd held the storage it was saved from), and reads since.
+        self.back: Optional[torch.UntypedStorage] = None
+        self.reads = 0
         self.freed_before: Optional[int] = None  # the trial: the save before which it was gone
 
 
@@ -89,40 +97,33 @@ class _Saved:
         self.forward, self.entry, self.tensor, self.meta = forward, entry, tensor, meta
 
 
-# The host copies of a plan's saves start at multiples of this (the state pools' alignment).
-_ALIGN = 64
-
-
 class HostSlots:
     """The host memory of a plan's saves of one forward graph (its offload_saves: (pack, bytes)
     each), allocated once when the plan is loaded, before step 0: pinned for a GPU's model, on CPU
     ranks outside torch's allocator, which counts as the device's memory there. One forward at a
     time uses it: until its saves are gone (its backward ran, or its graph was dropped)."""
 
-    def __init__(self, plan: str, saves: List[Tuple[int, int]], device: torch.device):
-        self.plan = plan
+    def __init__(self, plan: str, pointer: str, saves: List[Tuple[int, int]], device: torch.device):
+        self.plan, self.pointer = plan, pointer  # the file, and its graph's offload_saves
         self.user: Optional[weakref.ref] = None  # the Forward whose saves may still be read
-        self.warned = False
-        total = sum(self.request(b) for _, b in saves)
-        raw = _offload.host_empty((total + _ALIGN,), torch.uint8, device)
-        at = -raw.data_ptr() % _ALIGN
-        self.slots: Dict[int, torch.Tensor] = {}
-        for pack, nbytes in saves:
-            self.slots[pack] = raw[at:at + nbytes]
-            at += self.request(nbytes)
+        self.warned = self.warned_held = False
+        # One block, each save's slot an aligned view of it (the optimizer state's pools' rule).
+        pool = _offload._HostPool(plan, -1, self._room(saves), 0, device)
+        self.slots: Dict[int, torch.Tensor] = {pack: pool.take((nbytes,), torch.uint8) for pack, nbytes in saves}
+        self.index = {pack: k for k, (pack, _) in enumerate(saves)}  # the save's item in offload_saves
 
     @staticmethod
-    def request(nbytes: int) -> int:
-        """A save's room: its bytes, rounded up to the alignment."""
-        return -(-nbytes // _ALIGN) * _ALIGN
+    def _room(saves: List[Tuple[int, int]]) -> int:
+        """The slots' bytes, each rounded up to the pools' alignment."""
+        return sum(_offload.aligned(nbytes) for _, nbytes in saves)
 
     def forward(self, forward_graph: int, backward_graph: int, device: torch.device) -> Optional["Forward"]:
         """A training forward's saves, the plan's moved here; None (warned once) while an earlier
         forward's saves are still held (two forwards before their backwards, retain_graph): its
         copies would be overwritten, so this one keeps its saves on the device."""
         if self.user is not None and self.user() is not None:
-            if not self.warned:
-                self.warned = True
+            if not self.warned_held:
+                self.warned_held = True
                 warnings.warn(f"dcplan: {self.plan}: a forward of graph {forward_graph} began while an earlier "
                               "one's saved activations were still held (a second forward before its backward, "
                               "or a graph kept with retain_graph): it keeps its saves on the device, beyond the "
@@ -132,10 +133,18 @@ class HostSlots:
         self.user = weakref.ref(forward)
         return forward
 
+    def depart(self, what: str) -> None:
+        """A forward's saves differed from the plan's (what): said once; that forward moved what it had."""
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"dcplan: {self.plan}: a forward's saves differ from the plan's: {what}; the saves "
+                          "from there on stay on the device (the model or its inputs differ from the recording)",
+                          PlanDepartureWarning, stacklevel=5)
+
     @classmethod
     def host_bytes(cls, saves: List[Tuple[int, int]]) -> int:
         """What HostSlots asks the host for, for these saves."""
-        return sum(cls.request(b) for _, b in saves) + _ALIGN
+        return _offload._HostPool.request(cls._room(saves), 0)
 
 
 class Forward:
@@ -197,10 +206,8 @@ class Forward:
             return None
         if storage.nbytes() != slot.numel():
             self.departed = True
-            warnings.warn(f"dcplan: {self.slots.plan}: save {index} of graph {self.forward_graph} holds "
-                          f"{storage.nbytes()} bytes, the plan's offload_saves {slot.numel()}: this forward keeps "
-                          "the rest of its saves on the device (the model or its inputs differ from the recording)",
-                          PlanDepartureWarning, stacklevel=3)
+            self.slots.depart(f"save {index} holds {storage.nbytes()} bytes, "
+                              f"{self.slots.pointer}/{self.slots.index[index]}/bytes {slot.numel()}")
             return None
         entry = _Entry(index, storage, -1)
         entry.host = slot
@@ -215,6 +222,9 @@ class Forward:
             self._note_freed()
         elif self.slots is None:
             self.ops_at_end = _C.record_position(self.forward_graph)
+        elif not self.departed and len(self.pack_seq) <= max(self.slots.slots):
+            self.slots.depart(f"it saved {len(self.pack_seq)} tensors, and {self.slots.pointer} names save "
+                              f"{max(self.slots.slots)}")
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
         entry = saved.entry
@@ -222,12 +232,15 @@ class Forward:
             if entry.used_at is None:
                 entry.used_at = _C.record_position(self.backward_graph)
             return saved.tensor
-        storage = entry.reloaded() if entry.reloaded is not None else None
-        if storage is None:  # its first read, or every view read before is gone
+        storage = entry.back
+        if storage is None:  # its first read (or the first of another backward over a kept graph)
             device = torch.empty(entry.bytes, dtype=torch.uint8, device=self.device)
             device.copy_(entry.host, non_blocking=self.device.type == "cuda")
-            storage = device.untyped_storage()
-            entry.reloaded = weakref.ref(storage)
+            storage = entry.back = device.untyped_storage()
+            entry.reads = 0
+        entry.reads += 1
+        if entry.reads >= len(entry.packs):  # from here the views handed out hold it
+            entry.back = None
         return _view(storage, saved.meta)
 
     def findings(self) -> "Trial":

@@ -126,9 +126,10 @@ def _what(state: int, masters: int, activations: int) -> str:
 
 
 def shortfall(plan_path: str, state: int, masters: int, device: torch.device, found: Optional[Tuple[int, str]],
-              ranks: Tuple[int, str], activations: int = 0) -> Optional[str]:
+              ranks: Tuple[int, str], activations: int = 0, activations_field: str = "") -> Optional[str]:
     """What this host lacks for the plan's offload, said, or None: state, masters and activations,
-    the plan's bytes a rank keeps on the host; found and ranks, available() and ranks_on_host()."""
+    the plan's bytes a rank keeps on the host (activations_field: the plan's field of those);
+    found and ranks, available() and ranks_on_host()."""
     per_rank = state + masters + activations
     if per_rank <= 0 or found is None:
         return None  # nothing offloaded, or nothing says how much there is: the allocations will
@@ -138,7 +139,8 @@ def shortfall(plan_path: str, state: int, masters: int, device: torch.device, fo
         return None
     kind = "pinned host memory" if device.type == "cuda" else "host memory"
     what = _what(state, masters, activations)
-    return (f"{plan_path}: {_field(state, masters)}: the plan keeps {size(per_rank)} in {kind} on each rank "
+    field = _field(state, masters, activations_field)
+    return (f"{plan_path}: {field}: the plan keeps {size(per_rank)} in {kind} on each rank "
             f"({what}) and {count} rank(s) run on this host ({counted_by}): {size(per_rank * count)} needed, "
             f"{size(have)} available ({source}). Plan with a larger --memory-budget, which offloads less, or "
             "run fewer ranks on this host")
@@ -158,24 +160,27 @@ def _agree(mine: Optional[str], others: str, device: torch.device, group) -> Non
         raise MemoryError(f"dcplan.shard: {others}")
 
 
-def _field(state: int, masters: int) -> str:
-    """The plan's field a message names: the optimizer state's where it offloads any."""
-    return "/offload/optimizer_state" if state + masters > 0 else "/graphs/*/offload_saves"
+def _field(state: int, masters: int, activations_field: str) -> str:
+    """The plan's field a message names: the optimizer state's where it offloads any, else the saved
+    activations' (activations_field)."""
+    return "/offload/optimizer_state" if state + masters > 0 else activations_field
 
 
-def check(plan_path: str, state: int, masters: int, device: torch.device, group, activations: int = 0) -> None:
+def check(plan_path: str, state: int, masters: int, device: torch.device, group, activations: int = 0,
+          activations_field: str = "") -> None:
     """Raises MemoryError on every rank of group (a collective: each rank reaches it as it loads the
     plan) where the host of one of them lacks the memory the plan's offload keeps there; before any
     of it is allocated, so that no rank's allocations hide from another's reading."""
     if state + masters + activations <= 0:
         return  # every rank loads the same plan: none takes part
-    mine = shortfall(plan_path, state, masters, device, available(), ranks_on_host(), activations)
-    _agree(mine, f"{plan_path}: {_field(state, masters)}: another rank's host lacks the memory the plan's offload "
+    mine = shortfall(plan_path, state, masters, device, available(), ranks_on_host(), activations, activations_field)
+    field = _field(state, masters, activations_field)
+    _agree(mine, f"{plan_path}: {field}: another rank's host lacks the memory the plan's offload "
            "keeps there (its error says how much)", device, group)
 
 
 def allocate(plan_path: str, state: int, masters: int, device: torch.device, group, make: Callable[[], T],
-             activations: int = 0) -> T:
+             activations: int = 0, activations_field: str = "") -> T:
     """make()'s result: the plan's host memory (state bytes for the optimizer state, their
     alignment included, masters for the master shards and activations for the saved activations on
     this rank), allocated on every rank of group or refused on all (MemoryError; a collective, as
@@ -184,16 +189,17 @@ def allocate(plan_path: str, state: int, masters: int, device: torch.device, gro
     if state + masters + activations <= 0:
         return make()
     mine = None
+    field = _field(state, masters, activations_field)
     try:
         made = make()
     except (RuntimeError, MemoryError) as e:  # torch's pinned allocator, numpy's
         made = None
         kind = "pinned host memory" if device.type == "cuda" else "host memory"
         what = _what(state, masters, activations)
-        mine = (f"{plan_path}: {_field(state, masters)}: this rank could not allocate the "
+        mine = (f"{plan_path}: {field}: this rank could not allocate the "
                 f"{size(state + masters + activations)} of "
                 f"{kind} the plan's offload keeps there ({what}; {type(e).__name__}: {e}). Plan with a larger "
                 "--memory-budget, which offloads less, or run fewer ranks on this host")
-    _agree(mine, f"{plan_path}: {_field(state, masters)}: another rank could not allocate the host memory the plan's "
+    _agree(mine, f"{plan_path}: {field}: another rank could not allocate the host memory the plan's "
            "offload keeps there (its error says why)", device, group)
     return made

@@ -77,6 +77,11 @@ _ALIGN = 64
 _TENSORS_PER_PARAM = 4
 
 
+def aligned(nbytes: int) -> int:
+    """nbytes rounded up to the host buffers' alignment (_ALIGN)."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def _nbytes(shape, dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
@@ -102,7 +107,7 @@ class _HostPool:
 
     def take(self, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """A view of shape and dtype at the next aligned offset; None where the pool is full."""
-        start = -(-self.used // _ALIGN) * _ALIGN
+        start = aligned(self.used)
         nbytes = _nbytes(shape, dtype)
         if start + nbytes > self.buffer.numel():
             return None

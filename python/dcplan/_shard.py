@@ -141,9 +141,9 @@ class _ShardState:
         """At a training forward's start: what takes its saves. While recording, what counts them
         (the recorder's trial in the first warm-up step's first forward, a recorded micro-step's
         count); with a plan that offloads some, what moves those; else nothing."""
-        self.saved = None
         if not torch.is_grad_enabled():
-            return
+            return  # saves nothing: what an earlier forward's backward reads stays as it is
+        self.saved = None
         if _record.active():
             if not _activations.recording_enabled():
                 return
@@ -297,19 +297,20 @@ def shard(
     if plan_path is not None:
         loaded = _plan.load(state, plan_path, on_mismatch, reduce_dtype)
         state.hooks.set_keep(loaded["persistent"])
-        saves = loaded["offload_saves"]
+        saves, saves_field = loaded["offload_saves"], loaded["offload_saves_pointer"]
         saves_bytes = _activations.HostSlots.host_bytes(saves) if saves else 0
         _host_memory.check(plan_path, loaded["offload_state_bytes"], loaded["offload_master_bytes"],
-                           _plan.runtime_device, pg, saves_bytes)
+                           _plan.runtime_device, pg, saves_bytes, saves_field)
         groups, group_bytes = loaded["optimizer_offload"], loaded["optimizer_offload_bytes"]
 
         def allocate():
             pools = _offload.allocate(state.infos, groups, group_bytes, loaded["master_offload"], str(plan_path))
-            return pools, _activations.HostSlots(str(plan_path), saves, _plan.runtime_device) if saves else None
+            slots = _activations.HostSlots(str(plan_path), saves_field, saves, _plan.runtime_device) if saves else None
+            return pools, slots
 
         pools, state.offload_slots = _host_memory.allocate(
             plan_path, _offload.host_bytes(groups, group_bytes), loaded["offload_master_bytes"],
-            _plan.runtime_device, pg, allocate, saves_bytes)
+            _plan.runtime_device, pg, allocate, saves_bytes, saves_field)
         _offload.register(state.infos, groups, loaded["master_offload"], pools)
     if _record.active():
         _record.add_model(stage, fwd_graph, bwd_graph, state.infos, pg.size(), param_dtype, reduce_dtype,
@@ -598,7 +599,7 @@ def _make_root_post_hook(state: _ShardState):
         if state.saved_hooks is not None:
             hooks, state.saved_hooks = state.saved_hooks, None
             hooks.__exit__(None, None, None)
-            if state.saved is not None:
+            if state.saved is not None and torch.is_grad_enabled():  # this forward's own
                 state.saved.end()
         _C.end_forward()
         if state.record_paused:

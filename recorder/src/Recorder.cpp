@@ -151,8 +151,8 @@ void Recorder::setSavedActivations(int64_t forwardGraph, std::vector<schemas::Sa
 int64_t Recorder::position(int64_t graphId) const {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (finished_ || done_ || paused_ || !recording_ || !haveMicro_) return -1;
-  return std::count_if(current_.events.begin(), current_.events.end(),
-                       [&](const RawEvent& e) { return e.graphId == graphId; });
+  const auto it = current_.opsOfGraph.find(graphId);
+  return it == current_.opsOfGraph.end() ? 0 : it->second;
 }
 
 int64_t Recorder::warmupStep() const {
@@ -327,6 +327,7 @@ void Recorder::onOpBegin(const replayer::OpEvent& event) {
   raw.begin = begin;
   raw.stretchEnd = stretchEnd;
   raw.hostCall = called;
+  ++current_.opsOfGraph[raw.graphId];
   current_.events.push_back(std::move(raw));
   currentEvent_ = static_cast<int64_t>(current_.events.size()) - 1;
   if (caughtUp) current_.catchUps.push_back(current_.events.size() - 1);

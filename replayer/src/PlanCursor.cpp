@@ -593,6 +593,8 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
     if (g.id != model.forwardGraph) continue;
     summary.inputShapes = g.inputShapes;
     summary.offloadSaves = g.offloadSaves;
+    if (!g.offloadSaves.empty())
+      summary.offloadSavesPointer = "/graphs/" + std::to_string(gi) + "/offload_saves";
     // Saved activations move in the eager hooks' saved-tensor hooks, which ZeRO-3 alone installs.
     if (!g.offloadSaves.empty() && (model.stage != 3 || model.compiled)) {
       refuse(path, "/graphs/" + std::to_string(gi) + "/offload_saves",

@@ -154,11 +154,15 @@ def test_planned_saves_move_through_their_slots_one_forward_at_a_time(dcplan_mod
     x = torch.randn(rows, width, requires_grad=True)
     plain = run(model, x, None)
     g_bytes = rows * 4 * width * 4  # g: relu's output, first saved at save 1 (and again at 2)
-    slots = _activations.HostSlots("plan.json", [(1, g_bytes), (5, g_bytes)], torch.device("cpu"))
+    slots = _activations.HostSlots("plan.json", "/graphs/0/offload_saves", [(1, g_bytes), (5, g_bytes)],
+                                  torch.device("cpu"))
     first = slots.forward(0, 1, torch.device("cpu"))
     moved = run(model, x, first)
     assert moved[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(moved[1], plain[1]))
     assert [e.packs for e in first.entries] == [[1, 2], [5, 6]]  # only the plan's, with their later saves
+    # Each came back once for both its reads (a copy per read would have started the count again),
+    # and the copy went with the reads: the device memory the plan's model counts.
+    assert all(e.reads == 2 and e.back is None for e in first.entries)
     del first
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -74,6 +74,34 @@ TEST(ActivationOffload, ASaveIsOffTheDeviceFromItsFreeToItsRead) {
   EXPECT_EQ(kept.prediction.activationOffloadBytes, 0u);
 }
 
+TEST(ActivationOffload, EachOpAndStretchHoldsLessFromTheFreeToTheRead) {
+  // A second save, made after the forward's last op (in the backward's first stretch, as that
+  // compute is) and gone only by the forward's end: off the backward's op 0 but not its first
+  // stretch, read before backward op 1.
+  schemas::Trace t = savingTrace();
+  t.steps[0].graphs[1].events[0].memoryBytes += 4096;
+  t.steps[0].graphs[0].savedActivations.push_back({{1}, 4096, 6, 6, 1});
+  const Workload w = makeWorkload(t);
+  const CompiledActivations c =
+      compileActivationOffload(w, {{0, GraphKind::Forward, {}, {}, std::nullopt, {{0, kSaved}, {1, 4096}}},
+                                   {1, GraphKind::Backward, {}, {}}});
+  ASSERT_NE(c.of(0), nullptr);
+  ASSERT_NE(c.of(1), nullptr);
+  const CompiledActivations::Run& fwd = *c.of(0);
+  const CompiledActivations::Run& bwd = *c.of(1);
+  using V = std::vector<uint64_t>;
+  const uint64_t s = kSaved;
+  // The first: gone by forward op 3 (the stretch before it may still hold it), read before backward op 6.
+  EXPECT_EQ(fwd.less, (V{0, 0, 0, s, s, s}));
+  EXPECT_EQ(fwd.lessPeak, (V{0, 0, 0, 0, s, s}));
+  EXPECT_EQ(fwd.outBytes, (V{0, 0, s, 0, 0, 0}));
+  EXPECT_EQ(bwd.less, (V{s + 4096, s, s, s, s, s, 0, 0, 0}));
+  EXPECT_EQ(bwd.lessPeak, (V{s, s, s, s, s, s, 0, 0, 0}));
+  EXPECT_EQ(bwd.outBytes, (V{4096, 0, 0, 0, 0, 0, 0, 0, 0}));
+  EXPECT_EQ(bwd.inBytes, (V{0, 4096, 0, 0, 0, 0, s, 0, 0}));
+  EXPECT_EQ(c.bytes, s + 4096);
+}
+
 TEST(ActivationOffload, ItsCopiesLengthenTheComputeTheyRunIn) {
   Fixture f;
   SimResult kept = f.run({});
@@ -83,6 +111,18 @@ TEST(ActivationOffload, ItsCopiesLengthenTheComputeTheyRunIn) {
   EXPECT_NEAR(moved.prediction.activationCopyUs, 819.2 + 409.6, 1e-9);
   EXPECT_NEAR(moved.prediction.stepUs, kept.prediction.stepUs + 819.2 + 409.6, 1e-6);
   EXPECT_NEAR(moved.prediction.exposedCommUs, kept.prediction.exposedCommUs, 1e-6);
+  // The timeline shows them apart from the compute: out before forward op 2, in before backward op 6.
+  std::vector<std::pair<int64_t, double>> copies;
+  for (const TimelineEvent& e : moved.timeline) {
+    if (e.name != "saved activation copies") continue;
+    EXPECT_EQ(e.bytes, kSaved);
+    copies.emplace_back(e.seq, e.endUs - e.startUs);
+  }
+  ASSERT_EQ(copies.size(), 2u);
+  EXPECT_EQ(copies[0].first, 2);
+  EXPECT_NEAR(copies[0].second, 819.2, 1e-6);
+  EXPECT_EQ(copies[1].first, 6);
+  EXPECT_NEAR(copies[1].second, 409.6, 1e-6);
 }
 
 TEST(ActivationOffload, SavesTheTraceCannotMoveAreRefusedByPointer) {

@@ -35,8 +35,9 @@ struct CompiledActivations {
 CompiledActivations compileActivationOffload(const Workload& w,
                                              const std::vector<schemas::PlanGraph>& graphs);
 
-/// The saves of forward graph `graph` (a Workload graph index) that offloading can move, in the
-/// order first saved (its first run's; every run of it saves alike): the planner offloads a prefix.
+/// The saves of forward graph `graph` (a Workload graph index) that offloading can move in every run
+/// of it (the same first save, of the same size), in the order first saved: the planner offloads a
+/// prefix. None where a run of it does not pair with one backward.
 std::vector<schemas::OffloadedSave> offloadableSaves(const Workload& w, int32_t graph);
 
 }  // namespace dcplan::planner

@@ -184,6 +184,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
     std::vector<RawEvent> events;
     std::map<int64_t, schemas::InputShapes> inputShapes;  // by forward graph id
     std::map<int64_t, std::vector<schemas::SavedActivation>> savedActivations;  // by forward graph id
+    std::map<int64_t, int64_t> opsOfGraph;  // events so far, by graph id (the next one's seq)
     std::vector<size_t> pendingReduce;  // reduce_grad events not yet carried by a collective
   };
 

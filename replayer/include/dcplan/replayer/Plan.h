@@ -69,8 +69,10 @@ struct PlanSummary {
   std::optional<int64_t> guardStartBytes;     ///< the plan's guard.start_bytes
   /// The input shapes of the live model's forward graph in the recorded step (input_shapes).
   std::optional<schemas::InputShapes> inputShapes;
-  /// The saves of the live model's forward that go to the host (its graph's offload_saves).
+  /// The saves of the live model's forward that go to the host (its graph's offload_saves), and
+  /// that field's JSON pointer ("/graphs/0/offload_saves"; empty without any).
   std::vector<schemas::OffloadedSave> offloadSaves;
+  std::string offloadSavesPointer;
 };
 
 /// One prefetch group of a plan: its ids and its peak (the plan's peak_bytes, -1: not given).
