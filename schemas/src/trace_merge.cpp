@@ -97,6 +97,26 @@ std::optional<double> slowest(std::optional<double> a, std::optional<double> b) 
   return std::max(*a, *b);
 }
 
+/// A forward's saved activations over two ranks: those both saved alike (the same saves, of the same
+/// size), first saved by the earlier op, gone by the later one and read by the earlier one (absent
+/// where either rank lacks it), so that the plan's model of them holds on every rank.
+void mergeSaved(std::vector<SavedActivation>& into, const std::vector<SavedActivation>& other) {
+  std::map<std::vector<int64_t>, const SavedActivation*> byPacks;
+  for (const SavedActivation& a : other) byPacks[a.packs] = &a;
+  std::vector<SavedActivation> alike;
+  for (SavedActivation& a : into) {
+    const auto it = byPacks.find(a.packs);
+    if (it == byPacks.end() || it->second->bytes != a.bytes) continue;
+    const SavedActivation& o = *it->second;
+    a.seq = std::min(a.seq, o.seq);
+    a.freedAt =
+        a.freedAt && o.freedAt ? std::optional<int64_t>(std::max(*a.freedAt, *o.freedAt)) : std::nullopt;
+    a.usedAt = a.usedAt && o.usedAt ? std::optional<int64_t>(std::min(*a.usedAt, *o.usedAt)) : std::nullopt;
+    alike.push_back(std::move(a));
+  }
+  into = std::move(alike);
+}
+
 void mergeCurve(std::vector<CalibrationPoint>& into, const std::vector<CalibrationPoint>& other) {
   if (into.size() != other.size()) return;  // measured at other sizes: keep rank 0's
   for (size_t i = 0; i < into.size(); ++i) {
@@ -151,6 +171,7 @@ Trace mergeRankTraces(const std::vector<RankTrace>& input) {
       ms.optimizerHostUs = slowest(ms.optimizerHostUs, t.steps[s].optimizerHostUs);
       ms.optimizerDeviceUs = slowest(ms.optimizerDeviceUs, t.steps[s].optimizerDeviceUs);
       for (size_t g = 0; g < ms.graphs.size(); ++g) {
+        mergeSaved(ms.graphs[g].savedActivations, t.steps[s].graphs[g].savedActivations);
         for (size_t e = 0; e < ms.graphs[g].events.size(); ++e) {
           OpEvent& m = ms.graphs[g].events[e];
           const OpEvent& o = t.steps[s].graphs[g].events[e];

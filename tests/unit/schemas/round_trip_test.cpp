@@ -8,6 +8,7 @@
 
 #include "dcplan/schemas/io.h"
 #include "dcplan/schemas/network.h"
+#include "dcplan/schemas/trace_merge.h"
 #include "dcplan/testing/trace_generator.h"
 
 namespace dcplan::schemas {
@@ -213,6 +214,32 @@ TEST(RoundTrip, SavedActivationsStayAbsentOrPresent) {
   EXPECT_FALSE(saved[1].usedAt.has_value());
   EXPECT_TRUE(t2.steps[0].graphs[1].savedActivations.empty());
   EXPECT_EQ(writeTrace(t2), writeTrace(trace));
+}
+
+TEST(TraceMerge, SavedActivationsAreWhatEveryRankSavedAliveAtTheLatestFreeAndEarliestRead) {
+  RankTrace r0{0, "rank0.trace.json", readTrace(kInputs / "minimal.trace.json")};
+  r0.trace.meta.worldSize = 2;
+  RankTrace r1{1, "rank1.trace.json", r0.trace};
+  auto& s0 = r0.trace.steps[0].graphs[0].savedActivations;
+  auto& s1 = r1.trace.steps[0].graphs[0].savedActivations;
+  s0 = {
+      {{0, 2}, 65536, 0, 1, 4}, {{1}, 4096, 1, 2, 3}, {{3}, 4096, 2, 3, 2}, {{4}, 8192, 2, std::nullopt, 1}};
+  s1 = {
+      {{0, 2}, 65536, 1, 2, 3}, {{1}, 8192, 1, 2, 3}, {{3}, 4096, 1, std::nullopt, 1}, {{4}, 8192, 2, 3, 0}};
+  const Trace merged = mergeRankTraces({r0, r1});
+  const auto& m = merged.steps[0].graphs[0].savedActivations;
+  // Save 1 differs in size between the ranks: left out. The others: the earlier first save, the
+  // later free, the earlier read; a free or read one rank did not find is absent.
+  ASSERT_EQ(m.size(), 3u);
+  EXPECT_EQ(m[0].packs, (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(m[0].seq, 0);
+  EXPECT_EQ(m[0].freedAt, 2);
+  EXPECT_EQ(m[0].usedAt, 3);
+  EXPECT_EQ(m[1].packs, (std::vector<int64_t>{3}));
+  EXPECT_FALSE(m[1].freedAt.has_value());
+  EXPECT_EQ(m[1].usedAt, 1);
+  EXPECT_FALSE(m[2].freedAt.has_value());
+  EXPECT_EQ(m[2].usedAt, 0);
 }
 
 TEST(RoundTrip, OffloadedSavesStayAbsentOrPresent) {

@@ -17,7 +17,8 @@ struct RankTrace {
 /// Checks that the ranks of one run agree — the same ranks 0..world_size-1, meta,
 /// parameter table, steps, graphs and op sequences — and merges them: rank 0's
 /// structure with every time (start, end, compute, optimizer, calibration) and memory
-/// figure taken as the maximum over ranks. Throws InputError naming the file of the
+/// figure taken as the maximum over ranks, and of the saved activations those every rank saved alike,
+/// gone by the latest op and read by the earliest. Throws InputError naming the file of the
 /// first rank that disagrees, the JSON pointer and both ranks' values.
 Trace mergeRankTraces(const std::vector<RankTrace>& ranks);
 
