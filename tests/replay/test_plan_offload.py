@@ -86,12 +86,15 @@ def test_sixty_percent_of_the_on_device_floor_offloads_master_shards_too_and_is_
     offload_case(tmp_path, masters=True)
 
 
-def test_below_every_master_floor_saved_activations_go_to_the_host_too(tmp_path, dcplan_module):
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_below_every_master_floor_saved_activations_go_to_the_host_too(tmp_path, dcplan_module, grad_accum):
+    """With 2 micro-steps a step, each forward's saves go through the same host memory in turn."""
     from dcplan import _plan
 
     exe = dcplan_binary()
     trace, plan = tmp_path / "trace.json", tmp_path / "activations.json"
-    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6, ACTIVATIONS_MODEL)])
+    model = [*ACTIVATIONS_MODEL, "--grad-accum", str(grad_accum)]
+    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6, model)])
     state_floor, masters_floor, saves_floor = offload_floors(exe, trace)
     assert saves_floor < masters_floor < state_floor, (saves_floor, masters_floor, state_floor)
     # Halfway between: the plan must move some saved activations, and not all of them.
@@ -102,7 +105,8 @@ def test_below_every_master_floor_saved_activations_go_to_the_host_too(tmp_path,
     movable = [a for s in json.loads(trace.read_text())["steps"][:1] for g in s["graphs"]
                for a in g.get("saved_activations", []) if "freed_at" in a and "used_at" in a]
     assert 0 < len(saves) < len(movable), (len(saves), len(movable))
-    assert p["predicted"]["activation_offload_bytes"] == sum(s["bytes"] for s in saves)
+    # Each micro-step moves them: a step's bytes are theirs times the micro-steps.
+    assert p["predicted"]["activation_offload_bytes"] == grad_accum * sum(s["bytes"] for s in saves)
     assert all("master_bytes" in g for g in p["offload"]["optimizer_state"])
     predicted = p["predicted"]["peak_memory_bytes"]
     assert predicted <= budget
@@ -111,8 +115,8 @@ def test_below_every_master_floor_saved_activations_go_to_the_host_too(tmp_path,
                      r"reads them", shown), shown
 
     log = tmp_path / "activations.{rank}.jsonl"
-    replayed = run(train(6, ACTIVATIONS_MODEL), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)})
-    reference = run(train(6, ACTIVATIONS_MODEL)).stdout
+    replayed = run(train(6, model), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)})
+    reference = run(train(6, model)).stdout
     assert losses(replayed.stdout) == losses(reference) and len(losses(reference)) == 6, (replayed.stdout, reference)
     assert "PlanDepartureWarning" not in replayed.stderr, replayed.stderr[-3000:]
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
