@@ -111,6 +111,7 @@ class HostSlots:
         pool = _offload._HostPool(plan, -1, self._room(saves), 0, device)
         self.slots: Dict[int, torch.Tensor] = {pack: pool.take((nbytes,), torch.uint8) for pack, nbytes in saves}
         self.index = {pack: k for k, (pack, _) in enumerate(saves)}  # the save's item in offload_saves
+        self.last = max(self.slots, default=-1)  # the plan's last save: a forward saves at least as many
 
     @staticmethod
     def _room(saves: List[Tuple[int, int]]) -> int:
@@ -180,7 +181,7 @@ class Forward:
         if self.trial:
             self._note_freed()
         index = len(self.pack_seq)
-        self.pack_seq.append(_C.record_position(self.forward_graph) if self.slots is None and not self.trial else -1)
+        self.pack_seq.append(-1 if self.moves else _C.record_position(self.forward_graph))
         storage = t.untyped_storage()
         entry = self._known(storage)
         if entry is not None:
@@ -190,12 +191,8 @@ class Forward:
             if entry is None:
                 return t
         else:
-            entry = _Entry(index, storage, self.pack_seq[-1])
-            self.entries.append(entry)
-            self.by_address[storage.data_ptr()] = entry
-            if self.trial:
-                entry.host = torch.empty(entry.bytes, dtype=torch.uint8, device="cpu")
-                entry.host.copy_(_bytes_view(storage))
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu") if self.trial else None
+            entry = self._add(index, storage, self.pack_seq[-1], host)
         return _Saved(self, entry, None, _meta(t)) if self.moves else _Saved(self, entry, t, None)
 
     def _planned(self, index: int, storage: torch.UntypedStorage) -> Optional[_Entry]:
@@ -209,9 +206,15 @@ class Forward:
             self.slots.depart(f"save {index} holds {storage.nbytes()} bytes, "
                               f"{self.slots.pointer}/{self.slots.index[index]}/bytes {slot.numel()}")
             return None
-        entry = _Entry(index, storage, -1)
-        entry.host = slot
-        slot.copy_(_bytes_view(storage), non_blocking=storage.device.type == "cuda")
+        return self._add(index, storage, -1, slot)
+
+    def _add(self, index: int, storage: torch.UntypedStorage, seq: int, host: Optional[torch.Tensor]) -> _Entry:
+        """A storage first saved at save `index`, known by its address from here; copied into `host`
+        where it moves (queued behind the compute on a GPU)."""
+        entry = _Entry(index, storage, seq)
+        if host is not None:
+            entry.host = host
+            host.copy_(_bytes_view(storage), non_blocking=storage.device.type == "cuda" and host.is_pinned())
         self.entries.append(entry)
         self.by_address[storage.data_ptr()] = entry
         return entry
@@ -222,9 +225,9 @@ class Forward:
             self._note_freed()
         elif self.slots is None:
             self.ops_at_end = _C.record_position(self.forward_graph)
-        elif not self.departed and len(self.pack_seq) <= max(self.slots.slots):
+        elif not self.departed and len(self.pack_seq) <= self.slots.last:
             self.slots.depart(f"it saved {len(self.pack_seq)} tensors, and {self.slots.pointer} names save "
-                              f"{max(self.slots.slots)}")
+                              f"{self.slots.last}")
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
         entry = saved.entry

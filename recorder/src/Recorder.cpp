@@ -138,19 +138,19 @@ void Recorder::setPaused(bool paused) {
 
 void Recorder::setInputShapes(int64_t forwardGraph, schemas::InputShapes shapes) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (finished_ || done_ || paused_ || !recording_ || !haveMicro_) return;
+  if (!inRecordedMicroStep()) return;
   current_.inputShapes[forwardGraph] = std::move(shapes);
 }
 
 void Recorder::setSavedActivations(int64_t forwardGraph, std::vector<schemas::SavedActivation> saved) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (finished_ || done_ || paused_ || !recording_ || !haveMicro_) return;
+  if (!inRecordedMicroStep()) return;
   current_.savedActivations[forwardGraph] = std::move(saved);
 }
 
 int64_t Recorder::position(int64_t graphId) const {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (finished_ || done_ || paused_ || !recording_ || !haveMicro_) return -1;
+  if (!inRecordedMicroStep()) return -1;
   const auto it = current_.opsOfGraph.find(graphId);
   return it == current_.opsOfGraph.end() ? 0 : it->second;
 }

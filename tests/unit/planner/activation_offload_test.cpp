@@ -17,7 +17,6 @@ namespace {
 using schemas::GraphKind;
 using test::kTinyBase;
 using test::kTinyParam;
-using test::kTinyShard;
 
 constexpr uint64_t kSaved = 409'600;  // one saved activation of layer 0: more than a gathered parameter
 
@@ -25,10 +24,7 @@ constexpr uint64_t kSaved = 409'600;  // one saved activation of layer 0: more t
 /// 2), gone by forward op 3 once on the host, read again by layer 0's backward compute (before
 /// backward op 6) and freed there; optimizer state and host link rates as the offload tests have.
 schemas::Trace savingTrace() {
-  schemas::Trace t = test::tinyTrace();
-  for (auto& p : t.params) p.optimizerStateBytes = 2 * kTinyShard;
-  t.calibration.h2dGBps = 1.0;  // 409,600 bytes in 409.6 us
-  t.calibration.d2hGBps = 0.5;  // and out in 819.2 us
+  schemas::Trace t = test::offloadableTrace();  // 409,600 bytes in in 409.6 us, out in 819.2 us
   auto& fwd = t.steps[0].graphs[0];
   auto& bwd = t.steps[0].graphs[1];
   for (size_t i = 2; i < fwd.events.size(); ++i) fwd.events[i].memoryBytes += kSaved;

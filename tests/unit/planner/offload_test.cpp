@@ -19,15 +19,9 @@ using test::kTinyBase;
 using test::kTinyParam;
 using test::kTinyShard;
 
-constexpr uint64_t kState = 2 * kTinyShard;  // AdamW: exp_avg and exp_avg_sq of a 51,200-byte shard
+using test::offloadableTrace;
 
-schemas::Trace offloadableTrace() {
-  schemas::Trace t = test::tinyTrace();
-  for (auto& p : t.params) p.optimizerStateBytes = kState;
-  t.calibration.h2dGBps = 1.0;  // 102,400 bytes in 102.4 us
-  t.calibration.d2hGBps = 0.5;  // and out in 204.8 us
-  return t;
-}
+constexpr uint64_t kState = test::kTinyState;
 
 struct Fixture {
   schemas::Trace trace = offloadableTrace();

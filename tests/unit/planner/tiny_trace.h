@@ -99,4 +99,17 @@ inline schemas::Trace tinyTrace() {
   return t;
 }
 
+/// AdamW's exp_avg and exp_avg_sq of a 51,200-byte shard.
+inline constexpr uint64_t kTinyState = 2 * kTinyShard;
+
+/// The tiny trace with what planned offload needs: each shard's optimizer state, and the host link
+/// at 1 GB/s in (102,400 bytes in 102.4 us) and 0.5 GB/s out (in 204.8 us).
+inline schemas::Trace offloadableTrace() {
+  schemas::Trace t = tinyTrace();
+  for (auto& p : t.params) p.optimizerStateBytes = kTinyState;
+  t.calibration.h2dGBps = 1.0;
+  t.calibration.d2hGBps = 0.5;
+  return t;
+}
+
 }  // namespace dcplan::planner::test

@@ -191,6 +191,8 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   void writeProgress();
   /// Ops are observed: a recorded or a device-lead micro-step.
   bool observing() const { return recording_ || current_.led; }
+  /// In a recorded training micro-step (not paused, not past the last): what Python hands in belongs to it.
+  bool inRecordedMicroStep() const { return !finished_ && !done_ && !paused_ && recording_ && haveMicro_; }
   /// The registered graphs of a micro-step in the order their first op came, and each graph's
   /// events (indices into MicroStep::events) in issue order.
   struct GraphOrder {
