@@ -162,6 +162,9 @@ def parse_args(argv=None):
     p.add_argument("--reduce-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms: runs repeat bit for bit on a GPU too (attention's "
+                        "and the embedding's backward otherwise accumulate in an order that varies)")
     p.add_argument("--no-shard", action="store_true",
                    help="train the whole global batch in one process, without dcplan (the reference)")
     p.add_argument("--ranks", type=int, default=1,
@@ -248,6 +251,9 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     ranks_in_batch = args.ranks if args.no_shard else world
 
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for it
+        torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)
     ffn = args.ffn or (8 * args.hidden // 3 + 63) // 64 * 64
     model = Llama(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads or args.heads, ffn, args.seq,

@@ -154,8 +154,8 @@ void renderSchedule(std::ostream& s, const schemas::Plan& plan) {
         << formatBytes(masterBytes) << ", brought back for each gather and their update)";
     }
     s << "; per step " << formatMs(p.reloadUs) << " of copies in, " << formatMs(p.offloadUs) << " out, "
-      << formatMs(std::max(0.0, p.reloadUs + p.offloadUs - p.exposedCopyUs)) << " of it beside the "
-      << "optimizer's updates, " << formatMs(p.exposedCopyUs) << " added to the step\n";
+      << formatMs(std::max(0.0, p.reloadUs + p.offloadUs - p.exposedCopyUs)) << " of it beside other "
+      << "work, " << formatMs(p.exposedCopyUs) << " added to the step\n";
   }
   size_t saves = 0;
   for (const auto& g : plan.graphs) saves += g.offloadSaves.size();

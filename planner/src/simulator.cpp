@@ -233,8 +233,7 @@ class Simulation {
     res_.computeUs = w_.computeUs();
     res_.optimizerUs = w_.optimizerUs;
     res_.prediction.stepUs = stepUs + (reference_ ? 0.0 : res_.launchDeltaUs);
-    // The master shards' copies for gathers run in the compute stream's turn: all of them exposed.
-    const double copiesExposedUs = phase.exposedUs + res_.masterReloadUs;
+    const double copiesExposedUs = phase.exposedUs + res_.masterReloadExposedUs;
     res_.prediction.exposedCommUs = std::max(
         0.0, stepUs - res_.computeUs - res_.optimizerUs - copiesExposedUs - res_.prediction.activationCopyUs);
     res_.prediction.peakMemoryBytes = peak_;
@@ -461,7 +460,7 @@ class Simulation {
       members_.push_back(p);
     }
     if (members_.empty()) return;
-    reloadMasters(r, seq);
+    const double reloaded = reloadMasters(r, seq);
     // The call's transient buffers: while it is issued, and until a member is waited on.
     const bool coalesced = members_.size() > 1;
     momentary_ += w_.memory.gatherScratchIssued(bytes, coalesced);
@@ -470,7 +469,9 @@ class Simulation {
       callScratch_.push_back(held);
       liveScratch_ += held;
     }
-    double start = std::max(computeNow_, gatherFree_);
+    const double issued = std::max(computeNow_, gatherFree_);
+    const double start = std::max(issued, reloaded);
+    res_.masterReloadExposedUs += start - issued;  // the most the copies in can hold the compute up
     double dur = cost_.us(Collective::AllGather, bytes);
     gatherFree_ = start + dur;
     for (int32_t p : members_) readyAt_[static_cast<size_t>(p)] = gatherFree_;
@@ -485,10 +486,12 @@ class Simulation {
     }
   }
 
-  /// Master shards on the host come back before their gather reads them: a copy on the compute
-  /// stream (on CPU ranks by the host), held until the member's wait.
-  void reloadMasters(int32_t r, int64_t seq) {
-    if (s_.offload.masterBytes == 0) return;
+  /// Master shards on the host come back before their gather reads them, held until the member's
+  /// wait. On a GPU the copy runs on the reload stream once the compute has reached the call (the
+  /// shard's block was last used there) and the gather waits for it; on CPU ranks the host copies,
+  /// once it is there. Returns when the shards are in (the gather's earliest start).
+  double reloadMasters(int32_t r, int64_t seq) {
+    if (s_.offload.masterBytes == 0) return 0.0;
     uint64_t bytes = 0;
     for (int32_t p : members_) {
       const size_t pi = static_cast<size_t>(p);
@@ -496,16 +499,22 @@ class Simulation {
       masterLive_[pi] = w_.params[pi].mem.master;
       bytes += masterLive_[pi];
     }
-    if (bytes == 0) return;
+    if (bytes == 0) return 0.0;
     liveMasters_ += bytes;
     const double copy = cost_.copyUs(bytes, true);
-    // On CPU ranks the host copies, once it is there; on a GPU the copy queues behind the compute.
-    const bool byHost = w_.hostLane && w_.waitsBlockHost;
-    const double start = byHost ? std::max(computeNow_, hostNow_) : computeNow_;
-    if (record_) event(Stream::Compute, "reload master shards", r, seq, {}, bytes, start, start + copy);
-    computeNow_ = start + copy;
-    if (byHost) hostNow_ = computeNow_;
     res_.masterReloadUs += copy;
+    if (w_.waitsBlockHost) {
+      const double start = w_.hostLane ? std::max(computeNow_, hostNow_) : computeNow_;
+      if (record_) event(Stream::Compute, "reload master shards", r, seq, {}, bytes, start, start + copy);
+      computeNow_ = start + copy;
+      if (w_.hostLane) hostNow_ = computeNow_;
+      res_.masterReloadExposedUs += copy;
+      return computeNow_;
+    }
+    const double start = std::max(computeNow_, reloadFree_);
+    reloadFree_ = start + copy;
+    if (record_) event(Stream::Reload, "reload master shards", r, seq, {}, bytes, start, reloadFree_);
+    return reloadFree_;
   }
 
   /// callerGrad: the bytes of the gradient a reduce_grad launching the bucket was called with.
@@ -623,6 +632,7 @@ class Simulation {
   double gatherFree_ = 0;
   double reduceFree_ = 0;
   double copyFree_ = 0;
+  double reloadFree_ = 0;  ///< the reload stream's clock: master shards copied in for gathers
 };
 
 }  // namespace

@@ -113,6 +113,9 @@ class ParamRegistry {
   void offload(Param& p, bool copyOut = true);
   /// Gives p's shard its memory back and copies host_ into it (on a GPU, on the caller's stream).
   void reload(Param& p);
+  /// reload for a gather about to read p's shard: the copy by transport.reloadShard (on a GPU,
+  /// on the reload stream, which the gathers wait for and the caller's stream does not).
+  void reloadForGather(Param& p, Transport& transport);
 
  private:
   /// Forgets p's gathered copy (the tensors and their state), whatever still uses it.

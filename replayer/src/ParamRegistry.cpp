@@ -68,10 +68,7 @@ void ParamRegistry::startGather(Param& p, at::ScalarType dtype, Transport& trans
   if (p.hasGathered() && p.gathered_.scalar_type() == dtype) return;
   dropGathered(p);
   boundReleaseLag();
-  if (p.offloaded_) {
-    reload(p);
-    transport.shardsWritten();  // the reload wrote the shard on the caller's stream
-  }
+  reloadForGather(p, transport);
   const int64_t ws = worldSize_;
   p.gatheredBuffer_ = transport.newGatherBuffer(ws * p.shardNumel_, p.shard_.options().dtype(dtype));
   p.gathered_ = p.gatheredBuffer_.narrow(0, 0, p.numel_).view(p.shape_);
@@ -90,10 +87,7 @@ void ParamRegistry::startGatherFused(const std::vector<Param*>& ps, const std::v
     if (std::find(launched.begin(), launched.end(), &p) != launched.end()) continue;
     dropGathered(p);
     boundReleaseLag();
-    if (p.offloaded_) {
-      reload(p);
-      transport.shardsWritten();  // the reload wrote the shard on the caller's stream
-    }
+    reloadForGather(p, transport);
     p.gatheredBuffer_ =
         transport.newGatherBuffer(worldSize_ * p.shardNumel_, p.shard_.options().dtype(dtypes[i]));
     p.gathered_ = p.gatheredBuffer_.narrow(0, 0, p.numel_).view(p.shape_);
@@ -178,6 +172,13 @@ void ParamRegistry::reload(Param& p) {
   // From pinned memory the copy is queued on the caller's stream; host_ is written again only by
   // a copy out queued after it.
   p.shard_.copy_(p.host_, /*non_blocking=*/p.host_.is_pinned());
+  p.offloaded_ = false;
+}
+
+void ParamRegistry::reloadForGather(Param& p, Transport& transport) {
+  if (!p.offloaded_) return;
+  restoreStorage(p.shard_, static_cast<size_t>(tensorBytes(p.shard_)));
+  transport.reloadShard(p.shard_, p.host_);
   p.offloaded_ = false;
 }
 

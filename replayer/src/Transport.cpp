@@ -27,6 +27,11 @@ CommHandlePtr Transport::gatherShards(const std::vector<at::Tensor>& outputs,
   return allGatherCoalesced(outputs, inputs);
 }
 
+void Transport::reloadShard(const at::Tensor& shard, const at::Tensor& host) {
+  shard.copy_(host, /*non_blocking=*/host.is_pinned());
+  shardsWritten();
+}
+
 CommHandlePtr Transport::markCaller() { return std::make_shared<DoneHandle>(); }
 
 CommHandlePtr Transport::runAfter(const CommHandlePtr& done, const std::function<void()>& work) {

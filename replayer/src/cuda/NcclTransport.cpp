@@ -280,6 +280,26 @@ class NcclTransport final : public Transport {
     shardsWritten_->record(c10::cuda::getCurrentCUDAStream(device_).stream());
   }
 
+  // On the reload stream: the gather waits for the copy (reloaded_), the caller's stream does not,
+  // so a prefetched shard comes in beside the compute queued after its prefetch.
+  void reloadShard(const at::Tensor& shard, const at::Tensor& host) override {
+    checkDevice("reloadShard", shard);
+    if (!host.is_pinned()) {  // a pageable copy would block the host: on the caller's side
+      Transport::reloadShard(shard, host);
+      return;
+    }
+    c10::cuda::CUDAGuard guard(device_);
+    const c10::cuda::CUDAStream stream = streams_->reload;
+    waitForCaller(stream);
+    recordOn(stream, {shard});
+    {
+      c10::cuda::CUDAStreamGuard onStream(stream);
+      shard.copy_(host, /*non_blocking=*/true);
+    }
+    reloaded_.push_back(CudaEvent::create(device_));
+    reloaded_.back()->record(stream.stream());
+  }
+
   CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs,
                              const std::vector<at::Tensor>& shards) override {
     TORCH_CHECK(outputs.size() == shards.size(), "gatherShards: ", outputs.size(), " outputs for ",
@@ -300,6 +320,8 @@ class NcclTransport final : public Transport {
     } else {
       waitForCaller(stream);  // no step boundary seen yet: wait for everything
     }
+    for (const std::unique_ptr<CudaEvent>& copied : reloaded_) copied->block(stream.stream());
+    reloaded_.clear();
     std::vector<at::Tensor> sends;
     {
       // In place: each shard goes, cast to the gather dtype where it differs, straight into this
@@ -478,6 +500,7 @@ class NcclTransport final : public Transport {
   std::unique_ptr<StreamSet> streams_;
   c10::DeviceIndex device_;
   std::unique_ptr<CudaEvent> shardsWritten_;  // recorded by shardsWritten() on the caller's stream
+  std::vector<std::unique_ptr<CudaEvent>> reloaded_;  // reloadShard copies the next gather waits for
   bool capturing_ = false;                    // between beginCapture and endCapture
   std::unique_ptr<NcclWatchdog> watchdog_;    // last: stopped first, after the destructor's stream syncs
 };

@@ -28,9 +28,11 @@ struct Fixture {
   Workload w = makeWorkload(trace);
   CostModel cost{trace.calibration, 2};
 
-  SimResult run(std::vector<schemas::OffloadGroup> offload, bool record = false) const {
+  /// forwardPrefetch: the forward's prefetch groups (none: every gather on use).
+  SimResult run(std::vector<schemas::OffloadGroup> offload, bool record = false,
+                std::vector<schemas::PrefetchGroup> forwardPrefetch = {}) const {
     Schedule s;
-    s.graphs.push_back({0, GraphKind::Forward, {}, {}});
+    s.graphs.push_back({0, GraphKind::Forward, std::move(forwardPrefetch), {}});
     s.graphs.push_back({1, GraphKind::Backward, {}, {{{1, 0}, 0, "float32"}}});
     s.optimizerOffload = std::move(offload);
     SimOptions o;
@@ -226,8 +228,8 @@ TEST(Offload, MasterShardsLeaveTheDeviceBetweenTheirGathers) {
   // both gradients and their bucket) holds neither; the optimizer step holds the one updated.
   EXPECT_EQ(masters.prediction.peakMemoryBytes, state.prediction.peakMemoryBytes - 2 * kTinyShard);
   EXPECT_EQ(masters.prediction.offloadBytes, 2 * kState + 2 * kTinyShard);
-  // Every gather first copies its shard in (51.2 us at 1 GB/s), on the compute stream: all of it
-  // added to the step, none of it communication.
+  // Every gather first copies its shard in (51.2 us at 1 GB/s) and waits for it; gathered on use,
+  // the compute waits for both: all of the copies added to the step, none of them communication.
   EXPECT_NEAR(masters.masterReloadUs, 51.2 * static_cast<double>(masters.gatherCalls), 1e-9);
   EXPECT_GE(masters.gatherCalls, 2);
   // In the optimizer step each group's shard comes in before its update and goes out after it.
@@ -236,6 +238,28 @@ TEST(Offload, MasterShardsLeaveTheDeviceBetweenTheirGathers) {
   EXPECT_NEAR(masters.prediction.offloadUs, state.prediction.offloadUs + 2 * 102.4, 1e-6);
   EXPECT_GE(masters.prediction.stepUs, state.prediction.stepUs + masters.masterReloadUs);
   EXPECT_NEAR(masters.prediction.exposedCommUs, state.prediction.exposedCommUs, 1e-6);
+}
+
+TEST(Offload, APrefetchedMasterShardComesInBesideTheCompute) {
+  Fixture f;
+  const std::vector<schemas::OffloadGroup> both = {{{0}, kState, kTinyShard}, {{1}, kState, kTinyShard}};
+  // Both gathered at the forward's start: on a GPU the reload stream copies 1's shard while 0's
+  // gather runs, so only 0's copy holds the compute up; then the backward gathers 1 again on use.
+  const SimResult gpu = f.run(both, true, {{0, {0}}, {0, {1}}});
+  EXPECT_NEAR(gpu.masterReloadUs, 51.2 * static_cast<double>(gpu.gatherCalls), 1e-9);
+  EXPECT_LT(gpu.masterReloadExposedUs, gpu.masterReloadUs - 51.2 + 1e-9);
+  bool onReloadStream = false;
+  for (const TimelineEvent& e : gpu.timeline) {
+    if (e.name == "reload master shards") onReloadStream = e.stream == Stream::Reload;
+  }
+  EXPECT_TRUE(onReloadStream);
+  // On CPU ranks the host copies, in its turn: all of it added, prefetched or not.
+  Fixture gloo;
+  gloo.trace.meta.backend = "gloo";
+  gloo.w = makeWorkload(gloo.trace);
+  const SimResult cpu = gloo.run(both, false, {{0, {0}}, {0, {1}}});
+  EXPECT_NEAR(cpu.masterReloadExposedUs, cpu.masterReloadUs, 1e-9);
+  EXPECT_GT(cpu.masterReloadUs, 0.0);
 }
 
 TEST(Offload, AMasterShardIsBackFromItsGathersIssueToItsWait) {

@@ -83,7 +83,9 @@ struct SimResult {
   double computeUs = 0;  ///< sum of compute over the step
   double optimizerUs = 0;
   double gatherBusyUs = 0;  ///< time the all-gather stream was busy
-  double masterReloadUs = 0;  ///< offloaded master shards copied in for gathers, on the compute stream
+  double masterReloadUs = 0;  ///< offloaded master shards copied in for gathers
+  /// How much those copies delay their gathers (on CPU ranks, where the host copies: all of them).
+  double masterReloadExposedUs = 0;
   double reduceBusyUs = 0;
   int64_t gatherCalls = 0;
   int64_t reduceCalls = 0;

@@ -64,6 +64,12 @@ class Transport {
   /// The caller's work queued so far may have written shards (an optimizer step, a reload):
   /// later gathers wait for it. The default does nothing (its gathers wait for everything).
   virtual void shardsWritten() {}
+  /// shard <- host, for a shard kept on the host that a gather is about to read: later gathers
+  /// wait for the copy, the caller's later work does not. The default copies on the caller's side
+  /// and calls shardsWritten(); a device transport copies on its reload stream once the caller's
+  /// work queued so far has run (the shard's new block was last used by it), so that the copy
+  /// overlaps the caller's work queued after it.
+  virtual void reloadShard(const at::Tensor& shard, const at::Tensor& host);
 
   /// The caller's work queued so far, as a handle: isCompleted() once it has run. The
   /// default (a host transport, whose work has run when queued) is completed.
