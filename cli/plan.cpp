@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dcplan/planner/planner.h"
+#include "dcplan/planner/report.h"
 #include "dcplan/planner/units.h"
 #include "dcplan/schemas/io.h"
 #include "dcplan/schemas/network.h"
@@ -139,6 +140,8 @@ void runPlan(const PlanCliOptions& o) {
   for (const std::string& w : result.warnings) std::cerr << "dcplan: warning: " << w << "\n";
   if (req.calibrate) std::cout << result.inSitu << "\n";
   schemas::writeFileAtomically(o.output, schemas::writePlan(result.plan));
+  const std::string bound = planner::copyBoundLine(result.plan.predicted);
+  if (!bound.empty()) std::cout << "dcplan plan: " << bound << "\n";
   for (const std::string& line : result.explanation) std::cout << line << "\n";
 }
 

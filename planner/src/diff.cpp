@@ -195,6 +195,8 @@ void diffPrediction(Differ& d, const std::string& path, const std::string& label
     d.predicted(path + "/activation_copy_us", label + " activation_copy_us", a.activationCopyUs,
                 b.activationCopyUs);
   }
+  if (a.copyBoundUs > 0 || b.copyBoundUs > 0)
+    d.predicted(path + "/copy_bound_us", label + " copy_bound_us", a.copyBoundUs, b.copyBoundUs);
 }
 
 /// Which parameters' optimizer state each plan keeps on the host, and in how many groups.

@@ -368,11 +368,37 @@ class Search {
   bool haveDefault_ = false;  ///< until default_ is simulated: no launch charge
 };
 
+/// The step the trace is planned for without a memory budget (the device's capacity its only
+/// limit), or 0 where no schedule fits that without offload: what an offload's copy bound holds.
+double unconstrainedStepUs(const Workload& w, const CostModel& cost, const ProgressFn& progress) {
+  const uint64_t limit =
+      w.capacityBytes > 0 ? plannedLimit(w.capacityBytes) : std::numeric_limits<uint64_t>::max();
+  if (progress) progress("planning without the budget, for the copy bound");
+  Search free(w, cost, limit, "device capacity, no --memory-budget", progress);
+  const Candidate def = free.defaultCandidate();
+  const Candidate heur = free.heuristicCandidate(def.sim.prediction.peakMemoryBytes);
+  std::vector<Candidate> all;
+  try {
+    const size_t best = free.optimizedCandidates(all, def, heur);
+    return all[best].sim.prediction.stepUs;
+  } catch (const std::invalid_argument&) {
+    return 0.0;
+  }
+}
+
+/// An offload's copy bound (schemas::Prediction::copyBoundUs): the host link's busier direction,
+/// or the step that moves nothing, whichever is longer.
+void setCopyBound(schemas::Prediction& p, double unconstrainedUs) {
+  p.unconstrainedStepUs = unconstrainedUs;
+  p.copyBoundUs = std::max({unconstrainedUs, p.copyInUs, p.copyOutUs});
+}
+
 schemas::Prediction rounded(const schemas::Prediction& p) {
   // Three decimals of a microsecond: enough for any decision, and stable text.
   auto r = [](double v) { return std::round(v * 1000.0) / 1000.0; };
   schemas::Prediction out = p;
-  for (double* v : {&out.stepUs, &out.exposedCommUs, &out.reloadUs, &out.offloadUs, &out.exposedCopyUs})
+  for (double* v : {&out.stepUs, &out.exposedCommUs, &out.reloadUs, &out.offloadUs, &out.exposedCopyUs,
+                    &out.activationCopyUs, &out.copyInUs, &out.copyOutUs, &out.unconstrainedStepUs, &out.copyBoundUs})
     *v = r(*v);
   return out;
 }
@@ -887,7 +913,10 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     setGuardPeaks(w, recorded, plan);
   }
   plan.optimizerOffload = chosen.schedule.optimizerOffload;
-  plan.predicted = rounded(chosen.sim.prediction);
+  schemas::Prediction predicted = chosen.sim.prediction;
+  if (predicted.offloadBytes > 0 || predicted.activationOffloadBytes > 0)
+    setCopyBound(predicted, unconstrainedStepUs(w, cost, progress));
+  plan.predicted = rounded(predicted);
   plan.predictedDefault = rounded(def.sim.prediction);
 
   if (req.explain) {

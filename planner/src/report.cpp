@@ -166,9 +166,26 @@ void renderSchedule(std::ostream& s, const schemas::Plan& plan) {
       << "reads them (" << formatBytes(p.activationOffloadBytes) << " a step); their copies, "
       << formatMs(p.activationCopyUs) << " a step both ways, run on the compute stream\n";
   }
+  const std::string bound = copyBoundLine(plan.predicted);
+  if (!bound.empty()) s << "  " << bound << "\n";
 }
 
 /// The plan's predicted step, exposed communication and peak against the default schedule's.
+}  // namespace
+
+std::string copyBoundLine(const schemas::Prediction& p) {
+  if (p.copyBoundUs <= 0) return "";
+  std::ostringstream s;
+  s << "copy bound: " << formatMs(p.copyBoundUs) << ", the longest of the plan without a budget ("
+    << (p.unconstrainedStepUs > 0 ? formatMs(p.unconstrainedStepUs) : std::string("none fits the device"))
+    << ") and every copy a step at the trace's host-link rates (in " << formatMs(p.copyInUs) << ", out "
+    << formatMs(p.copyOutUs) << "); the plan's step " << formatMs(p.stepUs) << " is "
+    << formatFixed(p.stepUs / p.copyBoundUs, 2) << "x it";
+  return s.str();
+}
+
+namespace {
+
 void renderPrediction(std::ostream& s, const schemas::Plan& plan) {
   const schemas::Prediction& p = plan.predicted;
   const schemas::Prediction& d = plan.predictedDefault;

@@ -242,6 +242,8 @@ class Simulation {
     res_.prediction.reloadUs = phase.reloadUs + res_.masterReloadUs;
     res_.prediction.offloadUs = phase.offloadUs;
     res_.prediction.exposedCopyUs = copiesExposedUs;
+    res_.prediction.copyInUs = res_.prediction.reloadUs + res_.activationInUs;
+    res_.prediction.copyOutUs = res_.prediction.offloadUs + res_.activationOutUs;
     return std::move(res_);
   }
 
@@ -285,9 +287,12 @@ class Simulation {
     for (size_t i = 0; i < g.ops.size(); ++i) {
       const WorkOp& op = g.ops[i];
       // Offloaded saves: copied on the compute stream (by the host on CPU ranks) in their stretch.
-      const double copy =
-          moved ? cost_.copyUs(moved->outBytes[i], false) + cost_.copyUs(moved->inBytes[i], true) : 0.0;
+      const double out = moved ? cost_.copyUs(moved->outBytes[i], false) : 0.0;
+      const double in = moved ? cost_.copyUs(moved->inBytes[i], true) : 0.0;
+      const double copy = out + in;
       res_.prediction.activationCopyUs += copy;
+      res_.activationInUs += in;
+      res_.activationOutUs += out;
       const double c = run.computeUs[i] + copy;
       const uint64_t activation =
           run.activationBytes[i] - (moved ? std::min(run.activationBytes[i], moved->less[i]) : 0);

@@ -264,6 +264,10 @@ class PlanValidator {
     p.exposedCopyUs = r.number("exposed_copy_us", 0, P::Optional).value_or(0);
     p.activationOffloadBytes = r.bytes("activation_offload_bytes", P::Optional).value_or(0);
     p.activationCopyUs = r.number("activation_copy_us", 0, P::Optional).value_or(0);
+    p.copyInUs = r.number("copy_in_us", 0, P::Optional).value_or(0);
+    p.copyOutUs = r.number("copy_out_us", 0, P::Optional).value_or(0);
+    p.unconstrainedStepUs = r.number("unconstrained_step_us", 0, P::Optional).value_or(0);
+    p.copyBoundUs = r.number("copy_bound_us", 0, P::Optional).value_or(0);
     r.rejectUnknownFields();
     return p;
   }
@@ -284,6 +288,12 @@ ordered_json predictionJson(const Prediction& p) {
   if (p.activationOffloadBytes > 0) {
     out["activation_offload_bytes"] = p.activationOffloadBytes;
     out["activation_copy_us"] = p.activationCopyUs;
+  }
+  if (p.copyBoundUs > 0) {
+    out["copy_in_us"] = p.copyInUs;
+    out["copy_out_us"] = p.copyOutUs;
+    out["unconstrained_step_us"] = p.unconstrainedStepUs;
+    out["copy_bound_us"] = p.copyBoundUs;
   }
   return out;
 }

@@ -105,6 +105,8 @@ TEST(ActivationOffload, ItsCopiesLengthenTheComputeTheyRunIn) {
   // Out at 0.5 GB/s in layer 0's forward compute, in at 1 GB/s in its backward compute, both on
   // the compute stream: the step is that much longer, and none of it is communication.
   EXPECT_NEAR(moved.prediction.activationCopyUs, 819.2 + 409.6, 1e-9);
+  EXPECT_NEAR(moved.prediction.copyInUs, 409.6, 1e-9);  // with the copy bound's other parts
+  EXPECT_NEAR(moved.prediction.copyOutUs, 819.2, 1e-9);
   EXPECT_NEAR(moved.prediction.stepUs, kept.prediction.stepUs + 819.2 + 409.6, 1e-6);
   EXPECT_NEAR(moved.prediction.exposedCommUs, kept.prediction.exposedCommUs, 1e-6);
   // The timeline shows them apart from the compute: out before forward op 2, in before backward op 6.

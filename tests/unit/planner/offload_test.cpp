@@ -3,11 +3,13 @@
 // the device, or with all of it offloaded.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "dcplan/planner/offload.h"
 #include "dcplan/planner/planner.h"
+#include "dcplan/planner/report.h"
 #include "dcplan/planner/simulator.h"
 #include "tiny_trace.h"
 
@@ -203,6 +205,15 @@ TEST(Offload, PlannerOffloadsOnlyUnderABudgetNoScheduleMeetsOnTheDevice) {
   ASSERT_EQ(r.plan.optimizerOffload.size(), 2u);
   EXPECT_LE(r.plan.predicted.peakMemoryBytes, plannedLimit(1'400'000));
   EXPECT_EQ(r.plan.predicted.offloadBytes, 2 * kState);
+  // The copy bound: the plan without a budget's step, or the host link's busier direction.
+  const schemas::Prediction& p = r.plan.predicted;
+  EXPECT_EQ(p.unconstrainedStepUs, makePlan(t, PlanRequest{}).plan.predicted.stepUs);
+  EXPECT_GT(p.unconstrainedStepUs, 0.0);
+  EXPECT_EQ(p.copyInUs, p.reloadUs);  // no saved activation moves
+  EXPECT_EQ(p.copyOutUs, p.offloadUs);
+  EXPECT_EQ(p.copyBoundUs, std::max({p.unconstrainedStepUs, p.copyInUs, p.copyOutUs}));
+  EXPECT_EQ(copyBoundLine(p).rfind("copy bound: ", 0), 0u) << copyBoundLine(p);
+  EXPECT_EQ(copyBoundLine(schemas::Prediction{}), "");  // a plan without offload has none
   bool explained = false;
   for (const std::string& line : r.explanation) explained |= line.rfind("offload: no schedule fits", 0) == 0;
   EXPECT_TRUE(explained);

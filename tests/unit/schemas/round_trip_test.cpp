@@ -258,6 +258,18 @@ TEST(RoundTrip, OffloadedSavesStayAbsentOrPresent) {
   EXPECT_EQ(p2.predicted.activationOffloadBytes, 196'608u);
   EXPECT_EQ(p2.predicted.activationCopyUs, 12.5);
   EXPECT_EQ(writePlan(p2), writePlan(plan));
+  // The copy bound is written with its parts, only where the planner set it.
+  EXPECT_EQ(writePlan(plan).find("copy_bound_us"), std::string::npos);
+  plan.predicted.copyInUs = 40.5;
+  plan.predicted.copyOutUs = 20.25;
+  plan.predicted.unconstrainedStepUs = 30;
+  plan.predicted.copyBoundUs = 40.5;
+  Plan p3;
+  ASSERT_TRUE(validatePlan(parseJson(writePlan(plan), "plan"), p3).empty());
+  EXPECT_EQ(p3.predicted.copyInUs, 40.5);
+  EXPECT_EQ(p3.predicted.copyOutUs, 20.25);
+  EXPECT_EQ(p3.predicted.unconstrainedStepUs, 30);
+  EXPECT_EQ(p3.predicted.copyBoundUs, 40.5);
 }
 
 TEST(RoundTrip, AnOptimizersImplementationAndGroupStayAbsentOrPresent) {

@@ -19,6 +19,11 @@ void checkPlanMatchesTrace(const schemas::Plan& plan, const schemas::Trace& trac
 std::string renderPlanReport(const schemas::Plan& plan, const std::string& planName,
                              const schemas::Trace* trace = nullptr, const std::string& traceName = "");
 
+/// A plan with offload: the bound its step is held against (schemas::Prediction::copyBoundUs), what
+/// it is made of, and the plan's predicted step over it; one line. Empty without an offload (or
+/// from a plan written before the bound was).
+std::string copyBoundLine(const schemas::Prediction& predicted);
+
 /// Chrome trace-event JSON (opens in Perfetto / chrome://tracing) of the
 /// predicted step: process 1 is the plan, process 2 the default schedule; one
 /// thread per stream and a memory counter. One event per line.

@@ -86,6 +86,8 @@ struct SimResult {
   double masterReloadUs = 0;  ///< offloaded master shards copied in for gathers
   /// How much those copies delay their gathers (on CPU ranks, where the host copies: all of them).
   double masterReloadExposedUs = 0;
+  double activationInUs = 0;   ///< the saved activations' copies back to the device
+  double activationOutUs = 0;  ///< and to the host
   double reduceBusyUs = 0;
   int64_t gatherCalls = 0;
   int64_t reduceCalls = 0;

@@ -123,6 +123,15 @@ struct Prediction {
   /// copies' time both ways (on the compute stream: all of it lengthens the step).
   uint64_t activationOffloadBytes = 0;
   double activationCopyUs = 0;
+  /// Planned offload of any class (absent without one): every copy's time per step each way (in:
+  /// reload_us and the saved activations' copies back; out: offload_us and theirs out), the step the
+  /// same trace is planned for without a memory budget (0: no plan fits the device without offload),
+  /// and the bound the plan's step is held against: the largest of the three (the host link's
+  /// busier direction, or the step that moves nothing).
+  double copyInUs = 0;
+  double copyOutUs = 0;
+  double unconstrainedStepUs = 0;
+  double copyBoundUs = 0;
 };
 
 struct Plan {
