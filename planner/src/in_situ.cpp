@@ -100,6 +100,16 @@ std::string inSituText(const InSituFit& fit) {
                       : "");
 }
 
+double computeOnNetwork(Workload& w, const schemas::Trace& trace, const schemas::Network* network) {
+  if (!network || !w.waitsBlockHost) return 1.0;
+  const std::optional<double>& recorded = trace.calibration.computeProbeUs;
+  const std::optional<double>& there = network->calibration.computeProbeUs;
+  if (!recorded || !there) return 1.0;
+  const double factor = *there / *recorded;
+  scaleCompute(w, factor);
+  return factor;
+}
+
 CostModel plannedCostModel(const schemas::Trace& trace, const Workload& w,
                            std::optional<double> bandwidthGBps, const schemas::Network* network,
                            std::optional<double> planScale, std::optional<InSituFit>* fitOut) {

@@ -770,7 +770,7 @@ namespace {
 /// the cost model the plan is made with.
 void explainSetting(Explainer& ex, const Workload& w, const PlanRequest& req, const std::string& limitText,
                     const std::string& limitNote, const CostModel& cost,
-                    const std::optional<InSituFit>& inSitu) {
+                    const std::optional<InSituFit>& inSitu, double computeScale) {
   const size_t runs = w.runs.size();
   ex.line("trace: " + req.traceName + ": " + std::to_string(w.params.size()) + " params, " +
           std::to_string(w.graphs.size()) + " graphs, " + std::to_string(runs) +
@@ -782,6 +782,11 @@ void explainSetting(Explainer& ex, const Workload& w, const PlanRequest& req, co
       (req.network ? ", collectives as measured on " + std::to_string(req.network->measured.worldSize) +
                          " ranks (--network " + req.network->file + ")"
                    : ""));
+  if (computeScale != 1.0) {
+    ex.line("compute: the recorded compute and host times x" + formatFixed(computeScale, 2) +
+            ", the network's compute probe over the trace's (the ranks there share their hosts' cores "
+            "as they will in the job)");
+  }
   if (w.cudaGraph) {
     const double ops = w.opDeviceUs();
     ex.line("replay: one CUDA graph per step (" +
@@ -833,6 +838,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     throw std::invalid_argument(
         "--bandwidth: a bus bandwidth is a what-if for the collectives between ranks; this "
         "plan is for 1 rank, which has none (plan for more with --world-size N)");
+  const double computeScale = computeOnNetwork(w, trace, network);
   std::optional<InSituFit> inSitu;
   std::optional<double> calibrated;
   if (req.calibrate) {
@@ -922,7 +928,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   if (req.explain) {
     std::vector<std::string>& out = result.explanation;
     Explainer ex(w, c, out);
-    explainSetting(ex, w, req, unlimited ? std::string("none") : formatBytes(limit), limitNote, cost, inSitu);
+    explainSetting(ex, w, req, unlimited ? std::string("none") : formatBytes(limit), limitNote, cost, inSitu,
+                   computeScale);
     ex.line("default schedule: " + predictionLine(def.sim.prediction));
     if (req.strategy == Strategy::Optimized) {
       ex.line("strategy optimized: " + std::to_string(all.size()) + " candidate schedules simulated");

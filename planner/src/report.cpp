@@ -63,6 +63,7 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
                             plan.options.cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
   std::optional<InSituFit> inSitu;
   const schemas::Network* network = plan.options.network ? &plan.options.network->measured : nullptr;
+  computeOnNetwork(w, trace, network);
   CostModel cost =
       plannedCostModel(trace, w, plan.options.bandwidthGBps, network, plan.options.inSituScale, &inSitu);
   SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)), SimOptions{true});

@@ -4,6 +4,8 @@
 #include "dcplan/replayer/ForwardingTransport.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
@@ -138,6 +140,39 @@ double agreeOnMax(Transport& transport, const CalibrationOptions& o, double valu
   return all.max().item<double>();  // item() waits for the device
 }
 
+namespace {
+
+/// Calibration::computeProbeUs: every rank at once (the all-reduce before lines them up), as they
+/// compute in training, so that ranks sharing a host's cores show it; on CPU ranks eight products
+/// of 256 x 256 (about a millisecond on one core), on a GPU one of 4096 x 4096; the median of five
+/// timings after one untimed, the slowest rank's.
+double computeProbe(Transport& transport, const CalibrationOptions& o) {
+  const bool cpu = o.device.is_cpu();
+  const int64_t n = cpu ? 256 : 4096;
+  const int products = cpu ? 8 : 1;
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(o.device);
+  const at::Tensor a = at::full({n, n}, 1.0f / static_cast<float>(n), opts);
+  at::Tensor out = at::empty({n, n}, opts);
+  auto sync = [&] {
+    if (o.synchronize) o.synchronize();
+  };
+  auto run = [&] {
+    for (int k = 0; k < products; ++k) at::mm_out(out, a, a);
+    sync();
+  };
+  agreeOnMax(transport, o, 0.0);
+  run();
+  std::vector<double> us;
+  for (int r = 0; r < 5; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    us.push_back(secondsSince(t0) * 1e6);
+  }
+  return agreeOnMax(transport, o, median(std::move(us)));
+}
+
+}  // namespace
+
 schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o) {
   TORCH_CHECK(o.repetitions >= 1, "calibrate: repetitions should be >= 1, got ", o.repetitions);
   TORCH_CHECK(o.minBytes > 0 && o.minBytes <= o.maxBytes,
@@ -217,6 +252,7 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
     cal.h2dGBps = rate(dev, host);
     cal.d2hGBps = rate(host, dev);
   }
+  cal.computeProbeUs = computeProbe(transport, o);
   return cal;
 }
 

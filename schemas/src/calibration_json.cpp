@@ -47,6 +47,7 @@ Calibration readCalibrationFields(FieldReader& r, Diagnostics& diags) {
   c.allReduce = readCurve(r, "all_reduce", diags);
   c.h2dGBps = r.positiveNumber("h2d_gbps", P::Optional);
   c.d2hGBps = r.positiveNumber("d2h_gbps", P::Optional);
+  c.computeProbeUs = r.positiveNumber("compute_probe_us", P::Optional);
   return c;
 }
 
@@ -56,6 +57,7 @@ ordered_json calibrationJson(const Calibration& c) {
                    {"all_reduce", curveJson(c.allReduce)}};
   if (c.h2dGBps) out["h2d_gbps"] = *c.h2dGBps;
   if (c.d2hGBps) out["d2h_gbps"] = *c.d2hGBps;
+  if (c.computeProbeUs) out["compute_probe_us"] = *c.computeProbeUs;
   return out;
 }
 

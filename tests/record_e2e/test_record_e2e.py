@@ -84,6 +84,8 @@ def test_trace_content_matches_the_run(recorded):
         assert len(pts) >= 3 and pts[0]["bytes"] == 65536 and all(p["us"] > 0 for p in pts)
     # CPU ranks: the host pool's memcpy rate, each way (planned offload copies at it).
     assert t["calibration"]["h2d_gbps"] > 0 and t["calibration"]["d2h_gbps"] > 0
+    # The ranks' compute, probed all at once (a --network what-if scales by it).
+    assert t["calibration"]["compute_probe_us"] > 0
     # The optimizer's per-element state (the example's AdamW: exp_avg, exp_avg_sq) of each shard,
     # how it ran (torch's default on CPU tensors: one parameter at a time), in the one param group.
     for p in t["params"]:

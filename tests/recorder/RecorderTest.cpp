@@ -745,8 +745,12 @@ TEST(Calibration, ThreeSizesAtLeastGrowingByFourWithinTheBudget) {
   ASSERT_TRUE(c.h2dGBps.has_value() && c.d2hGBps.has_value());
   EXPECT_GT(*c.h2dGBps, 0);
   EXPECT_GT(*c.d2hGBps, 0);
-  // Each point: one warm-up and 3 timed runs per collective, then one agreement all-reduce.
-  EXPECT_EQ(t.calls.size(), 3u * (3u * 4u + 1u));
+  // The ranks' compute, timed all at once: the slowest rank's.
+  ASSERT_TRUE(c.computeProbeUs.has_value());
+  EXPECT_GT(*c.computeProbeUs, 0);
+  // Each point: one warm-up and 3 timed runs per collective, then one agreement all-reduce; the
+  // probe: an all-reduce that lines the ranks up, and the one that agrees on the slowest.
+  EXPECT_EQ(t.calls.size(), 3u * (3u * 4u + 1u) + 2u);
   o.budgetSeconds = 30;
   o.maxBytes = 1u << 20;
   EXPECT_EQ(calibrate(t, o).allGather.size(), 3u);  // stops at maxBytes

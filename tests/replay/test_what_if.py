@@ -31,7 +31,11 @@ def test_a_one_rank_trace_planned_for_two_keeps_its_peak(tmp_path, dcplan_module
     assert f"wrote {net}" in out and "all_gather: " in out, out
     network = json.loads(net.read_text())
     assert network["world_size"] == 2 and network["backend"] == "gloo", network
-    run([exe, "plan", str(trace), "-o", str(tmp_path / "plan.json"), "--network", str(net)])
+    # The ranks' compute beside each other there, against the recording's alone: the plan scales by it.
+    assert network["calibration"]["compute_probe_us"] > 0, network["calibration"]
+    explained = run([exe, "plan", str(trace), "-o", str(tmp_path / "plan.json"), "--network", str(net),
+                     "--explain"]).stdout
+    assert "compute: the recorded compute and host times x" in explained, explained
     plan, ranks, out, _ = replay_and_check(exe, tmp_path, "plan", trace, via_cli=True)
     assert plan["source"]["world_size"] == 2 and plan["options"]["network"]["file"] == str(net)
     predicted = plan["predicted"]["peak_memory_bytes"]

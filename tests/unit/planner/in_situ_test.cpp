@@ -130,6 +130,41 @@ TEST(InSitu, OnlyCpuRanksRecordedAndPlannedOnMoreThanOneWithoutABandwidthWhatIf)
   EXPECT_FALSE(fit);
 }
 
+TEST(ComputeOnNetwork, CpuRanksComputeAtTheNetworksProbeOverTheTraces) {
+  schemas::Trace gloo = glooTrace(4 * test::kTinyGatherUs);
+  gloo.calibration.computeProbeUs = 100.0;
+  schemas::Network network;
+  network.worldSize = 2;
+  network.backend = "gloo";
+  network.calibration = gloo.calibration;
+  network.calibration.computeProbeUs = 230.0;  // the ranks share the cores there
+  const Workload recorded = makeWorkload(gloo);
+  Workload w = recorded;
+  EXPECT_DOUBLE_EQ(computeOnNetwork(w, gloo, &network), 2.3);
+  for (size_t r = 0; r < w.runs.size(); ++r) {
+    for (size_t i = 0; i < w.runs[r].computeUs.size(); ++i) {
+      EXPECT_DOUBLE_EQ(w.runs[r].computeUs[i], 2.3 * recorded.runs[r].computeUs[i]);
+      EXPECT_DOUBLE_EQ(w.runs[r].hostUs[i], 2.3 * recorded.runs[r].hostUs[i]);
+      EXPECT_DOUBLE_EQ(w.runs[r].issueUs[i], 2.3 * recorded.runs[r].issueUs[i]);
+    }
+  }
+  EXPECT_DOUBLE_EQ(w.optimizerUs, 2.3 * recorded.optimizerUs);
+  EXPECT_DOUBLE_EQ(w.optimizerHostUs, 2.3 * recorded.optimizerHostUs);
+  EXPECT_GT(makePlan(gloo, PlanRequest{}).plan.predicted.stepUs, 0.0);
+  // Kept: no network, a probe missing on either side, or GPUs (each computes on its own).
+  Workload kept = recorded;
+  EXPECT_EQ(computeOnNetwork(kept, gloo, nullptr), 1.0);
+  schemas::Network old = network;
+  old.calibration.computeProbeUs.reset();
+  EXPECT_EQ(computeOnNetwork(kept, gloo, &old), 1.0);
+  schemas::Trace nccl = gloo;
+  nccl.meta.backend = "nccl";
+  nccl.meta.device = "cuda";
+  Workload gpu = makeWorkload(nccl);
+  EXPECT_EQ(computeOnNetwork(gpu, nccl, &network), 1.0);
+  EXPECT_EQ(kept.runs[0].computeUs, recorded.runs[0].computeUs);
+}
+
 PlanRequest calibrated(const Schedule& replayed, double stepUs, int64_t worldSize = 2) {
   PlanRequest req;
   req.calibrate =

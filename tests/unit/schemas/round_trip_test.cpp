@@ -132,10 +132,12 @@ TEST(RoundTrip, ANetworkFileAndAPlansNetworkSurviveWriteParseWrite) {
   n.calibration.allGather = {{65'536, 120.5}, {262'144, 300.25}};
   n.calibration.reduceScatter = {{65'536, 130.0}};
   n.calibration.allReduce = {{65'536, 260.0}};
+  n.calibration.computeProbeUs = 1234.5;
   const std::string text = writeNetwork(n);
   Network back;
   ASSERT_TRUE(validateNetwork(parseJson(text, "net"), back).empty());
   EXPECT_EQ(back.worldSize, 2);
+  EXPECT_EQ(back.calibration.computeProbeUs, 1234.5);
   EXPECT_EQ(back.calibration.allGather.size(), 2u);
   EXPECT_EQ(writeNetwork(back), text);
   EXPECT_EQ(detectKind(parseJson(text, "net"), "net"), DocumentKind::Network);

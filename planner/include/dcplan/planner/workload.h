@@ -175,6 +175,10 @@ inline constexpr double kStepsAgreeShare = 0.10;
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0,
                       StepReplay replay = StepReplay::Issued);
 
+/// The recorded compute run at another rate: each op's compute, host and issue times and the
+/// optimizer's (device and host), times `factor`. Collectives are the cost model's.
+void scaleCompute(Workload& workload, double factor);
+
 /// The host time of one gather call, from a trace with host times (Workload::hostLane): the
 /// median issue_us of the recorded run's allgather_param that launched a gather, less the median
 /// of its release_param (an op of the same dispatch that moves nothing). nullopt without host

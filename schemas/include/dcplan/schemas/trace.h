@@ -75,6 +75,9 @@ struct Calibration {
   std::vector<CalibrationPoint> allReduce;      ///< by size of the buffer
   std::optional<double> h2dGBps;                ///< host-to-device copy rate (absent on CPU)
   std::optional<double> d2hGBps;                ///< device-to-host copy rate (absent on CPU)
+  /// A fixed fp32 matrix product timed on every rank at once (the slowest rank's, us): how fast
+  /// the ranks compute beside each other (absent: recorded before it was measured).
+  std::optional<double> computeProbeUs;
 };
 
 /// A measurement of a cluster's collectives without a model: times on `worldSize` ranks of one
