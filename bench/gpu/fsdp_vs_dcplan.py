@@ -454,7 +454,7 @@ class Bench:
             out["predicted_peak_bytes"] = doc["predicted"]["peak_memory_bytes"]
             out["plan"] = plan
             if "copy_bound_us" in doc["predicted"]:  # an offload's copy bound, and its parts
-                out["copy_bound"] = {k: doc["predicted"][k] * 1e-6 for k in
+                out["copy_bound"] = {k[:-3] + "_s": doc["predicted"][k] * 1e-6 for k in
                                      ("copy_in_us", "copy_out_us", "unconstrained_step_us", "copy_bound_us")}
         if graphed_step is not None:
             graphed_step.close()
@@ -588,17 +588,17 @@ def report(results, meta):
 def print_copy_bounds(results, width):
     """Each offload plan's step against its copy bound (issue 30): the longest of the step without a
     budget, measured ("dcplan:free", the offload target's plan without one; else the plan's own
-    prediction of it), and the plan's copies in and out per step at the trace's host-link rates."""
+    prediction of it), and the plan's copies in and out per step at the planned host-link rates."""
     free = results.get("dcplan:free", {}).get("step_s")
     for mode, r in results.items():
         b = r.get("copy_bound")
         if not b:
             continue
-        unconstrained, which = (free, "dcplan:free measured") if free else (b["unconstrained_step_us"], "predicted")
-        bound = max(unconstrained, b["copy_in_us"], b["copy_out_us"])
+        unconstrained, which = (free, "dcplan:free measured") if free else (b["unconstrained_step_s"], "predicted")
+        bound = max(unconstrained, b["copy_in_s"], b["copy_out_s"])
         print(f"{mode:<{width}} copy bound {1e3 * bound:.1f} ms = max(the step without a budget {1e3 * unconstrained:.1f} "
-              f"ms ({which}), copies in {1e3 * b['copy_in_us']:.1f} ms, out {1e3 * b['copy_out_us']:.1f} ms): step "
-              f"{r['step_s'] / bound:.2f}x it (the plan's own bound: {1e3 * b['copy_bound_us']:.1f} ms)")
+              f"ms ({which}), copies in {1e3 * b['copy_in_s']:.1f} ms, out {1e3 * b['copy_out_s']:.1f} ms): step "
+              f"{r['step_s'] / bound:.2f}x it (the plan's own bound: {1e3 * b['copy_bound_s']:.1f} ms)")
 
 
 def merge_files(paths):

@@ -369,17 +369,20 @@ class Search {
 };
 
 /// The step the trace is planned for without a memory budget (the device's capacity its only
-/// limit), or 0 where no schedule fits that without offload: what an offload's copy bound holds.
-double unconstrainedStepUs(const Workload& w, const CostModel& cost, const ProgressFn& progress) {
+/// limit), or 0 where no schedule fits that without offload (at once where that limit is no more
+/// than `budgeted`, under which the search just failed): what an offload's copy bound holds.
+double unconstrainedStepUs(const Workload& w, const CostModel& cost, uint64_t budgeted,
+                           const ProgressFn& progress) {
   const uint64_t limit =
       w.capacityBytes > 0 ? plannedLimit(w.capacityBytes) : std::numeric_limits<uint64_t>::max();
+  if (limit <= budgeted) return 0.0;
   if (progress) progress("planning without the budget, for the copy bound");
-  Search free(w, cost, limit, "device capacity, no --memory-budget", progress);
-  const Candidate def = free.defaultCandidate();
-  const Candidate heur = free.heuristicCandidate(def.sim.prediction.peakMemoryBytes);
+  Search unbudgeted(w, cost, limit, "device capacity, no --memory-budget", progress);
+  const Candidate def = unbudgeted.defaultCandidate();
+  const Candidate heur = unbudgeted.heuristicCandidate(def.sim.prediction.peakMemoryBytes);
   std::vector<Candidate> all;
   try {
-    const size_t best = free.optimizedCandidates(all, def, heur);
+    const size_t best = unbudgeted.optimizedCandidates(all, def, heur);
     return all[best].sim.prediction.stepUs;
   } catch (const std::invalid_argument&) {
     return 0.0;
@@ -397,8 +400,9 @@ schemas::Prediction rounded(const schemas::Prediction& p) {
   // Three decimals of a microsecond: enough for any decision, and stable text.
   auto r = [](double v) { return std::round(v * 1000.0) / 1000.0; };
   schemas::Prediction out = p;
-  for (double* v : {&out.stepUs, &out.exposedCommUs, &out.reloadUs, &out.offloadUs, &out.exposedCopyUs,
-                    &out.activationCopyUs, &out.copyInUs, &out.copyOutUs, &out.unconstrainedStepUs, &out.copyBoundUs})
+  for (double* v :
+       {&out.stepUs, &out.exposedCommUs, &out.reloadUs, &out.offloadUs, &out.exposedCopyUs,
+        &out.activationCopyUs, &out.copyInUs, &out.copyOutUs, &out.unconstrainedStepUs, &out.copyBoundUs})
     *v = r(*v);
   return out;
 }
@@ -921,7 +925,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   plan.optimizerOffload = chosen.schedule.optimizerOffload;
   schemas::Prediction predicted = chosen.sim.prediction;
   if (predicted.offloadBytes > 0 || predicted.activationOffloadBytes > 0)
-    setCopyBound(predicted, unconstrainedStepUs(w, cost, progress));
+    setCopyBound(predicted, unconstrainedStepUs(w, cost, limit, progress));
   plan.predicted = rounded(predicted);
   plan.predictedDefault = rounded(def.sim.prediction);
 

@@ -172,21 +172,6 @@ void renderSchedule(std::ostream& s, const schemas::Plan& plan) {
 }
 
 /// The plan's predicted step, exposed communication and peak against the default schedule's.
-}  // namespace
-
-std::string copyBoundLine(const schemas::Prediction& p) {
-  if (p.copyBoundUs <= 0) return "";
-  std::ostringstream s;
-  s << "copy bound: " << formatMs(p.copyBoundUs) << ", the longest of the plan without a budget ("
-    << (p.unconstrainedStepUs > 0 ? formatMs(p.unconstrainedStepUs) : std::string("none fits the device"))
-    << ") and every copy a step at the trace's host-link rates (in " << formatMs(p.copyInUs) << ", out "
-    << formatMs(p.copyOutUs) << "); the plan's step " << formatMs(p.stepUs) << " is "
-    << formatFixed(p.stepUs / p.copyBoundUs, 2) << "x it";
-  return s.str();
-}
-
-namespace {
-
 void renderPrediction(std::ostream& s, const schemas::Plan& plan) {
   const schemas::Prediction& p = plan.predicted;
   const schemas::Prediction& d = plan.predictedDefault;
@@ -449,6 +434,17 @@ std::string renderMemoryCurve(const schemas::Plan& plan, const std::string& plan
   doc["host_lane"] = sim.w.hostLane;  // host_us is the host's clock; without a lane, the device's
   doc["samples"] = std::move(samples);
   return doc.dump(1) + "\n";
+}
+
+std::string copyBoundLine(const schemas::Prediction& p) {
+  if (p.copyBoundUs <= 0) return "";
+  std::ostringstream s;
+  s << "copy bound: " << formatMs(p.copyBoundUs) << ", the longest of the plan without a budget ("
+    << (p.unconstrainedStepUs > 0 ? formatMs(p.unconstrainedStepUs) : std::string("none fits the device"))
+    << ") and every copy a step at the planned host-link rates (in " << formatMs(p.copyInUs) << ", out "
+    << formatMs(p.copyOutUs) << "); the plan's step " << formatMs(p.stepUs) << " is "
+    << formatFixed(p.stepUs / p.copyBoundUs, 2) << "x it";
+  return s.str();
 }
 
 }  // namespace dcplan::planner

@@ -325,21 +325,6 @@ void pairSavedActivations(Workload& w, const schemas::TraceStep& step, const std
   run.backwardRun = backward;
 }
 
-}  // namespace
-
-void scaleCompute(Workload& w, double factor) {
-  for (GraphRun& run : w.runs) {
-    for (std::vector<double>* times : {&run.computeUs, &run.hostUs, &run.issueUs}) {
-      for (double& t : *times) t *= factor;
-    }
-  }
-  w.optimizerUs *= factor;
-  w.optimizerHostUs *= factor;
-  w.recordedHostUs *= factor;
-}
-
-namespace {
-
 /// The optimizer steps the rank's shards: with --world-size its device work (on CPU ranks, where
 /// the host is the device, its host time too) shrinks or grows with them, as the baseline does.
 /// On a GPU the host's time issuing it is per tensor, whatever their size: kept. Under ZeRO-3
@@ -379,6 +364,17 @@ void markLastReleases(Workload& w) {
 }
 
 }  // namespace
+
+void scaleCompute(Workload& w, double factor) {
+  for (GraphRun& run : w.runs) {
+    for (std::vector<double>* times : {&run.computeUs, &run.hostUs, &run.issueUs}) {
+      for (double& t : *times) t *= factor;
+    }
+  }
+  w.optimizerUs *= factor;
+  w.optimizerHostUs *= factor;
+  w.recordedHostUs *= factor;
+}
 
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay) {
   if (trace.steps.empty()) throw std::invalid_argument("/steps: the trace has no step to plan from");

@@ -142,14 +142,13 @@ double agreeOnMax(Transport& transport, const CalibrationOptions& o, double valu
 
 namespace {
 
-/// Calibration::computeProbeUs: every rank at once (the all-reduce before lines them up), as they
-/// compute in training, so that ranks sharing a host's cores show it; on CPU ranks eight products
-/// of 256 x 256 (about a millisecond on one core), on a GPU one of 4096 x 4096; the median of five
-/// timings after one untimed, the slowest rank's.
+/// Calibration::computeProbeUs of CPU ranks: eight fp32 products of 256 x 256 (about a millisecond
+/// on one core) on every rank at once (the all-reduce before lines them up), as they compute in
+/// training, so that ranks sharing a host's cores show it; the median of five timings after one
+/// untimed, the slowest rank's. (A GPU computes on its own: no what-if scales its compute.)
 double computeProbe(Transport& transport, const CalibrationOptions& o) {
-  const bool cpu = o.device.is_cpu();
-  const int64_t n = cpu ? 256 : 4096;
-  const int products = cpu ? 8 : 1;
+  const int64_t n = 256;
+  const int products = 8;
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(o.device);
   const at::Tensor a = at::full({n, n}, 1.0f / static_cast<float>(n), opts);
   at::Tensor out = at::empty({n, n}, opts);
@@ -252,7 +251,7 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
     cal.h2dGBps = rate(dev, host);
     cal.d2hGBps = rate(host, dev);
   }
-  cal.computeProbeUs = computeProbe(transport, o);
+  if (o.device.is_cpu()) cal.computeProbeUs = computeProbe(transport, o);
   return cal;
 }
 

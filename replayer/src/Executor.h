@@ -120,6 +120,9 @@ class ParamRegistry {
  private:
   /// Forgets p's gathered copy (the tensors and their state), whatever still uses it.
   static void clearGathered(Param& p);
+  /// Before the caller reads or copies out p's shard (reload, offload): where a gather brought it
+  /// back and has not been waited for, the caller waits for that gather.
+  static void awaitReloadForGather(Param& p);
   int worldSize_;
   Transport& transport_;
   int64_t maxReleaseLagBytes_;

@@ -155,24 +155,35 @@ void ParamRegistry::dropGathered(Param& p) {
 
 void ParamRegistry::offload(Param& p, bool copyOut) {
   if (p.offloaded_) return;
+  awaitReloadForGather(p);
   if (!p.host_.defined()) {
     TORCH_CHECK(copyOut, p.label(), ": its shard has no host copy to go back to");
     p.host_ = hostBuffer(p.shard_);
   }
   // Into pinned memory the copy is queued on the caller's stream, and the freed block is reused
-  // only by later work on that stream; a reload reads host_ on that stream too.
+  // only by later work on that stream; a reload for a gather waits for that work before it reads
+  // host_ on the reload stream.
   if (copyOut) p.host_.copy_(p.shard_, /*non_blocking=*/p.host_.is_pinned());
   freeStorage(p.shard_);
   p.offloaded_ = true;
 }
 
 void ParamRegistry::reload(Param& p) {
-  if (!p.offloaded_) return;
+  if (!p.offloaded_) {
+    awaitReloadForGather(p);
+    return;
+  }
   restoreStorage(p.shard_, static_cast<size_t>(tensorBytes(p.shard_)));
   // From pinned memory the copy is queued on the caller's stream; host_ is written again only by
   // a copy out queued after it.
   p.shard_.copy_(p.host_, /*non_blocking=*/p.host_.is_pinned());
   p.offloaded_ = false;
+}
+
+void ParamRegistry::awaitReloadForGather(Param& p) {
+  // A master brought back for a gather still in flight was written on the transport's reload
+  // stream, which that gather waited for: waiting for the gather orders the caller after the copy.
+  if (p.masterOnHost_ && p.gatherHandle_) p.gatherHandle_->wait();
 }
 
 void ParamRegistry::reloadForGather(Param& p, Transport& transport) {

@@ -165,7 +165,8 @@ Trace mergeRankTraces(const std::vector<RankTrace>& input) {
     mergeCurve(merged.calibration.allGather, t.calibration.allGather);
     mergeCurve(merged.calibration.reduceScatter, t.calibration.reduceScatter);
     mergeCurve(merged.calibration.allReduce, t.calibration.allReduce);
-    merged.calibration.computeProbeUs = slowest(merged.calibration.computeProbeUs, t.calibration.computeProbeUs);
+    merged.calibration.computeProbeUs =
+        slowest(merged.calibration.computeProbeUs, t.calibration.computeProbeUs);
     for (size_t s = 0; s < merged.steps.size(); ++s) {
       TraceStep& ms = merged.steps[s];
       ms.optimizerUs = std::max(ms.optimizerUs, t.steps[s].optimizerUs);

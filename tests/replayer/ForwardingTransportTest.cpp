@@ -38,6 +38,7 @@ class Counting final : public Transport {
     return at::zeros({numel}, options);
   }
   void shardsWritten() override { hit("shardsWritten"); }
+  void reloadShard(const at::Tensor&, const at::Tensor&) override { hit("reloadShard"); }
   CommHandlePtr markCaller() override { return hit("markCaller"); }
   CommHandlePtr runAfter(const CommHandlePtr& done, const std::function<void()>& work) override {
     after = done;
@@ -83,6 +84,7 @@ TEST(ForwardingTransport, EverySeamReachesTheWrappedTransportWithItsArguments) {
   EXPECT_EQ(t.gatherShards({x}, {x}), inner->last);
   EXPECT_EQ(t.newGatherBuffer(5, x.options()).numel(), 5);
   t.shardsWritten();
+  t.reloadShard(x, x);
   const CommHandlePtr mark = t.markCaller();
   EXPECT_EQ(mark, inner->last);
   bool ran = false;
@@ -92,9 +94,9 @@ TEST(ForwardingTransport, EverySeamReachesTheWrappedTransportWithItsArguments) {
   EXPECT_EQ(t.copyAsync(x, x, Transport::CopyKind::Reload), inner->last);
   t.beginCapture();
   t.endCapture();
-  for (const char* seam :
-       {"allGather", "allGatherCoalesced", "reduceScatter", "allReduce", "gatherShards", "newGatherBuffer",
-        "shardsWritten", "markCaller", "runAfter", "copyAsync", "beginCapture", "endCapture"}) {
+  for (const char* seam : {"allGather", "allGatherCoalesced", "reduceScatter", "allReduce", "gatherShards",
+                           "newGatherBuffer", "shardsWritten", "reloadShard", "markCaller", "runAfter",
+                           "copyAsync", "beginCapture", "endCapture"}) {
     EXPECT_EQ(inner->calls[seam], 1) << seam;
   }
 }

@@ -150,7 +150,18 @@ TEST(ComputeOnNetwork, CpuRanksComputeAtTheNetworksProbeOverTheTraces) {
   }
   EXPECT_DOUBLE_EQ(w.optimizerUs, 2.3 * recorded.optimizerUs);
   EXPECT_DOUBLE_EQ(w.optimizerHostUs, 2.3 * recorded.optimizerHostUs);
-  EXPECT_GT(makePlan(gloo, PlanRequest{}).plan.predicted.stepUs, 0.0);
+  // dcplan plan applies it (and says so): the same network without its probe plans a faster step.
+  PlanRequest probed;
+  probed.worldSize = 2;
+  probed.network = schemas::PlanNetwork{"net.json", network};
+  probed.explain = true;
+  PlanRequest unprobed = probed;
+  unprobed.network->measured.calibration.computeProbeUs.reset();
+  const PlanResult scaled = makePlan(gloo, probed);
+  EXPECT_GT(scaled.plan.predicted.stepUs, makePlan(gloo, unprobed).plan.predicted.stepUs);
+  bool said = false;
+  for (const std::string& line : scaled.explanation) said = said || line.rfind("compute: ", 0) == 0;
+  EXPECT_TRUE(said);
   // Kept: no network, a probe missing on either side, or GPUs (each computes on its own).
   Workload kept = recorded;
   EXPECT_EQ(computeOnNetwork(kept, gloo, nullptr), 1.0);

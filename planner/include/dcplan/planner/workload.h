@@ -176,7 +176,8 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0,
                       StepReplay replay = StepReplay::Issued);
 
 /// The recorded compute run at another rate: each op's compute, host and issue times and the
-/// optimizer's (device and host), times `factor`. Collectives are the cost model's.
+/// optimizer's (device and host), times `factor`. Collectives are the cost model's, and recorded
+/// copies (copyUs) are kept: their rate is the memory's, not the cores'.
 void scaleCompute(Workload& workload, double factor);
 
 /// The host time of one gather call, from a trace with host times (Workload::hostLane): the

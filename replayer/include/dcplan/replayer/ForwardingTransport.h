@@ -43,7 +43,9 @@ class ForwardingTransport : public Transport {
     return inner_->newGatherBuffer(numel, options);
   }
   void shardsWritten() override { inner_->shardsWritten(); }
-  void reloadShard(const at::Tensor& shard, const at::Tensor& host) override { inner_->reloadShard(shard, host); }
+  void reloadShard(const at::Tensor& shard, const at::Tensor& host) override {
+    inner_->reloadShard(shard, host);
+  }
   CommHandlePtr markCaller() override { return inner_->markCaller(); }
   CommHandlePtr runAfter(const CommHandlePtr& done, const std::function<void()>& work) override {
     return inner_->runAfter(done, work);
