@@ -180,6 +180,11 @@ class Search {
     return last;
   }
 
+  /// optimizedCandidates beside the default schedule (`def`, defaultCandidate()) and the heuristic one.
+  size_t optimized(std::vector<Candidate>& all, const Candidate& def) {
+    return optimizedCandidates(all, def, heuristicCandidate(def.sim.prediction.peakMemoryBytes));
+  }
+
   /// Fills `all` with every schedule tried; returns the index of the best.
   size_t optimizedCandidates(std::vector<Candidate>& all, const Candidate& def, const Candidate& heur) {
     // Buckets first: they barely interact with gathers except through memory.
@@ -378,11 +383,9 @@ double unconstrainedStepUs(const Workload& w, const CostModel& cost, uint64_t bu
   if (limit <= budgeted) return 0.0;
   if (progress) progress("planning without the budget, for the copy bound");
   Search unbudgeted(w, cost, limit, "device capacity, no --memory-budget", progress);
-  const Candidate def = unbudgeted.defaultCandidate();
-  const Candidate heur = unbudgeted.heuristicCandidate(def.sim.prediction.peakMemoryBytes);
   std::vector<Candidate> all;
   try {
-    const size_t best = unbudgeted.optimizedCandidates(all, def, heur);
+    const size_t best = unbudgeted.optimized(all, unbudgeted.defaultCandidate());
     return all[best].sim.prediction.stepUs;
   } catch (const std::invalid_argument&) {
     return 0.0;
@@ -878,9 +881,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
       chosen = search.heuristicCandidate(def.sim.prediction.peakMemoryBytes);
       break;
     case Strategy::Optimized: {
-      Candidate heur = search.heuristicCandidate(def.sim.prediction.peakMemoryBytes);
       try {
-        best = search.optimizedCandidates(all, def, heur);
+        best = search.optimized(all, def);
       } catch (const std::invalid_argument& noFit) {
         if (unlimited) throw;
         offload = planOffload(search, w, cost, trace.meta.replay, def.sim.prediction.peakMemoryBytes,
