@@ -288,16 +288,7 @@ class NcclTransport final : public Transport {
       Transport::reloadShard(shard, host);
       return;
     }
-    c10::cuda::CUDAGuard guard(device_);
-    const c10::cuda::CUDAStream stream = streams_->reload;
-    waitForCaller(stream);
-    recordOn(stream, {shard});
-    {
-      c10::cuda::CUDAStreamGuard onStream(stream);
-      shard.copy_(host, /*non_blocking=*/true);
-    }
-    reloaded_.push_back(CudaEvent::create(device_));
-    reloaded_.back()->record(stream.stream());
+    reloaded_.push_back(copyOn(streams_->reload, shard, host, shard));
   }
 
   CommHandlePtr gatherShards(const std::vector<at::Tensor>& outputs,
@@ -413,7 +404,17 @@ class NcclTransport final : public Transport {
     TORCH_CHECK(devSide.is_cuda() && hostSide.is_cpu(), op, ": expected a copy between ", device_,
                 " and host memory, got ", src.device(), " -> ", dst.device());
     TORCH_CHECK(hostSide.is_pinned(), op, ": the host tensor should be in pinned memory");
-    c10::cuda::CUDAStream stream = kind == CopyKind::Offload ? streams_->offload : streams_->reload;
+    std::shared_ptr<CudaEvent> done =
+        copyOn(kind == CopyKind::Offload ? streams_->offload : streams_->reload, dst, src, devSide);
+    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/kind == CopyKind::Offload,
+                                         capturing_);
+  }
+
+ private:
+  /// dst <- src on `stream` (one of the copy streams) once the caller's work queued so far has run,
+  /// the device side's block kept from reuse until the copy is done; the copy's end, as an event.
+  std::unique_ptr<CudaEvent> copyOn(c10::cuda::CUDAStream stream, const at::Tensor& dst, const at::Tensor& src,
+                                    const at::Tensor& devSide) {
     c10::cuda::CUDAGuard guard(device_);
     waitForCaller(stream);
     recordOn(stream, {devSide});
@@ -423,11 +424,9 @@ class NcclTransport final : public Transport {
     }
     auto done = CudaEvent::create(device_);
     done->record(stream.stream());
-    return std::make_shared<EventHandle>(std::move(done), device_, /*hostWait=*/kind == CopyKind::Offload,
-                                         capturing_);
+    return done;
   }
 
- private:
   void beginCapture() override {
     c10::cuda::CUDAGuard guard(device_);
     TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::Active,
