@@ -105,10 +105,25 @@ TEST(InSitu, ARecordedStepTheCollectivesCannotExplainStopsAtTheBound) {
   EXPECT_TRUE(warned);
 }
 
-TEST(InSitu, OnlyCpuRanksRecordedAndPlannedOnMoreThanOneWithoutABandwidthWhatIf) {
+TEST(InSitu, OneRanksCopiesAreFittedForOneRankOnly) {
+  schemas::Trace one = glooTrace(4 * test::kTinyGatherUs);
+  one.meta.worldSize = 1;
+  const Workload w = makeWorkload(one);
+  std::optional<InSituFit> fit;
+  const CostModel cost = plannedCostModel(one, w, std::nullopt, nullptr, std::nullopt, &fit);
+  ASSERT_TRUE(fit);
+  EXPECT_GT(fit->scale, 1.5);
+  EXPECT_FALSE(fit->atBound);
+  EXPECT_NEAR(defaultStepUs(one, w, cost), w.recordedHostUs, 1e-3 * w.recordedHostUs);
+  // A 1-rank run's copies say nothing of a network's collectives.
+  EXPECT_FALSE(fitInSitu(one, makeWorkload(one, 2), std::nullopt, nullptr));
+}
+
+TEST(InSitu, OnlyCpuRanksRecordedAndPlannedAlikeWithoutABandwidthWhatIf) {
   const schemas::Trace gloo = glooTrace(4 * test::kTinyGatherUs);
-  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo), 100.0, nullptr));            // another cluster's bus
-  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo, 1), std::nullopt, nullptr));  // one rank: no collectives
+  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo), 100.0, nullptr));  // another cluster's bus
+  // Planned for one rank from two: its copies are not the recorded collectives.
+  EXPECT_FALSE(fitInSitu(gloo, makeWorkload(gloo, 1), std::nullopt, nullptr));
   schemas::Network network;
   network.worldSize = 2;
   network.backend = "gloo";
