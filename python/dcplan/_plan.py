@@ -811,6 +811,36 @@ def time_report(name: str, comparison: Dict, show: int = 3) -> List[str]:
         where = "after the last op (optimizer step, the loop)" if r is None else \
             f"before graph {r.graph} micro-step {r.micro_step} pos {r.pos} {r.op} (ds_id {r.ds_id})"
         lines.append(f"    {where}: measured {m / 1e3:.3f} ms, predicted {p / 1e3:.3f} ms ({extra / 1e3:+.3f} ms)")
+    return lines + _stretch_kinds_report(rows, stretches, show)
+
+
+def _stretch_kinds_report(rows: List[OpTime], stretches: List, show: int) -> List[str]:
+    """The kinds of stretch (the op before -> the op, in a forward or backward graph) whose
+    stretches together the prediction misses most, where a kind recurs: a miss spread over every
+    gather of the step (an op's own host time off by tens of microseconds) shows there, not among
+    the single stretches."""
+    kinds: Dict[tuple, List[float]] = {}  # kind -> [count, predicted, measured]
+    for (_, r, p, m), prev in zip(stretches, [None] + rows):
+        if r is None:  # after the last op: one of its kind
+            continue
+        if prev is None:
+            before = "the step's start"
+        elif (prev.graph, prev.micro_step) != (r.graph, r.micro_step):
+            before = f"the {r.kind}'s start"
+        else:
+            before = prev.op
+        key = (r.kind, before, r.op)
+        k = kinds.setdefault(key, [0, 0.0, 0.0])
+        k[0] += 1
+        k[1] += p
+        k[2] += m
+    recurring = [(key, k) for key, k in kinds.items() if k[0] > 1]
+    if not recurring:
+        return []
+    lines = ["    by kind of stretch (the op before -> the op), where it recurs:"]
+    for (kind, prev_op, op), (n, p, m) in sorted(recurring, key=lambda x: -abs(x[1][2] - x[1][1]))[:show]:
+        lines.append(f"      {kind} {prev_op} -> {op}: {n} stretches, predicted {p / n:.1f} us and measured "
+                     f"{m / n:.1f} us each ({(m - p) / 1e3:+.3f} ms)")
     return lines
 
 

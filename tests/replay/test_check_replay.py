@@ -101,7 +101,29 @@ def test_time_report_names_the_stretches_the_prediction_misses_most():
     # +290 us; before end_backward, 300 - 500 = -200 us; after the last op, 800 - 400 = +400 us.
     assert lines[1].startswith("    after the last op") and "(+0.400 ms)" in lines[1]
     assert "before graph 0 micro-step 0 pos 1 allgather_param (ds_id 7)" in lines[2] and "(+0.290 ms)" in lines[2]
-    assert "pos 0 end_backward" in lines[3] and "(-0.200 ms)" in lines[3] and len(lines) == 4
+    assert "pos 0 end_backward" in lines[3] and "(-0.200 ms)" in lines[3] and len(lines) == 4  # no kind recurs
+
+
+def test_time_report_sums_the_stretches_of_a_kind_that_recurs():
+    # Six forward gathers, each issued 30 us after the one before where 10 were predicted (+20 us each);
+    # end_backward's stretch (-140 us) is one of its kind.
+    samples = [{"graph": 0, "kind": "forward", "micro_step": 0, "pos": i, "op": "allgather_param",
+                "host_us": 10.0 * (i + 1)} for i in range(6)]
+    samples.append({"graph": 1, "kind": "backward", "micro_step": 0, "pos": 0, "op": "end_backward",
+                    "host_us": 600.0})
+    curve = {"step_us": 1000.0, "host_lane": True, "samples": samples}
+    events = [{"ev": "plan", "file": "p.json", "persistent": []}]
+    for t in (0, 5000, 6500):
+        events += [{"ev": "mark", "t_us": t, "peak_bytes": 1}, {"ev": "start_forward"}]
+        events += [{"ev": "op", "graph": 0, "pos": i, "op": "allgather_param", "ds_id": i, "t_us": t + 10 + 30 * i}
+                   for i in range(6)]
+        events += [{"ev": "start_backward", "update": True, "sync": True},
+                   {"ev": "op", "graph": 1, "pos": 0, "op": "end_backward", "ds_id": -1, "t_us": t + 560}]
+    lines = _plan.time_report("r.0.jsonl", _plan.time_comparison(curve, events))
+    at = lines.index("    by kind of stretch (the op before -> the op), where it recurs:")
+    # The first gather's stretch is the step's start's, one of its kind: only the five after it recur.
+    assert lines[at + 1:] == ["      forward allgather_param -> allgather_param: 5 stretches, predicted 10.0 us and "
+                              "measured 30.0 us each (+0.100 ms)"]
 
 
 def test_logs_or_curves_without_times_say_why_they_compare_nothing():
