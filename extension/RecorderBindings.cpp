@@ -261,6 +261,10 @@ void bindRecorder(py::module_& m) {
       "record_graphed", [] { current("record_graphed")->markGraphed(); },
       "The recorded script runs its step through dcplan.graphed_step: the trace says so (meta.graphed).");
   m.def(
+      "record_checks_collectives", [] { current("record_checks_collectives")->markChecksCollectives(); },
+      "A replay of this job checks each collective with the ranks first (DCPLAN_CHECK_COLLECTIVES): the "
+      "trace says so (meta.checks_collectives).");
+  m.def(
       "record_optimizer_state",
       [](const std::map<int64_t, uint64_t>& bytesById, const std::map<int64_t, std::string>& implById,
          const std::map<int64_t, int64_t>& groupById) {

@@ -81,6 +81,7 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
   if (!(options.inSituScale > 0))
     throw std::invalid_argument("the in-situ scale of collectives should be > 0");
   inSitu_ = options.inSituScale;
+  agreementChecks_ = options.agreementChecks;
   if (options.launchUs) {
     if (!(*options.launchUs >= 0)) throw std::invalid_argument("launch overhead should be >= 0 us");
     launchUs_ = *options.launchUs;
@@ -176,6 +177,15 @@ double CostModel::us(Collective which, uint64_t fullBytes) const {
   return inSitu_ * (lat + (raw - lat) * c.scale);
 }
 
+double CostModel::checkUs(bool onUse) const {
+  if (!agreementChecks_) return 0;
+  // 2 CPU ranks (docs/planning.md): 0.20-0.33 ms a call where the default schedule gathers on use,
+  // 0.4-1.0 ms in prefetching plans; 0.21 ms calibrated, 0.66 in situ.
+  const double inSitu = us(Collective::AllGather,
+                           kAgreementCheckBytes * static_cast<uint64_t>(std::max<int64_t>(1, worldSize_)));
+  return onUse ? inSitu / inSitu_ : inSitu;
+}
+
 double CostModel::latencyUs(Collective which) const {
   return callsFree() ? 0 : inSitu_ * curve(which).latencyUs;
 }
@@ -205,6 +215,12 @@ std::vector<std::string> CostModel::describe() const {
                     (oneRank ? "" : ", bus " + formatFixed(busGBps(c), 1) + " GB/s") + ", 64 MiB in " +
                     formatFixed(us(c, 64ull << 20), 1) + " us");
     }
+  }
+  if (agreementChecks_) {
+    out.push_back("agreement checks (DCPLAN_CHECK_COLLECTIVES, trace meta.checks_collectives): " +
+                  formatFixed(checkUs(true), 1) + " us of host time before a gather on use, " +
+                  formatFixed(checkUs(false), 1) +
+                  " before a prefetch or a bucket (in situ), every call (the recording ran without them)");
   }
   // At one rank the charge is shown only where the trace measured it.
   if (!oneRank || launchMeasured_) {

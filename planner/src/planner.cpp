@@ -115,11 +115,18 @@ class Search {
         progress_(progress) {
     // The default schedule is the recorded run: its collectives are the reference of every
     // other candidate's launch charge (recordedCalls), so it is simulated first, once.
-    default_ = evaluate("default", stagePersistent(w_),
-                        w_.stage < 3 ? "all (stage " + std::to_string(w_.stage) + ")" : "none",
-                        greedyBuckets(c_, kDefaultBucketBytes), "greedy, " + formatBytes(kDefaultBucketBytes),
-                        {}, "on use");
+    auto defaultSchedule = [&] {
+      return evaluate("default", stagePersistent(w_),
+                      w_.stage < 3 ? "all (stage " + std::to_string(w_.stage) + ")" : "none",
+                      greedyBuckets(c_, kDefaultBucketBytes), "greedy, " + formatBytes(kDefaultBucketBytes),
+                      {}, "on use");
+    };
+    default_ = defaultSchedule();
+    recorded_ = default_.sim;
     haveDefault_ = true;
+    // Replayed, the default schedule makes the agreement checks its recording did not: compared
+    // with the other candidates as it will run.
+    if (cost_.checkUs(false) > 0) default_ = defaultSchedule();
   }
 
   const Context& context() const { return c_; }
@@ -149,12 +156,14 @@ class Search {
     if (k.prefetch.groups.empty()) k.prefetch.groups.resize(w_.graphs.size());
     k.schedule = assemble(c_, k.persist.persistent, k.buckets, k.prefetch.groups);
     k.sim = simulate(w_, cost_, compileSchedule(w_, k.schedule),
-                     haveDefault_ ? againstRecorded(default_.sim) : SimOptions{});
+                     haveDefault_ ? againstRecorded(recorded_) : SimOptions{});
     k.feasible = k.sim.prediction.peakMemoryBytes <= c_.limit;
     return k;
   }
 
   const Candidate& defaultCandidate() const { return default_; }
+  /// The simulation of the recorded run: the reference of every candidate's launch charge.
+  const SimResult& recordedRun() const { return recorded_; }
 
   /// The reference design's rules, shrinking its memory shares until the
   /// schedule fits (its own memory check), down to the default schedule.
@@ -371,6 +380,7 @@ class Search {
   const ProgressFn& progress_;
   Candidate default_;
   bool haveDefault_ = false;  ///< until default_ is simulated: no launch charge
+  SimResult recorded_;        ///< the default schedule as recorded (default_, less the agreement checks)
 };
 
 /// The step the trace is planned for without a memory budget (the device's capacity its only
@@ -760,6 +770,7 @@ CostModelOptions costOptions(const Workload& w, std::optional<double> bandwidthG
   // A CUDA graph's replay issues its collectives without the host.
   if (w.cudaGraph) o.launchUs = 0.0;
   o.launchMeasured = o.launchUs.has_value();
+  o.agreementChecks = w.checksCollectives;
   return o;
 }
 
@@ -921,7 +932,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   plan.graphs = chosen.schedule.graphs;
   if (req.memoryBudgetBytes) {  // what the runtime's budget guard reads at each prefetch
     const SimResult recorded =
-        simulate(w, cost, compileSchedule(w, chosen.schedule), againstRecorded(def.sim, /*record=*/true));
+        simulate(w, cost, compileSchedule(w, chosen.schedule), againstRecorded(search.recordedRun(), true));
     setGuardPeaks(w, recorded, plan);
   }
   plan.optimizerOffload = chosen.schedule.optimizerOffload;

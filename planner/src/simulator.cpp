@@ -474,6 +474,7 @@ class Simulation {
       callScratch_.push_back(held);
       liveScratch_ += held;
     }
+    agreementCheck(!prefetch);
     const double issued = std::max(computeNow_, gatherFree_);
     const double start = std::max(issued, reloaded);
     res_.masterReloadExposedUs += start - issued;  // the most the copies in can hold the compute up
@@ -488,6 +489,20 @@ class Simulation {
       event(Stream::AllGather, prefetch ? "prefetch_params_fused" : "allgather_param", r, seq, ids, bytes,
             start, gatherFree_);
       res_.gathers.push_back(GatherRecord{r, seq, computeNow_, gatherFree_, members_});
+    }
+  }
+
+  /// A call's agreement check (CostModel::checkUs), before its launch: the host blocks in it (on CPU
+  /// ranks the host is the compute). Not in the recorded run's simulation: the recording ran without.
+  void agreementCheck(bool onUse) {
+    const double c = cost_.checkUs(onUse);
+    if (!reference_ || c == 0) return;
+    res_.checkUs += c;
+    if (w_.waitsBlockHost) {
+      computeNow_ = std::max(computeNow_, w_.hostLane ? hostNow_ : 0.0) + c;
+      if (w_.hostLane) hostNow_ = computeNow_;
+    } else if (w_.hostLane) {
+      hostNow_ += c;
     }
   }
 
@@ -527,6 +542,7 @@ class Simulation {
               uint64_t callerGrad = 0) {
     launched_[b] = 1;
     uint64_t bytes = cg.bucketBytes[b];
+    agreementCheck(false);
     double start = std::max(computeNow_, reduceFree_);
     double dur = cost_.us(op, bytes);
     reduceFree_ = start + dur;

@@ -172,6 +172,13 @@ def mark_graphed() -> None:
     _C.record_graphed()
 
 
+def mark_checks_collectives() -> None:
+    """A replay of this job, in this environment, checks each collective with the ranks first
+    (DCPLAN_CHECK_COLLECTIVES), which the recording does not: the trace says so, and dcplan plan
+    charges the checks."""
+    _C.record_checks_collectives()
+
+
 def after_start_forward() -> None:
     """Called by the root forward pre-hook after start_forward(): finishes once every step is recorded."""
     global _active

@@ -336,6 +336,9 @@ def _start_runtime(device: torch.device, pg: dist.ProcessGroup, recording, reduc
         _plan.start_env_replay_log(pg.rank())
         if _record.active():
             _record.attach()
+            # The replay checks where this recording (auto: off while recording) does not.
+            if _check_collectives(device, recording=False) and not _check_collectives(device):
+                _record.mark_checks_collectives()
     elif recording is not None and not _record.active():
         raise ValueError("dcplan.shard: recording must be switched on at the first dcplan.shard() of the process")
     elif _runtime_group != group_name:
@@ -470,18 +473,20 @@ def _nccl_timeout_s() -> float:
     return value
 
 
-def _check_collectives(device: torch.device) -> bool:
+def _check_collectives(device: torch.device, recording: Optional[bool] = None) -> bool:
     """DCPLAN_CHECK_COLLECTIVES: whether the ranks agree on each collective before launching it.
     auto (default): on CPU ranks, unless recording (its all-gathers would be timed as the
-    job's); off on GPUs, where each check waits for the device. On CPU ranks each check is one
-    more small Gloo call per collective (docs/runtime.md says what that costs)."""
+    job's: the trace says instead that the replay checks, and the planner charges the checks);
+    off on GPUs, where each check waits for the device. On CPU ranks each check is one more small
+    Gloo call per collective (docs/runtime.md says what that costs). recording: as if recording
+    or not (None: whether this process records)."""
     mode = os.environ.get("DCPLAN_CHECK_COLLECTIVES", "auto").strip().lower()
     if mode not in ("auto", "on", "off"):
         raise ValueError(
             f"DCPLAN_CHECK_COLLECTIVES should be 'auto', 'on' or 'off', got {os.environ['DCPLAN_CHECK_COLLECTIVES']!r}"
         )
     if mode == "auto":
-        return device.type != "cuda" and not _record.active()
+        return device.type != "cuda" and not (_record.active() if recording is None else recording)
     return mode == "on"
 
 

@@ -166,6 +166,11 @@ void Recorder::markGraphed() {
   graphed_ = true;
 }
 
+void Recorder::markChecksCollectives() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  checksCollectives_ = true;
+}
+
 void Recorder::setOptimizerState(const std::map<int64_t, uint64_t>& bytesById,
                                  const std::map<int64_t, std::string>& implById,
                                  const std::map<int64_t, int64_t>& groupById) {
@@ -537,6 +542,7 @@ schemas::Trace Recorder::traceHeader(const schemas::Calibration& calibration, Tr
   t.meta.reduceDtype = first.reduceDtype;
   t.meta.replay = first.compiled ? "compiled" : "eager";
   t.meta.graphed = graphed_;
+  t.meta.checksCollectives = checksCollectives_;
   t.meta.versions = config_.versions;
   t.meta.versions["dcplan"] = DCPLAN_VERSION;
   t.memory.capacityBytes = memory_->capacityBytes();

@@ -22,6 +22,8 @@ struct Record {
   int64_t firstDtype;
 };
 static_assert(sizeof(Record) % 8 == 0);
+// What the planner charges a check for (planner kAgreementCheckBytes): change both together.
+static_assert(sizeof(Record) == 136);
 
 void copyName(char* dst, size_t size, const std::string& src) {
   std::memset(dst, 0, size);

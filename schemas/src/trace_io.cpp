@@ -112,6 +112,7 @@ class TraceValidator {
     meta.reduceDtype = r.dtype("reduce_dtype").value_or("");
     meta.replay = r.oneOf("replay", {"eager", "compiled"}, FieldReader::Optional).value_or("eager");
     meta.graphed = r.boolean("graphed", FieldReader::Optional).value_or(false);
+    meta.checksCollectives = r.boolean("checks_collectives", FieldReader::Optional).value_or(false);
     if (auto* versions = r.object("versions")) {
       for (const auto& [key, v] : versions->items()) {
         if (!v.is_string()) {
@@ -440,6 +441,7 @@ std::string writeTrace(const Trace& t) {
   for (const auto& [k, v] : t.meta.versions) meta["versions"][k] = v;
   if (t.meta.replay != "eager") meta["replay"] = t.meta.replay;  // absent: eager, as before the field
   if (t.meta.graphed) meta["graphed"] = true;                    // absent: not graphed
+  if (t.meta.checksCollectives) meta["checks_collectives"] = true;  // absent: the replay does not check
 
   ordered_json params = ordered_json::array();
   for (const auto& p : t.params) {

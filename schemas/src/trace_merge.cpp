@@ -45,6 +45,7 @@ void checkAgreement(const RankTrace& base, const RankTrace& r) {
   requireSame(base, r, "/meta/stage", a.meta.stage, b.meta.stage);
   requireSame(base, r, "/meta/replay", a.meta.replay, b.meta.replay);
   requireSame(base, r, "/meta/graphed", a.meta.graphed, b.meta.graphed);
+  requireSame(base, r, "/meta/checks_collectives", a.meta.checksCollectives, b.meta.checksCollectives);
   requireSame(base, r, "/meta/grad_accum_steps", a.meta.gradAccumSteps, b.meta.gradAccumSteps);
   requireSame(base, r, "/meta/param_dtype", a.meta.paramDtype, b.meta.paramDtype);
   requireSame(base, r, "/meta/reduce_dtype", a.meta.reduceDtype, b.meta.reduceDtype);

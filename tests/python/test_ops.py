@@ -481,6 +481,8 @@ def test_check_collectives_setting(monkeypatch, dcplan_module):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.delenv("DCPLAN_CHECK_COLLECTIVES", raising=False)
     assert _shard._check_collectives(cpu) and not _shard._check_collectives(gpu)  # auto
+    # auto while recording: off (the trace's times are the job's), though the replay checks.
+    assert not _shard._check_collectives(cpu, recording=True) and _shard._check_collectives(cpu, recording=False)
     monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "on")
     assert _shard._check_collectives(gpu)
     monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "OFF")

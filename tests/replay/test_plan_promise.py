@@ -63,6 +63,8 @@ def test_each_rank_keeps_the_plans_peak_and_budget(tmp_path, round_, dcplan_modu
     exe = dcplan_binary()
     trace = tmp_path / "trace.json"
     run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6)])
+    # Recorded without the agreement checks its replay makes on CPU ranks (auto): the trace says so.
+    assert json.loads(trace.read_text())["meta"]["checks_collectives"] is True
     run([exe, "plan", str(trace), "-o", str(tmp_path / "free.json")])
     free = json.loads((tmp_path / "free.json").read_text())
     least = free["predicted_default"]["peak_memory_bytes"]  # gather on use: the least any schedule needs

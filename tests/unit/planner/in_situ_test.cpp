@@ -243,5 +243,47 @@ TEST(InSituReplay, WhatCannotCalibrateIsRefusedSayingWhy) {
   EXPECT_NE(refusal(graph).find("one CUDA graph writes no replay log"), std::string::npos);
 }
 
+TEST(AgreementChecks, AReplayIsChargedEveryCallsCheckTheRecordingDidNotMake) {
+  schemas::Trace t = glooTrace(4 * test::kTinyGatherUs);
+  t.meta.checksCollectives = true;
+  const Workload w = makeWorkload(t);
+  ASSERT_TRUE(w.checksCollectives);
+  const CostModel cost = plannedCostModel(t, w, std::nullopt);
+  // Before a gather on use as calibrated, before a bucket in situ.
+  ASSERT_GT(cost.checkUs(true), 0.0);
+  EXPECT_NEAR(cost.checkUs(false), cost.checkUs(true) * cost.inSituScale(), 1e-9);
+  // The fit to the recorded run is the same with or without: the recording made no checks.
+  schemas::Trace unchecked = t;
+  unchecked.meta.checksCollectives = false;
+  EXPECT_DOUBLE_EQ(cost.inSituScale(),
+                   plannedCostModel(unchecked, makeWorkload(unchecked), std::nullopt).inSituScale());
+  const CompiledSchedule def = compileSchedule(w, defaultSchedule(w));
+  const SimResult recorded = simulate(w, cost, def);
+  EXPECT_EQ(recorded.checkUs, 0.0);
+  const SimResult replayed = simulate(w, cost, def, againstRecorded(recorded));
+  // Every gather on use, the bucket flushed at end_backward; the host blocks in each check.
+  EXPECT_NEAR(replayed.checkUs,
+              static_cast<double>(replayed.gatherCalls) * cost.checkUs(true) +
+                  static_cast<double>(replayed.reduceCalls) * cost.checkUs(false),
+              1e-6);
+  EXPECT_NEAR(replayed.prediction.stepUs, recorded.prediction.stepUs + replayed.checkUs, 1e-6);
+  // The plan predicts the default schedule as replayed, and says what a check costs.
+  PlanRequest req;
+  req.explain = true;
+  req.strategy = Strategy::Default;
+  const PlanResult r = makePlan(t, req);
+  EXPECT_NEAR(r.plan.predictedDefault.stepUs, replayed.prediction.stepUs, 1e-3);
+  EXPECT_NEAR(r.plan.predicted.stepUs, replayed.prediction.stepUs, 1e-3);
+  bool said = false;
+  for (const std::string& line : r.explanation)
+    said = said || line.find("agreement checks") != std::string::npos;
+  EXPECT_TRUE(said);
+  // Without the flag: no checks, and the line is not there.
+  const PlanResult plain = makePlan(unchecked, req);
+  EXPECT_NEAR(plain.plan.predictedDefault.stepUs, recorded.prediction.stepUs, 1e-3);
+  for (const std::string& line : plain.explanation)
+    EXPECT_EQ(line.find("agreement checks"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace dcplan::planner

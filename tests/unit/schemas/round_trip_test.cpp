@@ -171,11 +171,15 @@ TEST(RoundTrip, ReplayModeIsAbsentForEagerAndKeptForCompiled) {
   // A step run in dcplan.graphed_step, and a plan calibrated on a replay: written only when set.
   EXPECT_FALSE(t2.meta.graphed);
   EXPECT_EQ(writeTrace(trace).find("graphed"), std::string::npos);
+  EXPECT_FALSE(t2.meta.checksCollectives);
+  EXPECT_EQ(writeTrace(trace).find("checks_collectives"), std::string::npos);
   trace.meta.graphed = true;
+  trace.meta.checksCollectives = true;
   plan.options.inSituScale = 2.5;
   ASSERT_TRUE(validateTrace(parseJson(writeTrace(trace), "trace"), t2).empty());
   ASSERT_TRUE(validatePlan(parseJson(writePlan(plan), "plan"), p2).empty());
   EXPECT_TRUE(t2.meta.graphed);
+  EXPECT_TRUE(t2.meta.checksCollectives);
   EXPECT_EQ(p2.options.inSituScale, 2.5);
 }
 

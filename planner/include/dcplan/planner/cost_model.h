@@ -33,7 +33,14 @@ struct CostModelOptions {
   /// Every collective's time is this many times the calibration's: how the recorded run's own
   /// collectives ran against it (fitInSitu; CPU ranks only). 1: as calibrated.
   double inSituScale = 1.0;
+  /// The replay checks each collective with the ranks first (trace meta.checks_collectives): one
+  /// more small all-gather per call, which the recording ran without (checkUs).
+  bool agreementChecks = false;
 };
+
+/// The bytes each rank contributes to a collective's agreement check (the runtime's description of
+/// the collective: its kind, op, place and sizes; replayer/src/CollectiveCheck.cpp).
+inline constexpr uint64_t kAgreementCheckBytes = 136;
 
 /// Time of a collective as a function of its full (unsharded) message size.
 ///
@@ -61,6 +68,12 @@ class CostModel {
   double busGBps(Collective c) const;
   /// Host time to issue one collective (see kDefaultLaunchUs); with one rank 0 unless measured.
   double launchUs() const { return worldSize_ <= 1 && !launchMeasured_ ? 0 : launchUs_; }
+  /// Host time of one collective's agreement check (CostModelOptions::agreementChecks): a blocking
+  /// all-gather of kAgreementCheckBytes from every rank; 0 without. onUse: before a gather the
+  /// compute waits for at once, as calibrated (the wait for the other ranks moves from the gather
+  /// into the check); before a call the host does not wait for (a prefetch, a bucket), in situ
+  /// (the wait for the other ranks is the check's own: they no longer run apart).
+  double checkUs(bool onUse) const;
   /// Host<->device copy time; 0 when the trace has no copy rate.
   double copyUs(uint64_t bytes, bool hostToDevice) const;
   /// The trace measured the host link both ways (calibration h2d_gbps, d2h_gbps).
@@ -102,6 +115,7 @@ class CostModel {
   double launchUs_ = kDefaultLaunchUs;
   bool launchMeasured_ = false;
   double inSitu_ = 1.0;         ///< CostModelOptions::inSituScale
+  bool agreementChecks_ = false;  ///< CostModelOptions::agreementChecks
   bool oneRankCopies_ = false;  ///< one rank, from a one-rank trace: the calibrated copies
   std::optional<double> h2dGBps_;
   std::optional<double> d2hGBps_;

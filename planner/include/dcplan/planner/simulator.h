@@ -95,6 +95,9 @@ struct SimResult {
   /// added to prediction.stepUs without a host lane; with one (Workload::hostLane), charged on
   /// the host lane op by op (SimOptions::reference) and negative where the schedule issues fewer.
   double launchDeltaUs = 0;
+  /// Host time of the agreement checks, one before each call's launch (CostModel::checkUs), in
+  /// which the host blocks; simulations against the recorded run only (the recording ran without).
+  double checkUs = 0;
   /// The host lane's end: when the host has issued the whole step, optimizer included (0
   /// without a host lane). prediction.stepUs above it: the device bounds the step.
   double hostUs = 0;

@@ -132,6 +132,9 @@ struct Workload {
   /// Planned for a step replayed as one CUDA graph (StepReplay::CudaGraph): compute and optimizer
   /// times are the device's own (device_us), the host issues nothing, no host lane.
   bool cudaGraph = false;
+  /// The replay checks each collective with the ranks first (trace meta.checks_collectives; never
+  /// in a CUDA graph, which cannot capture the check): CostModel::checkUs per call.
+  bool checksCollectives = false;
   int64_t traceStep = 0;  ///< index of the recorded step used
   /// Where the recorded optimizer steps disagree on host time (kStepsAgreeShare): each one's, and
   /// which traceStep is (the median); empty where they agree and traceStep is the last.

@@ -78,6 +78,9 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   void addModel(const ModelInfo& model);
   /// The script runs its step through dcplan.graphed_step (recorded uncaptured): trace meta.graphed.
   void markGraphed();
+  /// A replay of this job checks each collective with the ranks first (DCPLAN_CHECK_COLLECTIVES), which
+  /// the recording does not: the trace says so (meta.checks_collectives), and the planner charges them.
+  void markChecksCollectives();
   /// After an optimizer step: the optimizer's per-element state of each shard it steps, bytes by
   /// ds_id (trace params' optimizer_state_bytes; the planner offloads it under a tight budget),
   /// how it runs over each where known (optimizer_impl: for_loop, foreach or fused) and the
@@ -252,6 +255,7 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   bool recording_ = false;  // the current micro-step is recorded
   bool done_ = false;
   bool graphed_ = false;  ///< markGraphed()
+  bool checksCollectives_ = false;  ///< markChecksCollectives()
   /// setOptimizerState(), by ds_id: the trace param's optimizer fields.
   struct OptimizerFields {
     std::optional<uint64_t> stateBytes;

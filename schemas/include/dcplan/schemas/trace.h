@@ -28,6 +28,10 @@ struct TraceMeta {
   /// The recorded script ran its step through dcplan.graphed_step (recorded uncaptured): its plan
   /// is for one CUDA graph per step (dcplan plan plans so by itself).
   bool graphed = false;
+  /// A replay of this job checks each collective with the ranks first (DCPLAN_CHECK_COLLECTIVES, on by
+  /// default on CPU ranks: one more small all-gather per collective, docs/runtime.md); the recording
+  /// itself ran without the checks, so the planner charges them (CostModel::checkUs).
+  bool checksCollectives = false;
 };
 
 /// Device memory facts of the recording rank(s).
