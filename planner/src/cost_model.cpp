@@ -216,7 +216,7 @@ std::vector<std::string> CostModel::describe() const {
                     formatFixed(us(c, 64ull << 20), 1) + " us");
     }
   }
-  if (agreementChecks_) {
+  if (agreementChecks_ && !callsFree()) {
     out.push_back("agreement checks (DCPLAN_CHECK_COLLECTIVES, trace meta.checks_collectives): " +
                   formatFixed(checkUs(true), 1) + " us of host time before a gather on use, " +
                   formatFixed(checkUs(false), 1) +

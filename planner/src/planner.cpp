@@ -114,7 +114,7 @@ class Search {
         limitNote_(std::move(limitNote)),
         progress_(progress) {
     // The default schedule is the recorded run: its collectives are the reference of every
-    // other candidate's launch charge (recordedCalls), so it is simulated first, once.
+    // other candidate's launch charge (recordedCalls), so it is simulated first (recorded_).
     auto defaultSchedule = [&] {
       return evaluate("default", stagePersistent(w_),
                       w_.stage < 3 ? "all (stage " + std::to_string(w_.stage) + ")" : "none",
@@ -126,7 +126,7 @@ class Search {
     haveDefault_ = true;
     // Replayed, the default schedule makes the agreement checks its recording did not: compared
     // with the other candidates as it will run.
-    if (cost_.checkUs(false) > 0) default_ = defaultSchedule();
+    if (cost_.replayChecks()) default_ = defaultSchedule();
   }
 
   const Context& context() const { return c_; }
@@ -379,7 +379,7 @@ class Search {
   std::string limitNote_;
   const ProgressFn& progress_;
   Candidate default_;
-  bool haveDefault_ = false;  ///< until default_ is simulated: no launch charge
+  bool haveDefault_ = false;  ///< until default_ is simulated: no launch charge, no agreement checks
   SimResult recorded_;        ///< the default schedule as recorded (default_, less the agreement checks)
 };
 

@@ -70,8 +70,8 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   SimResult d = simulate(w, cost, def, SimOptions{true});  // the recorded run
   SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), againstRecorded(d, true));
   // The default schedule as replayed: with the agreement checks its recording did not make.
-  if (cost.checkUs(false) > 0) {
-    const SimResult recorded = d;
+  if (cost.replayChecks()) {
+    const SimResult recorded = std::move(d);
     d = simulate(w, cost, def, againstRecorded(recorded, true));
   }
   return Simulated{std::move(w), std::move(p), std::move(d), inSitu};

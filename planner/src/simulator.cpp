@@ -474,7 +474,7 @@ class Simulation {
       callScratch_.push_back(held);
       liveScratch_ += held;
     }
-    agreementCheck(!prefetch);
+    agreementCheck(!prefetch, r, seq);
     const double issued = std::max(computeNow_, gatherFree_);
     const double start = std::max(issued, reloaded);
     res_.masterReloadExposedUs += start - issued;  // the most the copies in can hold the compute up
@@ -494,16 +494,17 @@ class Simulation {
 
   /// A call's agreement check (CostModel::checkUs), before its launch: the host blocks in it (on CPU
   /// ranks the host is the compute). Not in the recorded run's simulation: the recording ran without.
-  void agreementCheck(bool onUse) {
+  /// Workload::checksCollectives implies a host lane (chooseTimes), hence a reference here.
+  void agreementCheck(bool onUse, int32_t r, int64_t seq) {
     const double c = cost_.checkUs(onUse);
     if (!reference_ || c == 0) return;
     res_.checkUs += c;
-    if (w_.waitsBlockHost) {
-      computeNow_ = std::max(computeNow_, w_.hostLane ? hostNow_ : 0.0) + c;
-      if (w_.hostLane) hostNow_ = computeNow_;
-    } else if (w_.hostLane) {
-      hostNow_ += c;
-    }
+    const double start = w_.waitsBlockHost ? std::max(computeNow_, hostNow_) : hostNow_;
+    if (record_) event(Stream::Compute, "agreement check", r, seq, {}, 0, start, start + c);
+    hostNow_ = start + c;
+    // On a GPU the runtime's check also waits for the device (its all-gather is synchronised):
+    // not modelled, as auto leaves the checks off there.
+    if (w_.waitsBlockHost) computeNow_ = hostNow_;
   }
 
   /// Master shards on the host come back before their gather reads them, held until the member's
@@ -542,7 +543,7 @@ class Simulation {
               uint64_t callerGrad = 0) {
     launched_[b] = 1;
     uint64_t bytes = cg.bucketBytes[b];
-    agreementCheck(false);
+    agreementCheck(false, r, seq);
     double start = std::max(computeNow_, reduceFree_);
     double dur = cost_.us(op, bytes);
     reduceFree_ = start + dur;

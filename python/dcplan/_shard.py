@@ -336,8 +336,7 @@ def _start_runtime(device: torch.device, pg: dist.ProcessGroup, recording, reduc
         _plan.start_env_replay_log(pg.rank())
         if _record.active():
             _record.attach()
-            # The replay checks where this recording (auto: off while recording) does not.
-            if _check_collectives(device, recording=False) and not _check_collectives(device):
+            if _replay_checks_unrecorded(device):
                 _record.mark_checks_collectives()
     elif recording is not None and not _record.active():
         raise ValueError("dcplan.shard: recording must be switched on at the first dcplan.shard() of the process")
@@ -488,6 +487,13 @@ def _check_collectives(device: torch.device, recording: Optional[bool] = None) -
     if mode == "auto":
         return device.type != "cuda" and not (_record.active() if recording is None else recording)
     return mode == "on"
+
+
+def _replay_checks_unrecorded(device: torch.device) -> bool:
+    """Whether a replay of this job, in this environment, checks each collective where its recording
+    does not (auto on CPU ranks): the trace then says so (meta.checks_collectives), and dcplan plan
+    charges the checks."""
+    return _check_collectives(device, recording=False) and not _check_collectives(device, recording=True)
 
 
 def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: int) -> _ParamInfo:

@@ -481,12 +481,15 @@ def test_check_collectives_setting(monkeypatch, dcplan_module):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.delenv("DCPLAN_CHECK_COLLECTIVES", raising=False)
     assert _shard._check_collectives(cpu) and not _shard._check_collectives(gpu)  # auto
-    # auto while recording: off (the trace's times are the job's), though the replay checks.
+    # auto while recording: off (the trace's times are the job's), though the replay checks: the trace says so.
     assert not _shard._check_collectives(cpu, recording=True) and _shard._check_collectives(cpu, recording=False)
+    assert _shard._replay_checks_unrecorded(cpu) and not _shard._replay_checks_unrecorded(gpu)
     monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "on")
     assert _shard._check_collectives(gpu)
+    assert not _shard._replay_checks_unrecorded(cpu)  # the recording checks too: its times hold them
     monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "OFF")
     assert not _shard._check_collectives(cpu)
+    assert not _shard._replay_checks_unrecorded(cpu)
     monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "sometimes")
     with pytest.raises(ValueError, match="DCPLAN_CHECK_COLLECTIVES should be 'auto', 'on' or 'off', got 'sometimes'"):
         _shard._check_collectives(cpu)

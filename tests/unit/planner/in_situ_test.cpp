@@ -249,8 +249,9 @@ TEST(AgreementChecks, AReplayIsChargedEveryCallsCheckTheRecordingDidNotMake) {
   const Workload w = makeWorkload(t);
   ASSERT_TRUE(w.checksCollectives);
   const CostModel cost = plannedCostModel(t, w, std::nullopt);
-  // Before a gather on use as calibrated, before a bucket in situ.
+  // Before a gather on use as calibrated, before a bucket in situ (a scale that tells them apart).
   ASSERT_GT(cost.checkUs(true), 0.0);
+  ASSERT_GT(cost.inSituScale(), 1.5);
   EXPECT_NEAR(cost.checkUs(false), cost.checkUs(true) * cost.inSituScale(), 1e-9);
   // The fit to the recorded run is the same with or without: the recording made no checks.
   schemas::Trace unchecked = t;
@@ -283,6 +284,35 @@ TEST(AgreementChecks, AReplayIsChargedEveryCallsCheckTheRecordingDidNotMake) {
   EXPECT_NEAR(plain.plan.predictedDefault.stepUs, recorded.prediction.stepUs, 1e-3);
   for (const std::string& line : plain.explanation)
     EXPECT_EQ(line.find("agreement checks"), std::string::npos);
+}
+
+TEST(AgreementChecks, APrefetchOrABucketIsChargedInSituAGatherOnUseAsCalibrated) {
+  schemas::Trace t = glooTrace(4 * test::kTinyGatherUs);
+  t.meta.checksCollectives = true;
+  const Workload w = makeWorkload(t);
+  const CostModel cost = plannedCostModel(t, w, std::nullopt);
+  ASSERT_GT(cost.inSituScale(), 1.5);
+  const SimResult recorded = simulate(w, cost, compileSchedule(w, defaultSchedule(w)));
+  // Parameter 1 prefetched at the forward's first op; parameter 0 gathered on use.
+  Schedule s = defaultSchedule(w);
+  schemas::PrefetchGroup early;
+  early.position = 0;
+  early.dsIds = {1};
+  s.graphs[0].prefetch.push_back(early);
+  const SimResult r = simulate(w, cost, compileSchedule(w, s), againstRecorded(recorded, /*record=*/true));
+  int onUse = 0, prefetches = 0, checks = 0;
+  for (const TimelineEvent& e : r.timeline) {
+    onUse += e.name == "allgather_param";
+    prefetches += e.name == "prefetch_params_fused";
+    checks += e.name == "agreement check";
+  }
+  ASSERT_EQ(prefetches, 1);
+  ASSERT_GT(onUse, 0);
+  EXPECT_EQ(checks, r.gatherCalls + r.reduceCalls);  // the timeline shows each
+  EXPECT_NEAR(
+      r.checkUs,
+      onUse * cost.checkUs(true) + static_cast<double>(prefetches + r.reduceCalls) * cost.checkUs(false),
+      1e-6);
 }
 
 }  // namespace

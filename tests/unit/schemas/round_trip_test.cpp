@@ -222,6 +222,20 @@ TEST(RoundTrip, SavedActivationsStayAbsentOrPresent) {
   EXPECT_EQ(writeTrace(t2), writeTrace(trace));
 }
 
+TEST(TraceMerge, RanksThatDisagreeOnTheReplaysChecksAreRefused) {
+  RankTrace r0{0, "rank0.trace.json", readTrace(kInputs / "minimal.trace.json")};
+  r0.trace.meta.worldSize = 2;
+  RankTrace r1{1, "rank1.trace.json", r0.trace};
+  r1.trace.meta.checksCollectives = true;
+  try {
+    mergeRankTraces({r0, r1});
+    FAIL() << "merged ranks that disagree on meta.checks_collectives";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("/meta/checks_collectives"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank1.trace.json"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TraceMerge, SavedActivationsAreWhatEveryRankSavedAliveAtTheLatestFreeAndEarliestRead) {
   RankTrace r0{0, "rank0.trace.json", readTrace(kInputs / "minimal.trace.json")};
   r0.trace.meta.worldSize = 2;

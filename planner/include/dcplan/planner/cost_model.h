@@ -74,6 +74,9 @@ class CostModel {
   /// into the check); before a call the host does not wait for (a prefetch, a bucket), in situ
   /// (the wait for the other ranks is the check's own: they no longer run apart).
   double checkUs(bool onUse) const;
+  /// The replay makes agreement checks the recording did not: its default schedule is simulated
+  /// twice, as recorded (the reference of every launch charge) and as replayed.
+  bool replayChecks() const { return agreementChecks_ && !callsFree(); }
   /// Host<->device copy time; 0 when the trace has no copy rate.
   double copyUs(uint64_t bytes, bool hostToDevice) const;
   /// The trace measured the host link both ways (calibration h2d_gbps, d2h_gbps).
