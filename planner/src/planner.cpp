@@ -115,18 +115,15 @@ class Search {
         progress_(progress) {
     // The default schedule is the recorded run: its collectives are the reference of every
     // other candidate's launch charge (recordedCalls), so it is simulated first (recorded_).
-    auto defaultSchedule = [&] {
-      return evaluate("default", stagePersistent(w_),
-                      w_.stage < 3 ? "all (stage " + std::to_string(w_.stage) + ")" : "none",
-                      greedyBuckets(c_, kDefaultBucketBytes), "greedy, " + formatBytes(kDefaultBucketBytes),
-                      {}, "on use");
-    };
-    default_ = defaultSchedule();
+    default_ = evaluate("default", stagePersistent(w_),
+                        w_.stage < 3 ? "all (stage " + std::to_string(w_.stage) + ")" : "none",
+                        greedyBuckets(c_, kDefaultBucketBytes), "greedy, " + formatBytes(kDefaultBucketBytes),
+                        {}, "on use");
     recorded_ = default_.sim;
     haveDefault_ = true;
     // Replayed, the default schedule makes the agreement checks its recording did not: compared
     // with the other candidates as it will run.
-    if (cost_.replayChecks()) default_ = defaultSchedule();
+    if (cost_.replayChecks()) simulateCandidate(default_);
   }
 
   const Context& context() const { return c_; }
@@ -155,10 +152,15 @@ class Search {
     k.prefetchLabel = std::move(prefetchLabel);
     if (k.prefetch.groups.empty()) k.prefetch.groups.resize(w_.graphs.size());
     k.schedule = assemble(c_, k.persist.persistent, k.buckets, k.prefetch.groups);
+    simulateCandidate(k);
+    return k;
+  }
+
+  /// k's schedule simulated against the recorded run (once that is simulated), and whether it fits.
+  void simulateCandidate(Candidate& k) const {
     k.sim = simulate(w_, cost_, compileSchedule(w_, k.schedule),
                      haveDefault_ ? againstRecorded(recorded_) : SimOptions{});
     k.feasible = k.sim.prediction.peakMemoryBytes <= c_.limit;
-    return k;
   }
 
   const Candidate& defaultCandidate() const { return default_; }
