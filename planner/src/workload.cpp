@@ -176,8 +176,10 @@ void chooseTimes(Workload& w, const schemas::Trace& trace, size_t end, const std
   }
   w.optimizerHostUs = w.hostLane ? *trace.steps[end].optimizerHostUs : 0;
   w.recordedHostUs = w.hostLane ? detail::stepHostUs(trace, micro).value_or(0) : 0;
-  // Charged on the host lane (SimResult::checkUs): a trace without host times has none to charge on.
-  w.checksCollectives = trace.meta.checksCollectives && w.hostLane && replay != StepReplay::CudaGraph;
+  // Charged on the host lane (SimResult::checkUs): a trace without host times has none to charge on;
+  // one rank has no other to agree with, and does not check.
+  w.checksCollectives =
+      trace.meta.checksCollectives && w.hostLane && replay != StepReplay::CudaGraph && w.worldSize > 1;
   if (replay != StepReplay::CudaGraph) return;
   // A graph replays the step without the host: the device's own times, no host lane.
   w.cudaGraph = true;

@@ -173,9 +173,9 @@ def mark_graphed() -> None:
 
 
 def mark_checks_collectives() -> None:
-    """A replay of this job, in this environment, checks each collective with the ranks first
-    (DCPLAN_CHECK_COLLECTIVES), which the recording does not: the trace says so, and dcplan plan
-    charges the checks."""
+    """A replay of this job on more than one rank, in this environment, checks each collective with
+    the ranks first (DCPLAN_CHECK_COLLECTIVES), which the recording does not: the trace says so, and
+    dcplan plan charges the checks in a plan for more than one rank."""
     _C.record_checks_collectives()
 
 

@@ -441,7 +441,7 @@ def _init_runtime(pg: dist.ProcessGroup, device: torch.device, reduce_bucket_byt
     check_collectives: None, as DCPLAN_CHECK_COLLECTIVES says (_check_collectives)."""
     global _runtime_started
     _runtime_started = True
-    check = _check_collectives(device) if check_collectives is None else check_collectives
+    check = _check_collectives(device, pg.size()) if check_collectives is None else check_collectives
     if device.type != "cuda":
         _shm.report(_C.init(pg.group_name, reduce_bucket_bytes=reduce_bucket_bytes, check_collectives=check,
                             **_shm.settings()))
@@ -472,28 +472,32 @@ def _nccl_timeout_s() -> float:
     return value
 
 
-def _check_collectives(device: torch.device, recording: Optional[bool] = None) -> bool:
-    """DCPLAN_CHECK_COLLECTIVES: whether the ranks agree on each collective before launching it.
-    auto (default): on CPU ranks, unless recording (its all-gathers would be timed as the
-    job's: the trace says instead that the replay checks, and the planner charges the checks);
-    off on GPUs, where each check waits for the device. On CPU ranks each check is one more small
-    Gloo call per collective (docs/runtime.md says what that costs). recording: as if recording
-    or not (None: whether this process records)."""
+def _check_collectives(device: torch.device, world_size: int, recording: Optional[bool] = None) -> bool:
+    """DCPLAN_CHECK_COLLECTIVES: whether the world_size ranks agree on each collective before
+    launching it. auto (default): on CPU ranks, more than one (a single rank has no other to
+    disagree with: at one rank the check was a local copy handed to Gloo's thread, 22% of a 1-rank
+    replay's loop), unless recording (its all-gathers would be timed as the job's: the trace says
+    instead that the replay checks, and the planner charges the checks); off on GPUs, where each
+    check waits for the device. On CPU ranks each check is one more small Gloo call per collective
+    (docs/runtime.md says what that costs). recording: as if recording or not (None: whether this
+    process records)."""
     mode = os.environ.get("DCPLAN_CHECK_COLLECTIVES", "auto").strip().lower()
     if mode not in ("auto", "on", "off"):
         raise ValueError(
             f"DCPLAN_CHECK_COLLECTIVES should be 'auto', 'on' or 'off', got {os.environ['DCPLAN_CHECK_COLLECTIVES']!r}"
         )
     if mode == "auto":
-        return device.type != "cuda" and not (_record.active() if recording is None else recording)
+        return device.type != "cuda" and world_size > 1 and not (_record.active() if recording is None else recording)
     return mode == "on"
 
 
 def _replay_checks_unrecorded(device: torch.device) -> bool:
-    """Whether a replay of this job, in this environment, checks each collective where its recording
-    does not (auto on CPU ranks): the trace then says so (meta.checks_collectives), and dcplan plan
-    charges the checks."""
-    return _check_collectives(device, recording=False) and not _check_collectives(device, recording=True)
+    """Whether a replay of this job on more than one rank, in this environment, checks each collective
+    where its recording does not (auto on CPU ranks): the trace then says so (meta.checks_collectives),
+    whatever number of ranks recorded it, and dcplan plan charges the checks in a plan for more than one
+    rank (a 1-rank trace's what-if for 2 included)."""
+    ranks = 2  # any number of ranks above one checks alike
+    return _check_collectives(device, ranks, recording=False) and not _check_collectives(device, ranks, recording=True)
 
 
 def _make_shard(p: nn.Parameter, name: str, ds_id: int, world_size: int, rank: int) -> _ParamInfo:

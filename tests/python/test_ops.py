@@ -480,19 +480,21 @@ def test_check_collectives_setting(monkeypatch, dcplan_module):
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.delenv("DCPLAN_CHECK_COLLECTIVES", raising=False)
-    assert _shard._check_collectives(cpu) and not _shard._check_collectives(gpu)  # auto
-    # auto while recording: off (the trace's times are the job's), though the replay checks: the trace says so.
-    assert not _shard._check_collectives(cpu, recording=True) and _shard._check_collectives(cpu, recording=False)
+    assert _shard._check_collectives(cpu, 2) and not _shard._check_collectives(gpu, 2)  # auto
+    assert not _shard._check_collectives(cpu, 1)  # one rank: no other to disagree with
+    # auto while recording: off (the trace's times are the job's), though the replay checks: the trace says so,
+    # recorded on one rank too (a plan for more charges the checks; docs/planning.md).
+    assert not _shard._check_collectives(cpu, 2, recording=True) and _shard._check_collectives(cpu, 2, recording=False)
     assert _shard._replay_checks_unrecorded(cpu) and not _shard._replay_checks_unrecorded(gpu)
     monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "on")
-    assert _shard._check_collectives(gpu)
+    assert _shard._check_collectives(gpu, 2) and _shard._check_collectives(cpu, 1)
     assert not _shard._replay_checks_unrecorded(cpu)  # the recording checks too: its times hold them
     monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "OFF")
-    assert not _shard._check_collectives(cpu)
+    assert not _shard._check_collectives(cpu, 2)
     assert not _shard._replay_checks_unrecorded(cpu)
     monkeypatch.setenv("DCPLAN_CHECK_COLLECTIVES", "sometimes")
     with pytest.raises(ValueError, match="DCPLAN_CHECK_COLLECTIVES should be 'auto', 'on' or 'off', got 'sometimes'"):
-        _shard._check_collectives(cpu)
+        _shard._check_collectives(cpu, 2)
 
 
 def test_init_without_a_model(dcplan_module, group):

@@ -89,8 +89,6 @@ def test_sixty_percent_of_the_on_device_floor_offloads_master_shards_too_and_is_
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_below_every_master_floor_saved_activations_go_to_the_host_too(tmp_path, dcplan_module, grad_accum):
     """With 2 micro-steps a step, each forward's saves go through the same host memory in turn."""
-    from dcplan import _plan
-
     exe = dcplan_binary()
     trace, plan = tmp_path / "trace.json", tmp_path / "activations.json"
     model = [*ACTIVATIONS_MODEL, "--grad-accum", str(grad_accum)]
@@ -119,17 +117,9 @@ def test_below_every_master_floor_saved_activations_go_to_the_host_too(tmp_path,
     reference = run(train(6, model)).stdout
     assert losses(replayed.stdout) == losses(reference) and len(losses(reference)) == 6, (replayed.stdout, reference)
     assert "PlanDepartureWarning" not in replayed.stderr, replayed.stderr[-3000:]
-    logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
-    # With the memory curve op by op, as below: where a failure's memory went (CI, 2026-11-28: both
-    # ranks at 17.2 MiB against a 17.0 MiB budget and 16.9 predicted, in about one run of fifteen).
-    checked = run([exe, "check", "--trace", str(trace), str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable},
-                  expect=None)
-    check = checked.stdout + checked.stderr
-    assert check.count("follows") == 2 and "OVER BUDGET" not in check, check
-    for rank, path in enumerate(logs):
-        m = _plan.measured(_plan.read_replay_log(path))
-        assert m["peak_bytes"] <= budget, (rank, m["peak_bytes"], budget, check)
-        assert abs(m["peak_bytes"] / predicted - 1) <= PEAK_TOLERANCE, (rank, m["peak_bytes"], predicted, check)
+    # (CI, 2026-11-28: both ranks at 17.2 MiB against a 17.0 MiB budget and 16.9 predicted, in about
+    # one run of fifteen; hence the check's curve on a failure.)
+    checked_memory(exe, trace, plan, log, budget, predicted)
 
 
 def refused_on_a_full_host(plan, groups):
@@ -168,8 +158,6 @@ def refused_on_a_full_host(plan, groups):
 def offload_case(tmp_path, masters):
     """masters=False: the budget just above the all-state floor; True: ON_DEVICE_SHARE of the
     on-device floor, which needs master shards on the host."""
-    from dcplan import _plan
-
     exe = dcplan_binary()
     trace, plan = tmp_path / "trace.json", tmp_path / "offload.json"
     run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6)])
@@ -201,26 +189,42 @@ def offload_case(tmp_path, masters):
     replayed = run(train(6), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)}).stdout
     reference = run(train(6)).stdout
     assert losses(replayed) == losses(reference) and len(losses(reference)) == 6, (replayed, reference)
-    resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, losses(reference))
+    # The uninterrupted replay first: a resumed run's memory means something only where the plan's held.
+    checked_memory(exe, trace, plan, log, budget, p["predicted"]["peak_memory_bytes"])
+    resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, losses(reference), lambda resumed_log: check_text(
+        exe, trace, plan, resumed_log))
+
+
+def check_text(exe, trace, plan, log):
+    """`dcplan check`'s report of the 2 ranks' replay logs (log: a path with {rank}) against the plan,
+    with the memory curve op by op: where a failure's memory went."""
     logs = [str(log).replace("{rank}", str(r)) for r in range(2)]
-    # The memory curve op by op beside each rank's log: where a failure's memory went (2026-11-27: a
-    # rank 1.4 MiB over in the optimizer step, in about one run of three: the copies of Gloo's own
-    # reduce_scatter, freed by its worker whenever it next ran; docs/planning.md, memory model).
     checked = run([exe, "check", "--trace", str(trace), str(plan), *logs], env={"DCPLAN_PYTHON": sys.executable},
                   expect=None)
     check = checked.stdout + checked.stderr
-    assert checked.returncode in (0, 1), check  # 1: departed or over the budget, said below
+    assert checked.returncode in (0, 1), check  # 1: departed or over the budget, said by the caller
+    return check
+
+
+def checked_memory(exe, trace, plan, log, budget, predicted):
+    """Asserts that each rank of the replay logged at log followed the plan, within the budget and
+    PEAK_TOLERANCE of the predicted peak (2026-11-27: a rank 1.4 MiB over in the optimizer step, in
+    about one run of three: the copies of Gloo's own reduce_scatter, freed by its worker whenever it
+    next ran; docs/planning.md, memory model)."""
+    from dcplan import _plan
+
+    check = check_text(exe, trace, plan, log)
     assert check.count("follows") == 2 and "OVER BUDGET" not in check, check
-    predicted = p["predicted"]["peak_memory_bytes"]
-    for rank, path in enumerate(logs):
-        m = _plan.measured(_plan.read_replay_log(path))
+    for rank in range(2):
+        m = _plan.measured(_plan.read_replay_log(str(log).replace("{rank}", str(rank))))
         assert m["peak_bytes"] <= budget, (rank, m["peak_bytes"], budget, check)
         assert abs(m["peak_bytes"] / predicted - 1) <= PEAK_TOLERANCE, (rank, m["peak_bytes"], predicted, check)
+    return check
 
 
-def resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, reference):
+def resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, reference, check):
     """plan's job saved after 3 steps and resumed (p: the plan; log: the uninterrupted replay's logs;
-    reference: the losses without a plan)."""
+    reference: the losses without a plan; check: `dcplan check`'s report of a replay log, for a failure)."""
     from dcplan import _plan
 
     # A job saves after 3 steps and a new one resumes from it: what the plan keeps on the host goes
@@ -245,5 +249,10 @@ def resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, reference):
         first = next(e for e in events if e["ev"] == "op")["mem"]
         assert first <= steady + RESUMED_SLACK, ("resumed with more on the device", rank, first, steady)
         whole = _plan.measured(events)["peak_bytes"]
-        assert whole <= budget and abs(whole / p["predicted"]["peak_memory_bytes"] - 1) <= PEAK_TOLERANCE, \
-            ("the resumed run", rank, [m["peak_bytes"] for m in marks], budget, p["predicted"])
+        # (CI, 2026-11-28, twice in three runs, never here in 16: a resumed run of a plan whose
+        # uninterrupted replay was not checked yet at 3.4 MiB over its prediction every step, and
+        # another 5.5% under it; hence the check's curve.)
+        if not (whole <= budget and abs(whole / p["predicted"]["peak_memory_bytes"] - 1) <= PEAK_TOLERANCE):
+            pytest.fail(f"the resumed run: rank {rank} peaked at {whole} B (marks "
+                        f"{[m['peak_bytes'] for m in marks]}), budget {budget}, predicted "
+                        f"{p['predicted']['peak_memory_bytes']}:\n{check(resumed_log)}")

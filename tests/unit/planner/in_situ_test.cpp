@@ -286,6 +286,27 @@ TEST(AgreementChecks, AReplayIsChargedEveryCallsCheckTheRecordingDidNotMake) {
     EXPECT_EQ(line.find("agreement checks"), std::string::npos);
 }
 
+TEST(AgreementChecks, APlanForOneRankIsNotChargedAWhatIfFromOneRankIs) {
+  // One rank has no other to agree with: its replay does not check (DCPLAN_CHECK_COLLECTIVES=auto).
+  schemas::Trace t = glooTrace(4 * test::kTinyGatherUs);
+  t.meta.checksCollectives = true;
+  ASSERT_GT(t.meta.worldSize, 1);
+  EXPECT_TRUE(makeWorkload(t).checksCollectives);
+  EXPECT_FALSE(makeWorkload(t, 1).checksCollectives);
+  PlanRequest req;
+  req.explain = true;
+  req.strategy = Strategy::Default;
+  req.worldSize = 1;
+  for (const std::string& line : makePlan(t, req).explanation)
+    EXPECT_EQ(line.find("agreement checks"), std::string::npos) << line;
+  // A trace of one rank says its replay on more would check (the recorder marks it whatever its
+  // ranks): a plan for two charges them.
+  schemas::Trace one = t;
+  one.meta.worldSize = 1;
+  EXPECT_FALSE(makeWorkload(one).checksCollectives);
+  EXPECT_TRUE(makeWorkload(one, 2).checksCollectives);
+}
+
 TEST(AgreementChecks, APrefetchOrABucketIsChargedInSituAGatherOnUseAsCalibrated) {
   schemas::Trace t = glooTrace(4 * test::kTinyGatherUs);
   t.meta.checksCollectives = true;

@@ -133,8 +133,8 @@ struct Workload {
   /// times are the device's own (device_us), the host issues nothing, no host lane.
   bool cudaGraph = false;
   /// The replay checks each collective with the ranks first (trace meta.checks_collectives; never
-  /// in a CUDA graph, which cannot capture the check; only with a host lane, which it is charged
-  /// on): CostModel::checkUs per call.
+  /// in a CUDA graph, which cannot capture the check, nor on one rank, which has no other to agree
+  /// with; only with a host lane, which it is charged on): CostModel::checkUs per call.
   bool checksCollectives = false;
   int64_t traceStep = 0;  ///< index of the recorded step used
   /// Where the recorded optimizer steps disagree on host time (kStepsAgreeShare): each one's, and
