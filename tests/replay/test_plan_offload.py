@@ -237,8 +237,9 @@ def resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, reference, check):
     ckpt, resumed_log = tmp_path / "ckpt", tmp_path / "resumed.{rank}.jsonl"
     saved = run([*train(3), "--save", str(ckpt), "--save-at", "3"], env={"DCPLAN_PLAN": str(plan)}).stdout
     assert losses(saved) == reference[:3], (saved, reference)
-    resumed = run([*train(6), "--resume", str(ckpt)],
-                  env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(resumed_log)}).stdout
+    resumed_run = run([*train(6), "--resume", str(ckpt)],
+                      env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(resumed_log)})
+    resumed = resumed_run.stdout
     assert "resumed from" in resumed and losses(resumed) == reference[3:], (resumed, reference)
     for rank in range(2):
         events = _plan.read_replay_log(str(resumed_log).replace("{rank}", str(rank)))
@@ -255,4 +256,6 @@ def resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, reference, check):
         if not (whole <= budget and abs(whole / p["predicted"]["peak_memory_bytes"] - 1) <= PEAK_TOLERANCE):
             pytest.fail(f"the resumed run: rank {rank} peaked at {whole} B (marks "
                         f"{[m['peak_bytes'] for m in marks]}), budget {budget}, predicted "
-                        f"{p['predicted']['peak_memory_bytes']}:\n{check(resumed_log)}")
+                        f"{p['predicted']['peak_memory_bytes']}:\n{check(resumed_log)}\n"
+                        f"its stderr (a transport that stopped waiting for Gloo's worker warns there):\n"
+                        f"{resumed_run.stderr[-3000:]}")
