@@ -209,6 +209,12 @@ void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& t
     s << "  host lane: none (the trace has no host times; the step is simulated on the device's times)\n";
   }
   if (sim.inSitu) s << "  " << inSituText(*sim.inSitu) << "\n";
+  if (sim.plan.checkUs > 0) {  // the replay checks each call with the other ranks (docs/planning.md)
+    s << "  agreement checks: " << formatMs(sim.plan.checkUs) << " a step on the host, one before each of "
+      << count(static_cast<size_t>(sim.plan.gatherCalls + sim.plan.reduceCalls), "collective call")
+      << " (the default schedule: " << formatMs(sim.def.checkUs) << ", "
+      << count(static_cast<size_t>(sim.def.gatherCalls + sim.def.reduceCalls), "call") << ")\n";
+  }
 }
 
 /// One row of the per-layer table: gathers per step, how far ahead they were issued,

@@ -6,7 +6,9 @@
 
 #include "dcplan/planner/in_situ.h"
 #include "dcplan/planner/planner.h"
+#include "dcplan/planner/report.h"
 #include "dcplan/planner/simulator.h"
+#include "dcplan/schemas/units.h"
 #include "tiny_trace.h"
 
 namespace dcplan::planner {
@@ -279,7 +281,17 @@ TEST(AgreementChecks, AReplayIsChargedEveryCallsCheckTheRecordingDidNotMake) {
   for (const std::string& line : r.explanation)
     said = said || line.find("agreement checks") != std::string::npos;
   EXPECT_TRUE(said);
-  // Without the flag: no checks, and the line is not there.
+  // dcplan inspect --trace says what they cost, beside the default schedule's (here the same).
+  const std::string shown = renderPlanReport(r.plan, "p.json", &t, "t.json");
+  const int64_t calls = replayed.gatherCalls + replayed.reduceCalls;
+  EXPECT_NE(shown.find("agreement checks: " + schemas::formatMs(replayed.checkUs) + " a step on the host, one before each of " +
+                       std::to_string(calls) + " collective calls (the default schedule: " +
+                       schemas::formatMs(replayed.checkUs) + ", " + std::to_string(calls) + " calls)"),
+            std::string::npos)
+      << shown;
+  // Without the flag: no checks, and neither line is there.
+  EXPECT_EQ(renderPlanReport(makePlan(unchecked, req).plan, "p.json", &unchecked, "t.json").find("agreement"),
+            std::string::npos);
   const PlanResult plain = makePlan(unchecked, req);
   EXPECT_NEAR(plain.plan.predictedDefault.stepUs, recorded.prediction.stepUs, 1e-3);
   for (const std::string& line : plain.explanation)
