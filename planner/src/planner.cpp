@@ -316,7 +316,7 @@ class Search {
         fastest = static_cast<int>(k);
     }
     const double limit = all[static_cast<size_t>(fastest)].sim.prediction.stepUs * (1 + kCallTieShare) + 1e-3;
-    auto calls = [](const Candidate& k) { return k.sim.gatherCalls + k.sim.reduceCalls; };
+    auto calls = [](const Candidate& k) { return k.sim.calls(); };
     size_t best = static_cast<size_t>(fastest);
     for (size_t k = 0; k < all.size(); ++k) {
       const Candidate& c = all[k];
@@ -1013,8 +1013,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
 }
 
 int64_t recordedCalls(const Workload& w, const CostModel& cost) {
-  SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)));
-  return d.gatherCalls + d.reduceCalls;
+  return simulate(w, cost, compileSchedule(w, defaultSchedule(w))).calls();
 }
 
 }  // namespace dcplan::planner

@@ -211,9 +211,9 @@ void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& t
   if (sim.inSitu) s << "  " << inSituText(*sim.inSitu) << "\n";
   if (sim.plan.checkUs > 0) {  // the replay checks each call with the other ranks (docs/planning.md)
     s << "  agreement checks: " << formatMs(sim.plan.checkUs) << " a step on the host, one before each of "
-      << count(static_cast<size_t>(sim.plan.gatherCalls + sim.plan.reduceCalls), "collective call")
+      << count(static_cast<size_t>(sim.plan.calls()), "collective call")
       << " (the default schedule: " << formatMs(sim.def.checkUs) << ", "
-      << count(static_cast<size_t>(sim.def.gatherCalls + sim.def.reduceCalls), "call") << ")\n";
+      << count(static_cast<size_t>(sim.def.calls()), "call") << ")\n";
   }
 }
 

@@ -224,7 +224,7 @@ class Simulation {
     } else if (referenceCalls_ >= 0) {
       // Only calls beyond the recorded run's cost: where the step is device-bound, fewer
       // launches save no time, and the trace does not say which it is.
-      const int64_t extra = res_.gatherCalls + res_.reduceCalls - referenceCalls_;
+      const int64_t extra = res_.calls() - referenceCalls_;
       res_.launchDeltaUs = cost_.launchUs() * static_cast<double>(std::max<int64_t>(0, extra));
     }
     if (record_ && w_.optimizerUs > 0) {
@@ -309,7 +309,7 @@ class Simulation {
         }
       }
       computeNow_ = end;
-      const int64_t callsBefore = res_.gatherCalls + res_.reduceCalls;
+      const int64_t callsBefore = res_.calls();
       // The compute's own peak, before this op changes what is held. Before the step's first
       // op that holds the recorded optimizer step's; a grouped step (offload) is modelled at the
       // optimizer instead, from what it left above the op's own activations.
@@ -397,7 +397,7 @@ class Simulation {
         case OpRole::Free:
           break;
       }
-      const int32_t calls = static_cast<int32_t>(res_.gatherCalls + res_.reduceCalls - callsBefore);
+      const int32_t calls = static_cast<int32_t>(res_.calls() - callsBefore);
       res_.callsAtOp.push_back(calls);
       if (w_.hostLane) hostNow_ += issueUs(op, run.issueUs[i], calls);
       ++opIndex_;

@@ -218,7 +218,7 @@ TEST(InSituReplay, APlanIsCalibratedToTheStepItsReplayMeasured) {
   const CostModel cost = plannedCostModel(t, w, std::nullopt, nullptr, again.plan.options.inSituScale);
   const SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)));
   SimOptions o;
-  o.referenceCalls = d.gatherCalls + d.reduceCalls;
+  o.referenceCalls = d.calls();
   o.reference = &d;
   EXPECT_NEAR(simulate(w, cost, compileSchedule(w, scheduleOf(first)), o).prediction.stepUs, measured,
               1e-3 * measured);
@@ -283,16 +283,17 @@ TEST(AgreementChecks, AReplayIsChargedEveryCallsCheckTheRecordingDidNotMake) {
   EXPECT_TRUE(said);
   // dcplan inspect --trace says what they cost, beside the default schedule's (here the same).
   const std::string shown = renderPlanReport(r.plan, "p.json", &t, "t.json");
-  const int64_t calls = replayed.gatherCalls + replayed.reduceCalls;
-  EXPECT_NE(shown.find("agreement checks: " + schemas::formatMs(replayed.checkUs) + " a step on the host, one before each of " +
-                       std::to_string(calls) + " collective calls (the default schedule: " +
-                       schemas::formatMs(replayed.checkUs) + ", " + std::to_string(calls) + " calls)"),
+  const int64_t calls = replayed.calls();
+  const std::string ms = schemas::formatMs(replayed.checkUs);
+  EXPECT_NE(shown.find("agreement checks: " + ms + " a step on the host, one before each of " +
+                       std::to_string(calls) + " collective calls (the default schedule: " + ms + ", " +
+                       std::to_string(calls) + " calls)"),
             std::string::npos)
       << shown;
   // Without the flag: no checks, and neither line is there.
-  EXPECT_EQ(renderPlanReport(makePlan(unchecked, req).plan, "p.json", &unchecked, "t.json").find("agreement"),
-            std::string::npos);
   const PlanResult plain = makePlan(unchecked, req);
+  EXPECT_EQ(renderPlanReport(plain.plan, "p.json", &unchecked, "t.json").find("agreement"),
+            std::string::npos);
   EXPECT_NEAR(plain.plan.predictedDefault.stepUs, recorded.prediction.stepUs, 1e-3);
   for (const std::string& line : plain.explanation)
     EXPECT_EQ(line.find("agreement checks"), std::string::npos);
@@ -341,7 +342,7 @@ TEST(AgreementChecks, APrefetchOrABucketIsChargedInSituAGatherOnUseAsCalibrated)
   }
   ASSERT_EQ(prefetches, 1);
   ASSERT_GT(onUse, 0);
-  EXPECT_EQ(checks, r.gatherCalls + r.reduceCalls);  // the timeline shows each
+  EXPECT_EQ(checks, r.calls());  // the timeline shows each
   EXPECT_NEAR(
       r.checkUs,
       onUse * cost.checkUs(true) + static_cast<double>(prefetches + r.reduceCalls) * cost.checkUs(false),

@@ -80,7 +80,7 @@ TEST(Simulator, CollectivesBeyondTheRecordedRunCostHostTime) {
   SimResult one = f.run(f.onUse());            // 4 gathers + 1 bucket: the recorded run's calls
   SimResult two = f.run(f.onUse({{1}, {0}}));  // a bucket per gradient: one call more
   SimOptions counted;
-  counted.referenceCalls = one.gatherCalls + one.reduceCalls;
+  counted.referenceCalls = one.calls();
   SimResult twoCounted = simulate(f.w, f.cost, compileSchedule(f.w, f.onUse({{1}, {0}})), counted);
   EXPECT_EQ(two.reduceCalls, 2);
   EXPECT_DOUBLE_EQ(twoCounted.launchDeltaUs, kDefaultLaunchUs);
@@ -245,7 +245,7 @@ TEST(SimulatorHostLane, CollectivesAreChargedWhereTheyAreIssued) {
     const bool hostBoundStep = t == &hostBound;
     SimResult recorded = simulateTrace(*t, f.onUse(), SimOptions{});
     SimOptions o;
-    o.referenceCalls = recorded.gatherCalls + recorded.reduceCalls;
+    o.referenceCalls = recorded.calls();
     o.reference = &recorded;
     ASSERT_EQ(recorded.callsAtOp.size(), 15u);
     EXPECT_EQ(recorded.callsAtOp[0], 1);   // gather 0
@@ -292,7 +292,7 @@ TEST(SimulatorHostLane, TheHostsWaitForTheDeviceAfterTheBackwardIsNotHostWork) {
   s.graphs[0].prefetch = {{0, {0}}, {0, {1}}};  // the second gather of each graph hidden
   s.graphs[1].prefetch = {{0, {1}}, {0, {0}}};
   SimOptions o;
-  o.referenceCalls = recorded.gatherCalls + recorded.reduceCalls;
+  o.referenceCalls = recorded.calls();
   o.reference = &recorded;
   const double faster = simulateTrace(deviceOnly, s).prediction.stepUs;
   ASSERT_LT(faster, d.prediction.stepUs - 100);

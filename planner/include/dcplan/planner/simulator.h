@@ -91,6 +91,8 @@ struct SimResult {
   double reduceBusyUs = 0;
   int64_t gatherCalls = 0;
   int64_t reduceCalls = 0;
+  /// Every collective call the step issues (what the launch charge and the checks count).
+  int64_t calls() const { return gatherCalls + reduceCalls; }
   /// Host time of the collectives issued beyond the recorded run's (SimOptions::referenceCalls):
   /// added to prediction.stepUs without a host lane; with one (Workload::hostLane), charged on
   /// the host lane op by op (SimOptions::reference) and negative where the schedule issues fewer.
@@ -137,7 +139,7 @@ struct SimOptions {
 inline SimOptions againstRecorded(const SimResult& recorded, bool record = false) {
   SimOptions o;
   o.record = record;
-  o.referenceCalls = recorded.gatherCalls + recorded.reduceCalls;
+  o.referenceCalls = recorded.calls();
   o.reference = &recorded;
   return o;
 }
