@@ -7,6 +7,8 @@
 #   bash bench/gpu/run_on_box.sh predict [budget]     # record, plan at $BUDGETS, replay, check_replay --curve;
 #       $ROUNDS: timed again without the replay log, interleaved; GRAPHED=1: the step in one CUDA graph
 #       (--cuda-graph: recorded uncaptured, planned with the device's own times, replayed captured)
+#   bash bench/gpu/run_on_box.sh hostvar            # CPUs' and GPU clocks' share in one plan's step varying from
+#       process to process: each CPU probed alone, the default plan replayed on the fastest, slowest and all
 #   FROM=M NPROC=N bash bench/gpu/run_on_box.sh whatif  # the predict model recorded on M GPUs (default 1) and
 #       planned for N (M=1: --network, measured on N; else --world-size), beside a trace of N's plan; both
 #       replayed on N, checked, timed over $ROUNDS (GRAPHED=1 as in predict)
@@ -85,6 +87,25 @@ quiet() { grep -v "^\[\|UserWarning\|_warn_once\|^W1\|^\*\*\*\|OMP_NUM_THREADS" 
 # more of its arguments, e.g. --compile). GRAPHED=1: its --cuda-graph, and plans made --cuda-graph.
 # --lr 1e-4, the bench's: the example's default 1e-2 made this size diverge (losses 10.5 to 26).
 graphed=${GRAPHED:-0}
+# fastest_cpus N PROBE: the N CPUs a host_probe.py JSON found launching kernels fastest, comma-separated
+# (-N: the N slowest).
+fastest_cpus() {
+  "$PY" -c "import json,sys; n=int(sys.argv[1]); o=json.load(open(sys.argv[2]))['order']; \
+print(','.join(map(str, o[:n] if n > 0 else o[n:])))" "$1" "$2"
+}
+# PIN=fast: every process of the predict and whatif targets' model (the recording and the replays) runs
+# on the 4 CPUs a GPU that launch kernels fastest (bench/gpu/host_probe.py, at the start; probed again
+# at the end, to see whether the same CPUs stayed fast): this machine's CPUs differ up to 2x in speed
+# (docs/benchmarks.md, "Host CPUs"), and a host-bound step follows the CPUs its process lands on. Measured
+# there: which CPUs are fast changes within minutes, so pinning did not steady the step.
+pin=()
+pin_cpus() {
+  [ "${PIN:-}" = fast ] || return 0
+  "$PY" bench/gpu/host_probe.py --json "$1" | tail -3
+  local cpus; cpus=$(fastest_cpus $((4 * $2)) "$1")
+  pin=(taskset -c "$cpus")
+  echo "PIN=fast: the model's processes run on CPUs $cpus"
+}
 plan_args=(); [ "$graphed" = 1 ] && plan_args=(--cuda-graph)
 # llama_on N: the torchrun arguments of that model on N GPUs, in $T.
 llama_on() {
@@ -95,7 +116,7 @@ llama_on() {
 # record_llama TRACE N: `dcplan record` of the model on N GPUs (3 steps after 2), its log beside TRACE.
 record_llama() {
   llama_on "$2"
-  build/cuda/bin/dcplan record -o "$1" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 8 \
+  "${pin[@]}" build/cuda/bin/dcplan record -o "$1" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 8 \
     2>&1 | tee "${1%.json}.record.log" | quiet | tail -4
   grep -h "Warning: record" "${1%.json}.record.log" | sort -u || true
 }
@@ -109,13 +130,14 @@ replay_llama() {
   build/cuda/bin/dcplan inspect "$d/$name.json" --trace "$4" --memory-curve "$d/$name.curve.json" > /dev/null
   : > "$d/$name.check"
   if [ "$graphed" != 1 ]; then
-    DCPLAN_PLAN="$d/$name.json" DCPLAN_REPLAY_LOG="$d/$name.{rank}.jsonl" "$PY" "${T[@]}" --steps 12 2>&1 | quiet \
+    DCPLAN_PLAN="$d/$name.json" DCPLAN_REPLAY_LOG="$d/$name.{rank}.jsonl" "${pin[@]}" "$PY" "${T[@]}" --steps 12 2>&1 \
+      | quiet \
       | tail -1
     "$PY" -m dcplan.check_replay "$d/$name.json" "$d/$name".[0-9]*.jsonl --curve "$d/$name.curve.json" \
       > "$d/$name.check" || true
   fi
   # --line-buffered: a run that never ends (4d2fae4) still leaves the steps it made.
-  DCPLAN_PLAN="$d/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep --line-buffered "^step \|^peak memory" \
+  DCPLAN_PLAN="$d/$name.json" "${pin[@]}" "$PY" "${T[@]}" --steps 12 2>&1 | grep --line-buffered "^step \|^peak memory" \
     > "$d/$name.steps" || true
   report one-run "$d/$name.steps" "$d/$name.json" >> "$d/$name.check" || true
   echo "== $name"; grep -v "^  graph\|follows" "$d/$name.check" | head -14
@@ -127,7 +149,7 @@ timed_rounds() {
   llama_on "$2"
   for r in $(seq 2 "${ROUNDS:-1}"); do
     for name in $3; do
-      DCPLAN_PLAN="$d/$name.json" "$PY" "${T[@]}" --steps 12 2>&1 | grep --line-buffered "^step \|^peak memory" \
+      DCPLAN_PLAN="$d/$name.json" "${pin[@]}" "$PY" "${T[@]}" --steps 12 2>&1 | grep --line-buffered "^step \|^peak memory" \
         > "$d/$name.steps.$r" || true
     done
   done
@@ -185,6 +207,7 @@ case "$what" in
     P=$OUT/predict
     mkdir -p "$P"
     gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
+    pin_cpus "$P/probe.json" "$gpus"
     record_llama "$P/trace.json" "$gpus"
     build/cuda/bin/dcplan inspect "$P/trace.json" | grep "per step:" || true
     build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/default.json" --strategy default "${plan_args[@]}" > /dev/null
@@ -202,6 +225,7 @@ case "$what" in
       names="$names $name"
     done
     timed_rounds "$P" "$gpus" "$names"
+    [ "${PIN:-}" = fast ] && { echo "== the CPUs probed again"; "$PY" bench/gpu/host_probe.py | tail -3; }
     if [ "$graphed" = 1 ]; then
       # What the ops' own device work (op_device_us) adds: each plan's options again, on the trace without it.
       report strip-op-device "$P/trace.json" "$P/trace.no-op-device.json"
@@ -212,6 +236,37 @@ case "$what" in
           && report with-without "$name" "$P/$name.json" "$P/$name.no-op-device.json" || true
       done
     fi
+    ;;
+  hostvar)
+    # Why one plan's eager step varies from process to process (issue 29): the machine's CPUs and
+    # the GPU's clocks (nvidia-smi dmon beside the whole run, $P/dmon.txt), each CPU's speed alone
+    # (bench/gpu/host_probe.py), then the predict model recorded once on one GPU and its default
+    # plan replayed on the 4 CPUs that launch fastest, on the 4 slowest, and on all, and the script
+    # without a plan on all, $ROUNDS rounds (default 2) interleaved.
+    P=$OUT/hostvar
+    mkdir -p "$P"
+    lscpu | grep -E "Model name|^CPU\(s\)|NUMA|MHz|Thread|Socket" || true
+    nvidia-smi -q -d PERFORMANCE,CLOCK | grep -vE "^$|^=|Timestamp|Driver|CUDA|Attached" | head -40 || true
+    nvidia-smi dmon -s pc -d 1 -o T > "$P/dmon.txt" 2>&1 &
+    dmon=$!
+    "$PY" bench/gpu/host_probe.py --json "$P/probe.json"
+    fast=$(fastest_cpus 4 "$P/probe.json") slow=$(fastest_cpus -4 "$P/probe.json") all=$(fastest_cpus 999 "$P/probe.json")
+    echo "fastest CPUs $fast, slowest $slow"
+    record_llama "$P/trace.json" 1
+    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/default.json" --strategy default > /dev/null
+    llama_on 1
+    for r in $(seq 1 "${ROUNDS:-2}"); do
+      for set in fast slow all noplan; do
+        case $set in fast) c=$fast;; slow) c=$slow;; *) c=$all;; esac
+        plan=("DCPLAN_PLAN=$P/default.json"); [ "$set" = noplan ] && plan=()
+        env "${plan[@]}" taskset -c "$c" "$PY" "${T[@]}" --steps 12 2>&1 | grep --line-buffered "^step \|^peak memory" \
+          > "$P/$set.steps.$r" || true
+      done
+    done
+    kill "$dmon" 2>/dev/null || true
+    build/cuda/bin/dcplan inspect "$P/trace.json" | grep "per step:" || true
+    for set in fast slow all noplan; do report rounds "$set" "$P/default.json" "$P/$set".steps.*; done
+    awk 'NR<=2 || NR%10==0' "$P/dmon.txt" | head -60
     ;;
   whatif)
     # A plan for another world size against the measured step: the predict model (llama_on)
