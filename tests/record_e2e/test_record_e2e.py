@@ -226,14 +226,14 @@ def test_bad_settings_are_named(dcplan_ok, tmp_path):
     assert "DCPLAN_RECORD_STEPS should be an integer >= 1, got 'zero'" in r.stdout + r.stderr
 
 
-def test_activation_checkpointing_is_recorded_planned_and_replayed(dcplan_ok, tmp_path):
+def test_activation_checkpointing_is_recorded_planned_and_replayed(recorded, dcplan_ok, tmp_path):
     """train_llama --activation-checkpointing: the recomputation's re-gathers are backward-graph
     ops of the trace, the plan covers them, the replay follows it, and no number changes; and
     check_replay's report of the prediction against the run, and its budget check."""
     args = ["--activation-checkpointing", "--steps", "5"]
     trace, plan = tmp_path / "t.json", tmp_path / "p.json"
     ac = backward_gathers(dcplan_ok, trace, args)
-    plain = backward_gathers(dcplan_ok, tmp_path / "plain.json", ["--steps", "5"])
+    plain = gathers_in_backward(recorded[0])  # the same model without checkpointing
     # A block recomputed in backward gathers its parameters in forward order; without
     # checkpointing, backward re-gathers the saved ones as their gradients come, last first.
     layer1 = [n for n in ac if n.startswith("layers.1.")]
@@ -271,7 +271,12 @@ def backward_gathers(dcplan_bin_path, out, args):
     r = subprocess.run([dcplan_bin_path, "record", "-o", str(out), "--steps", "2", "--warmup", "1", "--",
                         *torchrun(*args)], capture_output=True, text=True, env=env(), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    t = json.loads(out.read_text())
+    return gathers_in_backward(out)
+
+
+def gathers_in_backward(trace):
+    """The parameters the first recorded step's backward in trace gathers, in order."""
+    t = json.loads(trace.read_text())
     names = {p["id"]: p["name"] for p in t["params"]}
     return [names[e["ds_id"]] for e in t["steps"][0]["graphs"][1]["events"] if e["op"] == "allgather_param"]
 
@@ -303,11 +308,10 @@ def test_compiled_model_is_recorded_planned_and_replayed(dcplan_ok, tmp_path):
         in r.stderr, r.stderr[-3000:]
 
 
-def test_plan_of_the_other_replay_mode_is_refused(dcplan_ok, tmp_path):
+def test_plan_of_the_other_replay_mode_is_refused(recorded, dcplan_ok, tmp_path):
     """A plan records whether its trace came from the eager or the compiled model (their op
     sequences differ); the other mode refuses it at shard(), naming the file and the field."""
-    eager_trace, eager_plan = tmp_path / "eager.json", tmp_path / "eager-plan.json"
-    backward_gathers(dcplan_ok, eager_trace, ["--steps", "4"])
+    eager_trace, eager_plan = recorded[0], tmp_path / "eager-plan.json"  # the eager model's trace
     assert "replay" not in json.loads(eager_trace.read_text())["meta"]  # absent: eager, as before the field
     p = subprocess.run([dcplan_ok, "plan", str(eager_trace), "-o", str(eager_plan)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -330,25 +334,22 @@ def test_plan_of_the_other_replay_mode_is_refused(dcplan_ok, tmp_path):
         in r.stderr, r.stderr[-3000:]
 
 
-def test_eval_forwards_between_steps_are_not_recorded_as_steps(dcplan_ok, tmp_path):
+def test_eval_forwards_between_steps_are_not_recorded_as_steps(recorded, dcplan_ok, tmp_path):
     """An eval forward (no grad) after every step is neither a micro-step nor a graph run of the
-    trace: the trace of the same job without it has the same steps, graphs and ops."""
-    def trace_of(name, *extra):
-        out = tmp_path / f"{name}.json"
-        r = subprocess.run([dcplan_ok, "record", "-o", str(out), "--steps", "2", "--warmup", "1", "--",
-                            *torchrun("--steps", "5", *extra)], capture_output=True, text=True, env=env(),
-                           timeout=600)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return json.loads(out.read_text())
-
-    evaluated, plain = trace_of("eval", "--eval-every", "1"), trace_of("plain")
+    trace: the trace of the same job without it (the module's recording) has the same steps, graphs
+    and ops."""
+    out = tmp_path / "eval.json"
+    r = subprocess.run([dcplan_ok, "record", "-o", str(out), "--steps", "3", "--", *torchrun("--eval-every", "1")],
+                       capture_output=True, text=True, env=env(), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    evaluated, plain = json.loads(out.read_text()), json.loads(recorded[0].read_text())
     assert evaluated["meta"]["grad_accum_steps"] == plain["meta"]["grad_accum_steps"] == 1
 
     def shape(t):
         return [[(g["kind"], [(e["op"], e.get("ds_id")) for e in g["events"]]) for g in s["graphs"]]
                 for s in t["steps"]]
 
-    assert len(evaluated["steps"]) == 2
+    assert len(evaluated["steps"]) == 3
     assert shape(evaluated) == shape(plain)
     # A plan replayed with an eval forward after every step: followed, the same losses as without
     # eval, and the eval forwards' marks start no step (as many steps timed as without them).
