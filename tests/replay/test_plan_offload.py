@@ -78,12 +78,23 @@ def losses(out):
     return re.findall(r"^step +\d+ +loss (\S+)", out, re.M)
 
 
-def test_a_budget_under_the_on_device_floor_is_planned_with_offload_and_kept(tmp_path, dcplan_module):
-    offload_case(tmp_path, masters=False)
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, dcplan_module):
+    """MODEL's trace (dcplan record, 2 steps after 1) and its 6 losses without a plan: one of each for
+    both budgets' cases, which plan the same recording."""
+    trace = tmp_path_factory.mktemp("offload") / "trace.json"
+    run([dcplan_binary(), "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6)])
+    reference = losses(run(train(6)).stdout)
+    assert len(reference) == 6, reference
+    return trace, reference
 
 
-def test_sixty_percent_of_the_on_device_floor_offloads_master_shards_too_and_is_kept(tmp_path, dcplan_module):
-    offload_case(tmp_path, masters=True)
+def test_a_budget_under_the_on_device_floor_is_planned_with_offload_and_kept(tmp_path, recorded):
+    offload_case(tmp_path, recorded, masters=False)
+
+
+def test_sixty_percent_of_the_on_device_floor_offloads_master_shards_too_and_is_kept(tmp_path, recorded):
+    offload_case(tmp_path, recorded, masters=True)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -155,12 +166,11 @@ def refused_on_a_full_host(plan, groups):
             proc.wait()
 
 
-def offload_case(tmp_path, masters):
-    """masters=False: the budget just above the all-state floor; True: ON_DEVICE_SHARE of the
-    on-device floor, which needs master shards on the host."""
+def offload_case(tmp_path, recorded, masters):
+    """recorded: MODEL's trace and losses without a plan; masters=False: the budget just above the
+    all-state floor; True: ON_DEVICE_SHARE of the on-device floor, which needs master shards on the host."""
     exe = dcplan_binary()
-    trace, plan = tmp_path / "trace.json", tmp_path / "offload.json"
-    run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--", *train(6)])
+    (trace, reference), plan = recorded, tmp_path / "offload.json"
     floors = offload_floors(exe, trace)  # with all optimizer state offloaded; and every master shard too
     floor = floors[0]
     budget = int(floor * ABOVE_OFFLOAD_FLOOR)
@@ -187,11 +197,10 @@ def offload_case(tmp_path, masters):
 
     log = tmp_path / "offload.{rank}.jsonl"
     replayed = run(train(6), env={"DCPLAN_PLAN": str(plan), "DCPLAN_REPLAY_LOG": str(log)}).stdout
-    reference = run(train(6)).stdout
-    assert losses(replayed) == losses(reference) and len(losses(reference)) == 6, (replayed, reference)
+    assert losses(replayed) == reference, (replayed, reference)
     # The uninterrupted replay first: a resumed run's memory means something only where the plan's held.
     checked_memory(exe, trace, plan, log, budget, p["predicted"]["peak_memory_bytes"])
-    resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, losses(reference), lambda resumed_log: check_text(
+    resumed_from_a_checkpoint(tmp_path, plan, p, budget, log, reference, lambda resumed_log: check_text(
         exe, trace, plan, resumed_log))
 
 
