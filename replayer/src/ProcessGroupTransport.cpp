@@ -1,60 +1,28 @@
 // Transport over a c10d ProcessGroup: the CPU (Gloo) path of the runtime.
 #include "dcplan/replayer/Transport.h"
 
+#include "WorkerRelease.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include <atomic>
-#include <chrono>
 #include <functional>
 #include <map>
-#include <thread>
 
 namespace dcplan::replayer {
 namespace {
 
-// Gloo's worker thread completes a work's future before it drops its own references to the
-// work (other backends differ: NCCL's watchdog holds a work until it polls it, so this is for
-// Gloo only), and the work holds the call's scratch (Gloo's flat buffers, our fused buffer).
-// Were the caller to drop its handle first, that memory would be freed whenever the worker next
-// runs: on a loaded machine several ops later, so the memory at an op would depend on the
-// scheduler, not on the plan. Waiting here until the caller's reference is the last one frees
-// the scratch at the op the planner's memory model puts it at (docs/planning.md, memory model).
-// The worker lets go within microseconds once it runs; the bound only guards against a torch
-// that keeps another reference for good, where waiting would never end.
-std::atomic<bool> workerReleaseObserved{true};
-
-/// Whether a completed work counts as done only once the worker let go of it. Not where torch keeps
-/// works registered for functional collectives (allow_inflight_collective_as_graph_input): that
-/// registry holds them until a wait_tensor, which the runtime never calls.
-bool awaitsWorkerRelease() {
-  return workerReleaseObserved.load(std::memory_order_relaxed) &&
-         !c10d::allow_inflight_collective_as_graph_input();
-}
-
-void awaitWorkerRelease(const c10::intrusive_ptr<c10d::Work>& w) {
-  if (!awaitsWorkerRelease()) return;
-  constexpr auto kBound = std::chrono::seconds(2);
-  const auto deadline = std::chrono::steady_clock::now() + kBound;
-  while (w.use_count() > 1) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      workerReleaseObserved.store(false, std::memory_order_relaxed);
-      TORCH_WARN("dcplan: a completed c10d ", c10d::opTypeToString(w->retrieveOpType()),
-                 " is still referenced elsewhere (", w.use_count() - 1,
-                 " time(s)) 2 s after it finished; from now on the transport frees a collective's "
-                 "scratch whenever the backend lets go of it, which may be later than the plan's "
-                 "memory model assumes (docs/planning.md)");
-      return;
-    }
-    std::this_thread::yield();
-  }
+/// The process's one: every Gloo transport learns about the same backend.
+WorkerRelease& workerRelease() {
+  static WorkerRelease release;
+  return release;
 }
 
 /// Waits on c10d works, then runs a completion step (copying a fused result
 /// back into its destinations) exactly once. With `workerHolds`, a backend's
 /// worker thread holds the works for a while after they complete
-/// (awaitWorkerRelease).
+/// (WorkerRelease).
 class WorkHandle final : public CommHandle {
  public:
   WorkHandle(bool workerHolds, std::vector<c10::intrusive_ptr<c10d::Work>> works,
@@ -66,7 +34,7 @@ class WorkHandle final : public CommHandle {
     for (auto& w : works_) w->wait();
     if (then_) then_();
     if (workerHolds_)
-      for (auto& w : works_) awaitWorkerRelease(w);
+      for (auto& w : works_) workerRelease().await(w);
     done_ = true;
     works_.clear();
     then_ = nullptr;
@@ -74,10 +42,10 @@ class WorkHandle final : public CommHandle {
 
   bool isCompleted() override {
     if (done_) return true;
-    // Completed also means the backend's worker let go of the work (awaitWorkerRelease); torch's
-    // setting (a mutex) is asked only while the worker still holds it.
+    // Completed also means the backend's worker let go of the work (WorkerRelease); whether to
+    // wait for that (a mutex) is asked only while the worker still holds it.
     for (auto& w : works_) {
-      if (!w->isCompleted() || (workerHolds_ && w.use_count() > 1 && awaitsWorkerRelease())) return false;
+      if (!w->isCompleted() || (workerHolds_ && w.use_count() > 1 && workerRelease().awaits())) return false;
     }
     return !then_;
   }
@@ -220,7 +188,7 @@ class ProcessGroupTransport final : public Transport {
   /// still hold after the wrapper completes: the copies (a bucket's (N-1)/N) were then freed
   /// whenever a worker next ran, into the optimizer step on a loaded machine (a 2-rank replay
   /// 1.4 MiB over its prediction in 1 of 3 runs). Holding each reduce here, the wait frees them
-  /// (awaitWorkerRelease) where the planner's memory model does (RuntimeMemory::reduceScatterScratch).
+  /// (WorkerRelease) where the planner's memory model does (RuntimeMemory::reduceScatterScratch).
   CommHandlePtr reduceScatterByReduces(const at::Tensor& output, const std::vector<at::Tensor>& rows) {
     const int self = rank();
     // The other rows are copied before output, which may overlap one of them, is written.
@@ -240,7 +208,7 @@ class ProcessGroupTransport final : public Transport {
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  const bool workerHolds_;  // Gloo: see awaitWorkerRelease
+  const bool workerHolds_;  // Gloo: see WorkerRelease
 };
 
 }  // namespace
