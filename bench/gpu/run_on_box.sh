@@ -93,7 +93,7 @@ fastest_cpus() {
   "$PY" -c "import json,sys; n=int(sys.argv[1]); o=json.load(open(sys.argv[2]))['order']; \
 print(','.join(map(str, o[:n] if n > 0 else o[n:])))" "$1" "$2"
 }
-# PIN=fast: every process of the predict and whatif targets' model (the recording and the replays) runs
+# PIN=fast: every process of the predict target's model (the recording and the replays) runs
 # on the 4 CPUs a GPU that launch kernels fastest (bench/gpu/host_probe.py, at the start; probed again
 # at the end, to see whether the same CPUs stayed fast): this machine's CPUs differ up to 2x in speed
 # (docs/benchmarks.md, "Host CPUs"), and a host-bound step follows the CPUs its process lands on. Measured
@@ -249,6 +249,7 @@ case "$what" in
     nvidia-smi -q -d PERFORMANCE,CLOCK | grep -vE "^$|^=|Timestamp|Driver|CUDA|Attached" | head -40 || true
     nvidia-smi dmon -s pc -d 1 -o T > "$P/dmon.txt" 2>&1 &
     dmon=$!
+    trap 'kill "$dmon" 2>/dev/null || true' EXIT  # a run that fails early leaves no dmon behind
     "$PY" bench/gpu/host_probe.py --json "$P/probe.json"
     fast=$(fastest_cpus 4 "$P/probe.json") slow=$(fastest_cpus -4 "$P/probe.json") all=$(fastest_cpus 999 "$P/probe.json")
     echo "fastest CPUs $fast, slowest $slow"
@@ -265,8 +266,8 @@ case "$what" in
     done
     kill "$dmon" 2>/dev/null || true
     build/cuda/bin/dcplan inspect "$P/trace.json" | grep "per step:" || true
-    for set in fast slow all noplan; do report rounds "$set" "$P/default.json" "$P/$set".steps.*; done
-    awk 'NR<=2 || NR%10==0' "$P/dmon.txt" | head -60
+    for set in fast slow all noplan; do report rounds "$set" "$P/default.json" "$P/$set".steps.* || true; done
+    awk 'NR<=2 || NR%10==0' "$P/dmon.txt" | head -60 || true  # head's early exit is not a failure
     ;;
   whatif)
     # A plan for another world size against the measured step: the predict model (llama_on)
@@ -453,6 +454,6 @@ print(int(float(sys.argv[1])*float(n)*{'B':1,'KiB':2**10,'MiB':2**20,'GiB':2**30
     done
     "$PY" bench/gpu/fsdp_vs_dcplan.py --merge "$P"/round*.json | tee "$P/merged.log"
     ;;
-  *) echo "run_on_box.sh: expected build, tests, bench, train, predict, whatif, graphed, compiled, deepspeed, comm or compute, got '$what'" >&2; exit 2 ;;
+  *) echo "run_on_box.sh: expected build, tests, bench, train, predict, hostvar, whatif, graphed, compiled, deepspeed, comm or compute, got '$what'" >&2; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - start )) s"

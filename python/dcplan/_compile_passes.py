@@ -17,7 +17,6 @@ _dc = torch.ops.dc
 _GATHER_OPS = (_dc.allgather_param.default, _dc.wait_allgather.default, _dc.release_param.default)
 
 
-
 def _pass_uuid(name: str) -> bytes:
     # Inductor's FX graph cache keys on this: a change to the passes must miss the cache.
     return hashlib.sha256(name.encode() + pathlib.Path(__file__).read_bytes()).digest()

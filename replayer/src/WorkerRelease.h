@@ -20,12 +20,21 @@ namespace dcplan::replayer {
 /// scratch at the op the planner's memory model puts it at (docs/planning.md, memory model).
 /// The worker lets go within microseconds once it runs; the bound guards against a torch that
 /// keeps another reference for good, where waiting would never end. A work still held past the
-/// bound stops the waiting only while it lives: once its other holder lets go, later works are
-/// waited for again (one slow release on a loaded machine no longer leaves the rest of the run to
-/// the scheduler).
+/// bound stops the waiting only while it lives: once its other holder lets go, the next wait
+/// waits again (one slow release on a loaded machine no longer leaves the rest of the run to the
+/// scheduler). After kGiveUps such works it stops for good: a torch that held every work past the
+/// bound would otherwise cost the bound at every wait.
 class WorkerRelease {
  public:
+  static constexpr int kGiveUps = 3;
+
   explicit WorkerRelease(std::chrono::milliseconds bound = std::chrono::seconds(2)) : bound_(bound) {}
+
+  // The last work given up on may still be here at exit: left alone, not destroyed while the
+  // process finalizes (its tensors, whose last holder may be Python's; docs/runtime.md, clean exits).
+  ~WorkerRelease() { (void)heldElsewhere_.release(); }
+  WorkerRelease(const WorkerRelease&) = delete;
+  WorkerRelease& operator=(const WorkerRelease&) = delete;
 
   /// Whether a completed work counts as done only once the worker let go of it: not while a work
   /// held past the bound lives, nor where torch keeps works registered for functional collectives
@@ -35,7 +44,7 @@ class WorkerRelease {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopped_) {
-        if (!heldElsewhere_.expired()) return false;
+        if (giveUps_ >= kGiveUps || !heldElsewhere_.expired()) return false;
         heldElsewhere_.reset();  // let its object go too
         stopped_ = false;
       }
@@ -44,7 +53,7 @@ class WorkerRelease {
   }
 
   /// Waits until the caller's reference to w (completed) is its only one, for at most the bound;
-  /// past it, warns (once while waiting is stopped) and stops waiting while w lives.
+  /// past it, warns and stops waiting while w lives (for good at the kGiveUps-th such work).
   void await(const c10::intrusive_ptr<c10d::Work>& w) {
     if (!awaits()) return;
     const auto deadline = std::chrono::steady_clock::now() + bound_;
@@ -54,12 +63,14 @@ class WorkerRelease {
           std::lock_guard<std::mutex> lock(mutex_);
           stopped_ = true;
           heldElsewhere_ = c10::weak_intrusive_ptr<c10d::Work>(w);
+          ++giveUps_;
         }
         TORCH_WARN("dcplan: a completed c10d ", c10d::opTypeToString(w->retrieveOpType()),
                    " is still referenced elsewhere (", w.use_count() - 1, " time(s)) ", bound_.count(),
-                   " ms after it finished; until that reference goes, the transport frees a collective's "
-                   "scratch whenever the backend lets go of it, which may be later than the plan's "
-                   "memory model assumes (docs/planning.md)");
+                   " ms after it finished; ",
+                   giveUps_ >= kGiveUps ? "from now on" : "until that reference goes",
+                   ", the transport frees a collective's scratch whenever the backend lets go of it, "
+                   "which may be later than the plan's memory model assumes (docs/planning.md)");
         return;
       }
       std::this_thread::yield();
@@ -69,10 +80,12 @@ class WorkerRelease {
  private:
   const std::chrono::milliseconds bound_;
   std::mutex mutex_;
-  // The work that outlasted the bound. A weak reference keeps its object (not its holders' use of
-  // it) until reset here, at the next awaits() after its last holder let go.
+  // The work that outlasted the bound. A weak reference keeps the whole object (its tensors, the
+  // call's scratch, too: c10d works release nothing early) until reset at the next wait after its
+  // last holder let go: that scratch is freed one wait late, once per give-up.
   c10::weak_intrusive_ptr<c10d::Work> heldElsewhere_{c10::intrusive_ptr<c10d::Work>()};
   bool stopped_ = false;
+  int giveUps_ = 0;
 };
 
 }  // namespace dcplan::replayer
