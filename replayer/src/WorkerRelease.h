@@ -43,11 +43,8 @@ class WorkerRelease {
   bool awaits() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (stopped_) {
-        if (giveUps_ >= kGiveUps || !heldElsewhere_.expired()) return false;
-        heldElsewhere_.reset();  // let its object go too
-        stopped_ = false;
-      }
+      if (giveUps_ >= kGiveUps || !heldElsewhere_.expired()) return false;
+      heldElsewhere_.reset();  // a work given up on and gone since: let its object go too
     }
     return !c10d::allow_inflight_collective_as_graph_input();
   }
@@ -59,16 +56,16 @@ class WorkerRelease {
     const auto deadline = std::chrono::steady_clock::now() + bound_;
     while (w.use_count() > 1) {
       if (std::chrono::steady_clock::now() > deadline) {
+        bool forGood = false;
         {
           std::lock_guard<std::mutex> lock(mutex_);
-          stopped_ = true;
-          heldElsewhere_ = c10::weak_intrusive_ptr<c10d::Work>(w);
-          ++giveUps_;
+          forGood = ++giveUps_ >= kGiveUps;
+          // Stopped for good, nothing needs watching: its object is not kept.
+          if (!forGood) heldElsewhere_ = c10::weak_intrusive_ptr<c10d::Work>(w);
         }
         TORCH_WARN("dcplan: a completed c10d ", c10d::opTypeToString(w->retrieveOpType()),
                    " is still referenced elsewhere (", w.use_count() - 1, " time(s)) ", bound_.count(),
-                   " ms after it finished; ",
-                   giveUps_ >= kGiveUps ? "from now on" : "until that reference goes",
+                   " ms after it finished; ", forGood ? "from now on" : "until that reference goes",
                    ", the transport frees a collective's scratch whenever the backend lets go of it, "
                    "which may be later than the plan's memory model assumes (docs/planning.md)");
         return;
@@ -80,11 +77,11 @@ class WorkerRelease {
  private:
   const std::chrono::milliseconds bound_;
   std::mutex mutex_;
-  // The work that outlasted the bound. A weak reference keeps the whole object (its tensors, the
-  // call's scratch, too: c10d works release nothing early) until reset at the next wait after its
-  // last holder let go: that scratch is freed one wait late, once per give-up.
+  // The work that outlasted the bound, while waiting is stopped for it (null, or expired, while it
+  // is not). A weak reference keeps the whole object (its tensors, the call's scratch, too: c10d
+  // works release nothing early) until reset at the next wait after its last holder let go: that
+  // scratch is freed one wait late, once per give-up.
   c10::weak_intrusive_ptr<c10d::Work> heldElsewhere_{c10::intrusive_ptr<c10d::Work>()};
-  bool stopped_ = false;
   int giveUps_ = 0;
 };
 
