@@ -37,6 +37,7 @@ def test_init_makes_buffers(run):
 
 
 def test_what_cannot_be_made_is_refused(run):
+    entry(run, "refusals")  # every rank ran it
     for rank in range(2):
         got = run[rank]["refusals"]["value"]
         assert "buffer 'bias' of module 'pos' (PositionBias) is on the meta device" in got["buffer"]["error"]

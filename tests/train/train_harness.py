@@ -30,24 +30,15 @@ def run_cases(rank: int, ws: int, store: str, out_dir: str,
     a new process group (Gloo; "nccl": rank r on GPU r); the first error is recorded and ends the rest (the ranks would be out of
     step). The references run on rank 0 after the last case, outside any group. Writes
     out_dir/rank<r>.pt, as mp_harness.run_ranks reads it."""
-    import dcplan
-
     results: Dict = {}
     references = []  # (name, reference): rank 0's, run once every case is done
     try:
         for n, (name, run, reference) in enumerate(cases):
-            init_group(rank, ws, f"{store}.{n}", backend)
-            try:
-                results[name] = {"value": run()}
-                if rank == 0 and reference is not None:
-                    references.append((name, reference))
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
+            results[name] = _one_case(rank, ws, f"{store}.{n}", backend, run)
+            if "error" in results[name]:
                 break
-            finally:
-                dcplan.shutdown()
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+            if rank == 0 and reference is not None:
+                references.append((name, reference))
         # Not between the cases: the other ranks would wait through a reference in the next
         # case's rendezvous, whose timeout (60 s) a cold Inductor compile of a compiled
         # reference can outlast on a loaded 2-core machine.
@@ -59,6 +50,27 @@ def run_cases(rank: int, ws: int, store: str, out_dir: str,
                 break
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _one_case(rank: int, ws: int, store: str, backend: str, run: Callable[[], Dict]) -> Dict:
+    """One case under a group of its own: {"value": what run returned}, or {"error": the traceback}
+    when setting up the group, the case, or stopping the runtime and the group after it raised (a
+    failure outside the case would otherwise end the rank with the case missing from its results)."""
+    import dcplan
+
+    try:
+        init_group(rank, ws, store, backend)
+        result = {"value": run()}
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    try:
+        dcplan.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        if "error" not in result:
+            result = {"error": "stopping the runtime or the group after the case:\n" + traceback.format_exc()}
+    return result
 
 
 def step(loss: torch.Tensor, opt, ws: int) -> float:
