@@ -15,26 +15,12 @@ RecordedHoldings::RecordedHoldings(const Workload& w, const schemas::Trace& trac
   flatBufferBytes_ = memory_.allocation(cols * memory_.reduceSize * ranks);
 }
 
-uint64_t RecordedHoldings::scratchBeforeWait(const schemas::OpEvent& e) const {
-  if (schemas::opRole(e.op) != OpRole::GatherWait || e.dsIds.size() != 1 || e.dsIds[0] != gatheredJustBefore_)
-    return 0;
-  return memory_.gatherScratchUntilWait(sizes_.at(gatheredJustBefore_).gathered, false);
-}
-
 void RecordedHoldings::after(const schemas::OpEvent& e, bool sync) {
   const std::optional<OpRole> role = schemas::opRole(e.op);
-  // A gather that issued a call of its own (not one whose parameter a fused prefetch or an earlier
-  // micro-step already holds).
-  gatheredJustBefore_ =
-      role == OpRole::Gather && e.dsIds.size() == 1 && e.bytes > 0 && !gathered_.count(e.dsIds[0])
-          ? e.dsIds[0]
-          : -1;
   if (role == OpRole::Gather || role == OpRole::Prefetch) {
-    // (A Gloo call's scratch is not held here from the issue to the wait: the worker holds it only
-    // while it runs the call, so the recorded memory has it or not by the scheduler's timing. What
-    // a wait's recorded memory holds of it is measured there: scratchBeforeWait. Taking the whole
-    // scratch out at every op, as tried in session 12, left single ops up to 2.6% over the
-    // simulated memory: what the worker had freed was taken out too.)
+    // (A single gather holds nothing besides its parameter, on either transport: RuntimeMemory::
+    // gatherScratchUntilWait. A fused call's Gloo buffer is not held here: the simulator counts the
+    // plan's calls.)
     for (int64_t id : e.dsIds) {
       if (gathered_.count(id)) continue;
       const uint64_t b = sizes_.at(id).gathered;

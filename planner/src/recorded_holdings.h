@@ -28,13 +28,6 @@ class RecordedHoldings {
     return defers(e) ? sizes_.at(e.dsIds[0]).gradient : 0;
   }
 
-  /// The scratch of the gather a wait_allgather ends when that gather was the op just before it
-  /// and issued a call of its own (the recorded run gathers on use, so nothing but the call ran
-  /// between them): Gloo's worker holds it only while it runs the call, so the wait's recorded
-  /// memory holds it or not as the scheduler had it. 0 for any other op (a fused prefetch's
-  /// members too), and on NCCL (no scratch).
-  uint64_t scratchBeforeWait(const schemas::OpEvent& e) const;
-
   /// Updates what is held after op e of a micro-step (sync: the one the optimizer step follows).
   void after(const schemas::OpEvent& e, bool sync);
 
@@ -51,7 +44,6 @@ class RecordedHoldings {
   RuntimeMemory memory_;
   std::unordered_map<int64_t, ParamMemory> sizes_;
   std::unordered_map<int64_t, uint64_t> gathered_;
-  int64_t gatheredJustBefore_ = -1;  ///< the single parameter the op just before gathered, else -1
   uint64_t gatheredBytes_ = 0;
   uint64_t filling_ = 0;   ///< reduce bytes of the bucket being filled
   uint64_t held_ = 0;      ///< ZeRO-2/3: the last launched bucket, until the next launch

@@ -56,19 +56,14 @@ uint64_t RuntimeMemory::allocation(uint64_t bytes) const {
   return (bytes + kCudaBlockBytes - 1) / kCudaBlockBytes * kCudaBlockBytes;
 }
 
-uint64_t RuntimeMemory::gatherScratchIssued(uint64_t callBytes, bool coalesced) const {
-  // NCCL casts each shard straight into its slot of the gathered buffer: no scratch. (Gloo's
-  // single gather holds its cast shard until the wait: gatherScratchUntilWait.)
-  if (transport != Transport::Gloo || !coalesced) return 0;
+uint64_t RuntimeMemory::gatherScratchIssued(uint64_t callBytes) const {
+  // NCCL casts each shard straight into its slot of the gathered buffer: no scratch.
+  if (transport != Transport::Gloo) return 0;
   return castsShards ? allocation(callBytes / static_cast<uint64_t>(worldSize)) : 0;
 }
 
 uint64_t RuntimeMemory::gatherScratchUntilWait(uint64_t callBytes, bool coalesced) const {
-  if (transport != Transport::Gloo) return 0;
-  const uint64_t shards = callBytes / static_cast<uint64_t>(worldSize);
-  // A single gather's work also holds its input: the cast shard (a fused call frees the casts
-  // once they are concatenated).
-  return callBytes + (coalesced ? callBytes + shards : (castsShards ? shards : 0));
+  return transport == Transport::Gloo && coalesced ? callBytes : 0;
 }
 
 uint64_t RuntimeMemory::reduceScatterScratch(uint64_t bucketBytes) const {

@@ -468,7 +468,7 @@ class Simulation {
     const double reloaded = reloadMasters(r, seq);
     // The call's transient buffers: while it is issued, and until a member is waited on.
     const bool coalesced = members_.size() > 1;
-    momentary_ += w_.memory.gatherScratchIssued(bytes, coalesced);
+    momentary_ += w_.memory.gatherScratchIssued(bytes);
     if (const uint64_t held = w_.memory.gatherScratchUntilWait(bytes, coalesced)) {
       for (int32_t p : members_) callOf_[static_cast<size_t>(p)] = static_cast<int32_t>(callScratch_.size());
       callScratch_.push_back(held);

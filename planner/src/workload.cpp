@@ -275,21 +275,11 @@ GraphRun readRun(Workload& w, const schemas::TraceGraph& tg, const std::string& 
     // is the simulator's from this op on (it holds it in the plan's bucket).
     const uint64_t other = baselineBytes + recorded.heldBytes();
     const uint64_t arriving = recorded.arrivingBytes(e);
-    uint64_t activation = e.memoryBytes > other + arriving ? e.memoryBytes - other - arriving : 0;
+    const uint64_t activation = e.memoryBytes > other + arriving ? e.memoryBytes - other - arriving : 0;
     // What the recorded run held during the compute before this op is what it held after the
     // op before: the same `other`.
     const uint64_t peak = std::max(e.memoryBytes, e.peakBytes);
-    uint64_t computePeak = peak > other ? peak - other : 0;
-    if (const uint64_t scratch = recorded.scratchBeforeWait(e); scratch > 0 && ei > 0) {
-      // Only the gather's own call ran since the op before: what the activations rose by is its
-      // scratch (the plan's is the simulator's), up to the scratch's size.
-      const uint64_t before = run.activationBytes.back();
-      auto riseOverBefore = [&](uint64_t bytes) {
-        return std::min(scratch, bytes > before ? bytes - before : 0);
-      };
-      activation -= riseOverBefore(activation);
-      computePeak -= riseOverBefore(computePeak);
-    }
+    const uint64_t computePeak = peak > other ? peak - other : 0;
     run.activationBytes.push_back(activation);
     run.computePeakBytes.push_back(computePeak);
     recorded.after(e, sync);

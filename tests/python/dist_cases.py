@@ -238,9 +238,11 @@ def run_op_checks(rank: int, ws: int) -> Dict:
     C.register_graph_z1(1, [0, 1, 2, 3])
     scratch_shape = [SCRATCH_ROWS, 256]
     scratch_grad = torch.zeros(-(-math.prod(scratch_shape) // ws))
-    C.register_param(SCRATCH_ID, scratch_shape, torch.zeros_like(scratch_grad), scratch_grad, False)
+    scratch_shard = torch.full_like(scratch_grad, float(rank))
+    C.register_param(SCRATCH_ID, scratch_shape, scratch_shard, scratch_grad, False)
     C.register_graph_z3(SCRATCH_GRAPH, [SCRATCH_ID])
     ops = torch.ops.dc
+    out["gathers_beyond_copies"] = gathers_beyond_copies(shards, scratch_shard)
     g = ops.wait_allgather(ops.allgather_param(shards[1], 0, 1), 0, 1)
     out["allgather"] = g.clone()
     out["allgather_bf16"] = ops.wait_allgather(ops.allgather_param(shards[3], 0, 3, torch.bfloat16), 0, 3).clone()
@@ -286,6 +288,48 @@ def run_op_checks(rank: int, ws: int) -> Dict:
 # The op checks' parameter whose ZeRO-3 reductions are checked for what they leave allocated.
 SCRATCH_ID, SCRATCH_GRAPH, SCRATCH_ROWS = 4, 2, 64
 LOAD_ROUNDS, LOAD_PROCESSES = 100, 2
+GATHER_ROUNDS = 5
+
+
+def gathers_beyond_copies(shards: Dict[int, torch.Tensor], scratch_shard: torch.Tensor) -> Dict[str, List[int]]:
+    """Bytes of CPU tensors each of GATHER_ROUNDS gathers held at their peak, from the issue to the
+    wait, beyond the gathered copies they left (counted by the replay log's allocator), with what
+    the planner's memory model says of them (RuntimeMemory::gatherScratchIssued, UntilWait): a
+    single gather nothing (fp32) or its shard cast to bf16; a fused call its [world, total] buffer,
+    the gathered size of its members. Gloo's own allgather had its worker thread allocate a flat
+    output as large as the gathered one while it ran: there or not at an op as the scheduler ran it."""
+    import dcplan
+
+    C, ops = dcplan._C, torch.ops.dc
+    probe = C.run_peak_probe("cpu")
+
+    def beyond(gather, release) -> int:
+        probe.peak()
+        before = probe.in_use()
+        gather()
+        copies = probe.in_use() - before
+        peak = probe.peak() - before
+        release()
+        return peak - copies
+
+    def single(dtype):
+        def gather():
+            ops.wait_allgather(ops.allgather_param(scratch_shard, SCRATCH_GRAPH, SCRATCH_ID, dtype),
+                               SCRATCH_GRAPH, SCRATCH_ID)
+        return gather
+
+    def fused():
+        ops.prefetch_params_fused(0, [shards[0], shards[3]], [0, 3], [torch.float32] * 2)
+        for i in (0, 3):
+            ops.wait_allgather(ops.allgather_param(shards[i], 0, i), 0, i)
+
+    def release(graph, ids):
+        return lambda: [ops.release_param(torch.empty(0), graph, i, 1) for i in ids]
+
+    return {"single": [beyond(single(torch.float32), release(SCRATCH_GRAPH, [SCRATCH_ID])) for _ in range(GATHER_ROUNDS)],
+            "single_bf16": [beyond(single(torch.bfloat16), release(SCRATCH_GRAPH, [SCRATCH_ID]))
+                            for _ in range(GATHER_ROUNDS)],
+            "fused": [beyond(fused, release(0, [0, 3])) for _ in range(GATHER_ROUNDS)]}
 
 
 def reductions_left_allocated(grad: torch.Tensor, spinning: int) -> List[int]:

@@ -98,4 +98,10 @@ def test_op_results(dist_results):
         assert_reduced_grads(v, rank, ws)
         left = [(k, b) for k, b in enumerate(v["z3_left_allocated"]) if b]  # (round, bytes)
         assert len(v["z3_left_allocated"]) == dist_cases.LOAD_ROUNDS and not left, (rank, left)
+        # The planner's model of a Gloo gather's scratch, exactly: a bf16 single gather's cast of the
+        # scratch parameter's shard; the fused call's fp32 buffer of parameters 0 (5 elements) and 3 (14).
+        shard = -(-dist_cases.SCRATCH_ROWS * 256 // ws)
+        rounds = dist_cases.GATHER_ROUNDS
+        assert v["gathers_beyond_copies"] == {"single": [0] * rounds, "single_bf16": [2 * shard] * rounds,
+                                              "fused": [4 * ws * (-(-5 // ws) + -(-14 // ws))] * rounds}, rank
         torch.testing.assert_close(v["inference_all_reduce_input"], torch.full((4,), float(rank + 1)))

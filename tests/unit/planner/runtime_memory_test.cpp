@@ -35,19 +35,20 @@ TEST(RuntimeMemory, CudaBlocksAreRoundedTo512BytesAndCpuBytesAreExact) {
   EXPECT_EQ(RuntimeMemory::of(meta("gloo", "cpu", "float32"), 2).allocation(100'000), 100'000u);
 }
 
-TEST(RuntimeMemory, GlooHoldsAFlatCopyOfEachGatherUntilItsWait) {
+TEST(RuntimeMemory, GlooHoldsOnlyAFusedCallsBufferUntilItsWait) {
   const RuntimeMemory gloo = RuntimeMemory::of(meta("gloo", "cpu", "float32"), 4);
-  EXPECT_EQ(gloo.gatherScratchIssued(4'000, false), 0u);
-  EXPECT_EQ(gloo.gatherScratchUntilWait(4'000, false), 4'000u);
-  // A coalesced call also holds the concatenated shards and its own [world, total] output.
-  EXPECT_EQ(gloo.gatherScratchUntilWait(4'000, true), 4'000u + 4'000 + 1'000);
+  // A single gather broadcasts the ranks' rows in its output: nothing else, issued or held.
+  EXPECT_EQ(gloo.gatherScratchIssued(4'000), 0u);
+  EXPECT_EQ(gloo.gatherScratchUntilWait(4'000, false), 0u);
+  // A fused call gathers into a [world, total] buffer of its own, which the wait copies out.
+  EXPECT_EQ(gloo.gatherScratchUntilWait(4'000, true), 4'000u);
   // Gloo's reduce-scatter reduces the other ranks' rows through (world - 1) shards.
   EXPECT_EQ(gloo.reduceScatterScratch(4'000), 3'000u);
-  // A single gather's work holds its cast shard too; a fused call frees the casts once concatenated.
+  // Cast shards exist while the call is issued, single or fused, and are gone by the wait.
   const RuntimeMemory bf16 = RuntimeMemory::of(meta("gloo", "cpu", "bfloat16"), 4);
-  EXPECT_EQ(bf16.gatherScratchUntilWait(4'000, false), 4'000u + 1'000);
-  EXPECT_EQ(bf16.gatherScratchIssued(4'000, false), 0u);
-  EXPECT_EQ(bf16.gatherScratchIssued(4'000, true), 1'000u);
+  EXPECT_EQ(bf16.gatherScratchIssued(4'000), 1'000u);
+  EXPECT_EQ(bf16.gatherScratchUntilWait(4'000, false), 0u);
+  EXPECT_EQ(bf16.gatherScratchUntilWait(4'000, true), 4'000u);
 }
 
 TEST(RuntimeMemory, AReductionLeavesAShardGradientOnceAStep) {
@@ -78,13 +79,12 @@ TEST(RuntimeMemory, AReductionLeavesAShardGradientOnceAStep) {
 
 TEST(RuntimeMemory, NcclGathersAndCastsInPlace) {
   const RuntimeMemory fp32 = RuntimeMemory::of(meta("nccl", "x", "float32"), 4);
-  EXPECT_EQ(fp32.gatherScratchIssued(4'000, true), 0u);
+  EXPECT_EQ(fp32.gatherScratchIssued(4'000), 0u);
   EXPECT_EQ(fp32.gatherScratchUntilWait(4'000, true), 0u);
   EXPECT_EQ(fp32.reduceScatterScratch(4'000), 0u);
   const RuntimeMemory bf16 = RuntimeMemory::of(meta("nccl", "x", "bfloat16"), 4);
   // Each shard is cast straight into its slot of the gathered buffer: no scratch, single or fused.
-  EXPECT_EQ(bf16.gatherScratchIssued(4'000, false), 0u);
-  EXPECT_EQ(bf16.gatherScratchIssued(4'000, true), 0u);
+  EXPECT_EQ(bf16.gatherScratchIssued(4'000), 0u);
   EXPECT_EQ(bf16.gatherScratchUntilWait(4'000, false), 0u);
 }
 

@@ -55,17 +55,15 @@ struct RuntimeMemory {
   uint64_t allocation(uint64_t bytes) const;
 
   /// Scratch of one gather call of `callBytes` (the gathered size of its members) while it is
-  /// issued (counted in the memory right after the op that issues it): a fused Gloo call's
-  /// shards cast to the gather dtype (a shard's size each) when castsShards, freed once
-  /// concatenated (a single Gloo gather's work holds its cast shard until the wait:
-  /// gatherScratchUntilWait). NCCL casts each shard into its slot of the gathered buffer: none.
-  uint64_t gatherScratchIssued(uint64_t callBytes, bool coalesced) const;
-  /// Scratch of a gather call held until one of its members is waited on. Gloo: its allgather
-  /// gathers into a flat buffer of the call's size, which its work holds until the wait releases
-  /// the work, with its input (a single gather's cast shard); a call of several members
-  /// (allGatherCoalesced) holds their concatenated shards and a [world, total] output of the
-  /// runtime's own, which the wait scatters into the parameters. NCCL: nothing (each member
-  /// gathers in place).
+  /// issued (counted in the memory right after the op that issues it): on Gloo, its members' shards
+  /// cast to the gather dtype (a shard's size each) when castsShards, freed once copied into the
+  /// call's buffer. NCCL casts each shard into its slot of the gathered buffer: none.
+  uint64_t gatherScratchIssued(uint64_t callBytes) const;
+  /// Scratch of a gather call held until one of its members is waited on. Gloo: a call of several
+  /// members (allGatherCoalesced) gathers into a [world, total] buffer of the runtime's own, which
+  /// the wait copies into the parameters; a single gather broadcasts each rank's row of its output
+  /// in place (the transport never uses Gloo's allgather, whose worker thread allocates a buffer
+  /// of the output's size whenever it runs). NCCL: nothing (each member gathers in place).
   uint64_t gatherScratchUntilWait(uint64_t callBytes, bool coalesced) const;
 
   /// Scratch of a bucket's reduce-scatter (ZeRO-2/3) of `bucketBytes`: Gloo reduces the rows of
