@@ -48,7 +48,7 @@ class ObserverScope {
     where += ", op " + std::to_string(position) + " of the " + (rt.inBackward_ ? "backward" : "forward") +
              " of step " + std::to_string(rt.step_);
   rt.failure_ =
-      "rank " + std::to_string(rt.transport_->rank()) + ": " + where + ": a collective failed: " + e.what();
+      "rank " + std::to_string(rt.transport_->rank()) + ": " + where + ": a collective failed: " + failureMessage(e);
   if (dynamic_cast<const CollectiveMismatch*>(&e) != nullptr) TORCH_CHECK(false, rt.failure_);
   TORCH_CHECK(false, rt.failure_,
               " (a rank that died fails it at once; one that stopped answering after the process group's "

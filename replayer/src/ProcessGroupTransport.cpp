@@ -7,8 +7,10 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <exception>
 #include <functional>
 #include <map>
+#include <string>
 
 namespace dcplan::replayer {
 namespace {
@@ -31,7 +33,7 @@ class WorkHandle final : public CommHandle {
 
   void wait() override {
     if (done_) return;
-    for (auto& w : works_) w->wait();
+    waitAll();
     if (then_) then_();
     if (workerHolds_)
       for (auto& w : works_) workerRelease().await(w);
@@ -51,6 +53,28 @@ class WorkHandle final : public CommHandle {
   }
 
  private:
+  /// Waits for every work (each bounded by the group's timeout), then throws what failed: one
+  /// call's works share the ranks' connections, so a work that timed out closes them and the
+  /// others fail with that closure, which alone would hide the timeout (a stuck rank's broadcast
+  /// timed out while this rank's own failed first, "Application timeout caused pair closure").
+  void waitAll() {
+    std::exception_ptr first;
+    std::string failures;
+    int failed = 0;
+    for (size_t i = 0; i < works_.size(); ++i) {
+      try {
+        works_[i]->wait();
+      } catch (const std::exception& e) {
+        if (failed++ == 0) first = std::current_exception();
+        failures += std::string(failures.empty() ? "" : "; ") + "work " + std::to_string(i + 1) + " of " +
+                    std::to_string(works_.size()) + ": " + failureMessage(e);
+      }
+    }
+    if (failed == 0) return;
+    if (failed == 1) std::rethrow_exception(first);
+    C10_THROW_ERROR(DistBackendError, failures);
+  }
+
   const bool workerHolds_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::function<void()> then_;

@@ -15,6 +15,11 @@ class DoneHandle final : public CommHandle {
 
 }  // namespace
 
+std::string failureMessage(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error ? error->what_without_backtrace() : e.what();
+}
+
 CommHandlePtr Transport::gatherShards(const std::vector<at::Tensor>& outputs,
                                       const std::vector<at::Tensor>& shards) {
   TORCH_CHECK(outputs.size() == shards.size(), "gatherShards: ", outputs.size(), " outputs for ",

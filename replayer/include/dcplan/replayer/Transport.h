@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -25,6 +26,10 @@ class CommHandle {
 };
 
 using CommHandlePtr = std::shared_ptr<CommHandle>;
+
+/// What a failed collective says, for a user's error: a c10::Error's message without its C++
+/// backtrace, any other exception's what().
+std::string failureMessage(const std::exception& e);
 
 /// The four collectives the executors need. Every tensor is dense and
 /// contiguous unless a parameter says otherwise; sizes are in elements.
