@@ -106,14 +106,17 @@ std::string inSituText(const InSituFit& fit) {
                       : "");
 }
 
-double computeOnNetwork(Workload& w, const schemas::Trace& trace, const schemas::Network* network) {
-  if (!network || !w.waitsBlockHost) return 1.0;
+Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, bool cudaGraph,
+                         const schemas::Network* network, double* computeScale) {
+  Workload w = makeWorkload(trace, worldSize, cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
+  double factor = 1.0;
   const std::optional<double>& recorded = trace.calibration.computeProbeUs;
-  const std::optional<double>& there = network->calibration.computeProbeUs;
-  if (!recorded || !there) return 1.0;
-  const double factor = *there / *recorded;
-  scaleCompute(w, factor);
-  return factor;
+  if (network && w.waitsBlockHost && recorded && network->calibration.computeProbeUs) {
+    factor = *network->calibration.computeProbeUs / *recorded;
+    scaleCompute(w, factor);
+  }
+  if (computeScale) *computeScale = factor;
+  return w;
 }
 
 CostModel plannedCostModel(const schemas::Trace& trace, const Workload& w,

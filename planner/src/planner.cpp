@@ -121,9 +121,9 @@ class Search {
                         {}, "on use");
     recorded_ = default_.sim;
     haveDefault_ = true;
-    // Replayed, the default schedule makes the agreement checks its recording did not: compared
-    // with the other candidates as it will run.
-    if (cost_.replayChecks()) simulateCandidate(default_);
+    // Compared with the other candidates as it will run.
+    default_.sim = replayedDefault(w_, cost_, compileSchedule(w_, default_.schedule), recorded_);
+    default_.feasible = fits(default_.sim);
   }
 
   const Context& context() const { return c_; }
@@ -160,8 +160,10 @@ class Search {
   void simulateCandidate(Candidate& k) const {
     k.sim = simulate(w_, cost_, compileSchedule(w_, k.schedule),
                      haveDefault_ ? againstRecorded(recorded_) : SimOptions{});
-    k.feasible = k.sim.prediction.peakMemoryBytes <= c_.limit;
+    k.feasible = fits(k.sim);
   }
+
+  bool fits(const SimResult& sim) const { return sim.prediction.peakMemoryBytes <= c_.limit; }
 
   const Candidate& defaultCandidate() const { return default_; }
   /// The simulation of the recorded run: the reference of every candidate's launch charge.
@@ -848,7 +850,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   // A trace whose step ran in dcplan.graphed_step is planned for the graph without being asked.
   const bool cudaGraph = req.cudaGraph.value_or(trace.meta.graphed);
   const int64_t worldSize = req.worldSize > 0 ? req.worldSize : network ? network->worldSize : 0;
-  Workload w = makeWorkload(trace, worldSize, cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
+  double computeScale = 1.0;
+  Workload w = plannedWorkload(trace, worldSize, cudaGraph, network, &computeScale);
   if (network && w.worldSize <= 1) {  // one rank's calls are its own copies, which the trace timed
     throw std::invalid_argument("--network " + req.network->file +
                                 ": the collectives between ranks; this plan is for 1 rank, which has none "
@@ -858,7 +861,6 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     throw std::invalid_argument(
         "--bandwidth: a bus bandwidth is a what-if for the collectives between ranks; this "
         "plan is for 1 rank, which has none (plan for more with --world-size N)");
-  const double computeScale = computeOnNetwork(w, trace, network);
   std::optional<InSituFit> inSitu;
   std::optional<double> calibrated;
   if (req.calibrate) {

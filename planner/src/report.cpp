@@ -59,21 +59,15 @@ struct Simulated {
 };
 
 Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
-  Workload w = makeWorkload(trace, plan.source.worldSize,
-                            plan.options.cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
-  std::optional<InSituFit> inSitu;
   const schemas::Network* network = plan.options.network ? &plan.options.network->measured : nullptr;
-  computeOnNetwork(w, trace, network);
+  Workload w = plannedWorkload(trace, plan.source.worldSize, plan.options.cudaGraph, network);
+  std::optional<InSituFit> inSitu;
   CostModel cost =
       plannedCostModel(trace, w, plan.options.bandwidthGBps, network, plan.options.inSituScale, &inSitu);
   const CompiledSchedule def = compileSchedule(w, defaultSchedule(w));
-  SimResult d = simulate(w, cost, def, SimOptions{true});  // the recorded run
-  SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), againstRecorded(d, true));
-  // The default schedule as replayed: with the agreement checks its recording did not make.
-  if (cost.replayChecks()) {
-    const SimResult recorded = std::move(d);
-    d = simulate(w, cost, def, againstRecorded(recorded, true));
-  }
+  const SimResult recorded = simulate(w, cost, def, SimOptions{true});
+  SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), againstRecorded(recorded, true));
+  SimResult d = replayedDefault(w, cost, def, recorded, true);
   return Simulated{std::move(w), std::move(p), std::move(d), inSitu};
 }
 

@@ -147,7 +147,7 @@ TEST(InSitu, OnlyCpuRanksRecordedAndPlannedAlikeWithoutABandwidthWhatIf) {
   EXPECT_FALSE(fit);
 }
 
-TEST(ComputeOnNetwork, CpuRanksComputeAtTheNetworksProbeOverTheTraces) {
+TEST(PlannedWorkload, CpuRanksComputeAtTheNetworksProbeOverTheTraces) {
   schemas::Trace gloo = glooTrace(4 * test::kTinyGatherUs);
   gloo.calibration.computeProbeUs = 100.0;
   schemas::Network network;
@@ -156,8 +156,9 @@ TEST(ComputeOnNetwork, CpuRanksComputeAtTheNetworksProbeOverTheTraces) {
   network.calibration = gloo.calibration;
   network.calibration.computeProbeUs = 230.0;  // the ranks share the cores there
   const Workload recorded = makeWorkload(gloo);
-  Workload w = recorded;
-  EXPECT_DOUBLE_EQ(computeOnNetwork(w, gloo, &network), 2.3);
+  double factor = 0;
+  const Workload w = plannedWorkload(gloo, 0, false, &network, &factor);
+  EXPECT_DOUBLE_EQ(factor, 2.3);
   for (size_t r = 0; r < w.runs.size(); ++r) {
     for (size_t i = 0; i < w.runs[r].computeUs.size(); ++i) {
       EXPECT_DOUBLE_EQ(w.runs[r].computeUs[i], 2.3 * recorded.runs[r].computeUs[i]);
@@ -180,17 +181,18 @@ TEST(ComputeOnNetwork, CpuRanksComputeAtTheNetworksProbeOverTheTraces) {
   for (const std::string& line : scaled.explanation) said = said || line.rfind("compute: ", 0) == 0;
   EXPECT_TRUE(said);
   // Kept: no network, a probe missing on either side, or GPUs (each computes on its own).
-  Workload kept = recorded;
-  EXPECT_EQ(computeOnNetwork(kept, gloo, nullptr), 1.0);
+  const Workload kept = plannedWorkload(gloo, 0, false, nullptr, &factor);
+  EXPECT_EQ(factor, 1.0);
+  EXPECT_EQ(kept.runs[0].computeUs, recorded.runs[0].computeUs);
   schemas::Network old = network;
   old.calibration.computeProbeUs.reset();
-  EXPECT_EQ(computeOnNetwork(kept, gloo, &old), 1.0);
+  EXPECT_EQ(plannedWorkload(gloo, 0, false, &old, &factor).runs[0].computeUs, recorded.runs[0].computeUs);
+  EXPECT_EQ(factor, 1.0);
   schemas::Trace nccl = gloo;
   nccl.meta.backend = "nccl";
   nccl.meta.device = "cuda";
-  Workload gpu = makeWorkload(nccl);
-  EXPECT_EQ(computeOnNetwork(gpu, nccl, &network), 1.0);
-  EXPECT_EQ(kept.runs[0].computeUs, recorded.runs[0].computeUs);
+  EXPECT_EQ(plannedWorkload(nccl, 0, false, &network, &factor).runs[0].computeUs, recorded.runs[0].computeUs);
+  EXPECT_EQ(factor, 1.0);
 }
 
 PlanRequest calibrated(const Schedule& replayed, double stepUs, int64_t worldSize = 2) {

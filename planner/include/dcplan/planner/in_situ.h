@@ -51,12 +51,15 @@ InSituFit fitToReplay(const schemas::Trace& trace, const Workload& workload, con
 /// One line for --explain and dcplan inspect: the run's step, the calibrated one and the scale.
 std::string inSituText(const InSituFit& fit);
 
-/// A --network what-if of CPU ranks: the job's ranks share their hosts' cores as the network's did
-/// (dcplan.measure_network ran on them), so the recorded compute is scaled (scaleCompute) by the
-/// network's compute probe over the trace's (Calibration::computeProbeUs). Returns the factor: 1
-/// without a network or either probe, and on GPUs, each of which computes on its own. dcplan plan
-/// and dcplan inspect alike, before plannedCostModel.
-double computeOnNetwork(Workload& workload, const schemas::Trace& trace, const schemas::Network* network);
+/// The workload a plan is made and simulated with (dcplan plan and dcplan inspect alike, before
+/// plannedCostModel): the trace's at worldSize (0: the trace's), its step as issued or in one CUDA
+/// graph, and, for a --network what-if of CPU ranks, its compute scaled (scaleCompute) by the
+/// network's compute probe over the trace's (Calibration::computeProbeUs): the job's ranks share
+/// their hosts' cores as the network's did (dcplan.measure_network ran on them). computeScale, where
+/// given, gets that factor: 1 without a network or either probe, and on GPUs, each of which
+/// computes on its own.
+Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, bool cudaGraph,
+                         const schemas::Network* network, double* computeScale = nullptr);
 
 /// The cost model a plan is made and simulated with (dcplan plan and dcplan inspect alike): the
 /// trace's calibration or the network measured for it (--network: its curves, at its world size),

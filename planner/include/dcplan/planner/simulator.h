@@ -159,6 +159,16 @@ inline SimOptions againstRecorded(const SimResult& recorded, bool record = false
 SimResult simulate(const Workload& workload, const CostModel& cost, const CompiledSchedule& schedule,
                    const SimOptions& options = {});
 
+/// The default schedule (compiled: def) as a replay runs it, given `recorded`, the simulation of
+/// the recorded run: a replay makes the agreement checks its recording did not
+/// (CostModel::replayChecks), so it is simulated again against the recorded run; else it is
+/// the recorded run itself. record: SimOptions::record.
+inline SimResult replayedDefault(const Workload& workload, const CostModel& cost, const CompiledSchedule& def,
+                                 const SimResult& recorded, bool record = false) {
+  if (!cost.replayChecks()) return recorded;
+  return simulate(workload, cost, def, againstRecorded(recorded, record));
+}
+
 /// Exposed communication = step - compute - optimizer - what offload copies add to the optimizer.
 inline double exposedUs(const SimResult& r) { return r.prediction.exposedCommUs; }
 
