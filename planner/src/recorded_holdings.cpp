@@ -18,14 +18,31 @@ RecordedHoldings::RecordedHoldings(const Workload& w, const schemas::Trace& trac
 void RecordedHoldings::after(const schemas::OpEvent& e, bool sync) {
   const std::optional<OpRole> role = schemas::opRole(e.op);
   if (role == OpRole::Gather || role == OpRole::Prefetch) {
-    // (A single gather holds nothing besides its parameter, on either transport: RuntimeMemory::
-    // gatherScratchUntilWait. A fused call's Gloo buffer is not held here: the simulator counts the
-    // plan's calls.)
+    // The call gathers the members not held already; one of them alone holds nothing more.
+    std::vector<int64_t> called;
+    uint64_t callBytes = 0;
     for (int64_t id : e.dsIds) {
       if (gathered_.count(id)) continue;
       const uint64_t b = sizes_.at(id).gathered;
       gathered_[id] = b;
       gatheredBytes_ += b;
+      called.push_back(id);
+      callBytes += b;
+    }
+    const uint64_t buffer = called.size() > 1 ? memory_.gatherScratchUntilWait(callBytes, true) : 0;
+    if (buffer > 0) {
+      calls_.emplace_back(std::move(called), buffer);
+      callBuffers_ += buffer;
+    }
+  } else if (role == OpRole::GatherWait && !e.dsIds.empty()) {
+    for (auto it = calls_.begin(); it != calls_.end();) {
+      const std::vector<int64_t>& members = it->first;
+      if (std::find(members.begin(), members.end(), e.dsIds[0]) == members.end()) {
+        ++it;
+        continue;
+      }
+      callBuffers_ -= it->second;
+      it = calls_.erase(it);
     }
   } else if (role == OpRole::Release && !e.dsIds.empty() && stage_ == 3) {
     // (ZeRO-1/2 keep every gathered copy until the optimizer step.)

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "dcplan/planner/runtime_memory.h"
@@ -11,8 +12,8 @@
 
 namespace dcplan::planner::detail {
 
-/// What the recorded run's runtime held besides activations, op by op: gathered copies, gradients
-/// waiting in a bucket, launched buckets and gradient shards. A trace is recorded without a plan:
+/// What the recorded run's runtime held besides activations, op by op: gathered copies, fused
+/// gather calls' buffers, gradients waiting in a bucket, launched buckets and gradient shards. A trace is recorded without a plan:
 /// gather on use and the default buckets, flushed when the next gradient would take one past
 /// kDefaultBucketBytes. Its activations are its recorded memory less these (the simulator adds
 /// the plan's own). Sizes are the recorded run's: its world size, its transport's allocator.
@@ -21,7 +22,7 @@ class RecordedHoldings {
   RecordedHoldings(const Workload& w, const schemas::Trace& trace);
 
   /// Bytes held (besides baseline and activations) before the next op.
-  uint64_t heldBytes() const { return gatheredBytes_ + held_ + deferred_ + shardGrads_ + flat_; }
+  uint64_t heldBytes() const { return gatheredBytes_ + callBuffers_ + held_ + deferred_ + shardGrads_ + flat_; }
 
   /// ZeRO-2/3: the gradient a reduce_grad hands over (in its memory_bytes already).
   uint64_t arrivingBytes(const schemas::OpEvent& e) const {
@@ -45,6 +46,11 @@ class RecordedHoldings {
   std::unordered_map<int64_t, ParamMemory> sizes_;
   std::unordered_map<int64_t, uint64_t> gathered_;
   uint64_t gatheredBytes_ = 0;
+  /// The buffer of each fused gather call the recorded run issued (Gloo's [world, total]; none on
+  /// NCCL), held from its prefetch until the first wait on one of its members, as the simulator
+  /// holds a plan's (RuntimeMemory::gatherScratchUntilWait): its members and its bytes.
+  std::vector<std::pair<std::vector<int64_t>, uint64_t>> calls_;
+  uint64_t callBuffers_ = 0;
   uint64_t filling_ = 0;   ///< reduce bytes of the bucket being filled
   uint64_t held_ = 0;      ///< ZeRO-2/3: the last launched bucket, until the next launch
   uint64_t deferred_ = 0;  ///< ZeRO-2/3: gradients held until their bucket is packed

@@ -53,26 +53,38 @@ class WorkHandle final : public CommHandle {
   }
 
  private:
-  /// Waits for every work (each bounded by the group's timeout), then throws what failed: one
-  /// call's works share the ranks' connections, so a work that timed out closes them and the
-  /// others fail with that closure, which alone would hide the timeout (a stuck rank's broadcast
-  /// timed out while this rank's own failed first, "Application timeout caused pair closure").
+  /// Waits for every work, then throws what failed: one call's works share the ranks'
+  /// connections, so a work that timed out closes them and the others fail with that closure,
+  /// which alone would hide the timeout (a stuck rank's broadcast timed out while this rank's own,
+  /// waited first, failed with "Application timeout caused pair closure"). Each wait is bounded by
+  /// the group's timeout, so a failed call may take a few of them to report. The first failure is
+  /// rethrown as it is (its type kept), the others added to its message.
   void waitAll() {
     std::exception_ptr first;
-    std::string failures;
-    int failed = 0;
+    std::string others;
     for (size_t i = 0; i < works_.size(); ++i) {
       try {
         works_[i]->wait();
       } catch (const std::exception& e) {
-        if (failed++ == 0) first = std::current_exception();
-        failures += std::string(failures.empty() ? "" : "; ") + "work " + std::to_string(i + 1) + " of " +
-                    std::to_string(works_.size()) + ": " + failureMessage(e);
+        if (!first) {
+          first = std::current_exception();
+          continue;
+        }
+        others += std::string(others.empty() ? "" : "; ") + "its " +
+                  c10d::opTypeToString(works_[i]->retrieveOpType()) + " " + std::to_string(i + 1) + " of " +
+                  std::to_string(works_.size()) + ": " + failureMessage(e);
       }
     }
-    if (failed == 0) return;
-    if (failed == 1) std::rethrow_exception(first);
-    C10_THROW_ERROR(DistBackendError, failures);
+    if (!first) return;
+    if (others.empty()) std::rethrow_exception(first);
+    try {
+      std::rethrow_exception(first);
+    } catch (c10::Error& e) {
+      e.add_context("the call's other works failed too: " + others);
+      throw;
+    } catch (const std::exception& e) {
+      C10_THROW_ERROR(DistBackendError, failureMessage(e) + "; the call's other works failed too: " + others);
+    }
   }
 
   const bool workerHolds_;
@@ -117,10 +129,14 @@ class ProcessGroupTransport final : public Transport {
     TORCH_CHECK(output.is_contiguous() && input.is_contiguous(), "allGather: tensors should be contiguous");
     TORCH_CHECK(output.numel() == ws * input.numel(), "allGather: output should have world_size * ",
                 input.numel(), " elements, got ", output.numel());
+    TORCH_CHECK(output.scalar_type() == input.scalar_type() && output.device() == input.device(),
+                "allGather: output should be ", input.scalar_type(), " on ", input.device(), " as the input, got ",
+                output.scalar_type(), " on ", output.device());
     if (input.numel() == 0) return handle({});
     if (workerHolds_) {
       const at::Tensor rows = output.view({ws, input.numel()});
       const at::Tensor own = rows.select(0, rank());
+      // An input that is this rank's row already (a gather in place) needs no copy.
       if (own.data_ptr() != input.data_ptr()) own.copy_(input.view({-1}));
       return handle(broadcastRows(rows));
     }
@@ -136,8 +152,8 @@ class ProcessGroupTransport final : public Transport {
     TORCH_CHECK(outputs.size() == inputs.size(), "allGatherCoalesced: ", outputs.size(), " outputs for ",
                 inputs.size(), " inputs");
     const int ws = worldSize();
-    // One flat buffer and one all-gather per dtype; the completion step
-    // scatters the [ws, total] result into the per-parameter outputs.
+    // One flat [ws, total] buffer per dtype, gathered by one call (on Gloo one broadcast per
+    // rank); the completion step scatters it into the per-parameter outputs.
     std::map<at::ScalarType, std::vector<size_t>> byType;
     for (size_t i = 0; i < inputs.size(); ++i) {
       TORCH_CHECK(outputs[i].numel() == ws * inputs[i].numel() && outputs[i].is_contiguous(),

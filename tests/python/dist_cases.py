@@ -255,6 +255,11 @@ def run_op_checks(rank: int, ws: int) -> Dict:
     out["held_after_prefetch"] = C.gathered_param_ids()
     out["fused"] = [ops.wait_allgather(ops.allgather_param(shards[i], 0, i), 0, i).clone() for i in (0, 2, 3)]
     C.clear_all_gathered_params()
+    # One call of two dtypes: a buffer (on Gloo, a set of broadcasts) for each.
+    ops.prefetch_params_fused(0, [shards[0], shards[3]], [0, 3], [torch.float32, torch.bfloat16])
+    out["fused_two_dtypes"] = [ops.wait_allgather(ops.allgather_param(shards[0], 0, 0), 0, 0).clone(),
+                               ops.wait_allgather(ops.allgather_param(shards[3], 0, 3, torch.bfloat16), 0, 3).clone()]
+    C.clear_all_gathered_params()
     out["held_after_clear"] = C.gathered_param_ids()
     # ZeRO-3 reduce: grad of rank r is (r+1) * ones; the mean lands in each rank's slice.
     C.start_backward(True, True)
@@ -314,8 +319,8 @@ def gathers_beyond_copies(shards: Dict[int, torch.Tensor], scratch_shard: torch.
 
     def single(dtype):
         def gather():
-            ops.wait_allgather(ops.allgather_param(scratch_shard, SCRATCH_GRAPH, SCRATCH_ID, dtype),
-                               SCRATCH_GRAPH, SCRATCH_ID)
+            return ops.wait_allgather(ops.allgather_param(scratch_shard, SCRATCH_GRAPH, SCRATCH_ID, dtype),
+                                      SCRATCH_GRAPH, SCRATCH_ID)
         return gather
 
     def fused():
@@ -329,7 +334,16 @@ def gathers_beyond_copies(shards: Dict[int, torch.Tensor], scratch_shard: torch.
     return {"single": [beyond(single(torch.float32), release(SCRATCH_GRAPH, [SCRATCH_ID])) for _ in range(GATHER_ROUNDS)],
             "single_bf16": [beyond(single(torch.bfloat16), release(SCRATCH_GRAPH, [SCRATCH_ID]))
                             for _ in range(GATHER_ROUNDS)],
-            "fused": [beyond(fused, release(0, [0, 3])) for _ in range(GATHER_ROUNDS)]}
+            "fused": [beyond(fused, release(0, [0, 3])) for _ in range(GATHER_ROUNDS)],
+            "gathered": {dtype: gathered(single(dtype), release(SCRATCH_GRAPH, [SCRATCH_ID]))
+                         for dtype in (torch.float32, torch.bfloat16)}}
+
+
+def gathered(gather, release) -> torch.Tensor:
+    """What a gather made (rank r's part holds r), flat, in fp32; outside any measurement."""
+    g = gather().detach().reshape(-1).float().clone()
+    release()
+    return g
 
 
 def reductions_left_allocated(grad: torch.Tensor, spinning: int) -> List[int]:

@@ -102,6 +102,14 @@ def test_op_results(dist_results):
         # scratch parameter's shard; the fused call's fp32 buffer of parameters 0 (5 elements) and 3 (14).
         shard = -(-dist_cases.SCRATCH_ROWS * 256 // ws)
         rounds = dist_cases.GATHER_ROUNDS
-        assert v["gathers_beyond_copies"] == {"single": [0] * rounds, "single_bf16": [2 * shard] * rounds,
-                                              "fused": [4 * ws * (-(-5 // ws) + -(-14 // ws))] * rounds}, rank
+        beyond = dict(v["gathers_beyond_copies"])
+        gathered = beyond.pop("gathered")
+        assert beyond == {"single": [0] * rounds, "single_bf16": [2 * shard] * rounds,
+                          "fused": [4 * ws * (-(-5 // ws) + -(-14 // ws))] * rounds}, rank
+        numel = dist_cases.SCRATCH_ROWS * 256
+        want = torch.arange(ws, dtype=torch.float32).repeat_interleave(shard)[:numel]  # each rank's broadcast
+        for dtype, g in gathered.items():
+            torch.testing.assert_close(g, want, msg=lambda m, d=dtype: f"rank {rank}, {d}: {m}")
+        torch.testing.assert_close(v["fused_two_dtypes"][0], torch.arange(5.0))
+        torch.testing.assert_close(v["fused_two_dtypes"][1], (torch.arange(14.0) + 300).view(2, 7).bfloat16())
         torch.testing.assert_close(v["inference_all_reduce_input"], torch.full((4,), float(rank + 1)))

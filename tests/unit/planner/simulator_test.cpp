@@ -512,6 +512,30 @@ TEST(Simulator, AGlooFusedCallHoldsItsBufferUntilItsFirstWait) {
   EXPECT_EQ(beforeSecondWait, kTinyBase + kTinyParam);
 }
 
+TEST(Simulator, TheRecordedRunsFusedCallBufferIsNotActivation) {
+  // Gloo: the recorded run prefetched both parameters in one call before its first gather (as its
+  // module hooks do for a module of several parameters); the call's [world, total] buffer (its
+  // bytes) was in the memory until the wait on parameter 0. Neither it nor the copies is activation.
+  schemas::Trace t = test::tinyTrace();
+  t.meta.backend = "gloo";
+  t.meta.device = "cpu";
+  auto& fwd = t.steps[0].graphs[0].events;
+  schemas::OpEvent prefetch = fwd[0];
+  prefetch.op = "prefetch_params_fused";
+  prefetch.dsIds = {0, 1};
+  prefetch.bytes = 2 * kTinyParam;
+  fwd.insert(fwd.begin(), prefetch);
+  for (size_t i = 0; i < fwd.size(); ++i) fwd[i].seq = static_cast<int64_t>(i);
+  const uint64_t both = 2 * kTinyParam;
+  fwd[1].bytes = 0;  // parameter 0's gather: in flight already, no call
+  fwd[1].memoryBytes = kTinyBase + both + both;
+  fwd[2].memoryBytes = kTinyBase + both + both;  // its wait: the buffer freed here
+  fwd[3].memoryBytes = kTinyBase + both;         // release 0
+  fwd[4].bytes = 0;                              // parameter 1's gather: held already
+  const Workload w = makeWorkload(t);
+  for (size_t i = 0; i < fwd.size(); ++i) EXPECT_EQ(w.runs[0].activationBytes[i], 0u) << fwd[i].op;
+}
+
 TEST(Simulator, TheRecordedRunsOwnBucketInputIsNotActivation) {
   // Two 60 MB gradients (reduce bytes): the recorded run (default 100 MB buckets) flushes the
   // first bucket at the second gradient's reduce_grad: its gradient is freed, its packed input

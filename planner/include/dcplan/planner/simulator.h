@@ -162,7 +162,7 @@ SimResult simulate(const Workload& workload, const CostModel& cost, const Compil
 /// The default schedule (compiled: def) as a replay runs it, given `recorded`, the simulation of
 /// the recorded run: a replay makes the agreement checks its recording did not
 /// (CostModel::replayChecks), so it is simulated again against the recorded run; else it is
-/// the recorded run itself. record: SimOptions::record.
+/// the recorded run itself, as it was simulated. record: SimOptions::record of a new simulation.
 inline SimResult replayedDefault(const Workload& workload, const CostModel& cost, const CompiledSchedule& def,
                                  const SimResult& recorded, bool record = false) {
   if (!cost.replayChecks()) return recorded;
