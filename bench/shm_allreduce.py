@@ -64,8 +64,6 @@ def time_round(fn, x, round_s: float) -> float:
 
 def worker(rank: int, ws: int, store_path: str, args, queue) -> None:
     torch.set_num_threads(1)
-    # A file store, not a TCP port: a port picked free here could be taken by another job before
-    # rank 0 binds it.
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=ws)
     import dcplan
 
@@ -86,6 +84,16 @@ def worker(rank: int, ws: int, store_path: str, args, queue) -> None:
     dist.destroy_process_group()
 
 
+def spawn_ranks(worker, ws: int, args):
+    """Runs worker(rank, ws, store_path, args, queue) on ws spawned ranks; returns what rank 0 put."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        # A file store, not a TCP port: a port picked free here could be taken by another job
+        # before rank 0 binds it.
+        mp.spawn(worker, args=(ws, os.path.join(tmp, "store"), args, queue), nprocs=ws, join=True)
+    return queue.get()
+
+
 def bus_gbps(size: int, seconds: float, ws: int) -> float:
     return 2 * (ws - 1) / ws * size / seconds / 1e9 if ws > 1 else 0.0
 
@@ -102,12 +110,8 @@ def main(argv=None) -> int:
     if args.min < 4 or args.max < args.min:
         ap.error("--min should be at least 4 bytes and at most --max")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, float32, in-place; median of {args.rounds} rounds")
-    ctx = mp.get_context("spawn")
     for ws in args.ranks:
-        queue = ctx.SimpleQueue()
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(worker, args=(ws, os.path.join(tmp, "store"), args, queue), nprocs=ws, join=True)
-        shm_path, rows = queue.get()
+        shm_path, rows = spawn_ranks(worker, ws, args)
         print(f"\n{ws} ranks (dc op through {'shared memory' if shm_path else 'the process group'})")
         print(f"{'size':>9} | {'dc op':>10} {'busbw':>9} | {'gloo':>10} {'busbw':>9} | {'speedup':>7}")
         for size, t in rows:
