@@ -13,9 +13,9 @@
 namespace dcplan::planner::detail {
 
 /// What the recorded run's runtime held besides activations, op by op: gathered copies, fused
-/// gather calls' buffers, gradients waiting in a bucket, launched buckets and gradient shards. A trace is recorded without a plan:
-/// gather on use and the default buckets, flushed when the next gradient would take one past
-/// kDefaultBucketBytes. Its activations are its recorded memory less these (the simulator adds
+/// gather calls' buffers, gradients waiting in a bucket, launched buckets and gradient shards. A
+/// trace is recorded without a plan: gather on use (a module's parameters in one fused call) and
+/// the default buckets, flushed when the next gradient would take one past kDefaultBucketBytes. Its activations are its recorded memory less these (the simulator adds
 /// the plan's own). Sizes are the recorded run's: its world size, its transport's allocator.
 class RecordedHoldings {
  public:
