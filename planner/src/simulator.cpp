@@ -161,6 +161,8 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
 
 namespace {
 
+constexpr size_t kOpRoles = static_cast<size_t>(OpRole::Free) + 1;  // the last of schemas::OpRole
+
 class Simulation {
  public:
   Simulation(const Workload& w, const CostModel& cost, const CompiledSchedule& s, const SimOptions& o)
@@ -244,6 +246,7 @@ class Simulation {
     res_.prediction.exposedCopyUs = copiesExposedUs;
     res_.prediction.copyInUs = res_.prediction.reloadUs + res_.activationInUs;
     res_.prediction.copyOutUs = res_.prediction.offloadUs + res_.activationOutUs;
+    if (w_.hostLane && !reference_) finishQuiet();
     return std::move(res_);
   }
 
@@ -399,7 +402,10 @@ class Simulation {
       }
       const int32_t calls = static_cast<int32_t>(res_.calls() - callsBefore);
       res_.callsAtOp.push_back(calls);
-      if (w_.hostLane) hostNow_ += issueUs(op, run.issueUs[i], calls);
+      if (w_.hostLane) {
+        hostNow_ += issueUs(op, run.issueUs[i], calls);
+        if (!reference_ && calls == 0) noteQuiet(op.role, run.issueUs[i]);
+      }
       ++opIndex_;
       sample(computeNow_, activation, r, op.seq, true);
       if (op.role == OpRole::EndBackward) {  // every reduction drained: no packed input is left
@@ -428,9 +434,34 @@ class Simulation {
       recorded = 0;
     if (!reference_ || opIndex_ >= reference_->callsAtOp.size()) return recorded;
     const int32_t extra = calls - reference_->callsAtOp[opIndex_];
-    const double charged = std::max(-recorded, cost_.launchUs() * extra);  // an op takes no less than 0
+    double charged = std::max(-recorded, cost_.launchUs() * extra);  // an op takes no less than 0
+    if (calls == 0 && extra < 0) {
+      // It launches nothing where the recorded run launched: it costs no more than the recorded
+      // ops that launched nothing. What its recorded time held beyond the median launch (the
+      // host's stalls beside the launch: a gather's up to 20x its median on 2 CPU ranks) went
+      // with the launch; replayed, such an op took 1 us on the host (docs/planning.md).
+      if (const std::optional<double> quiet = reference_->quietIssueUs(op.role))
+        charged = std::min(charged, std::max(0.0, *quiet) - recorded);
+    }
     launchChargedUs_ += charged;
     return recorded + charged;
+  }
+
+  /// The recorded run's simulation: op `role` issued no collective and took `us` on the host.
+  void noteQuiet(OpRole role, double us) {
+    if (role != OpRole::Gather && role != OpRole::Release && role != OpRole::ReduceGrad) return;
+    quiet_[static_cast<size_t>(role)].push_back(us);
+  }
+
+  /// SimResult::quietIssueByRole from the samples noteQuiet took.
+  void finishQuiet() {
+    res_.quietIssueByRole.assign(quiet_.size(), -1.0);
+    for (size_t role = 0; role < quiet_.size(); ++role) {
+      std::vector<double>& v = quiet_[role];
+      if (v.empty()) continue;
+      std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+      res_.quietIssueByRole[role] = v[v.size() / 2];
+    }
   }
 
   /// The wait on a member completes its gather call: the call's scratch is freed.
@@ -622,6 +653,8 @@ class Simulation {
   int64_t referenceCalls_;
   const SimResult* reference_;  ///< the recorded run's simulation (host lane only)
   size_t opIndex_ = 0;          ///< the op in progress, counted over the step's runs
+  /// The recorded run's simulation: recorded issue times of ops that issued no collective, by role.
+  std::vector<std::vector<double>> quiet_ = std::vector<std::vector<double>>(kOpRoles);
   double launchChargedUs_ = 0;  ///< host lane: launch time charged beyond the recorded run's
   SimResult res_;
   std::vector<char> allocated_;
@@ -662,6 +695,16 @@ class Simulation {
 SimResult simulate(const Workload& workload, const CostModel& cost, const CompiledSchedule& schedule,
                    const SimOptions& options) {
   return Simulation(workload, cost, schedule, options).run();
+}
+
+std::optional<double> SimResult::quietIssueUs(OpRole role) const {
+  auto of = [&](OpRole r) -> std::optional<double> {
+    const size_t k = static_cast<size_t>(r);
+    if (k >= quietIssueByRole.size() || quietIssueByRole[k] < 0) return std::nullopt;
+    return quietIssueByRole[k];
+  };
+  if (std::optional<double> own = of(role)) return own;
+  return role == OpRole::Gather ? of(OpRole::Release) : std::nullopt;
 }
 
 }  // namespace dcplan::planner

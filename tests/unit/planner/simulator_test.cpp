@@ -272,6 +272,45 @@ TEST(SimulatorHostLane, CollectivesAreChargedWhereTheyAreIssued) {
   }
 }
 
+TEST(SimulatorHostLane, AnOpThatLaunchesNothingCostsWhatTheRecordedRunsQuietOpsCost) {
+  // Host-bound. The recorded forward gather of param 1 stalled the host for 2 ms beside its
+  // launch (CPU ranks: up to 20x a gather's median); releases took 5 us.
+  Fixture f;
+  schemas::Trace t = withHostTimes(0.2, 1.0, 50.0, 300.0);
+  for (schemas::OpEvent& e : t.steps[0].graphs[0].events) {
+    if (e.op == "allgather_param" && e.dsIds[0] == 1) e.issueUs = 2000.0;
+    if (e.op == "release_param") e.issueUs = 5.0;
+  }
+  for (schemas::OpEvent& e : t.steps[0].graphs[1].events) {
+    if (e.op == "release_param") e.issueUs = 5.0;
+  }
+  const SimResult recorded = simulateTrace(t, f.onUse());
+  // Every gather of the recorded run launched (ZeRO-3 gathers again in the backward): a gather
+  // that launches nothing costs what a release costs; a reduce_grad, what its quiet ones cost.
+  EXPECT_EQ(recorded.quietIssueUs(schemas::OpRole::Gather), 5.0);
+  EXPECT_EQ(recorded.quietIssueUs(schemas::OpRole::ReduceGrad), 50.0);
+  EXPECT_FALSE(recorded.quietIssueUs(schemas::OpRole::GatherWait));
+  // One fused forward prefetch of both: gather 1 launches nothing, and costs 5 us, not 2000 - 40.
+  Schedule fused = f.onUse();
+  fused.graphs[0].prefetch = {{0, {0, 1}}};
+  const SimResult r = simulateTrace(t, fused, againstRecorded(recorded));
+  EXPECT_NEAR(r.launchDeltaUs, -(2000.0 - 5.0), 1e-9);
+  EXPECT_NEAR(r.prediction.stepUs, recorded.prediction.stepUs - (2000.0 - 5.0), 1e-9);
+  // An op that still launches keeps its recorded time, outliers and all.
+  Schedule again = f.onUse();
+  EXPECT_NEAR(simulateTrace(t, again, againstRecorded(recorded)).prediction.stepUs,
+              recorded.prediction.stepUs, 1e-9);
+  // The launch charge alone spares less where it is the smaller saving: quiet ops dearer than
+  // the op less its launch (a release of 1990 us) leave the charge as it was.
+  for (schemas::TraceGraph& g : t.steps[0].graphs) {
+    for (schemas::OpEvent& e : g.events) {
+      if (e.op == "release_param") e.issueUs = 1990.0;
+    }
+  }
+  const SimResult slowReleases = simulateTrace(t, f.onUse());
+  EXPECT_NEAR(simulateTrace(t, fused, againstRecorded(slowReleases)).launchDeltaUs, -kDefaultLaunchUs, 1e-9);
+}
+
 TEST(SimulatorHostLane, TheHostsWaitForTheDeviceAfterTheBackwardIsNotHostWork) {
   // Device-bound, and the script synchronises after the optimizer: the recorded host time after
   // the backward holds the wait for the device (the backward's tail) and 30 us of its own.

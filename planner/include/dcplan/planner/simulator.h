@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -106,6 +107,14 @@ struct SimResult {
   /// Collectives issued at each op of the step (runs in order, ops in order): the reference
   /// of a host lane's launch charge (SimOptions::reference).
   std::vector<int32_t> callsAtOp;
+  /// Host lane, the recorded run's simulation (no SimOptions::reference): the median recorded
+  /// issue time of its gathers, releases and reduce_grads that issued no collective, by role
+  /// (quietIssueUs); negative: none. What an op that issues none under a plan costs.
+  std::vector<double> quietIssueByRole;
+  /// What an op of `role` that issues no collective costs the host, by the recorded run: its own
+  /// role's quiet ops, else (a gather on use always launches) a release's, which like a gather
+  /// served from a held copy only updates the runtime's bookkeeping; nullopt without either.
+  std::optional<double> quietIssueUs(schemas::OpRole role) const;
   /// Host lane: how far the device was behind the host when the backward ended. Where the
   /// script synchronises between steps (most do, to read the loss), the recorded
   /// optimizer_host_us holds waiting that long for the device (SimOptions::reference).
