@@ -268,6 +268,8 @@ PlanDiff diffPlans(const schemas::Plan& a, const schemas::Plan& b, double tolera
          textB + (!sameNetwork && textA == textB ? ", other times" : ""));
   d.text("/options/in_situ_scale", "options.in_situ_scale", optNumber(a.options.inSituScale),
          optNumber(b.options.inSituScale), true);
+  d.text("/options/host_scale", "options.host_scale", optNumber(a.options.hostScale),
+         optNumber(b.options.hostScale), true);
   // Provenance: the same schedule from a re-recorded trace or a newer dcplan is the same plan.
   d.text("/source/trace_digest", "source.trace_digest", a.source.traceDigest, b.source.traceDigest, true);
   d.text("/source/trace", "source.trace", a.source.trace, b.source.trace, true);

@@ -76,11 +76,31 @@ InSituFit fitToReplay(const schemas::Trace& trace, const Workload& w, const Sche
                       const schemas::Network* network) {
   const CompiledSchedule def = compileSchedule(w, defaultSchedule(w));
   const CompiledSchedule plan = compileSchedule(w, replayed);
-  return bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
-    const CostModel cost = scaledCost(trace, w, bandwidthGBps, network, scale);
-    const SimResult d = simulate(w, cost, def);  // as dcplan inspect simulates a plan
-    return simulate(w, cost, plan, againstRecorded(d)).prediction.stepUs;
-  });
+  auto stepOf = [&](const Workload& run, const CostModel& cost) {
+    const SimResult d = simulate(run, cost, def);  // as dcplan inspect simulates a plan
+    return simulate(run, cost, plan, againstRecorded(d)).prediction.stepUs;
+  };
+  auto collectives = [&] {
+    return bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
+      return stepOf(w, scaledCost(trace, w, bandwidthGBps, network, scale));
+    });
+  };
+  auto host = [&] {
+    const CostModel held = plannedCostModel(trace, w, bandwidthGBps, network);
+    InSituFit fit = bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
+      Workload paced = w;
+      scaleHost(paced, scale);
+      return stepOf(paced, held);
+    });
+    fit.host = true;
+    fit.collectiveScale = held.inSituScale();
+    return fit;
+  };
+  if (!w.hostLane) return collectives();
+  const InSituFit first = w.waitsBlockHost ? collectives() : host();
+  if (!first.atBound) return first;
+  const InSituFit second = w.waitsBlockHost ? host() : collectives();
+  return second.atBound ? first : second;
 }
 
 std::string inSituText(const InSituFit& fit) {
@@ -89,6 +109,13 @@ std::string inSituText(const InSituFit& fit) {
     case InSituFit::Source::Plan:
       return "collectives in situ: " + scale + ", the scale the plan was made with (options.in_situ_scale)";
     case InSituFit::Source::Replay:
+      if (fit.host) {
+        return "host calibrated on a replay: it measured " + formatMs(fit.measuredUs) +
+               " a step, its plan simulated on the recording's host times " + formatMs(fit.calibratedUs) +
+               "; every host time is taken at " + formatFixed(fit.scale, 2) + "x the recording's" +
+               (fit.atBound ? "; the scale is at its bound, so the host's pace does not explain the difference"
+                            : "");
+      }
       return "collectives calibrated on a replay: it measured " + formatMs(fit.measuredUs) +
              " a step, its plan simulated on the trace's calibration " + formatMs(fit.calibratedUs) +
              "; every collective is taken at " + scale +

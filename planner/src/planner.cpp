@@ -759,9 +759,11 @@ InSituFit calibrationFit(const schemas::Trace& trace, const Workload& w, const P
   if (fit.atBound) {
     throw std::invalid_argument(what + "the replay measured " + formatMs(m.stepUs) +
                                 " a step where its plan is " + "predicted at " + formatMs(fit.calibratedUs) +
-                                " on " + thisNetwork + "; " + "no collective time between " +
+                                " on " + thisNetwork + "; " + "no collective time " +
+                                (w.hostLane ? "and no pace of the host " : "") + "between " +
                                 formatFixed(kInSituMin, 3) + "x and " + formatFixed(kInSituMax, 0) +
-                                "x explains that (the host or the device, not " +
+                                "x the recording's explains that (the device" +
+                                (w.hostLane ? "" : " or the host") + ", not " +
                                 "the communication, differs from the recording): not calibrated");
   }
   return fit;
@@ -863,9 +865,14 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
         "plan is for 1 rank, which has none (plan for more with --world-size N)");
   std::optional<InSituFit> inSitu;
   std::optional<double> calibrated;
+  std::optional<double> hostScale;
   if (req.calibrate) {
     inSitu = calibrationFit(trace, w, req);
-    calibrated = inSitu->scale;
+    calibrated = inSitu->host ? inSitu->collectiveScale : inSitu->scale;
+    if (inSitu->host) {
+      hostScale = inSitu->scale;
+      scaleHost(w, *hostScale);
+    }
   }
   CostModel cost =
       plannedCostModel(trace, w, req.bandwidthGBps, network, calibrated, calibrated ? nullptr : &inSitu);
@@ -928,7 +935,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   plan.options.gradAccumSteps = w.gradAccumSteps;
   plan.options.cudaGraph = w.cudaGraph;
   // The scale the plan was made with, so that inspect simulates it alike without fitting again.
-  if (cost.inSituScale() != 1.0) plan.options.inSituScale = cost.inSituScale();
+  if (cost.inSituScale() != 1.0 || hostScale) plan.options.inSituScale = cost.inSituScale();
+  plan.options.hostScale = hostScale;  // with the collectives' scale it was fitted beside
   plan.options.network = req.network;
   if (inSitu) result.inSitu = inSituText(*inSitu);
   if (inSitu && inSitu->atBound) result.warnings.push_back(result.inSitu);

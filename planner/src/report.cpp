@@ -56,11 +56,13 @@ struct Simulated {
   SimResult plan;
   SimResult def;
   std::optional<InSituFit> inSitu;
+  std::optional<double> hostScale;  ///< the plan's options.host_scale
 };
 
 Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   const schemas::Network* network = plan.options.network ? &plan.options.network->measured : nullptr;
   Workload w = plannedWorkload(trace, plan.source.worldSize, plan.options.cudaGraph, network);
+  if (plan.options.hostScale) scaleHost(w, *plan.options.hostScale);
   std::optional<InSituFit> inSitu;
   CostModel cost =
       plannedCostModel(trace, w, plan.options.bandwidthGBps, network, plan.options.inSituScale, &inSitu);
@@ -68,7 +70,7 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   const SimResult recorded = simulate(w, cost, def, SimOptions{true});
   SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), againstRecorded(recorded, true));
   SimResult d = replayedDefault(w, cost, def, recorded, true);
-  return Simulated{std::move(w), std::move(p), std::move(d), inSitu};
+  return Simulated{std::move(w), std::move(p), std::move(d), inSitu, plan.options.hostScale};
 }
 
 std::string count(size_t n, const std::string& noun) {
@@ -203,6 +205,10 @@ void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& t
     s << "  host lane: none (the trace has no host times; the step is simulated on the device's times)\n";
   }
   if (sim.inSitu) s << "  " << inSituText(*sim.inSitu) << "\n";
+  if (sim.hostScale) {
+    s << "  host: every host time at " << formatFixed(*sim.hostScale, 2)
+      << "x the recording's, the pace the plan was calibrated to (options.host_scale)\n";
+  }
   if (sim.plan.checkUs > 0) {  // the replay checks each call with the other ranks (docs/planning.md)
     s << "  agreement checks: " << formatMs(sim.plan.checkUs) << " a step on the host, one before each of "
       << count(static_cast<size_t>(sim.plan.calls()), "collective call")

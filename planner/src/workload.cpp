@@ -370,6 +370,20 @@ void scaleCompute(Workload& w, double factor) {
   w.recordedHostUs *= factor;
 }
 
+void scaleHost(Workload& w, double factor) {
+  if (w.waitsBlockHost) {
+    scaleCompute(w, factor);
+    return;
+  }
+  for (GraphRun& run : w.runs) {
+    for (std::vector<double>* times : {&run.hostUs, &run.issueUs}) {
+      for (double& t : *times) t *= factor;
+    }
+  }
+  w.optimizerHostUs *= factor;
+  w.recordedHostUs *= factor;
+}
+
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay) {
   if (trace.steps.empty()) throw std::invalid_argument("/steps: the trace has no step to plan from");
   Workload w = workloadShape(trace, worldSize);

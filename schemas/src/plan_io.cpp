@@ -95,6 +95,7 @@ class PlanValidator {
     o.gradAccumSteps = r.integer("grad_accum_steps", 1).value_or(1);
     o.cudaGraph = r.boolean("cuda_graph", P::Optional).value_or(false);
     o.inSituScale = r.positiveNumber("in_situ_scale", P::Optional);
+    o.hostScale = r.positiveNumber("host_scale", P::Optional);
     if (auto* network = r.object("network", P::Optional)) {
       FieldReader n(*network, r.pointerOf("network"), diags_);
       PlanNetwork& planned = o.network.emplace();
@@ -319,6 +320,7 @@ std::string writePlan(const Plan& plan) {
   options["grad_accum_steps"] = plan.options.gradAccumSteps;
   if (plan.options.cudaGraph) options["cuda_graph"] = true;
   if (plan.options.inSituScale) options["in_situ_scale"] = *plan.options.inSituScale;
+  if (plan.options.hostScale) options["host_scale"] = *plan.options.hostScale;
   if (plan.options.network) {
     options["network"] = {{"file", plan.options.network->file}};
     options["network"].update(networkJson(plan.options.network->measured));

@@ -237,14 +237,64 @@ TEST(InSituReplay, WhatCannotCalibrateIsRefusedSayingWhy) {
     }
     return std::string("planned");
   };
-  // A step a hundred times the prediction: no collective time explains it.
-  EXPECT_NE(refusal(calibrated(replayed, 1e8)).find("no collective time between 0.125x and 8x explains that"),
-            std::string::npos);
+  // A step a hundred times the prediction: neither the collectives nor the host's pace explains it.
+  EXPECT_NE(refusal(calibrated(replayed, 1e8))
+                .find("no collective time and no pace of the host between 0.125x and 8x the recording's "
+                      "explains that (the device, not the communication, differs"),
+            std::string::npos)
+      << refusal(calibrated(replayed, 1e8));
   EXPECT_NE(refusal(calibrated(replayed, 5000, 4)).find("the replayed plan is for 4 ranks, this plan for 2"),
             std::string::npos);
   PlanRequest graph = calibrated(replayed, 5000);
   graph.calibrate->cudaGraph = true;
   EXPECT_NE(refusal(graph).find("one CUDA graph writes no replay log"), std::string::npos);
+}
+
+/// The tiny trace as a GPU records it, host-bound: each stretch took the host 3x the device's time.
+schemas::Trace hostBoundGpuTrace() {
+  schemas::Trace t = test::tinyTrace();
+  for (schemas::TraceStep& step : t.steps) {
+    step.optimizerHostUs = 50.0;
+    for (schemas::TraceGraph& g : step.graphs) {
+      for (schemas::OpEvent& e : g.events) {
+        e.hostUs = 3 * e.computeUs;
+        e.issueUs = 5.0;
+      }
+    }
+  }
+  return t;
+}
+
+TEST(InSituReplay, OnAGpuAReplayWhoseHostRanFasterCalibratesTheHostsPace) {
+  // The host paces the step, and its replay ran at 70% of the predicted step (session 35's 4-GPU
+  // replays ran each stretch 1.5-1.7x faster on the host than the recording).
+  const schemas::Trace t = hostBoundGpuTrace();
+  const Workload w = makeWorkload(t);
+  ASSERT_TRUE(w.hostLane && !w.waitsBlockHost);
+  const schemas::Plan first = makePlan(t, PlanRequest{}).plan;
+  const double measured = 0.7 * first.predicted.stepUs;
+  const InSituFit fit = fitToReplay(t, w, scheduleOf(first), measured, std::nullopt, nullptr);
+  EXPECT_TRUE(fit.host);  // no collective time makes a host-bound step shorter
+  EXPECT_FALSE(fit.atBound);
+  EXPECT_LT(fit.scale, 0.75);
+  EXPECT_EQ(fit.collectiveScale, 1.0);
+  // Replanned: the plan carries the pace and the collectives' scale beside it, and inspect
+  // simulates the replayed schedule at the measured step.
+  const PlanResult again = makePlan(t, calibrated(scheduleOf(first), measured));
+  ASSERT_TRUE(again.plan.options.hostScale);
+  EXPECT_NEAR(*again.plan.options.hostScale, fit.scale, 1e-12);
+  EXPECT_EQ(again.plan.options.inSituScale, 1.0);
+  EXPECT_NE(again.inSitu.find("host calibrated on a replay"), std::string::npos) << again.inSitu;
+  schemas::Plan replayedAgain = again.plan;
+  replayedAgain.persistent = first.persistent;
+  replayedAgain.graphs = first.graphs;
+  const std::string report = renderPlanReport(replayedAgain, "p.json", &t, "t.json");
+  const std::string simulated = "simulated on t.json: step ";
+  const size_t at = report.find(simulated);
+  ASSERT_NE(at, std::string::npos) << report;
+  EXPECT_NEAR(std::stod(report.substr(at + simulated.size())) * 1000.0, measured, 1e-3 * measured) << report;
+  EXPECT_NE(report.find("host: every host time at "), std::string::npos);
+  // On CPU ranks the collectives come first (InSituReplay.APlanIsCalibratedToTheStepItsReplayMeasured).
 }
 
 TEST(AgreementChecks, AReplayIsChargedEveryCallsCheckTheRecordingDidNotMake) {

@@ -176,11 +176,13 @@ TEST(RoundTrip, ReplayModeIsAbsentForEagerAndKeptForCompiled) {
   trace.meta.graphed = true;
   trace.meta.checksCollectives = true;
   plan.options.inSituScale = 2.5;
+  plan.options.hostScale = 0.75;
   ASSERT_TRUE(validateTrace(parseJson(writeTrace(trace), "trace"), t2).empty());
   ASSERT_TRUE(validatePlan(parseJson(writePlan(plan), "plan"), p2).empty());
   EXPECT_TRUE(t2.meta.graphed);
   EXPECT_TRUE(t2.meta.checksCollectives);
   EXPECT_EQ(p2.options.inSituScale, 2.5);
+  EXPECT_EQ(p2.options.hostScale, 0.75);
 }
 
 TEST(RoundTrip, InputShapesStayAbsentOrPresent) {

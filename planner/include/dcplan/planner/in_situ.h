@@ -25,7 +25,11 @@ struct InSituFit {
     Plan,       ///< the scale a calibrated plan carries (options.in_situ_scale)
   };
   Source source = Source::Recording;
-  double scale = 1.0;       ///< CostModelOptions::inSituScale
+  double scale = 1.0;       ///< CostModelOptions::inSituScale, or with `host` the host's (scaleHost)
+  /// A replay's fit of the host's pace instead (dcplan plan --calibrate): every host time at
+  /// `scale`, the collectives held at collectiveScale (as the recording's fit, or 1, has them).
+  bool host = false;
+  double collectiveScale = 1.0;
   double measuredUs = 0;    ///< the run's step (the recorded step's host time, or the replay's)
   double calibratedUs = 0;  ///< its schedule simulated on the calibration as measured
   bool atBound = false;     ///< the scale hit its bound: the collectives do not explain the run (not applied)
@@ -42,8 +46,12 @@ inline constexpr double kInSituMax = 8.0;
 std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& workload,
                                    std::optional<double> bandwidthGBps, const schemas::Network* network);
 
-/// The fit to a replay of `replayed` (a plan made from this trace) whose step measured measuredUs.
-/// Any path the replay log can watch (not a CUDA graph); atBound where no scale explains it.
+/// The fit to a replay of `replayed` (a plan made from this trace) whose step measured measuredUs:
+/// the collectives' scale, or the host's pace (InSituFit::host) where no collective time explains
+/// the run. On a GPU the host's pace first: its collectives run on the device at the times the
+/// calibration measured there, and its host moves by up to 2x from process to process
+/// (docs/benchmarks.md, "Host CPUs"); on CPU ranks the collectives first (in situ). Any path the
+/// replay log can watch (not a CUDA graph); atBound where neither explains it.
 InSituFit fitToReplay(const schemas::Trace& trace, const Workload& workload, const Schedule& replayed,
                       double measuredUs, std::optional<double> bandwidthGBps,
                       const schemas::Network* network);

@@ -184,6 +184,11 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0,
 /// copies (copyUs) are kept: their rate is the memory's, not the cores'.
 void scaleCompute(Workload& workload, double factor);
 
+/// The recorded host at another pace: its host and issue times and the optimizer's host time,
+/// times `factor`; where the host is the compute (Workload::waitsBlockHost, CPU ranks), all of
+/// scaleCompute. A GPU's own times are kept.
+void scaleHost(Workload& workload, double factor);
+
 /// The host time of one gather call, from a trace with host times (Workload::hostLane): the
 /// median issue_us of the recorded run's allgather_param that launched a gather, less the median
 /// of its release_param (an op of the same dispatch that moves nothing). nullopt without host

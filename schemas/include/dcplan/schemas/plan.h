@@ -47,6 +47,9 @@ struct PlanOptions {
   /// the recorded run (CPU ranks) or to a replay (dcplan plan --calibrate); absent: 1, or from an
   /// older dcplan (inspect fits it again) (docs/planning.md, "In situ").
   std::optional<double> inSituScale;
+  /// The trace's host times (host_us, issue_us, optimizer_host_us; on CPU ranks, where the host
+  /// computes, its compute too) at this multiple: fitted to a replay (dcplan plan --calibrate).
+  std::optional<double> hostScale;
   /// Planned with the collectives of a network measurement instead of the trace's calibration
   /// (dcplan plan --network): what the plan is simulated with, whoever simulates it again.
   std::optional<PlanNetwork> network;
