@@ -239,8 +239,9 @@ TEST(InSituReplay, WhatCannotCalibrateIsRefusedSayingWhy) {
   };
   // A step a hundred times the prediction: neither the collectives nor the host's pace explains it.
   EXPECT_NE(refusal(calibrated(replayed, 1e8))
-                .find("no collective time and no pace of the host between 0.125x and 8x the recording's "
-                      "explains that (the device, not the communication, differs"),
+                .find("no collective time between 0.125x and 8x the calibration's and no pace of the host "
+                      "between 0.125x and 8x the recording's explains that (the device, not the "
+                      "communication or the host, differs"),
             std::string::npos)
       << refusal(calibrated(replayed, 1e8));
   EXPECT_NE(refusal(calibrated(replayed, 5000, 4)).find("the replayed plan is for 4 ranks, this plan for 2"),
