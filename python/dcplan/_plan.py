@@ -627,6 +627,7 @@ def prediction_report(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
         timed = (f"{m['steps']} graph replays timed on the device" if "warmup_peak_bytes" in m
                  else f"{m['steps']} steps timed")
         lines.append(f"  {os.path.basename(name):24s} {step:>20s} {peak:>20s}  ({timed})")
+    lines += _calibrate_hint(plan, runs)
     logged = {os.path.basename(name): m for name, m in runs.items() if m.get("log_us") is not None}
     if logged:
         out = all(m["log_taken_out"] for m in logged.values())
@@ -644,6 +645,25 @@ def prediction_report(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
             if budget and m.get(key) is not None and m[key] > budget:
                 lines.append(f"OVER BUDGET: {name}: {what} {_mib(m[key])} > budget {_mib(budget)}")
     return lines
+
+
+# How far a step may miss its prediction before the report points to --calibrate: issue 29's
+# promise for a step's time (docs/planning.md).
+CALIBRATE_BEYOND = 0.10
+
+
+def _calibrate_hint(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
+    """Where a host-timed step missed the prediction by more than CALIBRATE_BEYOND, how to plan
+    again from this run (a CUDA graph's replays, timed on the device, cannot calibrate)."""
+    predicted = plan.get("predicted", {}).get("step_us")
+    host_timed = [name for name, m in runs.items() if "warmup_peak_bytes" not in m]
+    missed = [m["step_us"] for name, m in runs.items() if name in host_timed and m["step_us"] is not None]
+    if not predicted or not any(abs(s / predicted - 1) > CALIBRATE_BEYOND for s in missed):
+        return []
+    trace = plan.get("source", {}).get("trace") or "TRACE"
+    return [f"  the step missed its prediction by more than {CALIBRATE_BEYOND:.0%}: `dcplan plan {trace} -o PLAN "
+            f"--calibrate {' '.join(host_timed)}` plans again from this run's collectives' time or its host's "
+            "pace (docs/planning.md, \"Calibrated on a replay\")"]
 
 
 def _last_complete_step(execs: List[Dict]) -> Optional[int]:

@@ -50,8 +50,17 @@ def test_report_flags_a_peak_over_the_budget(peak, over):
     lines = _plan.prediction_report(PLAN, {"r.0.jsonl": {"step_us": 25000.0, "steps": 4, "peak_bytes": peak}})
     assert "  predicted" in lines[2] and "20.000 ms" in lines[2] and "80.0 MiB" in lines[2]
     assert "25.000 ms (+25%)" in lines[3] and "(4 steps timed)" in lines[3]
-    assert lines[4] == "  budget: 100.0 MiB"
+    # 25% over: the way to plan again from this run.
+    assert lines[4].startswith("  the step missed its prediction by more than 10%: `dcplan plan t.json -o PLAN "
+                               "--calibrate r.0.jsonl` plans again"), lines
+    assert lines[5] == "  budget: 100.0 MiB"
     assert any(line.startswith("OVER BUDGET: r.0.jsonl") for line in lines) == over
+
+
+@pytest.mark.parametrize("step_us,hinted", [(21900.0, False), (22100.0, True), (17900.0, True)])
+def test_a_step_beyond_ten_percent_of_its_prediction_points_to_calibrate(step_us, hinted):
+    lines = _plan.prediction_report(PLAN, {"r.0.jsonl": {"step_us": step_us, "steps": 4, "peak_bytes": 1}})
+    assert any("--calibrate r.0.jsonl" in line for line in lines) == hinted, lines
 
 
 def test_report_without_a_budget_or_marks():
