@@ -41,6 +41,42 @@ struct RecordOptions {
 };
 
 constexpr size_t kLastLines = 20;
+constexpr size_t kFirstErrors = 5;
+
+// The command's output as a failure shows it: its last lines, and before them the first lines
+// that name an error where those scrolled out (torchrun ends a failed job with a report of its
+// own, which pushes the rank's error out of the last lines: a script path it could not open, a
+// ValueError of the script's arguments).
+class CommandOutput {
+ public:
+  void add(const std::string& line) {
+    static const std::regex error(R"((\w+(Error|Exception)|\berror): |can't open file)");
+    ++lines_;
+    if (firstErrors_.size() < kFirstErrors && std::regex_search(line, error))
+      firstErrors_.emplace_back(lines_, line);
+    last_.push_back(line);
+    if (last_.size() > kLastLines) last_.pop_front();
+  }
+
+  void print(std::ostream& s) const {
+    const size_t firstShown = lines_ - last_.size() + 1;  // the number of the first of last_
+    bool headed = false;
+    for (const auto& [number, line] : firstErrors_) {
+      if (number >= firstShown) break;
+      if (!headed) s << "first errors in the command's output:\n";
+      headed = true;
+      s << "  | " << line << "   (line " << number << ")\n";
+    }
+    if (last_.empty()) return;
+    s << "last output of the command:\n";
+    for (const auto& line : last_) s << "  | " << line << "\n";
+  }
+
+ private:
+  size_t lines_ = 0;
+  std::deque<std::string> last_;
+  std::vector<std::pair<size_t, std::string>> firstErrors_;  // (line number from 1, line)
+};
 
 // Removes the rank directory on every way out, unless asked to keep it.
 class RankDirectory {
@@ -102,12 +138,9 @@ std::string quoteCommand(const std::vector<std::string>& argv) {
   return out;
 }
 
-[[noreturn]] void failWithOutput(const std::string& message, const std::deque<std::string>& lastLines) {
+[[noreturn]] void failWithOutput(const std::string& message, const CommandOutput& output) {
   std::cerr << "dcplan: error: " << message << "\n";
-  if (!lastLines.empty()) {
-    std::cerr << "last output of the command:\n";
-    for (const auto& line : lastLines) std::cerr << "  | " << line << "\n";
-  }
+  output.print(std::cerr);
   std::cerr << "no trace written\n";
   throw ExitCode{kExitBadInput};
 }
@@ -140,12 +173,11 @@ void runRecord(const RecordOptions& o) {
 
   InterruptGuard interrupts;
   ChildProcess child(o.command, env);
-  std::deque<std::string> lastLines;
+  CommandOutput said;
   auto onLine = [&](const std::string& line) {
     // The recorder's own warnings (a trace without device_us, say) are shown without -v too.
     if (o.verbose || line.find("Warning: record: ") != std::string::npos) std::cerr << line << "\n";
-    lastLines.push_back(line);
-    if (lastLines.size() > kLastLines) lastLines.pop_front();
+    said.add(line);
   };
   const auto started = std::chrono::steady_clock::now();
   Progress shown;
@@ -161,8 +193,7 @@ void runRecord(const RecordOptions& o) {
         std::chrono::steady_clock::now() - started > std::chrono::duration<double>(o.timeoutS)) {
       child.stop(std::chrono::seconds(5));
       failWithOutput("the command did not finish recording within " +
-                         std::to_string(static_cast<int64_t>(o.timeoutS)) + " s (--timeout)",
-                     lastLines);
+                         std::to_string(static_cast<int64_t>(o.timeoutS)) + " s (--timeout)", said);
     }
     Progress p = readProgress(rankDir);
     if (p.ranks > 0 && !(p == shown)) {
@@ -172,7 +203,7 @@ void runRecord(const RecordOptions& o) {
     }
   }
   if (!status->ok()) {
-    failWithOutput("the command failed (" + status->describe() + "): " + quoteCommand(o.command), lastLines);
+    failWithOutput("the command failed (" + status->describe() + "): " + quoteCommand(o.command), said);
   }
   std::vector<RankTrace> rankTraces = readRankTraces(rankDir);
   if (rankTraces.empty()) {
@@ -186,16 +217,15 @@ void runRecord(const RecordOptions& o) {
       failWithOutput("the command finished without writing a trace: every rank recorded its " +
                          std::to_string(p.total) +
                          " steps, but the job ended before the next forward; run at least " + needed,
-                     lastLines);
+                     said);
     }
     if (p.ranks > 0) {
       failWithOutput("the command finished after recording " + std::to_string(p.recorded) + " of " +
                          std::to_string(p.total) + " steps; run at least " + needed,
-                     lastLines);
+                     said);
     }
     failWithOutput("the command finished without recording: no rank traces in " + rankDir.string() +
-                       "/ (does it call dcplan.shard() and run at least " + needed + "?)",
-                   lastLines);
+                       "/ (does it call dcplan.shard() and run at least " + needed + "?)", said);
   }
   Trace merged;
   try {

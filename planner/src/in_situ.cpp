@@ -113,8 +113,9 @@ std::string inSituText(const InSituFit& fit) {
         return "host calibrated on a replay: it measured " + formatMs(fit.measuredUs) +
                " a step, its plan simulated on the recording's host times " + formatMs(fit.calibratedUs) +
                "; every host time is taken at " + formatFixed(fit.scale, 2) + "x the recording's" +
-               (fit.atBound ? "; the scale is at its bound, so the host's pace does not explain the difference"
-                            : "");
+               (fit.atBound
+                    ? "; the scale is at its bound, so the host's pace does not explain the difference"
+                    : "");
       }
       return "collectives calibrated on a replay: it measured " + formatMs(fit.measuredUs) +
              " a step, its plan simulated on the trace's calibration " + formatMs(fit.calibratedUs) +

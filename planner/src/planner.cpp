@@ -762,8 +762,9 @@ InSituFit calibrationFit(const schemas::Trace& trace, const Workload& w, const P
                                 " a step where its plan is " + "predicted at " + formatMs(fit.calibratedUs) +
                                 " on " + thisNetwork + "; no collective time between " + range +
                                 "x the calibration's " +
-                                (w.hostLane ? "and no pace of the host between " + range + "x the recording's "
-                                            : "") +
+                                (w.hostLane
+                                     ? "and no pace of the host between " + range + "x the recording's "
+                                     : "") +
                                 "explains that (" +
                                 (w.hostLane ? "the device, not the communication or the host,"
                                             : "the host or the device, not the communication,") +

@@ -8,6 +8,8 @@ fake_training.py MODE [--world-size N]
   diverge       like ok, but rank 1 reduces another parameter at one position
   missing-rank  like ok, but the last rank writes no trace
   fail          print a traceback-like message and exit 3
+  fail-buried   print an error, then 25 lines of a launcher's report (as torchrun ends a failed
+                job), and exit 1
   never         train without ever turning recording on, exit 0
   one-short     record every step, then end before the forward at which a rank writes its trace
   hang          start recording, then never finish (for interruption tests)
@@ -39,6 +41,11 @@ def main():
         print("Traceback (most recent call last):\n  File \"train.py\", line 7\nRuntimeError: CUDA out of memory",
               flush=True)
         return 3
+    if args.mode == "fail-buried":
+        print("[rank0]: ValueError: --hidden 192 is not divisible by --heads 5", flush=True)
+        for k in range(25):
+            print(f"launcher report line {k}: error_file: <N/A>", flush=True)
+        return 1
     record_dir = os.environ.get("DCPLAN_RECORD")
     if args.mode == "never" or not record_dir:
         print("trained 5 steps without dcplan", flush=True)
