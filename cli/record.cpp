@@ -52,7 +52,9 @@ class CommandOutput {
   void add(const std::string& line) {
     static const std::regex error(R"((\w+(Error|Exception)|\berror): |can't open file)");
     ++lines_;
-    if (firstErrors_.size() < kFirstErrors && std::regex_search(line, error))
+    const bool again = std::any_of(firstErrors_.begin(), firstErrors_.end(),
+                                   [&](const auto& kept) { return kept.second == line; });  // another rank's
+    if (firstErrors_.size() < kFirstErrors && !again && std::regex_search(line, error))
       firstErrors_.emplace_back(lines_, line);
     last_.push_back(line);
     if (last_.size() > kLastLines) last_.pop_front();

@@ -216,6 +216,9 @@ def test_failing_job_reports_its_exit_code(dcplan_ok, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "dcplan: error: the command failed (exit code 1)" in r.stderr
     assert "last output of the command:" in r.stderr and "train_llama.py FAILED" in r.stderr  # torchrun's report
+    # The script's own error, which torchrun's report pushed out of the last lines, once for both ranks.
+    first = r.stderr.split("first errors in the command's output:\n", 1)[1].split("last output", 1)[0]
+    assert first.count("train_llama.py: error: --hidden (128) must be a multiple of --heads (3)") == 1, r.stderr
     assert not out.exists()
 
 
