@@ -176,7 +176,8 @@ void setupPlan(CLI::App& app) {
   cmd->add_option(
          "--calibrate", o->calibrate,
          "the replay logs (DCPLAN_REPLAY_LOG) of a run of an earlier plan of this trace: plan again "
-         "with the collectives' time fitted to the step they measured (docs/planning.md, \"In situ\")")
+         "with the collectives' time, or the host's pace, fitted to the step they measured "
+         "(docs/planning.md, \"Calibrated on a replay\")")
       ->expected(1, -1);
   cmd->add_option(
       "--network", o->network,

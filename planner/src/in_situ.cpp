@@ -86,20 +86,28 @@ InSituFit fitToReplay(const schemas::Trace& trace, const Workload& w, const Sche
     });
   };
   auto host = [&] {
-    const CostModel held = plannedCostModel(trace, w, bandwidthGBps, network);
+    const double held = plannedCostModel(trace, w, bandwidthGBps, network).inSituScale();
     InSituFit fit = bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
       Workload paced = w;
       scaleHost(paced, scale);
-      return stepOf(paced, held);
+      // The cost model of the paced workload, as dcplan plan makes it after scaling: its launch
+      // charge is measured from the paced issue times.
+      return stepOf(paced, scaledCost(trace, paced, bandwidthGBps, network, held));
     });
     fit.host = true;
-    fit.collectiveScale = held.inSituScale();
+    fit.collectiveScale = held;
     return fit;
   };
   if (!w.hostLane) return collectives();
-  const InSituFit first = w.waitsBlockHost ? collectives() : host();
+  // The host first on a GPU whose replayed plan the host paces: no collective time shortens such
+  // a step, and the host's speed is what moves between processes there. Elsewhere (CPU ranks, or
+  // a device-bound step) the collectives first.
+  const CostModel asCalibrated = scaledCost(trace, w, bandwidthGBps, network, 1.0);
+  const SimResult asPlanned = simulate(w, asCalibrated, plan, againstRecorded(simulate(w, asCalibrated, def)));
+  const bool hostFirst = !w.waitsBlockHost && asPlanned.hostUs >= asPlanned.prediction.stepUs - 1.0;
+  const InSituFit first = hostFirst ? host() : collectives();
   if (!first.atBound) return first;
-  const InSituFit second = w.waitsBlockHost ? host() : collectives();
+  const InSituFit second = hostFirst ? collectives() : host();
   return second.atBound ? first : second;
 }
 

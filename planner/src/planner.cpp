@@ -939,7 +939,9 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   plan.options.gradAccumSteps = w.gradAccumSteps;
   plan.options.cudaGraph = w.cudaGraph;
   // The scale the plan was made with, so that inspect simulates it alike without fitting again.
-  if (cost.inSituScale() != 1.0 || hostScale) plan.options.inSituScale = cost.inSituScale();
+  // Beside a host scale on CPU ranks always: inspect would otherwise fit the collectives again, on
+  // the paced workload (a GPU fits none: docs/planning.md, "In situ").
+  if (cost.inSituScale() != 1.0 || (hostScale && w.waitsBlockHost)) plan.options.inSituScale = cost.inSituScale();
   plan.options.hostScale = hostScale;  // with the collectives' scale it was fitted beside
   plan.options.network = req.network;
   if (inSitu) result.inSitu = inSituText(*inSitu);

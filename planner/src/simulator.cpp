@@ -161,8 +161,6 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
 
 namespace {
 
-constexpr size_t kOpRoles = static_cast<size_t>(OpRole::Free) + 1;  // the last of schemas::OpRole
-
 class Simulation {
  public:
   Simulation(const Workload& w, const CostModel& cost, const CompiledSchedule& s, const SimOptions& o)
@@ -457,10 +455,7 @@ class Simulation {
   void finishQuiet() {
     res_.quietIssueByRole.assign(quiet_.size(), -1.0);
     for (size_t role = 0; role < quiet_.size(); ++role) {
-      std::vector<double>& v = quiet_[role];
-      if (v.empty()) continue;
-      std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-      res_.quietIssueByRole[role] = v[v.size() / 2];
+      if (!quiet_[role].empty()) res_.quietIssueByRole[role] = upperMedian(quiet_[role]);
     }
   }
 
@@ -654,7 +649,7 @@ class Simulation {
   const SimResult* reference_;  ///< the recorded run's simulation (host lane only)
   size_t opIndex_ = 0;          ///< the op in progress, counted over the step's runs
   /// The recorded run's simulation: recorded issue times of ops that issued no collective, by role.
-  std::vector<std::vector<double>> quiet_ = std::vector<std::vector<double>>(kOpRoles);
+  std::vector<std::vector<double>> quiet_ = std::vector<std::vector<double>>(schemas::kOpRoleCount);
   double launchChargedUs_ = 0;  ///< host lane: launch time charged beyond the recorded run's
   SimResult res_;
   std::vector<char> allocated_;

@@ -82,6 +82,11 @@ std::vector<int32_t> gathersPerStep(const Workload& w) {
   return count;
 }
 
+double upperMedian(std::vector<double>& values) {
+  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2), values.end());
+  return values[values.size() / 2];
+}
+
 std::optional<double> measuredLaunchUs(const Workload& w) {
   if (!w.hostLane) return std::nullopt;
   // The recorded run is the default schedule: a parameter not held is gathered at its
@@ -101,11 +106,7 @@ std::optional<double> measuredLaunchUs(const Workload& w) {
     }
   }
   if (launched.empty() || released.empty()) return std::nullopt;
-  auto median = [](std::vector<double>& v) {
-    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-    return v[v.size() / 2];
-  };
-  return std::max(0.0, median(launched) - median(released));
+  return std::max(0.0, upperMedian(launched) - upperMedian(released));
 }
 
 namespace {

@@ -656,14 +656,25 @@ def _calibrate_hint(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
     """Where a host-timed step missed the prediction by more than CALIBRATE_BEYOND, how to plan
     again from this run (a CUDA graph's replays, timed on the device, cannot calibrate)."""
     predicted = plan.get("predicted", {}).get("step_us")
-    host_timed = [name for name, m in runs.items() if "warmup_peak_bytes" not in m]
-    missed = [m["step_us"] for name, m in runs.items() if name in host_timed and m["step_us"] is not None]
-    if not predicted or not any(abs(s / predicted - 1) > CALIBRATE_BEYOND for s in missed):
+    timed = {name: m["step_us"] for name, m in runs.items()
+             if "warmup_peak_bytes" not in m and m["step_us"] is not None}
+    if not predicted or not any(abs(s / predicted - 1) > CALIBRATE_BEYOND for s in timed.values()):
         return []
-    trace = plan.get("source", {}).get("trace") or "TRACE"
-    return [f"  the step missed its prediction by more than {CALIBRATE_BEYOND:.0%}: `dcplan plan {trace} -o PLAN "
-            f"--calibrate {' '.join(host_timed)}` plans again from this run's collectives' time or its host's "
-            "pace (docs/planning.md, \"Calibrated on a replay\")"]
+    # The plan's own options again (its network comes with the logs' plan), so that the new plan is
+    # made for the same ranks, budget and strategy.
+    source, options = plan.get("source", {}), plan.get("options", {})
+    args = [source.get("trace") or "TRACE", "-o", "PLAN"]
+    if source.get("world_size"):
+        args += ["--world-size", str(source["world_size"])]
+    if options.get("memory_budget_bytes"):
+        args += ["--memory-budget", str(options["memory_budget_bytes"])]
+    if options.get("strategy", "optimized") != "optimized":
+        args += ["--strategy", options["strategy"]]
+    if options.get("bandwidth_gbps"):
+        args += ["--bandwidth", f"{options['bandwidth_gbps']:g}"]
+    return [f"  the step missed its prediction by more than {CALIBRATE_BEYOND:.0%}: `dcplan plan {' '.join(args)} "
+            f"--calibrate {' '.join(timed)}` plans again from this run's collectives' time or its host's pace "
+            "(docs/planning.md, \"Calibrated on a replay\")"]
 
 
 def _last_complete_step(execs: List[Dict]) -> Optional[int]:

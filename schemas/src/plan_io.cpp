@@ -96,6 +96,11 @@ class PlanValidator {
     o.cudaGraph = r.boolean("cuda_graph", P::Optional).value_or(false);
     o.inSituScale = r.positiveNumber("in_situ_scale", P::Optional);
     o.hostScale = r.positiveNumber("host_scale", P::Optional);
+    if (o.hostScale && o.cudaGraph) {
+      diags_.add(r.pointerOf("host_scale"),
+                 "a plan for a CUDA graph (cuda_graph) is made from the device's own times, with no host "
+                 "time to scale: expected no host_scale");
+    }
     if (auto* network = r.object("network", P::Optional)) {
       FieldReader n(*network, r.pointerOf("network"), diags_);
       PlanNetwork& planned = o.network.emplace();

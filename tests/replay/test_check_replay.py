@@ -52,7 +52,7 @@ def test_report_flags_a_peak_over_the_budget(peak, over):
     assert "25.000 ms (+25%)" in lines[3] and "(4 steps timed)" in lines[3]
     # 25% over: the way to plan again from this run.
     assert lines[4].startswith("  the step missed its prediction by more than 10%: `dcplan plan t.json -o PLAN "
-                               "--calibrate r.0.jsonl` plans again"), lines
+                               "--memory-budget 104857600 --calibrate r.0.jsonl` plans again"), lines
     assert lines[5] == "  budget: 100.0 MiB"
     assert any(line.startswith("OVER BUDGET: r.0.jsonl") for line in lines) == over
 
@@ -61,6 +61,17 @@ def test_report_flags_a_peak_over_the_budget(peak, over):
 def test_a_step_beyond_ten_percent_of_its_prediction_points_to_calibrate(step_us, hinted):
     lines = _plan.prediction_report(PLAN, {"r.0.jsonl": {"step_us": step_us, "steps": 4, "peak_bytes": 1}})
     assert any("--calibrate r.0.jsonl" in line for line in lines) == hinted, lines
+
+
+def test_the_calibrate_hint_keeps_the_plans_options_and_names_only_timed_logs():
+    plan = {"source": {"trace": "t.json", "world_size": 4},
+            "options": {"strategy": "heuristic", "bandwidth_gbps": 25.0},
+            "predicted": {"step_us": 20000.0, "peak_memory_bytes": 1}}
+    runs = {"r.0.jsonl": {"step_us": 30000.0, "steps": 4, "peak_bytes": 1},
+            "r.1.jsonl": {"step_us": None, "steps": 0, "peak_bytes": 1}}
+    hint = [line for line in _plan.prediction_report(plan, runs) if "--calibrate" in line]
+    assert len(hint) == 1 and "`dcplan plan t.json -o PLAN --world-size 4 --strategy heuristic --bandwidth 25 " \
+                              "--calibrate r.0.jsonl`" in hint[0], hint
 
 
 def test_report_without_a_budget_or_marks():

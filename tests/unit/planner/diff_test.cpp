@@ -55,6 +55,11 @@ TEST(Diff, TheNetworkAPlanWasMadeForIsAnOptionAndItsInSituScaleANote) {
   EXPECT_TRUE(d.equal());
   ASSERT_EQ(d.notes.size(), 1u);
   EXPECT_EQ(d.notes[0].path, "/options/in_situ_scale");
+  b.options.hostScale = 0.73;  // fitted to a replay: provenance too
+  d = diffPlans(a, b);
+  EXPECT_TRUE(d.equal());
+  ASSERT_EQ(d.notes.size(), 2u);
+  EXPECT_EQ(d.notes[1].path, "/options/host_scale");
 }
 
 TEST(Diff, ScheduleChangesArePinnedByPointer) {

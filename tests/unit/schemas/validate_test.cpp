@@ -241,6 +241,19 @@ TEST(Validate, PlanProblems) {
                                 }));
 }
 
+TEST(Validate, AHostScaleIsAPositiveNumberOfAPlanForTheHost) {
+  ordered_json plan = minimalPlan();
+  plan["options"]["host_scale"] = 0.7;
+  EXPECT_TRUE(planProblems(plan).empty());
+  plan["options"]["host_scale"] = 0;
+  EXPECT_EQ(planProblems(plan), (std::vector<std::string>{"/options/host_scale: expected a number > 0, got 0.0"}));
+  plan["options"]["host_scale"] = 0.7;
+  plan["options"]["cuda_graph"] = true;
+  EXPECT_EQ(planProblems(plan),
+            (std::vector<std::string>{"/options/host_scale: a plan for a CUDA graph (cuda_graph) is made from the "
+                                      "device's own times, with no host time to scale: expected no host_scale"}));
+}
+
 TEST(Validate, OffloadedSavesProblems) {
   ordered_json plan = minimalPlan();
   plan["graphs"][0]["offload_saves"] = {{{"pack", 3}, {"bytes", 64}}, {{"pack", 3}, {"bytes", 0}}};

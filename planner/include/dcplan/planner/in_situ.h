@@ -48,9 +48,10 @@ std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& 
 
 /// The fit to a replay of `replayed` (a plan made from this trace) whose step measured measuredUs:
 /// the collectives' scale, or the host's pace (InSituFit::host) where no collective time explains
-/// the run. On a GPU the host's pace first: its collectives run on the device at the times the
-/// calibration measured there, and its host moves by up to 2x from process to process
-/// (docs/benchmarks.md, "Host CPUs"); on CPU ranks the collectives first (in situ). Any path the
+/// the run. On a GPU whose replayed plan the host paces, the host's pace first: no collective time
+/// shortens such a step, its collectives run on the device at the times the calibration measured
+/// there, and its host moves by up to 2x from process to process (docs/benchmarks.md, "Host
+/// CPUs"); elsewhere (CPU ranks, in situ; a device-bound step) the collectives first. Any path the
 /// replay log can watch (not a CUDA graph); atBound where neither explains it.
 InSituFit fitToReplay(const schemas::Trace& trace, const Workload& workload, const Schedule& replayed,
                       double measuredUs, std::optional<double> bandwidthGBps,

@@ -189,6 +189,10 @@ void scaleCompute(Workload& workload, double factor);
 /// scaleCompute. A GPU's own times are kept.
 void scaleHost(Workload& workload, double factor);
 
+/// The median of `values` (the upper of the two middle ones where their count is even), which it
+/// reorders; they must not be empty.
+double upperMedian(std::vector<double>& values);
+
 /// The host time of one gather call, from a trace with host times (Workload::hostLane): the
 /// median issue_us of the recorded run's allgather_param that launched a gather, less the median
 /// of its release_param (an op of the same dispatch that moves nothing). nullopt without host

@@ -1,6 +1,7 @@
 // The C++ model of a dcplan trace (schema "dcplan.trace/v1").
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -148,6 +149,8 @@ enum class OpRole {
   CopyWait,     ///< wait_offload, wait_reload
   Free,         ///< free_tensors
 };
+/// How many roles there are (tables indexed by role); a role added after Free moves this too.
+inline constexpr size_t kOpRoleCount = static_cast<size_t>(OpRole::Free) + 1;
 
 /// The role of a dc op by its name; none for a name the trace format does not know.
 std::optional<OpRole> opRole(const std::string& op);
