@@ -12,6 +12,9 @@
 #   FROM=M NPROC=N bash bench/gpu/run_on_box.sh whatif  # the predict model recorded on M GPUs (default 1) and
 #       planned for N (M=1: --network, measured on N; else --world-size), beside a trace of N's plan; both
 #       replayed on N, checked, timed over $ROUNDS (GRAPHED=1 as in predict)
+#   bash bench/gpu/run_on_box.sh calibrate          # the closed loop: the predict model recorded, planned ($BUDGET:
+#       --memory-budget), replayed with the log and checked; planned again with --calibrate on those logs, the
+#       calibrated plan replayed and checked (its prediction against the next replay); both timed over $ROUNDS
 #   bash bench/gpu/run_on_box.sh compiled comm|compute [args]  # compiled replay: GPU tests, then a
 #       trace of the compiled model, its plan, and fsdp2, fsdp2-compiled, dcplan, dcplan-compiled
 #       (default schedule and the plan) and the bound in one process, interleaved over rounds
@@ -301,6 +304,34 @@ case "$what" in
     replay_llama "$P" "from-$from" "$gpus" "$P/trace-$from.json"
     replay_llama "$P" "from-$gpus" "$gpus" "$P/trace-$gpus.json"
     timed_rounds "$P" "$gpus" "from-$from from-$gpus"
+    ;;
+  calibrate)
+    # The closed loop of issue 29 (docs/planning.md, "Calibrated on a replay"): on $NPROC GPUs (default:
+    # all), the predict model's plan (unconstrained, or under --memory-budget $BUDGET) replayed with the
+    # log; planned again from those logs; the calibrated plan replayed with the log, which `dcplan check`
+    # compares with its prediction; then both timed without the log, interleaved over $ROUNDS rounds.
+    gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
+    if [ "$graphed" = 1 ]; then
+      echo "run_on_box.sh calibrate: a step in one CUDA graph writes no replay log to calibrate on" >&2
+      exit 2
+    fi
+    P=$OUT/calibrate
+    mkdir -p "$P"
+    budget_args=()
+    [ -n "${BUDGET:-}" ] && budget_args=(--memory-budget "$BUDGET")
+    record_llama "$P/trace.json" "$gpus"
+    build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/first.json" "${budget_args[@]}" > /dev/null
+    replay_llama "$P" first "$gpus" "$P/trace.json"
+    names=first
+    if build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/calibrated.json" "${budget_args[@]}" \
+         --calibrate "$P"/first.[0-9]*.jsonl > "$P/calibrate.log" 2>&1; then
+      grep "calibrated on a replay" "$P/calibrate.log" || true
+      replay_llama "$P" calibrated "$gpus" "$P/trace.json"
+      names="first calibrated"
+    else
+      cat "$P/calibrate.log"  # refused: says why
+    fi
+    timed_rounds "$P" "$gpus" "$names"
     ;;
   offload)
     # Planned offload against FSDP2's CPUOffloadPolicy, one shape (comm|compute) on $NPROC GPUs
