@@ -175,11 +175,11 @@ void runRecord(const RecordOptions& o) {
 
   InterruptGuard interrupts;
   ChildProcess child(o.command, env);
-  CommandOutput said;
+  CommandOutput commandOutput;
   auto onLine = [&](const std::string& line) {
     // The recorder's own warnings (a trace without device_us, say) are shown without -v too.
     if (o.verbose || line.find("Warning: record: ") != std::string::npos) std::cerr << line << "\n";
-    said.add(line);
+    commandOutput.add(line);
   };
   const auto started = std::chrono::steady_clock::now();
   Progress shown;
@@ -195,7 +195,7 @@ void runRecord(const RecordOptions& o) {
         std::chrono::steady_clock::now() - started > std::chrono::duration<double>(o.timeoutS)) {
       child.stop(std::chrono::seconds(5));
       failWithOutput("the command did not finish recording within " +
-                         std::to_string(static_cast<int64_t>(o.timeoutS)) + " s (--timeout)", said);
+                         std::to_string(static_cast<int64_t>(o.timeoutS)) + " s (--timeout)", commandOutput);
     }
     Progress p = readProgress(rankDir);
     if (p.ranks > 0 && !(p == shown)) {
@@ -205,7 +205,8 @@ void runRecord(const RecordOptions& o) {
     }
   }
   if (!status->ok()) {
-    failWithOutput("the command failed (" + status->describe() + "): " + quoteCommand(o.command), said);
+    failWithOutput("the command failed (" + status->describe() + "): " + quoteCommand(o.command),
+                   commandOutput);
   }
   std::vector<RankTrace> rankTraces = readRankTraces(rankDir);
   if (rankTraces.empty()) {
@@ -219,15 +220,15 @@ void runRecord(const RecordOptions& o) {
       failWithOutput("the command finished without writing a trace: every rank recorded its " +
                          std::to_string(p.total) +
                          " steps, but the job ended before the next forward; run at least " + needed,
-                     said);
+                     commandOutput);
     }
     if (p.ranks > 0) {
       failWithOutput("the command finished after recording " + std::to_string(p.recorded) + " of " +
                          std::to_string(p.total) + " steps; run at least " + needed,
-                     said);
+                     commandOutput);
     }
     failWithOutput("the command finished without recording: no rank traces in " + rankDir.string() +
-                       "/ (does it call dcplan.shard() and run at least " + needed + "?)", said);
+                       "/ (does it call dcplan.shard() and run at least " + needed + "?)", commandOutput);
   }
   Trace merged;
   try {

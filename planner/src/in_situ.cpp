@@ -81,9 +81,11 @@ InSituFit fitToReplay(const schemas::Trace& trace, const Workload& w, const Sche
     return simulate(run, cost, plan, againstRecorded(d)).prediction.stepUs;
   };
   auto collectives = [&] {
-    return bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
+    InSituFit fit = bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
       return stepOf(w, scaledCost(trace, w, bandwidthGBps, network, scale));
     });
+    fit.collectiveScale = fit.scale;
+    return fit;
   };
   auto host = [&] {
     const double held = plannedCostModel(trace, w, bandwidthGBps, network).inSituScale();
@@ -103,7 +105,8 @@ InSituFit fitToReplay(const schemas::Trace& trace, const Workload& w, const Sche
   // a step, and the host's speed is what moves between processes there. Elsewhere (CPU ranks, or
   // a device-bound step) the collectives first.
   const CostModel asCalibrated = scaledCost(trace, w, bandwidthGBps, network, 1.0);
-  const SimResult asPlanned = simulate(w, asCalibrated, plan, againstRecorded(simulate(w, asCalibrated, def)));
+  const SimResult asPlanned =
+      simulate(w, asCalibrated, plan, againstRecorded(simulate(w, asCalibrated, def)));
   const bool hostFirst = !w.waitsBlockHost && asPlanned.hostUs >= asPlanned.prediction.stepUs - 1.0;
   const InSituFit first = hostFirst ? host() : collectives();
   if (!first.atBound) return first;

@@ -872,7 +872,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   std::optional<double> hostScale;
   if (req.calibrate) {
     inSitu = calibrationFit(trace, w, req);
-    calibrated = inSitu->host ? inSitu->collectiveScale : inSitu->scale;
+    calibrated = inSitu->collectiveScale;
     if (inSitu->host) {
       hostScale = inSitu->scale;
       scaleHost(w, *hostScale);
@@ -941,7 +941,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   // The scale the plan was made with, so that inspect simulates it alike without fitting again.
   // Beside a host scale on CPU ranks always: inspect would otherwise fit the collectives again, on
   // the paced workload (a GPU fits none: docs/planning.md, "In situ").
-  if (cost.inSituScale() != 1.0 || (hostScale && w.waitsBlockHost)) plan.options.inSituScale = cost.inSituScale();
+  if (cost.inSituScale() != 1.0 || (hostScale && w.waitsBlockHost))
+    plan.options.inSituScale = cost.inSituScale();
   plan.options.hostScale = hostScale;  // with the collectives' scale it was fitted beside
   plan.options.network = req.network;
   if (inSitu) result.inSitu = inSituText(*inSitu);

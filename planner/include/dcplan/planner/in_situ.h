@@ -29,6 +29,7 @@ struct InSituFit {
   /// A replay's fit of the host's pace instead (dcplan plan --calibrate): every host time at
   /// `scale`, the collectives held at collectiveScale (as the recording's fit, or 1, has them).
   bool host = false;
+  /// A replay's fit: the collectives' scale the new plan is made with (`scale` where it fits them).
   double collectiveScale = 1.0;
   double measuredUs = 0;    ///< the run's step (the recorded step's host time, or the replay's)
   double calibratedUs = 0;  ///< its schedule simulated on the calibration as measured
