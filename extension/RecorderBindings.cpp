@@ -255,6 +255,10 @@ void bindRecorder(py::module_& m) {
       py::arg("graph_id"),
       "In a recorded micro-step: the ops of graph_id it has run so far (the next op's seq); -1 outside one.");
   m.def(
+      "record_own_host_work", [](int64_t ns) { addOwnHostWorkNs(ns); }, py::arg("ns"),
+      "The recorder's own host work outside the runtime's ops just took ns nanoseconds: left out of "
+      "the trace's host times from now on (recorder::addOwnHostWorkNs).");
+  m.def(
       "record_warmup_step", [] { return current("record_warmup_step")->warmupStep(); },
       "In a warm-up step: the optimizer steps before it; -1 otherwise.");
   m.def(

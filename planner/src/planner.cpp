@@ -823,6 +823,11 @@ void explainSetting(Explainer& ex, const Workload& w, const PlanRequest& req, co
             "own work (op_device_us, " +
             (ops > 0 ? formatMs(ops) : std::string("none in this trace")) + ") and optimizer (" +
             formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
+  } else if (w.ownDeviceTimes) {
+    const double ops = w.opDeviceUs();
+    ex.line("device: its own compute (device_us), the dc ops' own work (op_device_us, " +
+            (ops > 0 ? formatMs(ops) : std::string("none in this trace")) + ") and optimizer (" +
+            formatMs(w.optimizerUs) + "), from the recording's device-lead step; the host lane issues it");
   }
   uint64_t act = 0;
   for (const GraphRun& r : w.runs) act = std::max(act, r.mostActivationBytes());

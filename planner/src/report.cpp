@@ -200,7 +200,8 @@ void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& t
   } else if (w.hostLane) {
     const bool hostBound = sim.plan.hostUs >= again.stepUs - 1.0;  // within 1 us: the host ends the step
     s << "  host lane: the host issues the step in " << formatMs(sim.plan.hostUs) << "; "
-      << (hostBound ? "host-bound (the device waits for the host)" : "the device bounds the step") << "\n";
+      << (hostBound ? "host-bound (the device waits for the host)" : "the device bounds the step")
+      << (w.ownDeviceTimes ? "; the device on its own times (the recording's device-lead step)" : "") << "\n";
   } else {
     s << "  host lane: none (the trace has no host times; the step is simulated on the device's times)\n";
   }

@@ -161,6 +161,19 @@ Workload workloadShape(const schemas::Trace& trace, int64_t worldSize) {
   return w;
 }
 
+/// Every op of the step has the device's own time before it (device_us), and the optimizer its own.
+bool hasDeviceTimes(const schemas::Trace& trace, size_t end, const std::vector<size_t>& micro) {
+  if (!trace.steps[end].optimizerDeviceUs) return false;
+  for (size_t m : micro) {
+    for (const schemas::TraceGraph& tg : trace.steps[m].graphs) {
+      for (const schemas::OpEvent& e : tg.events) {
+        if (!e.deviceUs) return false;
+      }
+    }
+  }
+  return true;
+}
+
 /// Which times the step is planned with: the host lane where every op of the step has host times,
 /// the device's own for a CUDA graph (refused, naming the first element without them, if absent).
 void chooseTimes(Workload& w, const schemas::Trace& trace, size_t end, const std::vector<size_t>& micro,
@@ -181,9 +194,18 @@ void chooseTimes(Workload& w, const schemas::Trace& trace, size_t end, const std
   // one rank has no other to agree with, and does not check.
   w.checksCollectives =
       trace.meta.checksCollectives && w.hostLane && replay != StepReplay::CudaGraph && w.worldSize > 1;
-  if (replay != StepReplay::CudaGraph) return;
+  if (replay != StepReplay::CudaGraph) {
+    // A GPU's eager step: the device lane runs the device's own times where the device-lead step
+    // measured them, the host lane the host's. The recorded compute_us of a host-bound stretch is
+    // the host's pace (the GPU idled), recorder's work and all; on it a plan that issues less, or a
+    // host calibrated faster (--calibrate), was never predicted below the recorded step.
+    w.ownDeviceTimes = w.hostLane && !w.waitsBlockHost && hasDeviceTimes(trace, end, micro);
+    if (w.ownDeviceTimes) w.optimizerUs = *trace.steps[end].optimizerDeviceUs;
+    return;
+  }
   // A graph replays the step without the host: the device's own times, no host lane.
   w.cudaGraph = true;
+  w.ownDeviceTimes = true;
   w.hostLane = false;
   w.optimizerHostUs = 0;
   w.recordedHostUs = 0;
@@ -266,8 +288,8 @@ GraphRun readRun(Workload& w, const schemas::TraceGraph& tg, const std::string& 
                                   "; a plan needs every run of a graph to issue the same ops");
     }
     if (startsCopy(op.role)) run.copyUs[ei] = std::max(0.0, e.endUs - e.startUs);
-    run.computeUs.push_back(std::max(0.0, w.cudaGraph ? *e.deviceUs : e.computeUs));
-    if (w.cudaGraph) run.opDeviceUs.push_back(std::max(0.0, e.opDeviceUs.value_or(0.0)));
+    run.computeUs.push_back(std::max(0.0, w.ownDeviceTimes ? *e.deviceUs : e.computeUs));
+    if (w.ownDeviceTimes) run.opDeviceUs.push_back(std::max(0.0, e.opDeviceUs.value_or(0.0)));
     if (w.hostLane) {
       run.hostUs.push_back(*e.hostUs);
       run.issueUs.push_back(*e.issueUs);

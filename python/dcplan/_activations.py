@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C, _offload
+from . import _C, _offload, _record
 from ._plan import PlanDepartureWarning
 
 # Smaller saved tensors are not worth a copy of their own. One definition: the recorder and the
@@ -175,7 +175,11 @@ class Forward:
                 e.freed_before = index
 
     def pack(self, t: torch.Tensor):
-        """A save of the forward: t (not a gathered parameter)."""
+        """A save of the forward: t (not a gathered parameter). The recorder's (no slots) is its
+        own work, which the trace's host times leave out."""
+        return self._pack(t) if self.slots is not None else _record.own_work(self._pack, t)
+
+    def _pack(self, t: torch.Tensor):
         if not eligible(t, self.device):
             return t
         if self.trial:
@@ -230,6 +234,9 @@ class Forward:
                               f"{self.slots.last}")
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
+        return self._unpack(saved) if self.slots is not None else _record.own_work(self._unpack, saved)
+
+    def _unpack(self, saved: _Saved) -> torch.Tensor:
         entry = saved.entry
         if not self.moves:
             if entry.used_at is None:

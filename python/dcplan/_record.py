@@ -16,6 +16,7 @@ import dataclasses
 import os
 import pathlib
 import platform
+import time
 from typing import Optional
 
 import torch
@@ -92,11 +93,26 @@ _optimizer_hook = None  # torch's global optimizer post-hook while recording
 _calls: Optional[_optimizer_calls.CallRecorder] = None  # the recording's param groups, numbered (begin())
 
 
-def _optimizer_stepped(optimizer, args, kwargs) -> None:
+def own_work(fn, *args):
+    """fn(*args) as the recorder's own host work outside the runtime's ops, which a replay does not
+    do (the hooks' saved-activation bookkeeping, the optimizer post-hook's): timed, and left out
+    of the trace's host times (recorder::addOwnHostWorkNs)."""
+    start = time.perf_counter_ns()
+    try:
+        return fn(*args)
+    finally:
+        _C.record_own_host_work(time.perf_counter_ns() - start)
+
+
+def _note_optimizer_step(optimizer) -> None:
     # The device-lead step checks that the device had not caught up while the optimizer was issued.
     _C.record_optimizer_step_issued()
     impls, groups = _calls.of(optimizer)
     _C.record_optimizer_state(_offload.state_bytes(optimizer), impls, groups)
+
+
+def _optimizer_stepped(optimizer, args, kwargs) -> None:
+    own_work(_note_optimizer_step, optimizer)
 
 
 def _unhook_optimizers() -> None:

@@ -160,9 +160,12 @@ class _ShardState:
         if saved is None:
             return
         if saved.trial:
-            self.activation_trial = saved.findings()
+            self.activation_trial = _record.own_work(saved.findings)
         elif saved.slots is None and _record.active():
-            _record.saved_activations(self.fwd_graph, saved.report(self.activation_trial))
+            _record.own_work(self._record_saves, saved)
+
+    def _record_saves(self, saved: _activations.Forward) -> None:
+        _record.saved_activations(self.fwd_graph, saved.report(self.activation_trial))
 
     # -- backward ----------------------------------------------------------
     def begin_backward(self) -> None:

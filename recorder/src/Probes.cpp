@@ -22,9 +22,12 @@ namespace dcplan::recorder {
 
 namespace {
 
+/// addOwnHostWorkNs's sum.
+std::atomic<int64_t> gOwnHostWorkNs{0};
+
 class HostTimer final : public DeviceTimer {
  public:
-  TimePoint mark(Stream) override { return replayer::monotonicNs(); }
+  TimePoint mark(Stream) override { return hostClockNs(); }
   double elapsedUs(TimePoint from, TimePoint to) override { return static_cast<double>(to - from) / 1000.0; }
 };
 
@@ -210,6 +213,12 @@ class DeviceAllocatorProbe final : public MemoryProbe {
 };
 
 }  // namespace
+
+void addOwnHostWorkNs(int64_t ns) {
+  if (ns > 0) gOwnHostWorkNs.fetch_add(ns, std::memory_order_relaxed);
+}
+
+int64_t hostClockNs() { return replayer::monotonicNs() - gOwnHostWorkNs.load(std::memory_order_relaxed); }
 
 std::unique_ptr<DeviceTimer> makeHostTimer() { return std::make_unique<HostTimer>(); }
 

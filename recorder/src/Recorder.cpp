@@ -72,7 +72,7 @@ Stream streamOf(const std::string& op) {
   }
 }
 
-HostTime hostClock() { return replayer::monotonicNs(); }
+HostTime hostClock() { return hostClockNs(); }
 
 /// Microseconds between two host readings; none when either is missing (an op whose end was
 /// never seen), so that the field is left out and the planner does without a host lane.

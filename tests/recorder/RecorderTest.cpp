@@ -2,6 +2,7 @@
 #include "dcplan/recorder/Comm.h"
 #include "dcplan/recorder/Probes.h"
 #include "dcplan/recorder/Recorder.h"
+#include "dcplan/replayer/HostClock.h"
 #include "dcplan/schemas/io.h"
 
 #include <ATen/ATen.h>
@@ -16,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <thread>
 #include <utility>
 
 namespace dcplan::recorder {
@@ -797,6 +799,52 @@ TEST(TimedTransport, ReportsLaunchAndFirstCompletionOnly) {
   EXPECT_EQ(t->newGatherBuffer(6, at::kFloat).numel(), 6);
   listener.reset();  // a gone listener hears nothing and breaks nothing
   t->allReduce(out)->wait();
+}
+
+/// `ms` of the host's time, reported as the recorder's own work (recorder::addOwnHostWorkNs) or not.
+void hostWork(int ms, bool own) {
+  const int64_t start = replayer::monotonicNs();
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  if (own) addOwnHostWorkNs(replayer::monotonicNs() - start);
+}
+
+TEST_F(RecorderTest, TheRecordersOwnWorkBetweenOpsIsLeftOutOfTheHostsTimes) {
+  auto rec = make(/*steps=*/1, /*warmup=*/0);
+  now = 0;
+  rec->onStartForward();
+  op(*rec, "allgather_param", 0, 0, 1, 1, {}, 40);
+  hostWork(30, /*own=*/true);  // the saved-activation bookkeeping, say
+  op(*rec, "wait_allgather", 0, 0, 3, 1);
+  hostWork(30, /*own=*/false);  // the model's compute
+  op(*rec, "release_param", 0, 0, 10, 1);
+  now = 20;
+  rec->onStartBackward(true, true);
+  op(*rec, "reduce_grad", 1, 0, 20, 1);
+  op(*rec, "reduce_grad", 1, 1, 22, 1);
+  op(*rec, "end_backward", 1, -1, 30, 1);
+  hostWork(30, /*own=*/true);  // the optimizer post-hook's
+  const schemas::Trace t = finish(*rec, 57);
+  const auto& fwd = t.steps[0].graphs[0].events;
+  ASSERT_EQ(fwd.size(), 3u);
+  ASSERT_TRUE(fwd[1].hostUs && fwd[2].hostUs && t.steps[0].optimizerHostUs);
+  // The host's own readings beside 30 ms of work: microseconds (bounded at half of it, so that a
+  // preempted test thread does not fail it).
+  EXPECT_LT(*fwd[1].hostUs, 15000.0);
+  EXPECT_GE(*fwd[2].hostUs, 30000.0);
+  EXPECT_LT(*t.steps[0].optimizerHostUs, 15000.0);
+}
+
+/// The CPU's timer reads the same clock: the compute between two marks leaves the recorder's work out.
+TEST(HostClock, TheRecordersOwnWorkIsLeftOutOfTheHostTimer) {
+  const auto timer = makeHostTimer();
+  const TimePoint a = timer->mark(Stream::Compute);
+  hostWork(30, /*own=*/true);
+  // What the reading takes beside the work: microseconds, far under the 30 ms left out (half of
+  // it, so that a preempted test thread does not fail it).
+  EXPECT_LT(timer->elapsedUs(a, timer->mark(Stream::Compute)), 15000.0);
+  const TimePoint b = timer->mark(Stream::Compute);
+  hostWork(30, /*own=*/false);
+  EXPECT_GE(timer->elapsedUs(b, timer->mark(Stream::Compute)), 30000.0);
 }
 
 TEST(CpuMemoryProbe, CountsLiveCpuTensors) {

@@ -205,10 +205,46 @@ TEST(SimulatorCudaGraph, TheOpsOwnDeviceWorkRunsInTheStreamBeforeTheirCollective
   // Gathered on use, every gather waits for its cast, and the reduce tail for the packing.
   EXPECT_NEAR(with.prediction.stepUs - without.prediction.stepUs, own, 1e-6);
   EXPECT_NEAR(with.prediction.exposedCommUs, without.prediction.exposedCommUs, 1e-6);
-  // The hooks' plan leaves it to the host lane (issue_us), as before.
-  EXPECT_TRUE(makeWorkload(t).runs[0].opDeviceUs.empty());
+  // The hooks' plan on a GPU runs it on the device too (its own times beside the host's); this
+  // step is host-bound, so the host's time it stays.
+  EXPECT_FALSE(makeWorkload(t).runs[0].opDeviceUs.empty());
   EXPECT_NEAR(simulateTrace(t, f.onUse()).prediction.stepUs,
               simulateTrace(plain, f.onUse()).prediction.stepUs, 1e-9);
+}
+
+TEST(SimulatorHostLane, AGpusEagerStepRunsOnTheDevicesOwnTimesBesideTheHost) {
+  Fixture f;
+  // Recorded host-bound: the GPU idled through the host's 3,000 us of compute (its compute_us),
+  // and the device-lead step measured its own at a fifth of that.
+  const schemas::Trace t = withDeviceTimes(0.2);
+  Workload w = makeWorkload(t);
+  EXPECT_TRUE(w.hostLane);
+  EXPECT_TRUE(w.ownDeviceTimes);
+  EXPECT_FALSE(w.cudaGraph);
+  EXPECT_NEAR(w.computeUs(), 600, 1e-9);
+  EXPECT_NEAR(w.optimizerUs, 30, 1e-9);
+  const CostModel cost{t.calibration, 2, costOptions(w, std::nullopt)};
+  const double host = 3000 + 15 * 20.0 + 300;
+  EXPECT_NEAR(simulate(w, cost, compileSchedule(w, f.onUse())).prediction.stepUs, host, 1e-6);
+  // A host twice as fast as the recording's (a plan calibrated to a faster replay): the step
+  // follows it, the host's 1,800 us and what the device runs after the host issued it (the reduce
+  // tail and the optimizer), under the recorded 3,000 us of the device's compute_us alone.
+  scaleHost(w, 0.5);
+  const double faster = simulate(w, cost, compileSchedule(w, f.onUse())).prediction.stepUs;
+  EXPECT_GE(faster, host / 2 - 1e-6);
+  EXPECT_LT(faster, host / 2 + kTinyGatherUs + 30 + 1e-6);
+  // Without the device's own times for every op, the device lane is the recorded run's, which
+  // held the recording host's pace: no faster host can undercut it.
+  schemas::Trace partial = t;
+  partial.steps[0].graphs[1].events[2].deviceUs.reset();
+  Workload p = makeWorkload(partial);
+  EXPECT_FALSE(p.ownDeviceTimes);
+  scaleHost(p, 0.5);
+  EXPECT_GT(simulate(p, cost, compileSchedule(p, f.onUse())).prediction.stepUs, 3000);
+  // On CPU ranks the host is the device (Gloo): the recorded times are its own.
+  schemas::Trace gloo = t;
+  gloo.meta.backend = "gloo";
+  EXPECT_FALSE(makeWorkload(gloo).ownDeviceTimes);
 }
 
 TEST(SimulatorCudaGraph, APlanForTheGraphSaysSoAndNeedsTheDevicesTimes) {

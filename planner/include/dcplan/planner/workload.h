@@ -85,7 +85,7 @@ struct GraphRun {
   /// holds the optimizer step's, scaled to the planned world size under ZeRO-3 (workload.cpp).
   std::vector<uint64_t> computePeakBytes;
   std::vector<double> copyUs;  ///< recorded duration of each op that startsCopy
-  /// Workload::cudaGraph only (else empty): each op's own work on the compute stream, before
+  /// Workload::ownDeviceTimes only (else empty): each op's own work on the compute stream, before
   /// its effect (a bucket's packing before its launch); 0 where the
   /// trace has no op_device_us (waits; traces recorded before session 12).
   std::vector<double> opDeviceUs;
@@ -132,6 +132,10 @@ struct Workload {
   /// Planned for a step replayed as one CUDA graph (StepReplay::CudaGraph): compute and optimizer
   /// times are the device's own (device_us), the host issues nothing, no host lane.
   bool cudaGraph = false;
+  /// The device lane runs the device's own times (device_us, op_device_us, optimizer_device_us,
+  /// from the recorder's device-lead step): a CUDA graph's, and a GPU's eager step with a host
+  /// lane where the trace has them; else the recorded run's device times (compute_us).
+  bool ownDeviceTimes = false;
   /// The replay checks each collective with the ranks first (trace meta.checks_collectives; never
   /// in a CUDA graph, which cannot capture the check, nor on one rank, which has no other to agree
   /// with; only with a host lane, which it is charged on): CostModel::checkUs per call.
@@ -148,9 +152,9 @@ struct Workload {
   int32_t paramIndex(int64_t id) const;
   /// Index into graphs for a graph id, -1 when unknown.
   int32_t graphIndex(int64_t id) const;
-  /// Total compute of the step (all runs; in a CUDA graph with the ops' own device work), microseconds.
+  /// Total compute of the step (all runs; with ownDeviceTimes the ops' own device work too), microseconds.
   double computeUs() const;
-  /// The ops' own device work of the step (CUDA graph: op_device_us), microseconds; in computeUs.
+  /// The ops' own device work of the step (ownDeviceTimes: op_device_us), microseconds; in computeUs.
   double opDeviceUs() const;
   /// The recorded step's host time (hostLane: every op's host_us and issue_us, and
   /// optimizer_host_us: detail::stepHostUs), microseconds; 0 without a host lane.

@@ -57,7 +57,18 @@ class MemoryProbe {
   virtual std::string describe() = 0;
 };
 
-/// std::chrono::steady_clock in nanoseconds; elapsedUs is exact.
+/// The recorder's own work on the host outside the runtime's ops, which a replay does not do (the
+/// hooks' saved-activation bookkeeping and the optimizer post-hook's, in Python): added here as it
+/// ends, and left out of every host reading (hostClockNs) from then on, so that the compute around
+/// it is timed as a replay runs it. (On a GPU the device may idle through it: the planner runs an
+/// eager step on the device's own times where the trace has them, docs/planning.md.)
+void addOwnHostWorkNs(int64_t ns);
+
+/// The host's steady clock in nanoseconds, less the recorder's own work so far (addOwnHostWorkNs):
+/// what the recorder reads the host's times with, and the CPU's timer.
+int64_t hostClockNs();
+
+/// hostClockNs() at mark(); elapsedUs is exact.
 std::unique_ptr<DeviceTimer> makeHostTimer();
 
 /// Events on the device's current stream, through torch's device-generic
