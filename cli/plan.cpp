@@ -48,14 +48,37 @@ schemas::Plan replayedPlan(const std::string& log, const std::string& planFile) 
   }
 }
 
+/// The step --calibrate fits to, from each log's median step: one run's (as many logs as ranks, or
+/// fewer) is its slowest rank's; several runs' (one log per rank each, run after run) the median
+/// of the runs' steps, since a host's pace moves by 10-25% from process to process
+/// (docs/benchmarks.md) and a fit to one run carries its luck. `runs`: how many there were.
+double calibrationStepUs(const std::vector<double>& medians, int64_t worldSize, size_t& runs) {
+  const size_t ranks = static_cast<size_t>(std::max<int64_t>(1, worldSize));
+  if (medians.size() > ranks && medians.size() % ranks != 0) {
+    throw std::invalid_argument("--calibrate: " + std::to_string(medians.size()) + " logs of a plan for " +
+                                std::to_string(ranks) +
+                                " ranks: give one log per rank of each run, run after run (or one run's)");
+  }
+  std::vector<double> steps;
+  for (size_t first = 0; first < medians.size(); first += ranks) {
+    const auto end = medians.begin() + static_cast<std::ptrdiff_t>(std::min(medians.size(), first + ranks));
+    steps.push_back(*std::max_element(medians.begin() + static_cast<std::ptrdiff_t>(first), end));
+  }
+  runs = steps.size();
+  std::sort(steps.begin(), steps.end());
+  const size_t mid = steps.size() / 2;
+  return steps.size() % 2 ? steps[mid] : (steps[mid - 1] + steps[mid]) / 2.0;
+}
+
 /// What --calibrate's replay logs measured: the plan they replayed (the one their "plan" lines
-/// name, which must be a plan of `trace`) and its step, the slowest rank's median. InputError
-/// naming the log or plan that cannot serve.
+/// name, which must be a plan of `trace`) and its step (calibrationStepUs). InputError naming the
+/// log or plan that cannot serve.
 planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, const schemas::Trace& trace,
                                           const std::string& traceFile) {
   planner::ReplayMeasurement m;
   std::string planFile;
   std::string names;
+  std::vector<double> medians;  // each log's median step
   for (const std::string& path : logs) {
     const schemas::ReplayLog log = schemas::readReplayLog(path);
     if (log.planFile.empty()) {
@@ -80,7 +103,7 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
       throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.steps.count) +
                                                 " steps after the first; run at least 3 steps"}});
     }
-    m.stepUs = std::max(m.stepUs, *log.steps.medianUs);
+    medians.push_back(*log.steps.medianUs);
     names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
   }
   const schemas::Plan replayed = replayedPlan(logs.back(), planFile);
@@ -94,9 +117,13 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
   }
   m.schedule = planner::scheduleOf(replayed);
   m.worldSize = replayed.source.worldSize;
+  size_t runs = 1;
+  m.stepUs = calibrationStepUs(medians, m.worldSize, runs);
   m.cudaGraph = replayed.options.cudaGraph;
   m.network = replayed.options.network;
-  m.description = names + " (a replay of " + std::filesystem::path(planFile).filename().string() + ")";
+  const std::string planName = std::filesystem::path(planFile).filename().string();
+  m.description = names + (runs > 1 ? " (" + std::to_string(runs) + " replays of " + planName + ", their median)"
+                                    : " (a replay of " + planName + ")");
   return m;
 }
 
