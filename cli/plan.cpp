@@ -202,8 +202,9 @@ void setupPlan(CLI::App& app) {
       ->excludes("--cuda-graph");
   cmd->add_option(
          "--calibrate", o->calibrate,
-         "the replay logs (DCPLAN_REPLAY_LOG) of a run of an earlier plan of this trace: plan again "
-         "with the collectives' time, or the host's pace, fitted to the step they measured "
+         "the replay logs (DCPLAN_REPLAY_LOG) of a run of an earlier plan of this trace (or of several "
+         "runs, one log per rank each, run after run: their median run): plan again with the "
+         "collectives' time, or the host's pace, fitted to the step they measured "
          "(docs/planning.md, \"Calibrated on a replay\")")
       ->expected(1, -1);
   cmd->add_option(

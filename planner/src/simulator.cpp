@@ -323,7 +323,8 @@ class Simulation {
       }
       sample(computeNow_, computePeak, r, op.seq, false);
       if (!run.opDeviceUs.empty() && run.opDeviceUs[i] > 0) {
-        // A CUDA graph: the op's own kernels run in the stream's order, before its collective.
+        // The device's own times (ownDeviceTimes): the op's own kernels run in the stream's order,
+        // before its collective.
         if (record_)
           event(Stream::Compute, "dc op", r, op.seq, {}, 0, computeNow_, computeNow_ + run.opDeviceUs[i]);
         computeNow_ += run.opDeviceUs[i];

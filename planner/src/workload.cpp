@@ -161,21 +161,28 @@ Workload workloadShape(const schemas::Trace& trace, int64_t worldSize) {
   return w;
 }
 
-/// Every op of the step has the device's own time before it (device_us), and the optimizer its own.
-bool hasDeviceTimes(const schemas::Trace& trace, size_t end, const std::vector<size_t>& micro) {
-  if (!trace.steps[end].optimizerDeviceUs) return false;
+/// The JSON pointer of the first element of the step without the device's own time
+/// (optimizer_device_us, then each op's device_us); none where every one has it.
+std::optional<std::string> firstMissingDeviceTime(const schemas::Trace& trace, size_t end,
+                                                  const std::vector<size_t>& micro) {
+  if (!trace.steps[end].optimizerDeviceUs) return "/steps/" + std::to_string(end) + "/optimizer_device_us";
   for (size_t m : micro) {
-    for (const schemas::TraceGraph& tg : trace.steps[m].graphs) {
-      for (const schemas::OpEvent& e : tg.events) {
-        if (!e.deviceUs) return false;
+    for (size_t g = 0; g < trace.steps[m].graphs.size(); ++g) {
+      const auto& events = trace.steps[m].graphs[g].events;
+      for (size_t e = 0; e < events.size(); ++e) {
+        if (!events[e].deviceUs) {
+          return "/steps/" + std::to_string(m) + "/graphs/" + std::to_string(g) + "/events/" +
+                 std::to_string(e) + "/device_us";
+        }
       }
     }
   }
-  return true;
+  return std::nullopt;
 }
 
-/// Which times the step is planned with: the host lane where every op of the step has host times,
-/// the device's own for a CUDA graph (refused, naming the first element without them, if absent).
+/// Which times the step is planned with: the host lane where every op of the step has host times;
+/// the device's own for a CUDA graph (refused, naming the first element without them, if absent)
+/// and, beside the host lane, for a GPU's eager step whose trace has them all.
 void chooseTimes(Workload& w, const schemas::Trace& trace, size_t end, const std::vector<size_t>& micro,
                  StepReplay replay) {
   w.optimizerUs = trace.steps[end].optimizerUs;
@@ -199,7 +206,7 @@ void chooseTimes(Workload& w, const schemas::Trace& trace, size_t end, const std
     // measured them, the host lane the host's. The recorded compute_us of a host-bound stretch is
     // the host's pace (the GPU idled), recorder's work and all; on it a plan that issues less, or a
     // host calibrated faster (--calibrate), was never predicted below the recorded step.
-    w.ownDeviceTimes = w.hostLane && !w.waitsBlockHost && hasDeviceTimes(trace, end, micro);
+    w.ownDeviceTimes = w.hostLane && !w.waitsBlockHost && !firstMissingDeviceTime(trace, end, micro);
     if (w.ownDeviceTimes) w.optimizerUs = *trace.steps[end].optimizerDeviceUs;
     return;
   }
@@ -216,19 +223,10 @@ void chooseTimes(Workload& w, const schemas::Trace& trace, size_t end, const std
       "recorder measures on a GPU in the last warm-up step (dcplan record --warmup of at "
       "least 2; docs/recording.md); this trace has none here (or the device caught up with "
       "the host in that step: the recorder warned)";
-  if (!trace.steps[end].optimizerDeviceUs)
-    throw std::invalid_argument("/steps/" + std::to_string(end) + "/optimizer_device_us" + lacks);
-  w.optimizerUs = *trace.steps[end].optimizerDeviceUs;
-  for (size_t m : micro) {
-    for (size_t g = 0; g < trace.steps[m].graphs.size(); ++g) {
-      const auto& events = trace.steps[m].graphs[g].events;
-      for (size_t e = 0; e < events.size(); ++e) {
-        if (!events[e].deviceUs)
-          throw std::invalid_argument("/steps/" + std::to_string(m) + "/graphs/" + std::to_string(g) +
-                                      "/events/" + std::to_string(e) + "/device_us" + lacks);
-      }
-    }
+  if (const auto missing = firstMissingDeviceTime(trace, end, micro)) {
+    throw std::invalid_argument(*missing + lacks);
   }
+  w.optimizerUs = *trace.steps[end].optimizerDeviceUs;
 }
 
 /// The typed op of trace event `e` (at JSON pointer `ptr`).
