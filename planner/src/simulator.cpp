@@ -192,7 +192,7 @@ class Simulation {
     double start = std::max({computeNow_, reduceFree_, copyFree_, gatherFree_});
     const double behind =
         w_.hostLane ? std::max(0.0, start - hostNow_) : 0.0;  // the device, at the backward's end
-    if (w_.hostLane) start = std::max(start, hostNow_);  // the optimizer's kernels come after the backward's
+    if (w_.hostLane) start = waitForHost(start, 0.0);  // the optimizer's kernels come after the backward's
     // Offloaded state comes back a group or two at a time (CompiledOffload::stepBytes), beside the
     // optimizer's temporaries: the recorded step's, less the gradient shards it held, as much of
     // them as the grouped step's largest call holds (CompiledOffload::scratchShare; a per-tensor
@@ -217,7 +217,8 @@ class Simulation {
       res_.optimizerWaitUs = std::max(0.0, behind - std::max(0.0, hostNow_ + w_.optimizerHostUs - stepUs));
       hostNow_ += after;
       res_.hostUs = hostNow_;
-      stepUs = std::max(stepUs, hostNow_);
+      workEnd_ = stepUs;
+      stepUs = waitForHost(stepUs, 0.0);
     }
     if (reference_) {
       res_.launchDeltaUs = launchChargedUs_;  // on the host lane already
@@ -234,8 +235,8 @@ class Simulation {
     res_.optimizerUs = w_.optimizerUs;
     res_.prediction.stepUs = stepUs + (reference_ ? 0.0 : res_.launchDeltaUs);
     const double copiesExposedUs = phase.exposedUs + res_.masterReloadExposedUs;
-    res_.prediction.exposedCommUs = std::max(
-        0.0, stepUs - res_.computeUs - res_.optimizerUs - copiesExposedUs - res_.prediction.activationCopyUs);
+    res_.prediction.exposedCommUs = std::max(0.0, stepUs - res_.computeUs - res_.optimizerUs - copiesExposedUs -
+                                                      res_.prediction.activationCopyUs - res_.hostBoundUs);
     res_.prediction.peakMemoryBytes = peak_;
     res_.prediction.offloadBytes = s_.offload.bytes + s_.offload.masterBytes;
     res_.prediction.activationOffloadBytes = s_.activations.bytes;
@@ -300,7 +301,7 @@ class Simulation {
       double end = computeNow_ + c;
       if (w_.hostLane) {  // the device runs the stretch once the host has issued it
         hostNow_ += run.hostUs[i] + (w_.waitsBlockHost ? copy : 0.0);
-        end = std::max(end, hostNow_);
+        end = waitForHost(end, c);
       }
       if (c > 0 && record_) {
         event(Stream::Compute, "compute", r, op.seq, {}, 0, end - c, end - copy);
@@ -310,6 +311,7 @@ class Simulation {
         }
       }
       computeNow_ = end;
+      workEnd_ = end;
       const int64_t callsBefore = res_.calls();
       // The compute's own peak, before this op changes what is held. Before the step's first
       // op that holds the recorded optimizer step's; a grouped step (offload) is modelled at the
@@ -328,6 +330,7 @@ class Simulation {
         if (record_)
           event(Stream::Compute, "dc op", r, op.seq, {}, 0, computeNow_, computeNow_ + run.opDeviceUs[i]);
         computeNow_ += run.opDeviceUs[i];
+        workEnd_ = computeNow_;
       }
       if (record_) res_.entryBytes.push_back(inUse(activation));
       for (int32_t k = cg.groupBegin[i]; k < cg.groupBegin[i + 1]; ++k) {
@@ -519,6 +522,15 @@ class Simulation {
     }
   }
 
+  /// The device's clock at the end of `workUs` of its work that would end at `deviceUs`, once the
+  /// host has issued it (host lane). Where the host is the later, a GPU's whole idle time since its
+  /// last work is the host's (SimResult::hostBoundUs), a collective's wait in it hidden behind it.
+  double waitForHost(double deviceUs, double workUs) {
+    if (hostNow_ <= deviceUs) return deviceUs;
+    if (!w_.waitsBlockHost) res_.hostBoundUs += hostNow_ - workUs - workEnd_;
+    return hostNow_;
+  }
+
   /// A call's agreement check (CostModel::checkUs), before its launch: the host blocks in it (on CPU
   /// ranks the host is the compute). Not in the recorded run's simulation: the recording ran without.
   /// Workload::checksCollectives implies a host lane (chooseTimes), hence a reference here.
@@ -679,6 +691,7 @@ class Simulation {
   uint64_t livePersistent_ = 0;  ///< persistent copies gathered and not yet dropped
   uint64_t peak_ = 0;
   double computeNow_ = 0;  ///< the compute stream's clock, microseconds into the step
+  double workEnd_ = 0;     ///< where the compute stream's last work ended (its waits since are idle)
   double hostNow_ = 0;     ///< the host's clock (Workload::hostLane), microseconds into the step
   double gatherFree_ = 0;
   double reduceFree_ = 0;
