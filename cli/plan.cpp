@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -48,26 +49,87 @@ schemas::Plan replayedPlan(const std::string& log, const std::string& planFile) 
   }
 }
 
-/// The step --calibrate fits to, from each log's median step: one run's (as many logs as ranks, or
-/// fewer) is its slowest rank's; several runs' (one log per rank each, run after run) the median
-/// of the runs' steps, since a host's pace moves by 10-25% from process to process
-/// (docs/benchmarks.md) and a fit to one run carries its luck. `runs`: how many there were.
-double calibrationStepUs(const std::vector<double>& medians, int64_t worldSize, size_t& runs) {
-  const size_t ranks = static_cast<size_t>(std::max<int64_t>(1, worldSize));
-  if (medians.size() > ranks && medians.size() % ranks != 0) {
-    throw std::invalid_argument("--calibrate: " + std::to_string(medians.size()) + " logs of a plan for " +
-                                std::to_string(ranks) +
-                                " ranks: give one log per rank of each run, run after run (or one run's)");
+/// One replay log as --calibrate reads it: its file, the rank that wrote it (-1: not said) and
+/// its median step.
+struct LoggedStep {
+  std::string path;
+  int rank = -1;
+  double medianUs = 0;
+};
+
+/// The step --calibrate fits to and how many runs it came from.
+struct CalibrationStep {
+  double us = 0;
+  size_t runs = 0;
+};
+
+/// Each run's step, its slowest rank's, from logs that name their rank: run k is each rank's k-th
+/// log in the order given. One run may lack ranks; several must each have every rank's. InputError
+/// naming the plan or the log that does not fit.
+std::vector<double> runStepsByRank(const std::vector<LoggedStep>& logs, size_t ranks, const std::string& planFile) {
+  std::vector<std::vector<double>> ofRank(ranks);
+  for (const LoggedStep& l : logs) {
+    if (static_cast<size_t>(l.rank) >= ranks) {
+      throw schemas::InputError(l.path, {{"", "--calibrate: written by rank " + std::to_string(l.rank) + ", and " +
+                                                  planFile + " is a plan for " + std::to_string(ranks) +
+                                                  " ranks"}});
+    }
+    ofRank[static_cast<size_t>(l.rank)].push_back(l.medianUs);
+  }
+  const auto most = std::max_element(ofRank.begin(), ofRank.end(),
+                                     [](const auto& a, const auto& b) { return a.size() < b.size(); });
+  const size_t runs = most->size();
+  for (size_t r = 0; r < ranks && runs > 1; ++r) {
+    if (ofRank[r].size() != runs) {
+      throw schemas::InputError(
+          planFile, {{"", "--calibrate: " + std::to_string(runs) + " logs of rank " +
+                              std::to_string(most - ofRank.begin()) + ", " + std::to_string(ofRank[r].size()) +
+                              " of rank " + std::to_string(r) + ": give every rank's log of each run"}});
+    }
+  }
+  std::vector<double> steps(runs, 0.0);
+  for (const auto& r : ofRank) {
+    for (size_t k = 0; k < r.size(); ++k) steps[k] = std::max(steps[k], r[k]);
+  }
+  return steps;
+}
+
+/// The same from logs that do not name their rank: one per rank of each run, run after run.
+std::vector<double> runStepsByPosition(const std::vector<LoggedStep>& logs, size_t ranks,
+                                       const std::string& planFile) {
+  if (logs.size() > ranks && logs.size() % ranks != 0) {
+    throw schemas::InputError(planFile, {{"", "--calibrate: " + std::to_string(logs.size()) +
+                                                  " logs of a plan for " + std::to_string(ranks) +
+                                                  " ranks: give one log per rank of each run, run after run "
+                                                  "(or one run's)"}});
   }
   std::vector<double> steps;
-  for (size_t first = 0; first < medians.size(); first += ranks) {
-    const auto end = medians.begin() + static_cast<std::ptrdiff_t>(std::min(medians.size(), first + ranks));
-    steps.push_back(*std::max_element(medians.begin() + static_cast<std::ptrdiff_t>(first), end));
+  for (size_t first = 0; first < logs.size(); first += ranks) {
+    double slowest = 0;
+    for (size_t i = first; i < std::min(logs.size(), first + ranks); ++i) slowest = std::max(slowest, logs[i].medianUs);
+    steps.push_back(slowest);
   }
-  runs = steps.size();
+  return steps;
+}
+
+/// The step --calibrate fits to: one run's is its slowest rank's; several runs' the median run's
+/// (with an even count, the mean of the middle two), since a host's pace moves by 10-25% from
+/// process to process (docs/benchmarks.md) and a fit to one run carries its luck. Logs that name
+/// their rank are grouped by it; older ones by position.
+CalibrationStep calibrationStep(const std::vector<LoggedStep>& logs, int64_t worldSize, const std::string& planFile) {
+  const size_t ranks = static_cast<size_t>(std::max<int64_t>(1, worldSize));
+  std::set<std::string> seen;
+  for (const LoggedStep& l : logs) {
+    if (!seen.insert(std::filesystem::weakly_canonical(l.path).string()).second) {
+      throw schemas::InputError(l.path, {{"", "--calibrate: the log is given twice"}});
+    }
+  }
+  const bool ranked = std::all_of(logs.begin(), logs.end(), [](const LoggedStep& l) { return l.rank >= 0; });
+  std::vector<double> steps =
+      ranked ? runStepsByRank(logs, ranks, planFile) : runStepsByPosition(logs, ranks, planFile);
   std::sort(steps.begin(), steps.end());
   const size_t mid = steps.size() / 2;
-  return steps.size() % 2 ? steps[mid] : (steps[mid - 1] + steps[mid]) / 2.0;
+  return {steps.size() % 2 ? steps[mid] : (steps[mid - 1] + steps[mid]) / 2.0, steps.size()};
 }
 
 /// What --calibrate's replay logs measured: the plan they replayed (the one their "plan" lines
@@ -78,7 +140,7 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
   planner::ReplayMeasurement m;
   std::string planFile;
   std::string names;
-  std::vector<double> medians;  // each log's median step
+  std::vector<LoggedStep> steps;
   for (const std::string& path : logs) {
     const schemas::ReplayLog log = schemas::readReplayLog(path);
     if (log.planFile.empty()) {
@@ -103,7 +165,7 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
       throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.steps.count) +
                                                 " steps after the first; run at least 3 steps"}});
     }
-    medians.push_back(*log.steps.medianUs);
+    steps.push_back({path, log.rank, *log.steps.medianUs});
     names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
   }
   const schemas::Plan replayed = replayedPlan(logs.back(), planFile);
@@ -117,12 +179,13 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
   }
   m.schedule = planner::scheduleOf(replayed);
   m.worldSize = replayed.source.worldSize;
-  size_t runs = 1;
-  m.stepUs = calibrationStepUs(medians, m.worldSize, runs);
+  const CalibrationStep fitted = calibrationStep(steps, m.worldSize, planFile);
+  m.stepUs = fitted.us;
   m.cudaGraph = replayed.options.cudaGraph;
   m.network = replayed.options.network;
   const std::string planName = std::filesystem::path(planFile).filename().string();
-  m.description = names + (runs > 1 ? " (" + std::to_string(runs) + " replays of " + planName + ", their median)"
+  m.description = names + (fitted.runs > 1 ? " (" + std::to_string(fitted.runs) + " replays of " + planName +
+                                                  ", their median)"
                                     : " (a replay of " + planName + ")");
   return m;
 }
@@ -203,7 +266,7 @@ void setupPlan(CLI::App& app) {
   cmd->add_option(
          "--calibrate", o->calibrate,
          "the replay logs (DCPLAN_REPLAY_LOG) of a run of an earlier plan of this trace (or of several "
-         "runs, one log per rank each, run after run: their median run): plan again with the "
+         "runs, each rank's log of each, three or more: their median run): plan again with the "
          "collectives' time, or the host's pace, fitted to the step they measured "
          "(docs/planning.md, \"Calibrated on a replay\")")
       ->expected(1, -1);

@@ -152,7 +152,8 @@ void bindPlan(py::module_& m) {
           };
         }
         // On CPU ranks the host is the device: the log's host work lengthens the step by all of it.
-        setReplayLog(path, std::move(gauge), device && c10::Device(*device).is_cpu());
+        const LogRank who = isInitialized() ? LogRank{rank(), worldSize()} : LogRank{};
+        setReplayLog(path, std::move(gauge), device && c10::Device(*device).is_cpu(), who);
       },
       py::arg("path"), py::arg("device") = std::nullopt, py::call_guard<py::gil_scoped_release>(),
       "Writes this rank's replay log (JSON lines) to path from now on; '' stops. With device "

@@ -674,8 +674,8 @@ def _calibrate_hint(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
         args += ["--bandwidth", f"{options['bandwidth_gbps']:g}"]
     return [f"  the step missed its prediction by more than {CALIBRATE_BEYOND:.0%}: `dcplan plan {' '.join(args)} "
             f"--calibrate {' '.join(timed)}` plans again from this run's collectives' time or its host's pace "
-            "(docs/planning.md, \"Calibrated on a replay\"); the logs of more runs of this plan after these, "
-            "one per rank each, fit their median run, steadier where runs differ"]
+            "(docs/planning.md, \"Calibrated on a replay\"); the logs of three or more runs of this plan, every "
+            "rank's of each, fit their median run, steadier where runs differ"]
 
 
 def _last_complete_step(execs: List[Dict]) -> Optional[int]:

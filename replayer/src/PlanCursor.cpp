@@ -357,13 +357,14 @@ std::string PlanCursor::takeDeparture() {
   return departure_;
 }
 
-void PlanCursor::openLog(const std::string& path, MemoryGauge gauge, bool leaveOutOwnTime) {
+void PlanCursor::openLog(const std::string& path, MemoryGauge gauge, bool leaveOutOwnTime, LogRank who) {
   flushLog();
   log_.reset();
   logPath_ = path;
   gauge_ = path.empty() ? MemoryGauge{} : std::move(gauge);
   logNs_ = 0;
   leaveOutOwnTime_ = leaveOutOwnTime;
+  logRank_ = who;
   if (path.empty()) return;
   auto f = std::make_unique<std::ofstream>(path, std::ios::out | std::ios::trunc);
   TORCH_CHECK(f->good(), "replay log: cannot open ", path, " for writing");
@@ -376,6 +377,10 @@ void PlanCursor::logPlan() {
       {"ev", "plan"},
       {"file", hasPlan() ? nlohmann::ordered_json(file_) : nlohmann::ordered_json(nullptr)},
       {"persistent", persistentSorted_}};
+  if (logRank_.rank >= 0) {
+    line["rank"] = logRank_.rank;
+    line["world_size"] = logRank_.worldSize;
+  }
   if (!names_.empty()) {
     // The checks name parameters as the messages here do (ds_id -> qualified name, by ds_id).
     const std::map<int64_t, std::string> sorted(names_.begin(), names_.end());
@@ -402,6 +407,7 @@ void PlanCursor::takeLogFrom(PlanCursor& other) {
   other.gauge_ = {};
   logNs_ = other.logNs_;  // one log, one clock
   leaveOutOwnTime_ = other.leaveOutOwnTime_;
+  logRank_ = other.logRank_;
   if (!path.empty()) {
     // Reopen for appending: what the other cursor wrote stays.
     log_ = std::make_unique<std::ofstream>(path, std::ios::out | std::ios::app);
@@ -661,17 +667,17 @@ PlanSummary loadPlan(const std::string& path, const LiveModel& model, OnMismatch
   return summary;
 }
 
-void setReplayLog(const std::string& path, MemoryGauge gauge, bool leaveOutOwnTime) {
+void setReplayLog(const std::string& path, MemoryGauge gauge, bool leaveOutOwnTime, LogRank who) {
   bool haveCursor = false;
   withSchedule([&](SchedulePolicy& s) {
     if (PlanCursor* c = installedCursor(s)) {
-      c->openLog(path, std::move(gauge), leaveOutOwnTime);
+      c->openLog(path, std::move(gauge), leaveOutOwnTime, who);
       haveCursor = true;
     }
   });
   if (haveCursor || path.empty()) return;
   auto cursor = std::make_unique<PlanCursor>();
-  cursor->openLog(path, std::move(gauge), leaveOutOwnTime);
+  cursor->openLog(path, std::move(gauge), leaveOutOwnTime, who);
   setSchedule(std::move(cursor));
 }
 

@@ -68,7 +68,7 @@ class PlanCursor final : public SchedulePolicy {
   /// is read at each op. leaveOutOwnTime: the op lines' t_us are the host's clock less
   /// logCostUs(), for where the host is the device (CPU ranks), whose steps the log's host work
   /// lengthens by all of it; on a GPU it may overlap the device's work, and the clock is kept.
-  void openLog(const std::string& path, MemoryGauge gauge = {}, bool leaveOutOwnTime = false);
+  void openLog(const std::string& path, MemoryGauge gauge = {}, bool leaveOutOwnTime = false, LogRank who = {});
   void flushLog();
   /// The host time this log's writing took since it opened (its lines' dump and write, each op
   /// line's gauge read, its flushes), in microseconds.
@@ -79,7 +79,7 @@ class PlanCursor final : public SchedulePolicy {
   bool leavesOutOwnTime() const { return leaveOutOwnTime_; }
   /// Moves the log (open file and path) from another cursor.
   void takeLogFrom(PlanCursor& other);
-  /// Writes the log's plan line (file and persistent set).
+  /// Writes the log's plan line (file, persistent set, and the rank writing it where known).
   void logPlan();
   /// Writes one raw JSON object line (already formatted) to the log.
   void logLine(const std::string& json);
@@ -164,6 +164,7 @@ class PlanCursor final : public SchedulePolicy {
   MemoryGauge gauge_;
   int64_t logNs_ = 0;             // logCostUs(), in nanoseconds
   bool leaveOutOwnTime_ = false;  // openLog's
+  LogRank logRank_;               // openLog's
 };
 
 }  // namespace dcplan::replayer

@@ -58,6 +58,11 @@ ReplayLog readReplayLog(const std::string& path) {
     if (j.contains("grad") && j["grad"].is_boolean()) e.grad = j["grad"].get<bool>();
     if (e.ev == "plan" && j.contains("file") && j["file"].is_string())
       log.planFile = j["file"].get<std::string>();
+    if (e.ev == "plan" && j.contains("rank") && j["rank"].is_number_integer() && j.contains("world_size") &&
+        j["world_size"].is_number_integer()) {
+      log.rank = j["rank"].get<int>();
+      log.worldSize = j["world_size"].get<int>();
+    }
     if (e.ev == "graph_replay") ++log.graphReplays;
     events.push_back(std::move(e));
   }

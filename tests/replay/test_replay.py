@@ -92,6 +92,15 @@ def test_plan_keeps_numbers_and_is_followed(runs, stage, kind):
             assert not dropped
 
 
+def test_each_rank_s_log_names_the_rank_that_wrote_it(runs):
+    """The plan lines say which rank of how many wrote the log: dcplan plan --calibrate groups
+    several runs' logs by it (docs/replay.md)."""
+    ws, per_rank = runs
+    for rank, got in enumerate(value(per_rank, "zero3-all_persistent")):
+        plans = [e for e in got["log"] if e["ev"] == "plan"]
+        assert plans and all((e["rank"], e["world_size"]) == (rank, ws) for e in plans), plans
+
+
 def test_persistent_copies_end_with_their_last_use_before_a_step(runs):
     """ZeRO-3, every parameter persistent: a backward that ends in an optimizer step keeps no
     persistent copy past its last use (only copies backward never reads stay to its end); one

@@ -127,8 +127,13 @@ std::string takeBudgetGuardNote();
 /// docs/replay.md); replaces the default schedule by an equivalent one that logs
 /// when no plan is loaded. An empty path stops logging. With a gauge, each op line
 /// carries its memory (the runtime's allocation log). leaveOutOwnTime (CPU ranks): the lines'
-/// times leave out the log's own host time (PlanCursor::openLog).
-void setReplayLog(const std::string& path, MemoryGauge gauge = {}, bool leaveOutOwnTime = false);
+/// times leave out the log's own host time (PlanCursor::openLog). who: the rank writing it, named
+/// in its plan line (dcplan plan --calibrate groups several runs' logs by it).
+struct LogRank {
+  int rank = -1;  ///< -1: not known (no runtime started)
+  int worldSize = 0;
+};
+void setReplayLog(const std::string& path, MemoryGauge gauge = {}, bool leaveOutOwnTime = false, LogRank who = {});
 /// Writes what the replay log has buffered.
 void flushReplayLog();
 /// The replay log's clock now, as its op lines read it (PlanCursor::logClockUs): the host's

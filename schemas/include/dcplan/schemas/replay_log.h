@@ -35,6 +35,10 @@ MeasuredSteps measuredSteps(const std::vector<int64_t>& starts);
 struct ReplayLog {
   std::string path;
   std::string planFile;
+  /// The rank that wrote it and its world size (the plan line's "rank" and "world_size"); -1 and
+  /// 0 in a log that does not say (written before they were logged, or with no runtime started).
+  int rank = -1;
+  int worldSize = 0;
   MeasuredSteps steps;
   /// "graph_replay" lines: replays of a step captured in one CUDA graph (dcplan.graphed_step),
   /// which the host issues no op of and the step rule cannot time.
