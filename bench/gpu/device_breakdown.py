@@ -262,7 +262,8 @@ def main():
     bench = BreakdownBench(args)
     plan = args.compiled_plan.split(",")[0] if args.compiled_plan else None
     steps = {}  # the step with each AdamW implementation, in one process (the host varies between machines)
-    for adamw in ("foreach", "fused"):
+    # $ADAMW: which AdamW implementations to run (run_on_box.sh breakdown; default both).
+    for adamw in os.environ.get("ADAMW", "foreach fused").split():
         args.adamw = adamw
         steps[adamw] = bench.dcplan(plan, compiled=True, graphed=True)
     bounds = bench.device_bounds()

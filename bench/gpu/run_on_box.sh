@@ -25,7 +25,8 @@
 #   bash bench/gpu/run_on_box.sh offload comm|compute  # planned offload at $BUDGETS of the on-device floor
 #       against fsdp2 and fsdp2-offload (CPUOffloadPolicy), in one process
 #   bash bench/gpu/run_on_box.sh breakdown comm|compute [args]  # the graphed step's device time by category
-#       against the device's own bounds (bench/gpu/device_breakdown.py); NOPLAN=1: default schedule
+#       against the device's own bounds (bench/gpu/device_breakdown.py); NOPLAN=1: default schedule;
+#       ADAMW="fused": only the fused AdamW's step (default "foreach fused")
 #   bash bench/gpu/run_on_box.sh deepspeed comm|compute [args]  # DeepSpeed ZeRO-3 eager and DeepCompile
 #       (wheels from .whl, carried) against $MODES (default fsdp2,dcplan-compiled,bound; $PLAN: a
 #       compiled plan), separate processes in turn over $ROUNDS rounds, merged into one table

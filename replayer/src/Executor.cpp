@@ -179,12 +179,14 @@ void Executor::complete(ReduceBucket& bucket) {
     p.accumulate_ = true;
   }
   // Queued after the reduction (on its stream on a GPU); end_backward waits for all of them.
+  // At one rank the mean is the sum: no pass over the gradients to scale them by 1.
+  const bool scales = scale != 1.0;
   CommHandlePtr accumulated = rt_.transport_->runAfter(bucket.pending_, [&] {
     if (!copyTo.empty()) {
       at::_foreach_copy_(copyTo, copyFrom);
-      at::_foreach_mul_(copyTo, scale);
+      if (scales) at::_foreach_mul_(copyTo, scale);
     }
-    if (!scaleOnly.empty()) at::_foreach_mul_(scaleOnly, scale);
+    if (scales && !scaleOnly.empty()) at::_foreach_mul_(scaleOnly, scale);
     for (size_t r = 0; r < addTo.size(); ++r) at::_foreach_add_(addTo[r], addFrom[r], scale);
   });
   bucket.reset();
