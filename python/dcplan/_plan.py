@@ -493,7 +493,10 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
             diffs.append(f"{where}: flushed {flushes} where the plan reduces nothing")
         for e in evs:
             if e["ev"] == "release":
-                want_kept = stage < 3 or e["ds_id"] in persistent
+                # PlanCursor::keepGathered's rule: a trainable parameter's planned copy ends at its
+                # backward release before an optimizer step (sync), which makes it stale.
+                ends = g["backward"] and ex["sync"] and e["ds_id"] not in frozen
+                want_kept = stage < 3 or (e["ds_id"] in persistent and not ends)
                 if e["kept"] != want_kept:
                     diffs.append(f"{where}: {param(e['ds_id'])} {'kept' if e['kept'] else 'dropped'} at its release "
                                  f"(position {e['pos']}), the plan {'keeps' if want_kept else 'drops'} it")

@@ -66,7 +66,8 @@ void Executor::releaseParam(int64_t dsId, int64_t nUsers) {
   TORCH_CHECK(nUsers >= 1, "release_param: n_users should be >= 1, got ", nUsers, " for ", p.label());
   if (++p.uses_ < nUsers) return;
   p.uses_ = 0;
-  bool keep = !rt_.profiling_ && rt_.schedule_->keepGathered(dsId, p.persistent_, keepsAllGathered());
+  bool keep =
+      !rt_.profiling_ && rt_.schedule_->keepGathered(dsId, p.persistent_, keepsAllGathered(), p.trainable());
   // ZeRO-1/2 keep every copy by their stage: only a copy the plan keeps is the budget guard's to drop.
   if (keep && !keepsAllGathered() && guardDropsKept(rt_, graphId_, p)) keep = false;
   if (!keep) rt_.registry_->dropGathered(p);

@@ -75,6 +75,7 @@ void PlanCursor::onStartForward() {
 
 void PlanCursor::onStartBackward(bool update, bool sync) {
   resetPositions();
+  stepFollows_ = sync;
   if (log_) logJson({{"ev", "start_backward"}, {"update", update}, {"sync", sync}});
 }
 
@@ -228,9 +229,16 @@ void PlanCursor::onGuardHold(int64_t graphId, const GuardHold& hold) {
   }
 }
 
-bool PlanCursor::keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll) {
-  bool keep = SchedulePolicy::keepGathered(dsId, registeredPersistent, stageKeepsAll);
-  if (active() && persistent_.count(dsId)) keep = true;
+bool PlanCursor::keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll, bool trainable) {
+  bool keep = SchedulePolicy::keepGathered(dsId, registeredPersistent, stageKeepsAll, trainable);
+  if (active() && persistent_.count(dsId) && !stageKeepsAll) {
+    // A planned copy of a trainable parameter ends at its release in the backward before an
+    // optimizer step, which makes it stale (the planner's model, Simulator::dropPersistent): a
+    // compiled backward releases each parameter once, after its last use (the hooks also drop it
+    // at their last unpack).
+    const Planned* g = planned(curGraph_);
+    keep = !(trainable && stepFollows_ && g != nullptr && g->plan.backward);
+  }
   if (log_)
     logJson({{"ev", "release"}, {"graph", curGraph_}, {"pos", curPos_}, {"ds_id", dsId}, {"kept", keep}});
   return keep;

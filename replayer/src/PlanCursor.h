@@ -45,7 +45,7 @@ class PlanCursor final : public SchedulePolicy {
   void onGatherLaunched(int64_t graphId, const std::vector<int64_t>& dsIds, int64_t bytes,
                         bool planned) override;
   void onGuardHold(int64_t graphId, const GuardHold& hold) override;
-  bool keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll) override;
+  bool keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll, bool trainable) override;
   int64_t keptPeak(int64_t dsId) override;
   /// The plan's guard.persistent_peak_bytes, one per id of `persistent` (the budget guard's).
   void setKeptPeaks(const std::vector<int64_t>& persistent, const std::vector<uint64_t>& peaks);
@@ -150,6 +150,7 @@ class PlanCursor final : public SchedulePolicy {
   OnMismatch onMismatch_ = OnMismatch::Error;
   c10::ScalarType gatherDtype_ = c10::ScalarType::Undefined;
   bool departed_ = false;
+  bool stepFollows_ = false;  // the backward running is the last micro-step's (onStartBackward's sync)
   std::string departure_;
   bool departureTaken_ = false;
 

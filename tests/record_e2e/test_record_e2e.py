@@ -301,6 +301,8 @@ def test_compiled_model_is_recorded_planned_and_replayed(dcplan_ok, tmp_path):
     logs = str(tmp_path / "replay.{rank}.jsonl")
     planned = losses_of(tmp_path, "planned", args, DCPLAN_PLAN=str(plan), DCPLAN_REPLAY_LOG=logs)
     c = check_replay(plan, [logs.format(rank=0), logs.format(rank=1)])
+    # Following it includes each persistent copy's end at its backward release before a step (the
+    # compiled backward releases there; the planner's memory model drops it there).
     assert c.returncode == 0 and c.stdout.count(f"follows {plan}") == 2, c.stdout + c.stderr
     assert planned == losses_of(tmp_path, "plain", args)
     # The eager model refuses it (the other way round: test_plan_of_the_other_replay_mode_is_refused).

@@ -65,9 +65,9 @@ TEST(PlanCursor, LaunchesGroupsAtTheirPositions) {
 TEST(PlanCursor, KeepsPersistentAndFlushesAfterTheLastGradient) {
   PlanCursor c("p.json", twoGraphs(), {2}, OnMismatch::Error, c10::ScalarType::Undefined);
   forward(c);
-  EXPECT_TRUE(c.keepGathered(2, false, false));
-  EXPECT_FALSE(c.keepGathered(1, false, false));
-  EXPECT_TRUE(c.keepGathered(1, false, true));  // ZeRO-1/2 keep everything anyway
+  EXPECT_TRUE(c.keepGathered(2, false, false, true));
+  EXPECT_FALSE(c.keepGathered(1, false, false, true));
+  EXPECT_TRUE(c.keepGathered(1, false, true, true));  // ZeRO-1/2 keep everything anyway
   c.onStartBackward(true, true);
   EXPECT_FALSE(c.flushBefore(1, 1 << 30, 1 << 30, 16));  // the plan's boundaries, never the size
   c.beforeOp(op("reduce_grad", 1, 3));
@@ -78,6 +78,30 @@ TEST(PlanCursor, KeepsPersistentAndFlushesAfterTheLastGradient) {
   EXPECT_TRUE(c.flushAfter(1, 1));
   c.beforeOp(op("end_backward", 1));
   c.onGraphEnd(1);
+  EXPECT_TRUE(c.active());
+}
+
+TEST(PlanCursor, APersistentCopyEndsAtItsBackwardReleaseBeforeAnOptimizerStep) {
+  PlanCursor c("p.json", twoGraphs(), {2}, OnMismatch::Error, c10::ScalarType::Undefined);
+  forward(c);
+  EXPECT_TRUE(c.keepGathered(2, false, false, true));  // kept through the forward
+  // A micro-step before the accumulation boundary keeps it for the next forward.
+  c.onStartBackward(false, false);
+  c.beforeOp(op("release_param", 1, 2));
+  EXPECT_TRUE(c.keepGathered(2, false, false, true));
+  c.onGraphEnd(1);
+  // Before the optimizer step (sync), the step makes it stale: it ends at its backward release
+  // (the planner's model), unless frozen or kept by the stage.
+  forward(c);
+  c.onStartBackward(true, true);
+  c.beforeOp(op("release_param", 1, 2));
+  EXPECT_FALSE(c.keepGathered(2, false, false, true));
+  EXPECT_TRUE(c.keepGathered(2, false, false, false));
+  EXPECT_TRUE(c.keepGathered(2, false, true, true));
+  c.onGraphEnd(1);
+  // The next step's forward keeps its new copy again.
+  forward(c);
+  EXPECT_TRUE(c.keepGathered(2, false, false, true));
   EXPECT_TRUE(c.active());
 }
 
@@ -101,7 +125,7 @@ TEST(PlanCursor, GradientOutOfOrderIsADeparture) {
   EXPECT_FALSE(c.active());
   // The default schedule from here on: flush by size, nothing kept beyond the stage.
   EXPECT_TRUE(c.flushBefore(1, 10, 10, 16));
-  EXPECT_FALSE(c.keepGathered(2, false, false));
+  EXPECT_FALSE(c.keepGathered(2, false, false, true));
 }
 
 TEST(PlanCursor, LaterExecutionsMustMatchTheFirst) {

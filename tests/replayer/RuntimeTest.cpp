@@ -335,7 +335,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, ExecutorOnRanks, ::testing::Values(1, 2, 3)
 namespace {
 
 struct KeepAndFlushEverything final : SchedulePolicy {
-  bool keepGathered(int64_t, bool, bool) override { return true; }
+  bool keepGathered(int64_t, bool, bool, bool) override { return true; }
   bool flushBefore(int64_t, int64_t pendingBytes, int64_t, int64_t) override { return pendingBytes > 0; }
   std::vector<int64_t> prefetchBefore(const OpEvent& e) override {
     return e.dsId == 0 ? std::vector<int64_t>{3} : std::vector<int64_t>{};

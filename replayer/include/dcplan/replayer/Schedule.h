@@ -20,8 +20,9 @@ class SchedulePolicy {
   /// fused gather, before the op runs (ids already gathered are skipped).
   virtual std::vector<int64_t> prefetchBefore(const OpEvent& event) { return {}; }
 
-  /// Whether a gathered parameter stays gathered when its last user releases it.
-  virtual bool keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll) {
+  /// Whether a gathered parameter stays gathered when its last user releases it; trainable: an
+  /// optimizer step may change its shard.
+  virtual bool keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll, bool trainable) {
     return registeredPersistent || stageKeepsAll;
   }
 
