@@ -176,3 +176,33 @@ def test_planned_saves_move_through_their_slots_one_forward_at_a_time(dcplan_mod
     out.square().mean().backward()
     del out, held
     assert slots.forward(0, 1, torch.device("cpu")) is not None  # the first graph is gone
+
+
+def test_the_recorders_own_work_is_timed_even_when_it_raises_and_a_plans_saves_are_not_its(dcplan_module,
+                                                                                            monkeypatch):
+    """The recorder's bookkeeping (_record.own_work) reports its time to the host clock that the
+    trace's host times leave it out of (recorder::addOwnHostWorkNs): once per call, also when the
+    work raises; a plan's saves (HostSlots) are the replay's own work and are not reported."""
+    from dcplan import _activations, _record
+
+    reported = []
+    monkeypatch.setattr(_record._C, "record_own_host_work", reported.append)
+    assert _record.own_work(lambda a, b: a + b, 2, 3) == 5
+    assert len(reported) == 1 and reported[0] >= 0
+
+    def fails():
+        raise ValueError("bookkeeping failed")
+
+    with pytest.raises(ValueError, match="bookkeeping failed"):
+        _record.own_work(fails)
+    assert len(reported) == 2
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Block(16)), torch.randn(8, 16, requires_grad=True)
+    reported.clear()
+    run(model, x, _activations.Forward(0, 1, torch.device("cpu"), trial=True))
+    assert reported, "the recorder's trial forward's saves are its own work"
+    reported.clear()
+    slots = _activations.HostSlots("plan.json", "/graphs/0/offload_saves", [(1, 8 * 64 * 4)], torch.device("cpu"))
+    run(model, x, slots.forward(0, 1, torch.device("cpu")))
+    assert reported == []

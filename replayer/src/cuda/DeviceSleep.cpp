@@ -2,6 +2,7 @@
 #include "dcplan/replayer/DeviceSleep.h"
 
 #include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
@@ -34,8 +35,10 @@ int clockKiloHertz(c10::DeviceIndex index) {
 
 bool queueDeviceSleep(c10::Device device, double us) {
   if (!device.is_cuda() || !(us > 0)) return false;
-  c10::cuda::CUDAGuard guard(device);
-  const int kiloHertz = clockKiloHertz(device.index());
+  // "cuda" without an index is the current device (the cache is by index).
+  const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
+  c10::cuda::CUDAGuard guard(index);
+  const int kiloHertz = clockKiloHertz(index);
   if (kiloHertz <= 0) return false;
   at::cuda::sleep(static_cast<int64_t>(std::ceil(us * static_cast<double>(kiloHertz) / 1000.0)));
   return true;
