@@ -54,6 +54,7 @@ schemas::Plan replayedPlan(const std::string& log, const std::string& planFile) 
 struct LoggedStep {
   std::string path;
   int rank = -1;
+  int worldSize = 0;
   double medianUs = 0;
 };
 
@@ -69,6 +70,11 @@ struct CalibrationStep {
 std::vector<double> runStepsByRank(const std::vector<LoggedStep>& logs, size_t ranks, const std::string& planFile) {
   std::vector<std::vector<double>> ofRank(ranks);
   for (const LoggedStep& l : logs) {
+    if (static_cast<size_t>(l.worldSize) != ranks) {
+      throw schemas::InputError(l.path, {{"", "--calibrate: written by rank " + std::to_string(l.rank) + " of " +
+                                                  std::to_string(l.worldSize) + ", and " + planFile +
+                                                  " is a plan for " + std::to_string(ranks) + " ranks"}});
+    }
     if (static_cast<size_t>(l.rank) >= ranks) {
       throw schemas::InputError(l.path, {{"", "--calibrate: written by rank " + std::to_string(l.rank) + ", and " +
                                                   planFile + " is a plan for " + std::to_string(ranks) +
@@ -124,7 +130,13 @@ CalibrationStep calibrationStep(const std::vector<LoggedStep>& logs, int64_t wor
       throw schemas::InputError(l.path, {{"", "--calibrate: the log is given twice"}});
     }
   }
-  const bool ranked = std::all_of(logs.begin(), logs.end(), [](const LoggedStep& l) { return l.rank >= 0; });
+  const auto named = std::count_if(logs.begin(), logs.end(), [](const LoggedStep& l) { return l.rank >= 0; });
+  if (named > 0 && static_cast<size_t>(named) < logs.size()) {
+    const auto unnamed = std::find_if(logs.begin(), logs.end(), [](const LoggedStep& l) { return l.rank < 0; });
+    throw schemas::InputError(unnamed->path, {{"", "--calibrate: the log does not name its rank (written by an "
+                                                   "older dcplan) and others do: give logs of one kind"}});
+  }
+  const bool ranked = named > 0;
   std::vector<double> steps =
       ranked ? runStepsByRank(logs, ranks, planFile) : runStepsByPosition(logs, ranks, planFile);
   std::sort(steps.begin(), steps.end());
@@ -165,7 +177,7 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
       throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.steps.count) +
                                                 " steps after the first; run at least 3 steps"}});
     }
-    steps.push_back({path, log.rank, *log.steps.medianUs});
+    steps.push_back({path, log.rank, log.worldSize, *log.steps.medianUs});
     names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
   }
   const schemas::Plan replayed = replayedPlan(logs.back(), planFile);

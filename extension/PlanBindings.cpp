@@ -42,7 +42,9 @@ py::list followedGraphsOf(const std::string& text, const std::string& name,
     for (const auto& [position, ids] : g.groups) {
       for (const CursorGroup& group : ids) groups.append(py::make_tuple(position, group.dsIds));
     }
-    out.append(py::make_tuple(g.id, g.backward, groups, g.buckets));
+    py::list ends;
+    for (const auto& [position, id] : g.persistentEnds) ends.append(py::make_tuple(position, id));
+    out.append(py::make_tuple(g.id, g.backward, groups, g.buckets, ends));
   }
   return out;
 }
@@ -61,7 +63,8 @@ std::vector<schemas::ReplayLogEvent> stepEvents(
 void bindPlan(py::module_& m) {
   m.def("followed_graphs", &followedGraphsOf, py::arg("plan_json"), py::arg("name"), py::arg("frozen"),
         "A plan's graphs as the plan cursor follows them: (graph id, backward, [(position, ds_ids)] in "
-        "launch order, buckets in gradient-ready order without the frozen parameters); ValueError naming "
+        "launch order, buckets in gradient-ready order, [(position, ds_id)] where persistent copies end before "
+        "a step, without the frozen parameters); ValueError naming "
         "the plan for an invalid one.");
   // params: (ds_id, name, shape, dtype name, trainable) per parameter.
   using ParamTuple = std::tuple<int64_t, std::string, std::vector<int64_t>, std::string, bool>;

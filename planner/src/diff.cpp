@@ -259,6 +259,8 @@ PlanDiff diffPlans(const schemas::Plan& a, const schemas::Plan& b, double tolera
           static_cast<double>(a.options.gradAccumSteps), static_cast<double>(b.options.gradAccumSteps));
   d.text("/options/cuda_graph", "options.cuda_graph", a.options.cudaGraph ? "true" : "false",
          b.options.cudaGraph ? "true" : "false");
+  d.text("/options/device_times", "options.device_times", a.options.deviceTimes ? "true" : "false",
+         b.options.deviceTimes ? "true" : "false");
   const auto& na = a.options.network;
   const auto& nb = b.options.network;
   const bool sameNetwork =

@@ -145,9 +145,14 @@ std::string inSituText(const InSituFit& fit) {
                       : "");
 }
 
-Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, bool cudaGraph,
+StepReplay plannedReplay(const schemas::PlanOptions& options) {
+  if (options.cudaGraph) return StepReplay::CudaGraph;
+  return options.deviceTimes ? StepReplay::Issued : StepReplay::IssuedOnRecordedTimes;
+}
+
+Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay,
                          const schemas::Network* network, double* computeScale) {
-  Workload w = makeWorkload(trace, worldSize, cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued);
+  Workload w = makeWorkload(trace, worldSize, replay);
   double factor = 1.0;
   const std::optional<double>& recorded = trace.calibration.computeProbeUs;
   if (network && w.waitsBlockHost && recorded && network->calibration.computeProbeUs) {

@@ -862,7 +862,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   const bool cudaGraph = req.cudaGraph.value_or(trace.meta.graphed);
   const int64_t worldSize = req.worldSize > 0 ? req.worldSize : network ? network->worldSize : 0;
   double computeScale = 1.0;
-  Workload w = plannedWorkload(trace, worldSize, cudaGraph, network, &computeScale);
+  Workload w =
+      plannedWorkload(trace, worldSize, cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued, network, &computeScale);
   if (network && w.worldSize <= 1) {  // one rank's calls are its own copies, which the trace timed
     throw std::invalid_argument("--network " + req.network->file +
                                 ": the collectives between ranks; this plan is for 1 rank, which has none "
@@ -943,6 +944,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   plan.options.bandwidthGBps = req.bandwidthGBps;
   plan.options.gradAccumSteps = w.gradAccumSteps;
   plan.options.cudaGraph = w.cudaGraph;
+  plan.options.deviceTimes = w.ownDeviceTimes && !w.cudaGraph;
   // The scale the plan was made with, so that inspect simulates it alike without fitting again.
   // Beside a host scale on CPU ranks always: inspect would otherwise fit the collectives again, on
   // the paced workload (a GPU fits none: docs/planning.md, "In situ").

@@ -61,7 +61,7 @@ struct Simulated {
 
 Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   const schemas::Network* network = plan.options.network ? &plan.options.network->measured : nullptr;
-  Workload w = plannedWorkload(trace, plan.source.worldSize, plan.options.cudaGraph, network);
+  Workload w = plannedWorkload(trace, plan.source.worldSize, plannedReplay(plan.options), network);
   if (plan.options.hostScale) scaleHost(w, *plan.options.hostScale);
   std::optional<InSituFit> inSitu;
   CostModel cost =

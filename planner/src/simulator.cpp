@@ -357,7 +357,7 @@ class Simulation {
           if (allocated_[p] && !s_.persistent[p]) {
             allocated_[p] = 0;
             liveGathered_ -= w_.params[p].mem.gathered;
-          } else if (allocated_[p] && dropsPersistent && op.lastRelease && w_.params[p].requiresGrad) {
+          } else if (allocated_[p] && dropsPersistent && endsPersistentCopy(w_, g, op)) {
             dropPersistent(p);
           }
           break;
@@ -523,12 +523,13 @@ class Simulation {
   }
 
   /// The device's clock at the end of `workUs` of its work that would end at `deviceUs`, once the
-  /// host has issued it (host lane). Where the host is the later, a GPU's whole idle time since its
-  /// last work is the host's (SimResult::hostBoundUs), a collective's wait in it hidden behind it.
+  /// host has issued it (host lane). Of a GPU's idle time since its last work, what the host alone
+  /// would have left idle is the host's (SimResult::hostBoundUs): until the host issued the work
+  /// (a collective's wait inside that stretch is hidden behind the host); only what the collective
+  /// kept it idle beyond that is communication's.
   double waitForHost(double deviceUs, double workUs) {
-    if (hostNow_ <= deviceUs) return deviceUs;
-    if (!w_.waitsBlockHost) res_.hostBoundUs += hostNow_ - workUs - workEnd_;
-    return hostNow_;
+    if (!w_.waitsBlockHost) res_.hostBoundUs += std::max(0.0, hostNow_ - workUs - workEnd_);
+    return std::max(deviceUs, hostNow_);
   }
 
   /// A call's agreement check (CostModel::checkUs), before its launch: the host blocks in it (on CPU

@@ -206,7 +206,8 @@ void chooseTimes(Workload& w, const schemas::Trace& trace, size_t end, const std
     // measured them, the host lane the host's. The recorded compute_us of a host-bound stretch is
     // the host's pace (the GPU idled), recorder's work and all; on it a plan that issues less, or a
     // host calibrated faster (--calibrate), was never predicted below the recorded step.
-    w.ownDeviceTimes = w.hostLane && !w.waitsBlockHost && !firstMissingDeviceTime(trace, end, micro);
+    w.ownDeviceTimes = replay == StepReplay::Issued && w.hostLane && !w.waitsBlockHost &&
+                       !firstMissingDeviceTime(trace, end, micro);
     if (w.ownDeviceTimes) w.optimizerUs = *trace.steps[end].optimizerDeviceUs;
     return;
   }
@@ -379,6 +380,11 @@ void markLastReleases(Workload& w) {
 }
 
 }  // namespace
+
+bool endsPersistentCopy(const Workload& w, const WorkGraph& g, const WorkOp& op) {
+  return w.stage == 3 && g.kind == schemas::GraphKind::Backward && op.role == OpRole::Release && op.lastRelease &&
+         w.params[static_cast<size_t>(op.param)].requiresGrad;
+}
 
 void scaleCompute(Workload& w, double factor) {
   for (GraphRun& run : w.runs) {

@@ -438,7 +438,8 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
     Compared: every execution of a planned graph launched exactly the plan's prefetch groups at
     their positions; every backward that reduced flushed exactly the plan's buckets in order
     (frozen parameters left out); the parameters kept gathered at their release are the plan's
-    persistent set (ZeRO-3) or every parameter (ZeRO-1/2); a persistent parameter is gathered at
+    persistent set (ZeRO-3; but at a release where the plan ends a copy before an optimizer step,
+    its persistent_ends) or every parameter (ZeRO-1/2); a persistent parameter is gathered at
     most once per optimizer step. A departure in the log is a difference. What the budget guard
     held back is the plan's (a held group as launched, a dropped persistent copy gathered again):
     budget_holds lists it.
@@ -453,8 +454,9 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
     frozen = set(frozen)
     persistent = set(plan["persistent"])
     # What the plan asks of each graph, as the runtime's plan cursor follows it (one rule, in C++).
-    graphs = {gid: {"backward": backward, "groups": [(pos, ids) for pos, ids in groups], "buckets": buckets}
-              for gid, backward, groups, buckets in _C.followed_graphs(text, name, sorted(frozen))}
+    graphs = {gid: {"backward": backward, "groups": [(pos, ids) for pos, ids in groups], "buckets": buckets,
+                    "ends": set(ends)}
+              for gid, backward, groups, buckets, ends in _C.followed_graphs(text, name, sorted(frozen))}
     diffs: List[str] = []
     names: Dict[str, str] = {}  # the plan line that loaded the plan has them (one opened before it has none)
     for ev in events:
@@ -493,9 +495,9 @@ def replay_differences(plan: Union[str, Dict], events: List[Dict], frozen: Itera
             diffs.append(f"{where}: flushed {flushes} where the plan reduces nothing")
         for e in evs:
             if e["ev"] == "release":
-                # PlanCursor::keepGathered's rule: a trainable parameter's planned copy ends at its
-                # backward release before an optimizer step (sync), which makes it stale.
-                ends = g["backward"] and ex["sync"] and e["ds_id"] not in frozen
+                # A persistent copy ends in the backward before an optimizer step (sync), which makes
+                # it stale, at the release the plan names (persistent_ends; PlanCursor::keepGathered).
+                ends = ex["sync"] and (e["pos"], e["ds_id"]) in g["ends"]
                 want_kept = stage < 3 or (e["ds_id"] in persistent and not ends)
                 if e["kept"] != want_kept:
                     diffs.append(f"{where}: {param(e['ds_id'])} {'kept' if e['kept'] else 'dropped'} at its release "

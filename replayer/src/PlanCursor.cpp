@@ -231,13 +231,12 @@ void PlanCursor::onGuardHold(int64_t graphId, const GuardHold& hold) {
 
 bool PlanCursor::keepGathered(int64_t dsId, bool registeredPersistent, bool stageKeepsAll, bool trainable) {
   bool keep = SchedulePolicy::keepGathered(dsId, registeredPersistent, stageKeepsAll, trainable);
-  if (active() && persistent_.count(dsId) && !stageKeepsAll) {
-    // A planned copy of a trainable parameter ends at its release in the backward before an
-    // optimizer step, which makes it stale (the planner's model, Simulator::dropPersistent): a
-    // compiled backward releases each parameter once, after its last use (the hooks also drop it
-    // at their last unpack).
+  if (active() && persistent_.count(dsId) && !stageKeepsAll && !registeredPersistent) {
+    // A planned copy of a trainable parameter ends in the backward before an optimizer step,
+    // which makes it stale, at the release the plan names (its last in the graph: the planner's
+    // memory model drops it there, endsPersistentCopy); the backward's end drops the others.
     const Planned* g = planned(curGraph_);
-    keep = !(trainable && stepFollows_ && g != nullptr && g->plan.backward);
+    keep = !(trainable && stepFollows_ && g != nullptr && g->plan.persistentEnds.count({curPos_, dsId}));
   }
   if (log_)
     logJson({{"ev", "release"}, {"graph", curGraph_}, {"pos", curPos_}, {"ds_id", dsId}, {"kept", keep}});
@@ -504,6 +503,9 @@ std::vector<CursorGraph> followedGraphs(const schemas::Plan& plan, const std::se
         if (!frozen.count(id)) ids.push_back(id);
       }
       if (!ids.empty()) cg.buckets.push_back(std::move(ids));
+    }
+    for (const schemas::PersistentEnd& e : pg.persistentEnds) {
+      if (!frozen.count(e.dsId)) cg.persistentEnds.emplace(e.position, e.dsId);
     }
     graphs.push_back(std::move(cg));
   }

@@ -94,6 +94,12 @@ class PlanValidator {
     o.bandwidthGBps = r.positiveNumber("bandwidth_gbps", P::Optional);
     o.gradAccumSteps = r.integer("grad_accum_steps", 1).value_or(1);
     o.cudaGraph = r.boolean("cuda_graph", P::Optional).value_or(false);
+    o.deviceTimes = r.boolean("device_times", P::Optional).value_or(false);
+    if (o.deviceTimes && o.cudaGraph) {
+      diags_.add(r.pointerOf("device_times"),
+                 "a plan for a CUDA graph (cuda_graph) always runs on the device's own times: expected no "
+                 "device_times");
+    }
     o.inSituScale = r.positiveNumber("in_situ_scale", P::Optional);
     o.hostScale = r.positiveNumber("host_scale", P::Optional);
     if (o.hostScale && o.cudaGraph) {
@@ -175,6 +181,8 @@ class PlanValidator {
       }
       if (auto* saves = r.array("offload_saves", P::Optional))
         readOffloadSaves(*saves, r.pointerOf("offload_saves"), graph);
+      if (auto* ends = r.array("persistent_ends", P::Optional))
+        readPersistentEnds(*ends, r.pointerOf("persistent_ends"), graph);
       r.rejectUnknownFields();
       out_.graphs.push_back(std::move(graph));
     }
@@ -203,6 +211,30 @@ class PlanValidator {
         diags_.add(item.pointerOf("bytes"), "expected the storage's size, > 0");
       item.rejectUnknownFields();
       graph.offloadSaves.push_back(save);
+    }
+  }
+
+  /// A backward graph's persistent_ends: positions in increasing order, each a parameter's.
+  void readPersistentEnds(const ordered_json& list, const std::string& ptr, PlanGraph& graph) {
+    if (graph.kind != GraphKind::Backward) {
+      diags_.add(ptr, "persistent copies end in backward graphs; this graph is a forward");
+      return;
+    }
+    std::optional<int64_t> last;
+    for (size_t i = 0; i < list.size(); ++i) {
+      FieldReader item(list[i], ptr + "/" + std::to_string(i), diags_);
+      PersistentEnd end;
+      if (auto position = item.integer("position", 0)) {
+        if (last && *position <= *last) {
+          diags_.add(item.pointerOf("position"), "expected the positions in increasing order, got " +
+                                                     std::to_string(*position) + " after " + std::to_string(*last));
+        }
+        last = position;
+        end.position = *position;
+      }
+      end.dsId = item.integer("ds_id", 0).value_or(0);
+      item.rejectUnknownFields();
+      graph.persistentEnds.push_back(end);
     }
   }
 
@@ -324,6 +356,7 @@ std::string writePlan(const Plan& plan) {
   if (plan.options.bandwidthGBps) options["bandwidth_gbps"] = *plan.options.bandwidthGBps;
   options["grad_accum_steps"] = plan.options.gradAccumSteps;
   if (plan.options.cudaGraph) options["cuda_graph"] = true;
+  if (plan.options.deviceTimes) options["device_times"] = true;
   if (plan.options.inSituScale) options["in_situ_scale"] = *plan.options.inSituScale;
   if (plan.options.hostScale) options["host_scale"] = *plan.options.hostScale;
   if (plan.options.network) {
@@ -350,6 +383,11 @@ std::string writePlan(const Plan& plan) {
       ordered_json saves = ordered_json::array();
       for (const OffloadedSave& o : g.offloadSaves) saves.push_back({{"pack", o.pack}, {"bytes", o.bytes}});
       graph["offload_saves"] = std::move(saves);
+    }
+    if (!g.persistentEnds.empty()) {
+      ordered_json ends = ordered_json::array();
+      for (const PersistentEnd& e : g.persistentEnds) ends.push_back({{"position", e.position}, {"ds_id", e.dsId}});
+      graph["persistent_ends"] = std::move(ends);
     }
     graphs.push_back(std::move(graph));
   }

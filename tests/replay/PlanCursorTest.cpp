@@ -26,6 +26,7 @@ std::vector<CursorGraph> twoGraphs() {
   bwd.id = 1;
   bwd.backward = true;
   bwd.buckets = {{3, 2}, {1}};
+  bwd.persistentEnds = {{1, 2}};  // 2's copy ends at its second release (position 1) before a step
   return {fwd, bwd};
 }
 
@@ -89,15 +90,21 @@ TEST(PlanCursor, APersistentCopyEndsAtItsBackwardReleaseBeforeAnOptimizerStep) {
   c.onStartBackward(false, false);
   c.beforeOp(op("release_param", 1, 2));
   EXPECT_TRUE(c.keepGathered(2, false, false, true));
+  c.beforeOp(op("release_param", 1, 2));
+  EXPECT_TRUE(c.keepGathered(2, false, false, true));
   c.onGraphEnd(1);
-  // Before the optimizer step (sync), the step makes it stale: it ends at its backward release
-  // (the planner's model), unless frozen or kept by the stage.
+  // Before the optimizer step (sync), the step makes it stale: it ends at the release the plan
+  // names (its last in the graph, where the planner's model ends it), not at an earlier one;
+  // a frozen one, one the stage keeps, or one registered persistent stays.
   forward(c);
   c.onStartBackward(true, true);
+  c.beforeOp(op("release_param", 1, 2));
+  EXPECT_TRUE(c.keepGathered(2, false, false, true));
   c.beforeOp(op("release_param", 1, 2));
   EXPECT_FALSE(c.keepGathered(2, false, false, true));
   EXPECT_TRUE(c.keepGathered(2, false, false, false));
   EXPECT_TRUE(c.keepGathered(2, false, true, true));
+  EXPECT_TRUE(c.keepGathered(2, true, false, true));
   c.onGraphEnd(1);
   // The next step's forward keeps its new copy again.
   forward(c);

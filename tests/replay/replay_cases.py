@@ -151,6 +151,9 @@ def build_plan(kind: str, stage: int, ws: int, base: Dict) -> Dict:
         persistent = sorted(ids)
     else:
         persistent = sorted(ids)[::3]
+    # ZeRO-3: each persistent copy ends at its last backward release before a step (persistent_ends).
+    last_release = {i: q for q, (op, i) in enumerate(bwd_ops) if op == "release_param" and i in persistent}
+    ends = [{"position": q, "ds_id": i} for i, q in sorted(last_release.items(), key=lambda item: item[1])]
     pred = {"step_us": 1.0, "exposed_comm_us": 0.0, "peak_memory_bytes": 1}
     return {
         "schema": "dcplan.plan/v1",
@@ -161,7 +164,8 @@ def build_plan(kind: str, stage: int, ws: int, base: Dict) -> Dict:
         "persistent": persistent,
         "graphs": [
             {"id": base["fwd"], "kind": "forward", "prefetch": groups(fwd_ops), "buckets": []},
-            {"id": base["bwd"], "kind": "backward", "prefetch": groups(bwd_ops), "buckets": buckets},
+            {"id": base["bwd"], "kind": "backward", "prefetch": groups(bwd_ops), "buckets": buckets,
+             **({"persistent_ends": ends} if stage == 3 and ends else {})},
         ],
         "predicted": pred,
         "predicted_default": pred,

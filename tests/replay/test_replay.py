@@ -84,8 +84,10 @@ def test_plan_keeps_numbers_and_is_followed(runs, stage, kind):
                    for e in ex["events"] if e["ev"] == "release" and not e["kept"]}
         if stage == 3:
             assert kept == set(plan["persistent"]) and not kept & dropped
+            ends = {(e["position"], e["ds_id"]) for e in plan["graphs"][1].get("persistent_ends", [])}
+            assert {i for _, i in ends} <= kept
             assert not any(e["kept"] for ex in execs if ex["kind"] == "backward" and ex["sync"]
-                           for e in ex["events"] if e["ev"] == "release" and e["ds_id"] in kept), "kept past a step"
+                           for e in ex["events"] if e["ev"] == "release" and (e["pos"], e["ds_id"]) in ends)
             # Each persistent parameter is gathered exactly once per optimizer step.
             for step in range(replay_cases.STEPS):
                 for i in plan["persistent"]:

@@ -157,7 +157,7 @@ TEST(PlannedWorkload, CpuRanksComputeAtTheNetworksProbeOverTheTraces) {
   network.calibration.computeProbeUs = 230.0;  // the ranks share the cores there
   const Workload recorded = makeWorkload(gloo);
   double factor = 0;
-  const Workload w = plannedWorkload(gloo, 0, false, &network, &factor);
+  const Workload w = plannedWorkload(gloo, 0, StepReplay::Issued, &network, &factor);
   EXPECT_DOUBLE_EQ(factor, 2.3);
   for (size_t r = 0; r < w.runs.size(); ++r) {
     for (size_t i = 0; i < w.runs[r].computeUs.size(); ++i) {
@@ -181,17 +181,17 @@ TEST(PlannedWorkload, CpuRanksComputeAtTheNetworksProbeOverTheTraces) {
   for (const std::string& line : scaled.explanation) said = said || line.rfind("compute: ", 0) == 0;
   EXPECT_TRUE(said);
   // Kept: no network, a probe missing on either side, or GPUs (each computes on its own).
-  const Workload kept = plannedWorkload(gloo, 0, false, nullptr, &factor);
+  const Workload kept = plannedWorkload(gloo, 0, StepReplay::Issued, nullptr, &factor);
   EXPECT_EQ(factor, 1.0);
   EXPECT_EQ(kept.runs[0].computeUs, recorded.runs[0].computeUs);
   schemas::Network old = network;
   old.calibration.computeProbeUs.reset();
-  EXPECT_EQ(plannedWorkload(gloo, 0, false, &old, &factor).runs[0].computeUs, recorded.runs[0].computeUs);
+  EXPECT_EQ(plannedWorkload(gloo, 0, StepReplay::Issued, &old, &factor).runs[0].computeUs, recorded.runs[0].computeUs);
   EXPECT_EQ(factor, 1.0);
   schemas::Trace nccl = gloo;
   nccl.meta.backend = "nccl";
   nccl.meta.device = "cuda";
-  EXPECT_EQ(plannedWorkload(nccl, 0, false, &network, &factor).runs[0].computeUs, recorded.runs[0].computeUs);
+  EXPECT_EQ(plannedWorkload(nccl, 0, StepReplay::Issued, &network, &factor).runs[0].computeUs, recorded.runs[0].computeUs);
   EXPECT_EQ(factor, 1.0);
 }
 

@@ -1,9 +1,11 @@
 // Tests of the simulator's timeline and memory rules on a trace with round numbers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <stdexcept>
 
+#include "dcplan/planner/in_situ.h"
 #include "dcplan/planner/planner.h"
 #include "dcplan/planner/simulator.h"
 #include "dcplan/planner/workload.h"
@@ -231,9 +233,10 @@ TEST(SimulatorHostLane, AGpusEagerStepRunsOnTheDevicesOwnTimesBesideTheHost) {
   EXPECT_NEAR(bound.prediction.stepUs, host, 1e-6);
   // The device's wait for the host is the host's, not communication's (a gather hidden behind the
   // host's pace included): what is exposed is the tail the device runs after the host's issues,
-  // the last bucket's reduce-scatter, less the two issues (20 us each) the host made beside it.
+  // the last bucket's reduce-scatter, less what the host alone would have kept the device waiting
+  // after its launch: the three issues (20 us each) that follow it before the optimizer.
   EXPECT_NEAR(bound.hostBoundUs + bound.computeUs + bound.optimizerUs + bound.prediction.exposedCommUs, host, 1e-6);
-  EXPECT_NEAR(bound.prediction.exposedCommUs, cost.us(Collective::ReduceScatter, 2 * kTinyParam) - 2 * 20.0, 1e-6);
+  EXPECT_NEAR(bound.prediction.exposedCommUs, cost.us(Collective::ReduceScatter, 2 * kTinyParam) - 3 * 20.0, 1e-6);
   // A host twice as fast as the recording's (a plan calibrated to a faster replay): the step
   // follows it, the host's 1,800 us and what the device runs after the host issued it (the reduce
   // tail and the optimizer), under the recorded 3,000 us of the device's compute_us alone.
@@ -253,6 +256,38 @@ TEST(SimulatorHostLane, AGpusEagerStepRunsOnTheDevicesOwnTimesBesideTheHost) {
   schemas::Trace gloo = t;
   gloo.meta.backend = "gloo";
   EXPECT_FALSE(makeWorkload(gloo).ownDeviceTimes);
+}
+
+TEST(SimulatorHostLane, AnEagerPlanSaysItRanTheDevicesOwnTimesAndIsSimulatedAgainAsPlanned) {
+  const schemas::Plan plan = makePlan(withDeviceTimes(0.2), PlanRequest{}).plan;
+  EXPECT_TRUE(plan.options.deviceTimes);
+  schemas::Plan back;
+  ASSERT_TRUE(schemas::validatePlan(schemas::parseJson(schemas::writePlan(plan), "p"), back).empty());
+  EXPECT_TRUE(back.options.deviceTimes);
+  EXPECT_EQ(plannedReplay(back.options), StepReplay::Issued);
+  EXPECT_TRUE(plannedWorkload(withDeviceTimes(0.2), 0, plannedReplay(back.options), nullptr).ownDeviceTimes);
+  // A plan without it (made before dcplan used the device's own times, or from a trace without
+  // them) is simulated again on the recorded compute, as it was made.
+  back.options.deviceTimes = false;
+  EXPECT_EQ(plannedReplay(back.options), StepReplay::IssuedOnRecordedTimes);
+  const Workload recorded = plannedWorkload(withDeviceTimes(0.2), 0, plannedReplay(back.options), nullptr);
+  EXPECT_FALSE(recorded.ownDeviceTimes);
+  EXPECT_NEAR(recorded.computeUs(), 3000, 1e-9);
+  // CPU ranks and a CUDA graph's plan never say it (a graph always runs the device's times).
+  schemas::Trace gloo = withDeviceTimes(0.2);
+  gloo.meta.backend = "gloo";
+  EXPECT_FALSE(makePlan(gloo, PlanRequest{}).plan.options.deviceTimes);
+  PlanRequest graphed;
+  graphed.cudaGraph = true;
+  const schemas::Plan graph = makePlan(withDeviceTimes(0.2), graphed).plan;
+  EXPECT_FALSE(graph.options.deviceTimes);
+  EXPECT_EQ(plannedReplay(graph.options), StepReplay::CudaGraph);
+  nlohmann::json both = schemas::parseJson(schemas::writePlan(graph), "p");
+  both["options"]["device_times"] = true;
+  schemas::Plan refused;
+  const auto diags = schemas::validatePlan(both, refused);
+  ASSERT_FALSE(diags.empty());
+  EXPECT_EQ(diags.front().pointer, "/options/device_times");
 }
 
 TEST(SimulatorCudaGraph, APlanForTheGraphSaysSoAndNeedsTheDevicesTimes) {
@@ -490,6 +525,37 @@ TEST(Simulator, PersistentCopyEndsAtItsLastBackwardUseBeforeTheStep) {
   Workload w = makeWorkload(t);
   SimResult acc = simulate(w, f.cost, compileSchedule(w, s), SimOptions{});
   EXPECT_EQ(acc.prediction.peakMemoryBytes, kTinyBase + 2 * kTinyParam + 4 * kTinyParam);
+}
+
+TEST(Simulator, APlanNamesWherePersistentCopiesEndAsTheModelEndsThem) {
+  // The runtime drops a persistent copy where the plan says (persistent_ends): each trainable
+  // persistent parameter's last release in the backward graph, the op the model drops it at.
+  const schemas::Trace t = test::tinyTrace();
+  const schemas::Plan plan = makePlan(t, PlanRequest{}).plan;
+  ASSERT_FALSE(plan.persistent.empty()) << "an unconstrained plan of the tiny trace keeps copies";
+  const Workload w = makeWorkload(t);
+  for (size_t g = 0; g < w.graphs.size(); ++g) {
+    std::vector<schemas::PersistentEnd> want;
+    for (size_t i = 0; i < w.graphs[g].ops.size(); ++i) {
+      const WorkOp& op = w.graphs[g].ops[i];
+      const bool persistent = op.param >= 0 && std::count(plan.persistent.begin(), plan.persistent.end(),
+                                                          w.params[static_cast<size_t>(op.param)].id);
+      if (persistent && endsPersistentCopy(w, w.graphs[g], op)) {
+        want.push_back({static_cast<int64_t>(i), w.params[static_cast<size_t>(op.param)].id});
+      }
+    }
+    EXPECT_EQ(plan.graphs[g].persistentEnds, want) << "graph " << g;
+    if (w.graphs[g].kind == schemas::GraphKind::Backward) EXPECT_EQ(want.size(), plan.persistent.size());
+  }
+  schemas::Plan back;
+  ASSERT_TRUE(schemas::validatePlan(schemas::parseJson(schemas::writePlan(plan), "p"), back).empty());
+  for (size_t g = 0; g < plan.graphs.size(); ++g) EXPECT_EQ(back.graphs[g].persistentEnds, plan.graphs[g].persistentEnds);
+  // In a forward graph the list is refused, naming it.
+  nlohmann::json doc = schemas::parseJson(schemas::writePlan(plan), "p");
+  doc["graphs"][0]["persistent_ends"] = nlohmann::json::array({{{"position", 0}, {"ds_id", 0}}});
+  const auto diags = schemas::validatePlan(doc, back);
+  ASSERT_FALSE(diags.empty());
+  EXPECT_EQ(diags.front().pointer, "/graphs/0/persistent_ends");
 }
 
 TEST(Simulator, TimelineCoversStreamsAndOptimizer) {

@@ -8,6 +8,7 @@
 #include "dcplan/planner/cost_model.h"
 #include "dcplan/planner/simulator.h"
 #include "dcplan/planner/workload.h"
+#include "dcplan/schemas/plan.h"
 #include "dcplan/schemas/trace.h"
 
 namespace dcplan::planner {
@@ -68,8 +69,14 @@ std::string inSituText(const InSituFit& fit);
 /// their hosts' cores as the network's did (dcplan.measure_network ran on them). computeScale, where
 /// given, gets that factor: 1 without a network or either probe, and on GPUs, each of which
 /// computes on its own.
-Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, bool cudaGraph,
+Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay,
                          const schemas::Network* network, double* computeScale = nullptr);
+
+/// How a plan's step is simulated again (dcplan inspect --trace, dcplan check --trace): as it was
+/// planned, in one CUDA graph (options.cuda_graph), issued on the device's own times
+/// (options.device_times) or on the recorded ones (a plan without either: CPU ranks, a trace
+/// without device times, a plan from before dcplan used them).
+StepReplay plannedReplay(const schemas::PlanOptions& options);
 
 /// The cost model a plan is made and simulated with (dcplan plan and dcplan inspect alike): the
 /// trace's calibration or the network measured for it (--network: its curves, at its world size),

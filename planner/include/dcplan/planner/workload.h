@@ -166,7 +166,9 @@ struct Workload {
 
 /// How the planned step will be replayed, which decides the times it is planned with.
 enum class StepReplay {
-  Issued,     ///< the host issues every op each step (hooks, compiled graphs): recorded times
+  Issued,     ///< the host issues every op each step (hooks, compiled graphs): recorded times, and
+              ///< on a GPU the device's own where the trace has them all (Workload::ownDeviceTimes)
+  IssuedOnRecordedTimes,  ///< issued, on the recorded compute_us only (a plan made so: options.device_times)
   CudaGraph,  ///< one CUDA graph (dcplan.graphed_step): the device's own times (device_us)
 };
 
@@ -182,6 +184,12 @@ inline constexpr double kStepsAgreeShare = 0.10;
 /// a CUDA graph an op or optimizer step without the device's own time.
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0,
                       StepReplay replay = StepReplay::Issued);
+
+/// Whether op, in graph g, ends a persistent copy in a ZeRO-3 backward before an optimizer step
+/// (the step makes it stale): a trainable parameter's last release in the graph. The simulator
+/// drops the copy there, and a plan lists these positions (PlanGraph::persistentEnds) for the
+/// runtime, which drops it at the same op.
+bool endsPersistentCopy(const Workload& w, const WorkGraph& g, const WorkOp& op);
 
 /// The recorded compute run at another rate: each op's compute, host and issue times and the
 /// optimizer's (device and host), times `factor`. Collectives are the cost model's, and recorded

@@ -90,6 +90,9 @@ struct CursorGraph {
   bool backward = false;
   std::map<int64_t, std::vector<CursorGroup>> groups;  ///< position -> groups
   std::vector<std::vector<int64_t>> buckets;
+  /// Backward: (position, ds_id) of each release where a persistent copy ends before an optimizer
+  /// step (the plan's persistent_ends, frozen parameters left out).
+  std::set<std::pair<int64_t, int64_t>> persistentEnds;
 };
 
 /// The graphs of `plan` as a replay follows them, `frozen` parameters' gradients left out

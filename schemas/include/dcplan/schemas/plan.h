@@ -43,6 +43,11 @@ struct PlanOptions {
   /// Planned and predicted for a step replayed as one CUDA graph (dcplan.graphed_step): the
   /// device's own times (device_us), no host lane, no host cost per collective.
   bool cudaGraph = false;
+  /// A GPU's eager step planned with its device lane on the device's own times (device_us,
+  /// op_device_us, optimizer_device_us) beside the host lane; false: on the recorded compute_us
+  /// (CPU ranks, a trace without them, or a plan from before dcplan used them), as `dcplan inspect
+  /// --trace` then simulates it again.
+  bool deviceTimes = false;
   /// The plan was made with every collective at this multiple of the trace's calibration: fitted to
   /// the recorded run (CPU ranks) or to a replay (dcplan plan --calibrate); absent: 1, or from an
   /// older dcplan (inspect fits it again) (docs/planning.md, "In situ").
@@ -86,6 +91,13 @@ struct OffloadedSave {
   uint64_t bytes = 0;  ///< its storage's size: the runtime checks the save it offloads against it
 };
 
+/// A persistent copy's end: the release_param at `position` of parameter dsId.
+struct PersistentEnd {
+  int64_t position = 0;
+  int64_t dsId = 0;
+  bool operator==(const PersistentEnd& o) const { return position == o.position && dsId == o.dsId; }
+};
+
 struct PlanGraph {
   int64_t id = 0;
   GraphKind kind = GraphKind::Forward;
@@ -96,6 +108,10 @@ struct PlanGraph {
   std::optional<InputShapes> inputShapes;
   /// Forward graphs: the saved activations each run of it moves to the host (ascending packs).
   std::vector<OffloadedSave> offloadSaves;
+  /// Backward graphs (ZeRO-3): where a persistent copy of a trainable parameter ends in a backward
+  /// before an optimizer step, which makes it stale: its last release_param in the graph
+  /// (ascending positions). Absent from plans before dcplan 0.37: the backward's end drops them.
+  std::vector<PersistentEnd> persistentEnds;
 };
 
 /// Parameters whose optimizer state lives in host memory between optimizer steps (planned
