@@ -75,7 +75,7 @@ Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, StepRep
 /// How a plan's step is simulated again (dcplan inspect --trace, dcplan check --trace): as it was
 /// planned, in one CUDA graph (options.cuda_graph), issued on the device's own times
 /// (options.device_times) or on the recorded ones (a plan without either: CPU ranks, a trace
-/// without device times, a plan from before dcplan used them).
+/// without device times, a plan made before options.device_times existed).
 StepReplay plannedReplay(const schemas::PlanOptions& options);
 
 /// The cost model a plan is made and simulated with (dcplan plan and dcplan inspect alike): the

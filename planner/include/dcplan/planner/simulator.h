@@ -104,9 +104,9 @@ struct SimResult {
   /// The host lane's end: when the host has issued the whole step, optimizer included (0
   /// without a host lane). prediction.stepUs above it: the device bounds the step.
   double hostUs = 0;
-  /// A GPU's host lane: how long the device idled waiting for the host to issue its work (its
-  /// stretches, the optimizer, the step's end). Not communication: prediction.exposedCommUs
-  /// leaves it out. Zero on CPU ranks, whose host is the device.
+  /// A GPU's host lane: of the device's idle time, what the host alone would have left idle, waiting
+  /// for it to issue its work (its stretches, the optimizer, the step's end). Not communication:
+  /// prediction.exposedCommUs leaves it out. Zero on CPU ranks, whose host is the device.
   double hostBoundUs = 0;
   /// Collectives issued at each op of the step (runs in order, ops in order): the reference
   /// of a host lane's launch charge (SimOptions::reference).

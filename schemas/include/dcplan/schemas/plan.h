@@ -45,7 +45,8 @@ struct PlanOptions {
   bool cudaGraph = false;
   /// A GPU's eager step planned with its device lane on the device's own times (device_us,
   /// op_device_us, optimizer_device_us) beside the host lane; false: on the recorded compute_us
-  /// (CPU ranks, a trace without them, or a plan from before dcplan used them), as `dcplan inspect
+  /// (CPU ranks, a trace without them, or a plan made before the field existed, 2026-11-29, even
+  /// one planned on the device's times between 2026-11-28 and then), as `dcplan inspect
   /// --trace` then simulates it again.
   bool deviceTimes = false;
   /// The plan was made with every collective at this multiple of the trace's calibration: fitted to
@@ -110,7 +111,9 @@ struct PlanGraph {
   std::vector<OffloadedSave> offloadSaves;
   /// Backward graphs (ZeRO-3): where a persistent copy of a trainable parameter ends in a backward
   /// before an optimizer step, which makes it stale: its last release_param in the graph
-  /// (ascending positions). Absent from plans before dcplan 0.37: the backward's end drops them.
+  /// (ascending positions). Absent from plans made before the field existed (2026-11-29): the
+  /// runtime then keeps a compiled backward's copies to its end, and the hooks drop them at their
+  /// last unpack.
   std::vector<PersistentEnd> persistentEnds;
 };
 
