@@ -139,9 +139,7 @@ CalibrationStep calibrationStep(const std::vector<LoggedStep>& logs, int64_t wor
   const bool ranked = named > 0;
   std::vector<double> steps =
       ranked ? runStepsByRank(logs, ranks, planFile) : runStepsByPosition(logs, ranks, planFile);
-  std::sort(steps.begin(), steps.end());
-  const size_t mid = steps.size() / 2;
-  return {steps.size() % 2 ? steps[mid] : (steps[mid - 1] + steps[mid]) / 2.0, steps.size()};
+  return {schemas::medianOf(steps), steps.size()};
 }
 
 /// What --calibrate's replay logs measured: the plan they replayed (the one their "plan" lines

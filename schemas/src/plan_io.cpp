@@ -188,6 +188,19 @@ class PlanValidator {
     }
   }
 
+  /// An item's integer `field` (>= 0; 0 where missing) of a list whose `noun` must increase: one
+  /// not above `last` (the previous item's) is named.
+  int64_t increasing(FieldReader& item, const char* field, const char* noun, std::optional<int64_t>& last) {
+    const std::optional<int64_t> value = item.integer(field, 0);
+    if (!value) return 0;
+    if (last && *value <= *last) {
+      diags_.add(item.pointerOf(field), std::string("expected the ") + noun + " in increasing order, got " +
+                                            std::to_string(*value) + " after " + std::to_string(*last));
+    }
+    last = value;
+    return *value;
+  }
+
   /// A forward graph's offload_saves: first saves in increasing order, each with its bytes.
   void readOffloadSaves(const ordered_json& list, const std::string& ptr, PlanGraph& graph) {
     if (graph.kind != GraphKind::Forward) {
@@ -198,14 +211,7 @@ class PlanValidator {
     for (size_t i = 0; i < list.size(); ++i) {
       FieldReader item(list[i], ptr + "/" + std::to_string(i), diags_);
       OffloadedSave save;
-      if (auto pack = item.integer("pack", 0)) {
-        if (last && *pack <= *last) {
-          diags_.add(item.pointerOf("pack"), "expected the saves in increasing order, got " +
-                                                 std::to_string(*pack) + " after " + std::to_string(*last));
-        }
-        last = pack;
-        save.pack = *pack;
-      }
+      save.pack = increasing(item, "pack", "saves", last);
       save.bytes = item.bytes("bytes").value_or(0);
       if (save.bytes == 0 && item.isObject())
         diags_.add(item.pointerOf("bytes"), "expected the storage's size, > 0");
@@ -224,14 +230,7 @@ class PlanValidator {
     for (size_t i = 0; i < list.size(); ++i) {
       FieldReader item(list[i], ptr + "/" + std::to_string(i), diags_);
       PersistentEnd end;
-      if (auto position = item.integer("position", 0)) {
-        if (last && *position <= *last) {
-          diags_.add(item.pointerOf("position"), "expected the positions in increasing order, got " +
-                                                     std::to_string(*position) + " after " + std::to_string(*last));
-        }
-        last = position;
-        end.position = *position;
-      }
+      end.position = increasing(item, "position", "positions", last);
       end.dsId = item.integer("ds_id", 0).value_or(0);
       item.rejectUnknownFields();
       graph.persistentEnds.push_back(end);

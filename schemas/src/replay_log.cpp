@@ -29,11 +29,14 @@ MeasuredSteps measuredSteps(const std::vector<int64_t>& starts) {
   for (size_t i = 2; i < starts.size(); ++i) gaps.push_back(static_cast<double>(starts[i] - starts[i - 1]));
   MeasuredSteps m;
   m.count = static_cast<int64_t>(gaps.size());
-  if (gaps.empty()) return m;
-  std::sort(gaps.begin(), gaps.end());
-  const size_t n = gaps.size();
-  m.medianUs = n % 2 ? gaps[n / 2] : 0.5 * (gaps[n / 2 - 1] + gaps[n / 2]);
+  if (!gaps.empty()) m.medianUs = medianOf(gaps);
   return m;
+}
+
+double medianOf(std::vector<double>& values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
 ReplayLog readReplayLog(const std::string& path) {

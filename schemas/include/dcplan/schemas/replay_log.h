@@ -30,6 +30,10 @@ struct MeasuredSteps {
 };
 MeasuredSteps measuredSteps(const std::vector<int64_t>& starts);
 
+/// The median as dcplan check and --calibrate take it: with an even count, the mean of the middle
+/// two. `values` is reordered; it must not be empty.
+double medianOf(std::vector<double>& values);
+
 /// A replay log read for its steps: the plan file its "plan" line names (the last one with a
 /// file; "" if none) and the measured steps.
 struct ReplayLog {
