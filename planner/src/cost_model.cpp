@@ -88,8 +88,8 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
     launchMeasured_ = options.launchMeasured;
   }
   if (worldSize_ <= 1) {
-    // One rank still issues every gather and reduce: the transport copies the shard into the
-    // gathered buffer (the gradient into the shard's) on its own stream, behind and before an event
+    // One rank still issues every gather and ZeRO-1's all-reduce (ZeRO-2/3 reduce in place, in
+    // us()): the transport copies the shard into the gathered buffer on its own stream, behind and before an event
     // on the compute stream. A trace recorded on one rank timed exactly those calls; one recorded on
     // more has nothing to go by, and they are taken as free.
     if (traceWorldSize_ == 1) {
@@ -171,6 +171,9 @@ const CostModel::Curve& CostModel::curve(Collective c) const {
 
 double CostModel::us(Collective which, uint64_t fullBytes) const {
   if (callsFree() || fullBytes == 0) return 0;
+  // One rank's bucket is its own reduction's output (RuntimeMemory::packsIntoOutput): the
+  // transport returns the call at once, whatever the calibration timed of a copying one.
+  if (worldSize_ <= 1 && which == Collective::ReduceScatter) return 0;
   const Curve& c = curve(which);
   double raw = rawUs(c, static_cast<double>(fullBytes));
   double lat = std::min(c.latencyUs, raw);
@@ -207,8 +210,10 @@ std::vector<std::string> CostModel::describe() const {
     out.push_back("1 rank: no communication");
   } else {
     if (oneRank)
-      out.push_back("1 rank: each gather and reduce is a copy on the transport's stream, as calibrated");
-    std::vector<Collective> shown = {Collective::AllGather, Collective::ReduceScatter};
+      out.push_back("1 rank: each gather is a copy on the transport's stream, as calibrated; a bucket's "
+                    "ZeRO-2/3 reduction is in place, nothing to copy");
+    std::vector<Collective> shown = {Collective::AllGather};
+    if (!oneRank) shown.push_back(Collective::ReduceScatter);
     if (!oneRank) shown.push_back(Collective::AllReduce);  // one rank reduces without it
     for (Collective c : shown) {
       out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) + " us" +

@@ -54,9 +54,10 @@ void RecordedHoldings::after(const schemas::OpEvent& e, bool sync) {
   } else if (defers(e)) {
     if (flushesBefore(filling_, e.bytes, kDefaultBucketBytes)) {
       // Launched here: packed (its gradients freed) and held with its output until the next
-      // launch; the one before is freed here. (The reduce-scatter's own scratch is not taken
-      // out: the recorded run may have freed it already; the simulator counts the plan's.)
-      held_ = memory_.allocation(filling_) + launch();
+      // launch (at one rank the packed bucket is the output); the one before is freed here. (The
+      // reduce-scatter's own scratch is not taken out: the recorded run may have freed it
+      // already; the simulator counts the plan's.)
+      held_ = (memory_.packsIntoOutput() ? 0 : memory_.allocation(filling_)) + launch();
       filling_ = 0;
       deferred_ = 0;
     }

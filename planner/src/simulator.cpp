@@ -114,6 +114,40 @@ void compileBuckets(const Workload& w, const WorkGraph& wg, const schemas::PlanG
   }
 }
 
+/// Where graph wg's persistent copies end: the plan's persistent_ends, each the release of its
+/// parameter (named), or, where the schedule names none at all, endsPersistentCopy's releases.
+void compilePersistentEnds(const Workload& w, const WorkGraph& wg, const schemas::PlanGraph* pg, bool named,
+                           const std::vector<char>& persistent, const std::string& ptr,
+                           CompiledSchedule::Graph& cg) {
+  cg.endsPersistent.assign(wg.ops.size(), 0);
+  if (!named) {
+    for (size_t i = 0; i < wg.ops.size(); ++i) {
+      const WorkOp& op = wg.ops[i];
+      cg.endsPersistent[i] = op.role == OpRole::Release && op.param >= 0 &&
+                             persistent[static_cast<size_t>(op.param)] && endsPersistentCopy(w, wg, op);
+    }
+    return;
+  }
+  if (pg == nullptr) return;
+  for (size_t k = 0; k < pg->persistentEnds.size(); ++k) {
+    const schemas::PersistentEnd& e = pg->persistentEnds[k];
+    const std::string at = ptr + "/persistent_ends/" + std::to_string(k);
+    const int32_t p = w.paramIndex(e.dsId);
+    const bool fits = e.position >= 0 && static_cast<size_t>(e.position) < wg.ops.size();
+    const WorkOp* op = fits ? &wg.ops[static_cast<size_t>(e.position)] : nullptr;
+    if (p < 0 || op == nullptr || op->role != OpRole::Release || op->param != p) {
+      throw std::invalid_argument(at + ": expected the position of a release_param of ds_id " +
+                                  std::to_string(e.dsId) + " in graph " + std::to_string(pg->id) + " of the trace");
+    }
+    // A frozen copy stays valid through the optimizer step: the runtime keeps it (PlanCursor).
+    if (!w.params[static_cast<size_t>(p)].requiresGrad) {
+      throw std::invalid_argument(at + ": ds_id " + std::to_string(e.dsId) +
+                                  " is frozen in the trace; only a trainable parameter's copy ends before the step");
+    }
+    cg.endsPersistent[static_cast<size_t>(e.position)] = 1;
+  }
+}
+
 /// A graph of the trace the plan leaves out: gather on use, and no gradients to reduce.
 void compileUnplanned(const WorkGraph& wg, CompiledSchedule::Graph& cg) {
   for (const WorkOp& op : wg.ops) {
@@ -133,6 +167,8 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
   compilePersistent(w, s, c);
   c.graphs.resize(w.graphs.size());
   std::vector<char> planned(w.graphs.size(), 0);
+  const bool namesEnds = std::any_of(s.graphs.begin(), s.graphs.end(),
+                                     [](const schemas::PlanGraph& pg) { return !pg.persistentEnds.empty(); });
   for (size_t gi = 0; gi < s.graphs.size(); ++gi) {
     const schemas::PlanGraph& pg = s.graphs[gi];
     const std::string ptr = "/graphs/" + std::to_string(gi);
@@ -150,9 +186,12 @@ CompiledSchedule compileSchedule(const Workload& w, const Schedule& s) {
     }
     compilePrefetch(w, wg, pg, ptr, c.graphs[static_cast<size_t>(g)]);
     compileBuckets(w, wg, pg, ptr, c.graphs[static_cast<size_t>(g)]);
+    compilePersistentEnds(w, wg, &pg, namesEnds, c.persistent, ptr, c.graphs[static_cast<size_t>(g)]);
   }
   for (size_t g = 0; g < w.graphs.size(); ++g) {
-    if (!planned[g]) compileUnplanned(w.graphs[g], c.graphs[g]);
+    if (planned[g]) continue;
+    compileUnplanned(w.graphs[g], c.graphs[g]);
+    compilePersistentEnds(w, w.graphs[g], nullptr, namesEnds, c.persistent, "", c.graphs[g]);
   }
   c.offload = compileOffload(w, s.optimizerOffload);
   c.activations = compileActivationOffload(w, s.graphs);
@@ -357,7 +396,7 @@ class Simulation {
           if (allocated_[p] && !s_.persistent[p]) {
             allocated_[p] = 0;
             liveGathered_ -= w_.params[p].mem.gathered;
-          } else if (allocated_[p] && dropsPersistent && endsPersistentCopy(w_, g, op)) {
+          } else if (allocated_[p] && dropsPersistent && cg.endsPersistent[i]) {
             dropPersistent(p);
           }
           break;
@@ -601,12 +640,13 @@ class Simulation {
     shardGrads_ += newShards;
     // The bucket lives from its launch until the next launch (the runtime frees the previous
     // bucket there, on the host) or the end of the backward: ZeRO-1's flat buffer, which it
-    // filled since its first gradient and all-reduces in place; ZeRO-2/3's packed input, the
-    // reduce-scatter's scratch and its output.
+    // filled since its first gradient and all-reduces in place; ZeRO-2/3's packed input (none
+    // apart from the output at one rank), the reduce-scatter's scratch and its output.
     uint64_t held = buffer;
     if (w_.stage < 2) {
       filling_ -= buffer;
     } else {
+      if (w_.memory.packsIntoOutput()) held = 0;
       held += w_.memory.reduceScatterScratch(bytes) + outputs;
       // The gradients it packs are freed once it is laid out: while it is, both are held; the
       // gradient of the reduce_grad that launches it stays until that op returns (its caller

@@ -248,7 +248,10 @@ at::Tensor Zero1Executor::reducedSlice(ReduceBucket& bucket, const ReduceTask& t
 CommHandlePtr ShardedGradExecutor::launchReduce(ReduceBucket& bucket) {
   bucket.pack();
   at::Tensor input = bucket.commInput();
-  bucket.output_ = at::empty({input.size(1)}, input.options());
+  // At one rank the reduction is the identity: the packed bucket is its own output, reduced in
+  // place, which a transport returns at once (reducesAloneInPlace; the recorder still sees the
+  // bucket's call). The planner's RuntimeMemory::packsIntoOutput and CostModel::us.
+  bucket.output_ = rt_.transport_->worldSize() == 1 ? input.reshape({-1}) : at::empty({input.size(1)}, input.options());
   return rt_.transport_->reduceScatter(bucket.output_, input);
 }
 

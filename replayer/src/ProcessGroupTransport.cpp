@@ -207,6 +207,7 @@ class ProcessGroupTransport final : public Transport {
                 "reduceScatter: output should be contiguous and of the input's dtype ", input.scalar_type(),
                 ", got ", output.scalar_type(), output.is_contiguous() ? "" : " (not contiguous)");
     if (output.numel() == 0) return handle({});
+    if (reducesAloneInPlace(output, input)) return doneHandle();
     std::vector<at::Tensor> rows;
     for (int r = 0; r < ws; ++r) {
       rows.push_back(input.select(0, r));

@@ -37,12 +37,18 @@ void Transport::reloadShard(const at::Tensor& shard, const at::Tensor& host) {
   shardsWritten();
 }
 
-CommHandlePtr Transport::markCaller() { return std::make_shared<DoneHandle>(); }
+CommHandlePtr doneHandle() { return std::make_shared<DoneHandle>(); }
+
+bool reducesAloneInPlace(const at::Tensor& output, const at::Tensor& input) {
+  return input.dim() == 2 && input.size(0) == 1 && output.data_ptr() == input.data_ptr();
+}
+
+CommHandlePtr Transport::markCaller() { return doneHandle(); }
 
 CommHandlePtr Transport::runAfter(const CommHandlePtr& done, const std::function<void()>& work) {
   done->wait();
   work();
-  return std::make_shared<DoneHandle>();
+  return doneHandle();
 }
 
 at::Tensor Transport::newGatherBuffer(int64_t numel, const at::TensorOptions& options) {
@@ -54,7 +60,7 @@ CommHandlePtr Transport::copyAsync(const at::Tensor& dst, const at::Tensor& src,
               kind == CopyKind::Offload ? "offload" : "reload", ": copy of ", src.sizes(), " ",
               src.scalar_type(), " into ", dst.sizes(), " ", dst.scalar_type());
   dst.copy_(src);
-  return std::make_shared<DoneHandle>();
+  return doneHandle();
 }
 
 void Transport::beginCapture() {

@@ -231,7 +231,13 @@ class PlanValidator {
       FieldReader item(list[i], ptr + "/" + std::to_string(i), diags_);
       PersistentEnd end;
       end.position = increasing(item, "position", "positions", last);
-      end.dsId = item.integer("ds_id", 0).value_or(0);
+      const std::optional<int64_t> id = item.integer("ds_id", 0);
+      end.dsId = id.value_or(0);
+      // Only a persistent copy has an end to name (/persistent is read before the graphs).
+      if (id && !std::binary_search(out_.persistent.begin(), out_.persistent.end(), *id)) {
+        diags_.add(item.pointerOf("ds_id"), "expected a ds_id of /persistent (a persistent parameter), got " +
+                                                std::to_string(end.dsId));
+      }
       item.rejectUnknownFields();
       graph.persistentEnds.push_back(end);
     }

@@ -25,7 +25,12 @@ def test_a_one_rank_trace_planned_for_two_keeps_its_peak(tmp_path, dcplan_module
     script = os.path.join(ROOT, "examples", "train_llama.py")
     run([exe, "record", "-o", str(trace), "--steps", "2", "--warmup", "1", "--",
          *torchrun(1, script, "--steps", "6", *MODEL)])
-    assert json.loads(trace.read_text())["meta"]["world_size"] == 1
+    recorded = json.loads(trace.read_text())
+    assert recorded["meta"]["world_size"] == 1
+    # One rank reduces each bucket in place (its own output), and the recording still says what
+    # each reduce_grad reduced: the planner's gradient bytes.
+    reduces = [e for g in recorded["steps"][-1]["graphs"] for e in g["events"] if e["op"] == "reduce_grad"]
+    assert reduces and all(e["bytes"] > 0 for e in reduces), reduces[:3]
     net = tmp_path / "net.json"
     out = run(torchrun(2, "-m", "dcplan.measure_network", "-o", str(net), "--seconds", "2")).stdout
     assert f"wrote {net}" in out and "all_gather: " in out, out

@@ -65,6 +65,10 @@ class ThreadTransport final : public Transport {
   }
   CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) override {
     ++reduceCalls_;
+    if (reducesAloneInPlace(output, input)) {  // one rank's bucket, its own output (launchReduce)
+      ++inPlaceReduces_;
+      return std::make_shared<DoneHandle>();
+    }
     publish(input);
     output.zero_();
     for (int r = 0; r < rv_->worldSize; ++r) output.add_(rv_->slots[r].select(0, rank_));
@@ -86,6 +90,7 @@ class ThreadTransport final : public Transport {
 
   int coalescedCalls_ = 0;
   int reduceCalls_ = 0;
+  int inPlaceReduces_ = 0;
   bool lagging_ = false;
   int hostSyncs_ = 0;
 
@@ -267,6 +272,8 @@ TEST_P(ExecutorOnRanks, Zero3GathersPaddedAndReduceScattersMeans) {
     }
     ex.endBackward();
     EXPECT_GT(rk.transport->reduceCalls_, 1);
+    // One rank's buckets are each their own output: reduced in place, nothing copied.
+    EXPECT_EQ(rk.transport->inPlaceReduces_, ws == 1 ? rk.transport->reduceCalls_ : 0);
     const double mean = 2.0 * (ws + 1) / 2.0;
     for (size_t i = 0; i < kShapes.size(); ++i) {
       const int64_t numel = fullValue(i).numel();

@@ -347,6 +347,7 @@ class NcclTransport final : public Transport {
                 "reduceScatter: input should be [world_size, ", output.numel(), "], got ", input.sizes());
     TORCH_CHECK(output.is_contiguous() && output.scalar_type() == input.scalar_type(),
                 "reduceScatter: output should be contiguous and of the input's dtype");
+    if (reducesAloneInPlace(output, input)) return doneHandle();
     // A bucket that is not full has strided rows: NCCL needs them back to back.
     const at::Tensor send = input.is_contiguous() ? input : input.contiguous();
     return launch("reduceScatter", streams_->reduceScatter, {output, send}, [&](cudaStream_t s) {

@@ -109,12 +109,14 @@ TEST(CostModel, RefusesWhatItCannotKnow) {
 }
 
 TEST(CostModel, OneRankTimesTheCopiesItCalibratedOnOneRankOnly) {
-  // On one rank the runtime still issues each gather and reduce (a copy on the transport's
-  // stream); a one-rank trace timed them.
+  // On one rank the runtime still issues each gather and ZeRO-1's all-reduce (a copy on the
+  // transport's stream); a one-rank trace timed them. A ZeRO-2/3 bucket is its own reduction
+  // there (packed, no call), whatever the calibration timed of a reduce-scatter.
   const schemas::Calibration c = linearCalibration(20, 100e3);
   CostModel one(c, 1);
   EXPECT_NEAR(one.us(Collective::AllGather, 1 << 20), 20 + (1 << 20) / 100e3, 1e-6);
-  EXPECT_NEAR(one.us(Collective::ReduceScatter, 1 << 20), 20 + (1 << 20) / 100e3, 1e-6);  // as all-gather
+  EXPECT_NEAR(one.us(Collective::AllReduce, 1 << 20), 2 * (20 + (1 << 20) / 100e3), 1e-6);
+  EXPECT_EQ(one.us(Collective::ReduceScatter, 1 << 20), 0);
   EXPECT_NEAR(one.latencyUs(Collective::AllGather), 20, 1e-6);
   EXPECT_EQ(one.us(Collective::AllGather, 0), 0);
   // Planning one rank from a trace of eight: nothing was timed at one rank, the calls are free.

@@ -498,6 +498,47 @@ TEST(Simulator, BucketReducesWhenItsLastGradientIsReady) {
             kTinyBase + kTinyParam + (kTinyParam + kTinyShard) + (kTinyParam + kTinyShard) + kTinyParam);
 }
 
+/// The tiny trace recorded on one rank: each shard is its whole parameter.
+schemas::Trace oneRankTinyTrace() {
+  schemas::Trace t = test::tinyTrace();
+  t.meta.worldSize = 1;
+  for (schemas::TraceParam& p : t.params) p.shardNumel = p.numel;
+  return t;
+}
+
+TEST(Simulator, OneRankReducesABucketByPackingIt) {
+  // At one rank the packed bucket is its own reduction's output (RuntimeMemory::packsIntoOutput):
+  // no input beside the output slices, no reduce-scatter. At the second bucket's launch: gathered
+  // 0, the first bucket's output (parameter 1's gradient), the second's, and gradient 0, which
+  // reduce_grad's caller holds until it returns; two ranks hold each bucket's input beside.
+  const schemas::Trace t = oneRankTinyTrace();
+  const Workload w = makeWorkload(t);
+  const CostModel cost{t.calibration, 1};
+  Fixture f;
+  const Schedule s = f.onUse({{1}, {0}});
+  const SimResult one = simulate(w, cost, compileSchedule(w, s), SimOptions{});
+  EXPECT_EQ(one.prediction.peakMemoryBytes, kTinyBase + 4 * kTinyParam);
+  EXPECT_EQ(one.reduceBusyUs, 0);
+  // The gathers are still copies on one rank (the trace calibrated them there); no reduction
+  // tail after the last compute, as two ranks have (BucketReducesWhenItsLastGradientIsReady).
+  EXPECT_NEAR(one.prediction.stepUs, 4 * kTinyGatherUs + 3000 + 50, 1e-6);
+}
+
+TEST(Simulator, AOneRankRecordingsBucketHoldsNoInputBesideItsOutput) {
+  // As TheRecordedRunsOwnBucketInputIsNotActivation, recorded on one rank: the first bucket,
+  // flushed at the second gradient's reduce_grad, is packed into its output, which becomes the
+  // shard's gradient; nothing else of it is held. Only the 12,345 bytes are activations.
+  schemas::Trace t = oneRankTinyTrace();
+  auto& bwd = t.steps[0].graphs[1].events;
+  bwd[2].bytes = bwd[6].bytes = 60'000'000;
+  const uint64_t shardGrad = RuntimeMemory::of(t.meta, 1).param(t.params[1].numel).output;
+  for (size_t i = 7; i < bwd.size(); ++i) bwd[i].memoryBytes += shardGrad - kTinyParam + 12'345;
+  Workload w = makeWorkload(t);
+  EXPECT_EQ(w.runs[1].activationBytes[6], 0u);
+  EXPECT_EQ(w.runs[1].activationBytes[7], 12'345u);
+  EXPECT_EQ(w.runs[1].activationBytes[8], 12'345u);
+}
+
 TEST(Simulator, PersistentParameterIsGatheredOncePerStepAndCountsAllStep) {
   Fixture f;
   Schedule s = f.onUse();
@@ -556,6 +597,37 @@ TEST(Simulator, APlanNamesWherePersistentCopiesEndAsTheModelEndsThem) {
   const auto diags = schemas::validatePlan(doc, back);
   ASSERT_FALSE(diags.empty());
   EXPECT_EQ(diags.front().pointer, "/graphs/0/persistent_ends");
+}
+
+TEST(Simulator, ThePlansPersistentEndsAreWhereTheSimulationDropsTheCopies) {
+  // The simulation drops a persistent copy where the plan names it, as the runtime does; a
+  // schedule naming none at all falls back to endsPersistentCopy (plans made before the field).
+  Fixture f;
+  Schedule s = f.onUse();
+  s.persistent = {0, 1};
+  const uint64_t byRule = f.run(s).prediction.peakMemoryBytes;
+  s.graphs[1].persistentEnds = {{3, 1}, {7, 0}};  // what the rule names: the same
+  EXPECT_EQ(f.run(s).prediction.peakMemoryBytes, byRule);
+  // Named only for 0: parameter 1's copy lives to the backward's end, through the bucket's launch.
+  s.graphs[1].persistentEnds = {{7, 0}};
+  EXPECT_EQ(f.run(s).prediction.peakMemoryBytes, byRule + kTinyParam);
+  // A position that is not a release of the id named is refused, naming the entry.
+  s.graphs[1].persistentEnds = {{7, 1}};
+  try {
+    f.run(s);
+    FAIL() << "an end at another parameter's release was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "/graphs/1/persistent_ends/0: expected the position of a release_param of ds_id 1 in graph 1 of "
+              "the trace");
+  }
+  s.graphs[1].persistentEnds = {{9, 0}};  // past the graph's last op
+  EXPECT_THROW(f.run(s), std::invalid_argument);
+  // A frozen parameter's copy outlives the step (the runtime keeps it): naming its end is refused.
+  Workload frozen = f.w;
+  frozen.params[static_cast<size_t>(frozen.paramIndex(0))].requiresGrad = false;
+  s.graphs[1].persistentEnds = {{7, 0}};
+  EXPECT_THROW(compileSchedule(frozen, s), std::invalid_argument);
 }
 
 TEST(Simulator, TimelineCoversStreamsAndOptimizer) {

@@ -267,6 +267,23 @@ TEST(Validate, OffloadedSavesProblems) {
                                 }));
 }
 
+TEST(Validate, PersistentEndsProblems) {
+  ordered_json plan = minimalPlan();
+  plan["persistent"] = {1};
+  plan["graphs"][1]["persistent_ends"] = {{{"position", 4}, {"ds_id", 1}}};
+  EXPECT_TRUE(planProblems(plan).empty());
+  plan["graphs"][1]["persistent_ends"] = {{{"position", 4}, {"ds_id", 1}}, {{"position", 4}, {"ds_id", 0}}};
+  plan["graphs"][0]["persistent_ends"] = {{{"position", 2}, {"ds_id", 1}}};
+  EXPECT_EQ(planProblems(plan), (std::vector<std::string>{
+                                    "/graphs/0/persistent_ends: persistent copies end in backward graphs; this graph "
+                                    "is a forward",
+                                    "/graphs/1/persistent_ends/1/position: expected the positions in increasing "
+                                    "order, got 4 after 4",
+                                    "/graphs/1/persistent_ends/1/ds_id: expected a ds_id of /persistent (a "
+                                    "persistent parameter), got 0",
+                                }));
+}
+
 TEST(Validate, NetworkProblems) {
   const ordered_json good = {{"schema", "dcplan.network/v1"},
                              {"created_by", "test"},

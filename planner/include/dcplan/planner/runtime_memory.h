@@ -66,6 +66,10 @@ struct RuntimeMemory {
   /// of the output's size whenever it runs). NCCL: nothing (each member gathers in place).
   uint64_t gatherScratchUntilWait(uint64_t callBytes, bool coalesced) const;
 
+  /// ZeRO-2/3 at one rank: the reduction is the identity, so the packed bucket is its own output
+  /// (no input buffer beside the output slices, no collective; the runtime's launchReduce).
+  bool packsIntoOutput() const { return stage >= 2 && worldSize == 1; }
+
   /// Scratch of a bucket's reduce-scatter (ZeRO-2/3) of `bucketBytes`: Gloo reduces the rows of
   /// the other ranks through a buffer of (world - 1) shards; NCCL reduces in place. An
   /// all-reduce (ZeRO-1) needs none on either.

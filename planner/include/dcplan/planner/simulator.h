@@ -32,6 +32,10 @@ struct CompiledSchedule {
     std::vector<std::vector<int32_t>> bucketParams;  ///< param indices of each bucket
     std::vector<int32_t> bucketSize;                 ///< members per bucket
     std::vector<uint64_t> bucketBytes;
+    /// Release ops (by op index) where a persistent copy ends before an optimizer step: the
+    /// plan's persistent_ends; for a schedule naming none (made before the field, or by hand),
+    /// endsPersistentCopy's, the rule the planner names them by.
+    std::vector<char> endsPersistent;
   };
   std::vector<Graph> graphs;  ///< by Workload graph index
   CompiledOffload offload;

@@ -27,6 +27,13 @@ class CommHandle {
 
 using CommHandlePtr = std::shared_ptr<CommHandle>;
 
+/// A handle with nothing to wait for: its work, if any, was queued on the caller's stream.
+CommHandlePtr doneHandle();
+
+/// Whether a reduce-scatter of input into output is one rank's in place (output is input's only
+/// row): the identity, which a transport returns at once as doneHandle().
+bool reducesAloneInPlace(const at::Tensor& output, const at::Tensor& input);
+
 /// What a failed collective says, for a user's error: a c10::Error's message without its C++
 /// backtrace, any other exception's what().
 std::string failureMessage(const std::exception& e);
@@ -51,7 +58,8 @@ class Transport {
                                            const std::vector<at::Tensor>& inputs) = 0;
   /// Sum-reduce-scatter: output (n elements) = sum over ranks of input[rank()],
   /// where input is a 2-D [worldSize(), n] tensor whose rows are each
-  /// contiguous (the tensor as a whole need not be).
+  /// contiguous (the tensor as a whole need not be). One rank's in place
+  /// (reducesAloneInPlace) is done at once.
   virtual CommHandlePtr reduceScatter(const at::Tensor& output, const at::Tensor& input) = 0;
   /// In-place sum all-reduce of a contiguous tensor.
   virtual CommHandlePtr allReduce(const at::Tensor& tensor) = 0;
