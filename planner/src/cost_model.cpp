@@ -89,9 +89,9 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
   }
   if (worldSize_ <= 1) {
     // One rank still issues every gather and ZeRO-1's all-reduce (ZeRO-2/3 reduce in place, in
-    // us()): the transport copies the shard into the gathered buffer on its own stream, behind and before an event
-    // on the compute stream. A trace recorded on one rank timed exactly those calls; one recorded on
-    // more has nothing to go by, and they are taken as free.
+    // us()): the transport copies the shard into the gathered buffer on its own stream, behind and
+    // before an event on the compute stream. A trace recorded on one rank timed exactly those
+    // calls; one recorded on more has nothing to go by, and they are taken as free.
     if (traceWorldSize_ == 1) {
       allGather_ = buildCurve(calibration.allGather, 1.0);
       reduceScatter_ = buildCurve(calibration.reduceScatter, 1.0);

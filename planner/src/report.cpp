@@ -137,6 +137,10 @@ void renderSchedule(std::ostream& s, const schemas::Plan& plan) {
       s << ", " << count(g.buckets.size(), "bucket") << " (" << formatBytes(bytes) << ", largest "
         << formatBytes(biggest) << ")";
     }
+    if (const size_t ends = g.persistentEnds.size(); ends > 0) {  // the plan's persistent_ends
+      s << ", " << ends << (ends == 1 ? " persistent copy ends" : " persistent copies end")
+        << " at the last release before the step";
+    }
     if (g.inputShapes) s << ", recorded inputs " << schemas::inputShapesText(*g.inputShapes);
     s << "\n";
   }

@@ -137,12 +137,14 @@ void compilePersistentEnds(const Workload& w, const WorkGraph& wg, const schemas
     const WorkOp* op = fits ? &wg.ops[static_cast<size_t>(e.position)] : nullptr;
     if (p < 0 || op == nullptr || op->role != OpRole::Release || op->param != p) {
       throw std::invalid_argument(at + ": expected the position of a release_param of ds_id " +
-                                  std::to_string(e.dsId) + " in graph " + std::to_string(pg->id) + " of the trace");
+                                  std::to_string(e.dsId) + " in graph " + std::to_string(pg->id) +
+                                  " of the trace");
     }
     // A frozen copy stays valid through the optimizer step: the runtime keeps it (PlanCursor).
     if (!w.params[static_cast<size_t>(p)].requiresGrad) {
       throw std::invalid_argument(at + ": ds_id " + std::to_string(e.dsId) +
-                                  " is frozen in the trace; only a trainable parameter's copy ends before the step");
+                                  " is frozen in the trace; only a trainable parameter's copy ends before "
+                                  "the step");
     }
     cg.endsPersistent[static_cast<size_t>(e.position)] = 1;
   }

@@ -251,7 +251,8 @@ CommHandlePtr ShardedGradExecutor::launchReduce(ReduceBucket& bucket) {
   // At one rank the reduction is the identity: the packed bucket is its own output, reduced in
   // place, which a transport returns at once (reducesAloneInPlace; the recorder still sees the
   // bucket's call). The planner's RuntimeMemory::packsIntoOutput and CostModel::us.
-  bucket.output_ = rt_.transport_->worldSize() == 1 ? input.reshape({-1}) : at::empty({input.size(1)}, input.options());
+  bucket.output_ = rt_.transport_->worldSize() == 1 ? input.reshape({-1})
+                                                    : at::empty({input.size(1)}, input.options());
   return rt_.transport_->reduceScatter(bucket.output_, input);
 }
 
