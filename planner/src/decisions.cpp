@@ -572,18 +572,6 @@ PersistChoice referencePersistence(const Context& c, uint64_t capBytes) {
 
 // ---- assembly ---------------------------------------------------------------------
 
-/// The positions of g where the persistent copies end before an optimizer step (endsPersistentCopy).
-std::vector<schemas::PersistentEnd> persistentEnds(const Workload& w, const WorkGraph& g,
-                                                   const std::vector<char>& persistent) {
-  std::vector<schemas::PersistentEnd> out;
-  for (size_t i = 0; i < g.ops.size(); ++i) {
-    const WorkOp& op = g.ops[i];
-    if (op.param >= 0 && persistent[static_cast<size_t>(op.param)] && endsPersistentCopy(w, g, op))
-      out.push_back({static_cast<int64_t>(i), w.params[static_cast<size_t>(op.param)].id});
-  }
-  return out;
-}
-
 Schedule assemble(const Context& c, const std::vector<char>& persistent, const BucketSet& buckets,
                   const std::vector<std::vector<schemas::PrefetchGroup>>& groups) {
   Schedule s;

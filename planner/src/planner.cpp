@@ -862,8 +862,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   const bool cudaGraph = req.cudaGraph.value_or(trace.meta.graphed);
   const int64_t worldSize = req.worldSize > 0 ? req.worldSize : network ? network->worldSize : 0;
   double computeScale = 1.0;
-  Workload w =
-      plannedWorkload(trace, worldSize, cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued, network, &computeScale);
+  const StepReplay replay = cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued;
+  Workload w = plannedWorkload(trace, worldSize, replay, network, &computeScale);
   if (network && w.worldSize <= 1) {  // one rank's calls are its own copies, which the trace timed
     throw std::invalid_argument("--network " + req.network->file +
                                 ": the collectives between ranks; this plan is for 1 rank, which has none "

@@ -57,7 +57,7 @@ void RecordedHoldings::after(const schemas::OpEvent& e, bool sync) {
       // launch (at one rank the packed bucket is the output); the one before is freed here. (The
       // reduce-scatter's own scratch is not taken out: the recorded run may have freed it
       // already; the simulator counts the plan's.)
-      held_ = (memory_.packsIntoOutput() ? 0 : memory_.allocation(filling_)) + launch();
+      held_ = memory_.packedInput(filling_) + launch();
       filling_ = 0;
       deferred_ = 0;
     }

@@ -114,30 +114,25 @@ void compileBuckets(const Workload& w, const WorkGraph& wg, const schemas::PlanG
   }
 }
 
-/// Where graph wg's persistent copies end: the plan's persistent_ends, each the release of its
-/// parameter (named), or, where the schedule names none at all, endsPersistentCopy's releases.
+/// Where graph wg's persistent copies end: the plan's persistent_ends (pg's; none for a graph the
+/// plan leaves out), each the release of a trainable parameter (refused, named, otherwise), or,
+/// where the schedule names none at all, the releases the planner names them by (persistentEnds).
 void compilePersistentEnds(const Workload& w, const WorkGraph& wg, const schemas::PlanGraph* pg, bool named,
                            const std::vector<char>& persistent, const std::string& ptr,
                            CompiledSchedule::Graph& cg) {
   cg.endsPersistent.assign(wg.ops.size(), 0);
-  if (!named) {
-    for (size_t i = 0; i < wg.ops.size(); ++i) {
-      const WorkOp& op = wg.ops[i];
-      cg.endsPersistent[i] = op.role == OpRole::Release && op.param >= 0 &&
-                             persistent[static_cast<size_t>(op.param)] && endsPersistentCopy(w, wg, op);
-    }
-    return;
-  }
-  if (pg == nullptr) return;
-  for (size_t k = 0; k < pg->persistentEnds.size(); ++k) {
-    const schemas::PersistentEnd& e = pg->persistentEnds[k];
+  const std::vector<schemas::PersistentEnd> ends =
+      named ? (pg != nullptr ? pg->persistentEnds : std::vector<schemas::PersistentEnd>{})
+            : persistentEnds(w, wg, persistent);
+  for (size_t k = 0; k < ends.size(); ++k) {
+    const schemas::PersistentEnd& e = ends[k];
     const std::string at = ptr + "/persistent_ends/" + std::to_string(k);
     const int32_t p = w.paramIndex(e.dsId);
     const bool fits = e.position >= 0 && static_cast<size_t>(e.position) < wg.ops.size();
     const WorkOp* op = fits ? &wg.ops[static_cast<size_t>(e.position)] : nullptr;
     if (p < 0 || op == nullptr || op->role != OpRole::Release || op->param != p) {
       throw std::invalid_argument(at + ": expected the position of a release_param of ds_id " +
-                                  std::to_string(e.dsId) + " in graph " + std::to_string(pg->id) +
+                                  std::to_string(e.dsId) + " in graph " + std::to_string(wg.id) +
                                   " of the trace");
     }
     // A frozen copy stays valid through the optimizer step: the runtime keeps it (PlanCursor).
@@ -648,8 +643,7 @@ class Simulation {
     if (w_.stage < 2) {
       filling_ -= buffer;
     } else {
-      if (w_.memory.packsIntoOutput()) held = 0;
-      held += w_.memory.reduceScatterScratch(bytes) + outputs;
+      held = w_.memory.packedInput(bytes) + w_.memory.reduceScatterScratch(bytes) + outputs;
       // The gradients it packs are freed once it is laid out: while it is, both are held; the
       // gradient of the reduce_grad that launches it stays until that op returns (its caller
       // holds it).

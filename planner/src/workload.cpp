@@ -382,8 +382,19 @@ void markLastReleases(Workload& w) {
 }  // namespace
 
 bool endsPersistentCopy(const Workload& w, const WorkGraph& g, const WorkOp& op) {
-  return w.stage == 3 && g.kind == schemas::GraphKind::Backward && op.role == OpRole::Release && op.lastRelease &&
-         w.params[static_cast<size_t>(op.param)].requiresGrad;
+  return w.stage == 3 && g.kind == schemas::GraphKind::Backward && op.role == OpRole::Release &&
+         op.lastRelease && w.params[static_cast<size_t>(op.param)].requiresGrad;
+}
+
+std::vector<schemas::PersistentEnd> persistentEnds(const Workload& w, const WorkGraph& g,
+                                                   const std::vector<char>& persistent) {
+  std::vector<schemas::PersistentEnd> out;
+  for (size_t i = 0; i < g.ops.size(); ++i) {
+    const WorkOp& op = g.ops[i];
+    if (op.param >= 0 && persistent[static_cast<size_t>(op.param)] && endsPersistentCopy(w, g, op))
+      out.push_back({static_cast<int64_t>(i), w.params[static_cast<size_t>(op.param)].id});
+  }
+  return out;
 }
 
 void scaleCompute(Workload& w, double factor) {

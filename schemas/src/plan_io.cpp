@@ -201,46 +201,53 @@ class PlanValidator {
     return *value;
   }
 
-  /// A forward graph's offload_saves: first saves in increasing order, each with its bytes.
-  void readOffloadSaves(const ordered_json& list, const std::string& ptr, PlanGraph& graph) {
-    if (graph.kind != GraphKind::Forward) {
-      diags_.add(ptr, "offloaded saves belong to forward graphs; this graph is a backward");
+  /// A graph's list (at ptr) that only graphs of kind `owner` have: each item read by
+  /// readItem, its unknown fields refused; in a graph of the other kind, the whole list refused.
+  template <typename ReadItem>
+  void readGraphList(const ordered_json& list, const std::string& ptr, const PlanGraph& graph,
+                     GraphKind owner, const char* refusal, ReadItem&& readItem) {
+    if (graph.kind != owner) {
+      diags_.add(ptr, refusal);
       return;
     }
-    std::optional<int64_t> last;
     for (size_t i = 0; i < list.size(); ++i) {
       FieldReader item(list[i], ptr + "/" + std::to_string(i), diags_);
+      readItem(item);
+      item.rejectUnknownFields();
+    }
+  }
+
+  /// A forward graph's offload_saves: first saves in increasing order, each with its bytes.
+  void readOffloadSaves(const ordered_json& list, const std::string& ptr, PlanGraph& graph) {
+    std::optional<int64_t> last;
+    const char* refusal = "offloaded saves belong to forward graphs; this graph is a backward";
+    readGraphList(list, ptr, graph, GraphKind::Forward, refusal, [&](FieldReader& item) {
       OffloadedSave save;
       save.pack = increasing(item, "pack", "saves", last);
       save.bytes = item.bytes("bytes").value_or(0);
       if (save.bytes == 0 && item.isObject())
         diags_.add(item.pointerOf("bytes"), "expected the storage's size, > 0");
-      item.rejectUnknownFields();
       graph.offloadSaves.push_back(save);
-    }
+    });
   }
 
-  /// A backward graph's persistent_ends: positions in increasing order, each a parameter's.
+  /// A backward graph's persistent_ends: positions in increasing order, each a persistent parameter's.
   void readPersistentEnds(const ordered_json& list, const std::string& ptr, PlanGraph& graph) {
-    if (graph.kind != GraphKind::Backward) {
-      diags_.add(ptr, "persistent copies end in backward graphs; this graph is a forward");
-      return;
-    }
     std::optional<int64_t> last;
-    for (size_t i = 0; i < list.size(); ++i) {
-      FieldReader item(list[i], ptr + "/" + std::to_string(i), diags_);
+    const char* refusal = "persistent copies end in backward graphs; this graph is a forward";
+    readGraphList(list, ptr, graph, GraphKind::Backward, refusal, [&](FieldReader& item) {
       PersistentEnd end;
       end.position = increasing(item, "position", "positions", last);
       const std::optional<int64_t> id = item.integer("ds_id", 0);
       end.dsId = id.value_or(0);
       // Only a persistent copy has an end to name (/persistent is read before the graphs).
       if (id && !std::binary_search(out_.persistent.begin(), out_.persistent.end(), *id)) {
-        diags_.add(item.pointerOf("ds_id"), "expected a ds_id of /persistent (a persistent parameter), got " +
-                                                std::to_string(end.dsId));
+        diags_.add(item.pointerOf("ds_id"),
+                   "expected a ds_id of /persistent (a persistent parameter), got " +
+                       std::to_string(end.dsId));
       }
-      item.rejectUnknownFields();
       graph.persistentEnds.push_back(end);
-    }
+    });
   }
 
   /// Each id in one item of a list at most (a bucket, an offload group): a repeat is named.

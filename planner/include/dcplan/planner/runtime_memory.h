@@ -69,6 +69,9 @@ struct RuntimeMemory {
   /// ZeRO-2/3 at one rank: the reduction is the identity, so the packed bucket is its own output
   /// (no input buffer beside the output slices, no collective; the runtime's launchReduce).
   bool packsIntoOutput() const { return stage >= 2 && worldSize == 1; }
+  /// A launched ZeRO-2/3 bucket's packed input, held beside its output: `bucketBytes` in one
+  /// allocation, none where it is its own output (packsIntoOutput).
+  uint64_t packedInput(uint64_t bucketBytes) const { return packsIntoOutput() ? 0 : allocation(bucketBytes); }
 
   /// Scratch of a bucket's reduce-scatter (ZeRO-2/3) of `bucketBytes`: Gloo reduces the rows of
   /// the other ranks through a buffer of (world - 1) shards; NCCL reduces in place. An

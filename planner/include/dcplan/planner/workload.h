@@ -191,6 +191,11 @@ Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize = 0,
 /// runtime, which drops it at the same op.
 bool endsPersistentCopy(const Workload& w, const WorkGraph& g, const WorkOp& op);
 
+/// The releases of g where the copies of `persistent` (by param index) end before an optimizer
+/// step (endsPersistentCopy), as a plan lists them (PlanGraph::persistentEnds).
+std::vector<schemas::PersistentEnd> persistentEnds(const Workload& w, const WorkGraph& g,
+                                                   const std::vector<char>& persistent);
+
 /// The recorded compute run at another rate: each op's compute, host and issue times and the
 /// optimizer's (device and host), times `factor`. Collectives are the cost model's, and recorded
 /// copies (copyUs) are kept: their rate is the memory's, not the cores'.
