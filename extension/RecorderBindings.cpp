@@ -265,6 +265,11 @@ void bindRecorder(py::module_& m) {
       "record_graphed", [] { current("record_graphed")->markGraphed(); },
       "The recorded script runs its step through dcplan.graphed_step: the trace says so (meta.graphed).");
   m.def(
+      "record_graph_step_us", [](double us) { current("record_graph_step_us")->setGraphStepUs(us); },
+      py::arg("us"),
+      "After the recorded steps of a graphed step: the device time of one replay of it captured in a CUDA "
+      "graph (the trace's calibration.graph_step_us).");
+  m.def(
       "record_checks_collectives", [] { current("record_checks_collectives")->markChecksCollectives(); },
       "A replay of this job checks each collective with the ranks first (DCPLAN_CHECK_COLLECTIVES): the "
       "trace says so (meta.checks_collectives).");

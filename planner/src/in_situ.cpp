@@ -26,16 +26,18 @@ CostModel scaledCost(const schemas::Trace& trace, const Workload& w, std::option
   return CostModel(measured, network->worldSize, o);
 }
 
-/// The scale at which stepAt(scale), which grows with it, is measuredUs: bisected on a log scale.
-InSituFit bisect(InSituFit::Source source, double measuredUs, const std::function<double(double)>& stepAt) {
-  InSituFit fit;
-  fit.source = source;
-  fit.measuredUs = measuredUs;
-  fit.calibratedUs = stepAt(1.0);
-  double lo = std::log(kInSituMin), hi = std::log(kInSituMax);
-  if (stepAt(kInSituMax) <= measuredUs) {
+struct Bisected {
+  double scale = 1.0;
+  bool atBound = false;
+};
+
+/// The scale in [least, most] at which stepAt(scale), which grows with it, is measuredUs:
+/// bisected on a log scale; atBound where it lies outside.
+Bisected bisectScale(double measuredUs, double least, double most, const std::function<double(double)>& stepAt) {
+  double lo = std::log(least), hi = std::log(most);
+  if (stepAt(most) <= measuredUs) {
     lo = hi;
-  } else if (stepAt(kInSituMin) >= measuredUs) {
+  } else if (stepAt(least) >= measuredUs) {
     hi = lo;
   } else {
     for (int i = 0; i < 24; ++i) {
@@ -43,8 +45,17 @@ InSituFit bisect(InSituFit::Source source, double measuredUs, const std::functio
       (stepAt(std::exp(mid)) > measuredUs ? hi : lo) = mid;
     }
   }
-  fit.scale = std::exp(0.5 * (lo + hi));
-  fit.atBound = lo == hi;
+  return {std::exp(0.5 * (lo + hi)), lo == hi};
+}
+
+InSituFit bisect(InSituFit::Source source, double measuredUs, const std::function<double(double)>& stepAt) {
+  InSituFit fit;
+  fit.source = source;
+  fit.measuredUs = measuredUs;
+  fit.calibratedUs = stepAt(1.0);
+  const Bisected b = bisectScale(measuredUs, kInSituMin, kInSituMax, stepAt);
+  fit.scale = b.scale;
+  fit.atBound = b.atBound;
   return fit;
 }
 
@@ -145,14 +156,54 @@ std::string inSituText(const InSituFit& fit) {
                       : "");
 }
 
+std::optional<GraphStepFit> fitGraphStep(const schemas::Trace& trace, const Workload& w) {
+  const std::optional<double>& measured = trace.calibration.graphStepUs;
+  if (!w.cudaGraph || !measured) return std::nullopt;
+  const Workload traced =
+      w.worldSize == w.traceWorldSize ? w : makeWorkload(trace, w.traceWorldSize, StepReplay::CudaGraph);
+  // The recording ran the default schedule, and so did the replays it timed.
+  const CompiledSchedule recorded = compileSchedule(traced, defaultSchedule(traced));
+  const CostModel cost = plannedCostModel(trace, traced, std::nullopt);
+  auto stepAt = [&](double scale) {
+    Workload scaled = traced;
+    scaleDevice(scaled, scale);
+    return simulate(scaled, cost, recorded).prediction.stepUs;
+  };
+  GraphStepFit fit;
+  fit.measuredUs = *measured;
+  fit.simulatedUs = stepAt(1.0);
+  const Bisected b = bisectScale(*measured, kGraphStepScaleMin, kGraphStepScaleMax, stepAt);
+  fit.scale = b.scale;
+  fit.atBound = b.atBound;
+  return fit;
+}
+
+std::string graphStepText(const GraphStepFit& fit) {
+  std::string text = "device: the captured step took " + formatMs(fit.measuredUs) +
+                     " a replay (the trace's calibration.graph_step_us), its recorded schedule simulated "
+                     "on the device-lead step's times " +
+                     formatMs(fit.simulatedUs);
+  if (fit.atBound) {
+    return text + "; no scale between " + formatFixed(kGraphStepScaleMin, 1) + "x and " +
+           formatFixed(kGraphStepScaleMax, 1) +
+           "x of the device's times explains that: not applied, planned on the device-lead step's times";
+  }
+  return text + "; every device time at " + formatFixed(fit.scale, 3) +
+         "x (the gaps between kernels launched one by one, which a graph's replay lacks)";
+}
+
 StepReplay plannedReplay(const schemas::PlanOptions& options) {
   if (options.cudaGraph) return StepReplay::CudaGraph;
   return options.deviceTimes ? StepReplay::Issued : StepReplay::IssuedOnRecordedTimes;
 }
 
 Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay,
-                         const schemas::Network* network, double* computeScale) {
+                         const schemas::Network* network, double* computeScale,
+                         std::optional<GraphStepFit>* graphStep) {
   Workload w = makeWorkload(trace, worldSize, replay);
+  const std::optional<GraphStepFit> fit = fitGraphStep(trace, w);
+  if (fit && !fit->atBound) scaleDevice(w, fit->scale);
+  if (graphStep) *graphStep = fit;
   double factor = 1.0;
   const std::optional<double>& recorded = trace.calibration.computeProbeUs;
   if (network && w.waitsBlockHost && recorded && network->calibration.computeProbeUs) {

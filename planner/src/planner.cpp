@@ -798,7 +798,8 @@ namespace {
 /// the cost model the plan is made with.
 void explainSetting(Explainer& ex, const Workload& w, const PlanRequest& req, const std::string& limitText,
                     const std::string& limitNote, const CostModel& cost,
-                    const std::optional<InSituFit>& inSitu, double computeScale) {
+                    const std::optional<InSituFit>& inSitu, double computeScale,
+                    const std::optional<GraphStepFit>& graphStep) {
   const size_t runs = w.runs.size();
   ex.line("trace: " + req.traceName + ": " + std::to_string(w.params.size()) + " params, " +
           std::to_string(w.graphs.size()) + " graphs, " + std::to_string(runs) +
@@ -823,6 +824,7 @@ void explainSetting(Explainer& ex, const Workload& w, const PlanRequest& req, co
             "own work (op_device_us, " +
             (ops > 0 ? formatMs(ops) : std::string("none in this trace")) + ") and optimizer (" +
             formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
+    if (graphStep) ex.line(graphStepText(*graphStep));
   } else if (w.ownDeviceTimes) {
     const double ops = w.opDeviceUs();
     ex.line("device: its own compute (device_us), the dc ops' own work (op_device_us, " +
@@ -862,8 +864,9 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   const bool cudaGraph = req.cudaGraph.value_or(trace.meta.graphed);
   const int64_t worldSize = req.worldSize > 0 ? req.worldSize : network ? network->worldSize : 0;
   double computeScale = 1.0;
+  std::optional<GraphStepFit> graphStep;
   const StepReplay replay = cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued;
-  Workload w = plannedWorkload(trace, worldSize, replay, network, &computeScale);
+  Workload w = plannedWorkload(trace, worldSize, replay, network, &computeScale, &graphStep);
   if (network && w.worldSize <= 1) {  // one rank's calls are its own copies, which the trace timed
     throw std::invalid_argument("--network " + req.network->file +
                                 ": the collectives between ranks; this plan is for 1 rank, which has none "
@@ -899,6 +902,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   const Context& c = search.context();
   PlanResult result;
   if (!w.stepChoice.empty()) result.warnings.push_back(w.stepChoice);
+  if (graphStep && graphStep->atBound) result.warnings.push_back(graphStepText(*graphStep));
 
   Candidate def = search.defaultCandidate();
   Candidate chosen;
@@ -972,7 +976,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     std::vector<std::string>& out = result.explanation;
     Explainer ex(w, c, out);
     explainSetting(ex, w, req, unlimited ? std::string("none") : formatBytes(limit), limitNote, cost, inSitu,
-                   computeScale);
+                   computeScale, graphStep);
     ex.line("default schedule: " + predictionLine(def.sim.prediction));
     if (req.strategy == Strategy::Optimized) {
       ex.line("strategy optimized: " + std::to_string(all.size()) + " candidate schedules simulated");

@@ -57,11 +57,14 @@ struct Simulated {
   SimResult def;
   std::optional<InSituFit> inSitu;
   std::optional<double> hostScale;  ///< the plan's options.host_scale
+  std::optional<GraphStepFit> graphStep;
 };
 
 Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   const schemas::Network* network = plan.options.network ? &plan.options.network->measured : nullptr;
-  Workload w = plannedWorkload(trace, plan.source.worldSize, plannedReplay(plan.options), network);
+  std::optional<GraphStepFit> graphStep;
+  Workload w =
+      plannedWorkload(trace, plan.source.worldSize, plannedReplay(plan.options), network, nullptr, &graphStep);
   if (plan.options.hostScale) scaleHost(w, *plan.options.hostScale);
   std::optional<InSituFit> inSitu;
   CostModel cost =
@@ -70,7 +73,7 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   const SimResult recorded = simulate(w, cost, def, SimOptions{true});
   SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), againstRecorded(recorded, true));
   SimResult d = replayedDefault(w, cost, def, recorded, true);
-  return Simulated{std::move(w), std::move(p), std::move(d), inSitu, plan.options.hostScale};
+  return Simulated{std::move(w), std::move(p), std::move(d), inSitu, plan.options.hostScale, graphStep};
 }
 
 std::string count(size_t n, const std::string& noun) {
@@ -201,6 +204,7 @@ void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& t
     << formatMs(again.exposedCommUs) << ", peak " << formatBytes(again.peakMemoryBytes) << "\n";
   if (w.cudaGraph) {
     s << "  host lane: none (planned for a CUDA graph's replay: the device's own times)\n";
+    if (sim.graphStep) s << "  " << graphStepText(*sim.graphStep) << "\n";
   } else if (w.hostLane) {
     const bool hostBound = sim.plan.hostUs >= again.stepUs - 1.0;  // within 1 us: the host ends the step
     s << "  host lane: the host issues the step in " << formatMs(sim.plan.hostUs) << "; "

@@ -422,6 +422,15 @@ void scaleHost(Workload& w, double factor) {
   w.recordedHostUs *= factor;
 }
 
+void scaleDevice(Workload& w, double factor) {
+  for (GraphRun& run : w.runs) {
+    for (std::vector<double>* times : {&run.computeUs, &run.opDeviceUs}) {
+      for (double& t : *times) t *= factor;
+    }
+  }
+  w.optimizerUs *= factor;
+}
+
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay) {
   if (trace.steps.empty()) throw std::invalid_argument("/steps: the trace has no step to plan from");
   Workload w = workloadShape(trace, worldSize);

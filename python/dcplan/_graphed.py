@@ -14,7 +14,8 @@ a learning rate that changes must be a tensor). With a replay log open, the capt
 replay are logged (ReplayTimes) for ``dcplan check``. While ``dcplan record``
 records the script, the step runs as written and is not captured: the recorder observes every
 op, and its device-lead step measures the device's own times, which ``dcplan plan --cuda-graph``
-plans a graphed step with.
+plans a graphed step with. The recorded calls count as warm-up; the next call captures, and a
+few replays are timed for the trace (_record.GraphTiming) before it is written.
 """
 from __future__ import annotations
 
@@ -233,6 +234,7 @@ class GraphedStep:
             # the trace is written (the process then ends, unless DCPLAN_RECORD_EXIT=0); the trace
             # says the step is graphed, so that its plan is for one CUDA graph.
             _record.mark_graphed()
+            self._calls += 1  # a warm-up call too: it compiled, and the optimizer made its state
             with _plan.graphed_call():
                 return self._run_warmup(args, kwargs)
         if self._graph is None and self._calls < self._warmup:
@@ -242,14 +244,25 @@ class GraphedStep:
         if self._graph is None:
             _plan.check_graphed_plan()
             with _plan.graphed_call():
-                self._capture(args, kwargs)
+                try:
+                    self._capture(args, kwargs)
+                except Exception as e:
+                    _record.finish_untimed(f"capturing the step after the recorded ones failed ({e})")
+                    raise
         self._inputs.load(args, kwargs)
+        timing = _record.graph_timing()
+        if timing is not None:
+            timing.replay(self._replay)  # the last timed replay writes the trace (and may end the process)
+        else:
+            self._replay()
+        self._calls += 1
+        return self._outputs
+
+    def _replay(self) -> None:
         if self._times is not None:
             self._times.replay(self._graph)
         else:
             self._graph.replay()
-        self._calls += 1
-        return self._outputs
 
     def _run_warmup(self, args, kwargs):
         if not torch.cuda.is_available():

@@ -8,16 +8,21 @@ collective of the runtime, counts steps from ``start_forward`` /
 settings, arms the recorder before the runtime starts, registers each sharded
 model's parameter table, and, at the first forward after the last recorded
 step, has it calibrate and write ``rank<R>.trace.json``; then the process ends
-with exit code 0 (``DCPLAN_RECORD_EXIT=1``, the default) or trains on.
+with exit code 0 (``DCPLAN_RECORD_EXIT=1``, the default) or trains on. A step run
+through ``dcplan.graphed_step`` is first captured and its replays timed on the
+device (GraphTiming), which the trace keeps as ``calibration.graph_step_us``.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import pathlib
 import platform
+import statistics
 import time
-from typing import Optional
+import warnings
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -91,6 +96,8 @@ def settings(record) -> Optional[Settings]:
 _active: Optional[Settings] = None
 _optimizer_hook = None  # torch's global optimizer post-hook while recording
 _calls: Optional[_optimizer_calls.CallRecorder] = None  # the recording's param groups, numbered (begin())
+_graphed = False  # the recorded step runs through dcplan.graphed_step (mark_graphed())
+_timing: Optional["GraphTiming"] = None  # every step recorded, the captured step being timed
 
 
 def own_work(fn, *args):
@@ -185,6 +192,8 @@ def input_shapes(forward_graph: int, shapes) -> None:
 def mark_graphed() -> None:
     """The recorded script runs its step through dcplan.graphed_step: the trace says so, and
     dcplan plan plans for one CUDA graph per step."""
+    global _graphed
+    _graphed = True
     _C.record_graphed()
 
 
@@ -203,15 +212,91 @@ def after_start_forward() -> None:
     s = _active
     _active = None
     _unhook_optimizers()
+    if _graphed:
+        # The steps after this one capture the step and time its replays (GraphTiming); the trace
+        # is written then, or at shutdown or exit where the script stops first.
+        global _timing
+        _timing = GraphTiming(s)
+        atexit.register(finish_untimed, "the script ended before the captured step was timed")
+        return
+    _finish(s)  # from the forward pre-hook: the script's loop ends here
+
+
+def _finish(s: Settings) -> None:
     _C.record_finish()  # collective: calibration on every rank, then this rank's trace
     if s.exit_after:
-        # From the forward pre-hook, so that the training script's loop ends
-        # here and torchrun sees exit code 0 from every rank.
+        # From a step of the training loop, so that the script ends there and torchrun sees
+        # exit code 0 from every rank.
         raise SystemExit(0)
+
+
+# The captured step's device time: the median of this many replays after the first (which
+# uploads the graph to the device); a graph replays the same kernels every time, so a few
+# suffice (they differed by under 1% on an H200, docs/benchmarks.md).
+GRAPH_TIMED_REPLAYS = 3
+
+
+class GraphTiming:
+    """After the recorded steps of a dcplan.graphed_step, which ran uncaptured so that the
+    recorder saw every op: the next calls capture the step (as they would without recording),
+    and its replays are timed on the device between CUDA events. Their median is the trace's
+    calibration.graph_step_us: what the recorded schedule takes in one graph, without the gaps
+    between kernels that the device-lead step's one-by-one launches leave (dcplan plan fits
+    those to it). Then the trace is written, as after an uncaptured recording."""
+
+    def __init__(self, settings: Settings):
+        self._settings = settings
+        self._replays = 0
+        self._timed: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def replay(self, launch: Callable[[], None]) -> None:
+        """launch() replays the captured step; timed after the first, and the last of them
+        writes the trace."""
+        self._replays += 1
+        if self._replays == 1:
+            launch()
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        self._timed.append((start, end))
+        if len(self._timed) == GRAPH_TIMED_REPLAYS:
+            end.synchronize()
+            us = statistics.median(a.elapsed_time(b) * 1000.0 for a, b in self._timed)
+            _C.record_graph_step_us(us)
+            _end_timing()
+            _finish(self._settings)
+
+
+def graph_timing() -> Optional[GraphTiming]:
+    """The timing of a recorded graphed step's captured replays, while it runs; else None."""
+    return _timing
+
+
+def _end_timing() -> Optional[Settings]:
+    global _timing
+    timing, _timing = _timing, None
+    atexit.unregister(finish_untimed)
+    return timing._settings if timing is not None else None
+
+
+def finish_untimed(why: str) -> None:
+    """Where a recorded graphed step's captured replays are not timed (the script shut down or
+    ended first, the capture failed): the trace is written without calibration.graph_step_us, and
+    the process goes on (its own exit, or the capture's error)."""
+    if _timing is None:
+        return
+    _end_timing()
+    warnings.warn(f"Warning: record: {why}; the trace has no calibration.graph_step_us, and dcplan plan "
+                  "predicts the graphed step on the device-lead step's times (docs/recording.md)", RuntimeWarning,
+                  stacklevel=2)
+    _C.record_finish()
 
 
 def stop() -> None:
     global _active
+    finish_untimed("dcplan.shutdown() came before the captured step was timed")
     _active = None
     _unhook_optimizers()
     _C.record_stop()

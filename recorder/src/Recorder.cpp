@@ -166,6 +166,14 @@ void Recorder::markGraphed() {
   graphed_ = true;
 }
 
+void Recorder::setGraphStepUs(double us) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  TORCH_CHECK(done_ && !finished_ && graphed_, "record: a captured step's time is taken after every step of a "
+              "recording through dcplan.graphed_step is recorded and before its trace is written");
+  TORCH_CHECK(us > 0, "record: a captured step's device time should be > 0 us, got ", us);
+  graphStepUs_ = us;
+}
+
 void Recorder::markChecksCollectives() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   checksCollectives_ = true;
@@ -729,6 +737,7 @@ fs::path Recorder::finish() {
   }
   // Collective: every rank reaches this at the same step.
   schemas::Calibration calibration = calibrate(*transport_, config_.calibration);
+  calibration.graphStepUs = graphStepUs_;
   schemas::Trace trace = buildTrace(calibration);
   const std::string text = schemas::writeTrace(trace);
   // A recorder bug must show here, naming the field, not later in dcplan record.

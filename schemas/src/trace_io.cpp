@@ -202,6 +202,7 @@ class TraceValidator {
   void readCalibration(const ordered_json& value) {
     FieldReader r(value, "/calibration", diags_);
     out_.calibration = readCalibrationFields(r, diags_);
+    out_.calibration.graphStepUs = r.positiveNumber("graph_step_us", P::Optional);  // a trace's own
     r.rejectUnknownFields();
   }
 
@@ -458,6 +459,7 @@ std::string writeTrace(const Trace& t) {
     params.push_back(std::move(row));
   }
   ordered_json calibration = calibrationJson(t.calibration);
+  if (t.calibration.graphStepUs) calibration["graph_step_us"] = *t.calibration.graphStepUs;
 
   ordered_json steps = ordered_json::array();
   for (const auto& s : t.steps) {

@@ -168,6 +168,7 @@ Trace mergeRankTraces(const std::vector<RankTrace>& input) {
     mergeCurve(merged.calibration.allReduce, t.calibration.allReduce);
     merged.calibration.computeProbeUs =
         slowest(merged.calibration.computeProbeUs, t.calibration.computeProbeUs);
+    merged.calibration.graphStepUs = slowest(merged.calibration.graphStepUs, t.calibration.graphStepUs);
     for (size_t s = 0; s < merged.steps.size(); ++s) {
       TraceStep& ms = merged.steps[s];
       ms.optimizerUs = std::max(ms.optimizerUs, t.steps[s].optimizerUs);

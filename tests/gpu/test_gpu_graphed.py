@@ -65,8 +65,10 @@ def test_graphed_step_trains_like_the_plain_step(results, variant, stage, accum,
 def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_graph(dcplan_module, tmp_path):
     """dcplan record of a script using graphed_step: the step runs uncaptured while recorded, the
     last warm-up step runs with the device behind the host (device-lead step), and the trace has
-    device_us and optimizer_device_us; plan --cuda-graph plans with them, and the graphed step
-    replays the plan."""
+    device_us and optimizer_device_us; then the step is captured and a few replays timed
+    (calibration.graph_step_us), to which plan --cuda-graph fits those times; the graphed step
+    replays the plan. A script that shuts down before the replays are timed still gets its trace,
+    without the time, and is told so."""
     import json
     import os
     import subprocess
@@ -82,9 +84,18 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
               "--layers", "2", "--hidden", "256", "--steps", "8"]
     trace, plan = tmp_path / "trace.json", tmp_path / "plan.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+    # 8 steps: 2 warm-up, 2 recorded, the forward that ends the recording, the capture with its
+    # first replay, and 2 timed replays of the 3 the recorder times; then dcplan.shutdown().
+    short = subprocess.run([cli, "record", "-o", str(trace), "--steps", "2", "--warmup", "2", "--timeout", "240",
+                            "--", *script], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert short.returncode == 0, short.stderr[-3000:]
+    assert "dcplan.shutdown() came before the captured step was timed" in short.stderr, short.stderr[-3000:]
+    assert "graph_step_us" not in json.loads(trace.read_text())["calibration"]
+    script[-1] = "10"  # one more than it needs
     subprocess.run([cli, "record", "-o", str(trace), "--steps", "2", "--warmup", "2", "--timeout", "240", "--",
                     *script], check=True, env=env, cwd=tmp_path)
     t = json.loads(trace.read_text())
+    assert t["calibration"]["graph_step_us"] > 0
     events = [e for s in t["steps"] for g in s["graphs"] for e in g["events"]]
     assert events and all("device_us" in e for e in events)
     # Each op's own device work, but none for the ops that make the compute stream wait for another.
@@ -102,6 +113,7 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
     out = subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--explain"], check=True,
                          env=env, capture_output=True, text=True).stdout
     assert "replay: one CUDA graph per step (the trace's step ran in dcplan.graphed_step)" in out
+    assert "device: the captured step took" in out, out
     p = json.loads(plan.read_text())
     assert p["options"]["cuda_graph"] is True
     # The graph's prediction: the device's own compute and optimizer, without the host's time.

@@ -728,7 +728,29 @@ TEST_F(RecorderTest, FinishCalibratesValidatesAndWritesTheRankTrace) {
   schemas::Trace t = schemas::readTrace(path);
   EXPECT_EQ(t.steps.size(), 1u);
   EXPECT_GE(t.calibration.allGather.size(), 3u);
+  EXPECT_FALSE(t.calibration.graphStepUs.has_value());  // not a graphed step's recording
   EXPECT_THROW(rec->finish(), c10::Error);  // once only
+}
+
+TEST_F(RecorderTest, AGraphedStepsCapturedTimeIsTakenAfterEveryStepIsRecorded) {
+  auto rec = make(1, 0, /*ws=*/1);
+  rec->markGraphed();
+  microStep(*rec, 0, true);
+  EXPECT_THROW(rec->setGraphStepUs(900.0), c10::Error);  // the step is still being recorded
+  now = 60;
+  rec->onStartForward();
+  EXPECT_THROW(rec->setGraphStepUs(0.0), c10::Error);  // a device time is positive
+  rec->setGraphStepUs(900.0);
+  schemas::Trace t = schemas::readTrace(rec->finish());
+  EXPECT_TRUE(t.meta.graphed);
+  EXPECT_EQ(t.calibration.graphStepUs, 900.0);
+  EXPECT_THROW(rec->setGraphStepUs(900.0), c10::Error);  // the trace is written
+  // A recording that is not through dcplan.graphed_step has no captured step to time.
+  auto plain = make(1, 0, /*ws=*/1);
+  microStep(*plain, 0, true);
+  now = 120;
+  plain->onStartForward();
+  EXPECT_THROW(plain->setGraphStepUs(900.0), c10::Error);
 }
 
 TEST(Calibration, ThreeSizesAtLeastGrowingByFourWithinTheBudget) {

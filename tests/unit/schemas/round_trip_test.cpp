@@ -224,6 +224,51 @@ TEST(RoundTrip, SavedActivationsStayAbsentOrPresent) {
   EXPECT_EQ(writeTrace(t2), writeTrace(trace));
 }
 
+TEST(RoundTrip, AGraphedRecordingsCapturedStepTimeIsATracesOwn) {
+  Trace trace = readTrace(kInputs / "minimal.trace.json");
+  EXPECT_EQ(writeTrace(trace).find("graph_step_us"), std::string::npos);  // absent: not timed
+  trace.calibration.graphStepUs = 23630.5;
+  const std::string text = writeTrace(trace);
+  Trace back;
+  ASSERT_TRUE(validateTrace(parseJson(text, "trace"), back).empty());
+  EXPECT_EQ(back.calibration.graphStepUs, 23630.5);
+  EXPECT_EQ(writeTrace(back), text);
+  // A time is positive; the error names the field.
+  nlohmann::json zero = parseJson(text, "trace");
+  zero["calibration"]["graph_step_us"] = 0;
+  Trace refused;
+  auto diags = validateTrace(zero, refused);
+  ASSERT_FALSE(diags.empty());
+  EXPECT_EQ(diags.front().pointer, "/calibration/graph_step_us");
+  // A network file measures collectives alone: it has no step to time.
+  Network n;
+  n.createdBy = "test";
+  n.worldSize = 2;
+  n.backend = "nccl";
+  n.device = "cuda";
+  n.calibration.allGather = {{65'536, 120.5}};
+  n.calibration.reduceScatter = {{65'536, 130.0}};
+  n.calibration.allReduce = {{65'536, 260.0}};
+  nlohmann::json net = parseJson(writeNetwork(n), "net");
+  net["calibration"]["graph_step_us"] = 100.0;
+  Network notRead;
+  diags = validateNetwork(net, notRead);
+  ASSERT_FALSE(diags.empty());
+  EXPECT_EQ(diags.front().pointer, "/calibration/graph_step_us");
+}
+
+TEST(TraceMerge, TheCapturedStepIsTheSlowestRanksAndNeedsEveryRanks) {
+  RankTrace r0{0, "rank0.trace.json", readTrace(kInputs / "minimal.trace.json")};
+  r0.trace.meta.worldSize = 2;
+  r0.trace.calibration.graphStepUs = 1000.0;
+  RankTrace r1{1, "rank1.trace.json", r0.trace};
+  r1.trace.calibration.graphStepUs = 1200.0;
+  EXPECT_EQ(mergeRankTraces({r0, r1}).calibration.graphStepUs, 1200.0);
+  // A rank that did not time it (its script shut down first): the step's time is not known.
+  r1.trace.calibration.graphStepUs.reset();
+  EXPECT_FALSE(mergeRankTraces({r0, r1}).calibration.graphStepUs.has_value());
+}
+
 TEST(TraceMerge, RanksThatDisagreeOnTheReplaysChecksAreRefused) {
   RankTrace r0{0, "rank0.trace.json", readTrace(kInputs / "minimal.trace.json")};
   r0.trace.meta.worldSize = 2;

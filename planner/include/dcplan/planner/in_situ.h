@@ -62,15 +62,43 @@ InSituFit fitToReplay(const schemas::Trace& trace, const Workload& workload, con
 /// One line for --explain and dcplan inspect: the run's step, the calibrated one and the scale.
 std::string inSituText(const InSituFit& fit);
 
+/// A graphed step's device times fitted to its captured replay (the trace's
+/// calibration.graph_step_us). The device-lead step times each op's compute with the kernels
+/// launched one by one, queued ahead of the device; a graph's replay runs the same kernels without
+/// the gaps between launches (1xH200, 0.95B model: 26.1 ms of recorded device times, 23.0 ms busy in
+/// the graph). Every device time of the step is scaled until the recorded schedule, simulated,
+/// takes the captured step's time.
+struct GraphStepFit {
+  double measuredUs = 0;   ///< graph_step_us: the recorded schedule, captured and replayed
+  double simulatedUs = 0;  ///< that schedule simulated on the device-lead step's times
+  double scale = 1.0;      ///< every device time at this scale (scaleDevice), unless atBound
+  bool atBound = false;    ///< the scale hit its bound: the gaps do not explain the difference (not applied)
+};
+
+/// The scales a graphed step's fit may take: launch gaps shorten a step, they do not halve or
+/// double it.
+inline constexpr double kGraphStepScaleMin = 0.5;
+inline constexpr double kGraphStepScaleMax = 2.0;
+
+/// The fit of a CUDA graph's workload (Workload::cudaGraph) to the trace's captured step, made at the
+/// traced world size (a --world-size what-if keeps its scale); nullopt without graph_step_us or
+/// for a step the host issues.
+std::optional<GraphStepFit> fitGraphStep(const schemas::Trace& trace, const Workload& workload);
+
+/// One line for --explain and dcplan inspect.
+std::string graphStepText(const GraphStepFit& fit);
+
 /// The workload a plan is made and simulated with (dcplan plan and dcplan inspect alike, before
 /// plannedCostModel): the trace's at worldSize (0: the trace's), its step as issued or in one CUDA
 /// graph, and, for a --network what-if of CPU ranks, its compute scaled (scaleCompute) by the
 /// network's compute probe over the trace's (Calibration::computeProbeUs): the job's ranks share
 /// their hosts' cores as the network's did (dcplan.measure_network ran on them). computeScale, where
 /// given, gets that factor: 1 without a network or either probe, and on GPUs, each of which
-/// computes on its own.
+/// computes on its own. A CUDA graph's device times are fitted to the captured step where the
+/// trace timed one (fitGraphStep, applied unless at its bound); graphStep, where given, gets the fit.
 Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay,
-                         const schemas::Network* network, double* computeScale = nullptr);
+                         const schemas::Network* network, double* computeScale = nullptr,
+                         std::optional<GraphStepFit>* graphStep = nullptr);
 
 /// How a plan's step is simulated again (dcplan inspect --trace, dcplan check --trace): as it was
 /// planned, in one CUDA graph (options.cuda_graph), issued on the device's own times

@@ -206,6 +206,11 @@ void scaleCompute(Workload& workload, double factor);
 /// scaleCompute. A GPU's own times are kept.
 void scaleHost(Workload& workload, double factor);
 
+/// The device's own times at another rate (Workload::ownDeviceTimes): each op's compute before it,
+/// its own work (opDeviceUs) and the optimizer's, times `factor`; the host's times, collectives and
+/// copies are kept. A CUDA graph's times fitted to its captured step (fitGraphStep).
+void scaleDevice(Workload& workload, double factor);
+
 /// The median of `values` (the upper of the two middle ones where their count is even), which it
 /// reorders; they must not be empty.
 double upperMedian(std::vector<double>& values);

@@ -78,6 +78,10 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   void addModel(const ModelInfo& model);
   /// The script runs its step through dcplan.graphed_step (recorded uncaptured): trace meta.graphed.
   void markGraphed();
+  /// Once done(), before finish(): the device time of one replay of the recorded step captured in
+  /// one CUDA graph (dcplan.graphed_step times a few after the recorded steps), us: the trace's
+  /// calibration.graph_step_us.
+  void setGraphStepUs(double us);
   /// A replay of this job checks each collective with the ranks first (DCPLAN_CHECK_COLLECTIVES), which
   /// the recording does not: the trace says so (meta.checks_collectives), and the planner charges them.
   void markChecksCollectives();
@@ -254,7 +258,8 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   mutable std::recursive_mutex mutex_;
   bool recording_ = false;  // the current micro-step is recorded
   bool done_ = false;
-  bool graphed_ = false;  ///< markGraphed()
+  bool graphed_ = false;
+  std::optional<double> graphStepUs_;  ///< setGraphStepUs()  ///< markGraphed()
   bool checksCollectives_ = false;  ///< markChecksCollectives()
   /// setOptimizerState(), by ds_id: the trace param's optimizer fields.
   struct OptimizerFields {

@@ -83,6 +83,12 @@ struct Calibration {
   /// A fixed fp32 matrix product timed on every rank at once (the slowest rank's, us): how fast
   /// the ranks compute beside each other (absent: recorded before it was measured).
   std::optional<double> computeProbeUs;
+  /// Traces of a dcplan.graphed_step only (a network file has none): the device time of one
+  /// replay of the recorded step captured in one CUDA graph, timed after the recorded steps (the
+  /// median of a few replays, the slowest rank's), us. The device-lead step's op times, launched
+  /// one by one, add the gaps between kernels that a graph's replay lacks; dcplan plan fits them
+  /// to this (docs/planning.md, "A CUDA graph's step"). Absent: not timed.
+  std::optional<double> graphStepUs;
 };
 
 /// A measurement of a cluster's collectives without a model: times on `worldSize` ranks of one
