@@ -151,6 +151,7 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
   std::string planFile;
   std::string names;
   std::vector<LoggedStep> steps;
+  std::string graphLog;  // a log of graph replays (dcplan.graphed_step), the first
   for (const std::string& path : logs) {
     const schemas::ReplayLog log = schemas::readReplayLog(path);
     if (log.planFile.empty()) {
@@ -163,13 +164,11 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
                                                 " replayed " + planFile + ": give the logs of one run"}});
     }
     planFile = log.planFile;
-    if (log.graphReplays > 0) {
-      throw schemas::InputError(
-          path,
-          {{"", "--calibrate: the log is of a step replayed as one CUDA graph (" +
-                    std::to_string(log.graphReplays) +
-                    " graph_replay lines: dcplan.graphed_step), whose replays run no op on the host to time; "
-                    "a plan for the graph is made from the device's own times: plan from the trace alone"}});
+    if (log.graphReplayMedianUs) {  // a graphed step: its replays' device times, as dcplan check takes them
+      if (graphLog.empty()) graphLog = path;
+      steps.push_back({path, log.rank, log.worldSize, *log.graphReplayMedianUs});
+      names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
+      continue;
     }
     if (!log.steps.medianUs) {
       throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.steps.count) +
@@ -186,6 +185,13 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
                                 "--calibrate: the replayed plan was made from "
                                 "another trace (" +
                                     replayed.source.traceDigest + "), " + traceFile + " is " + digest}});
+  }
+  if (!graphLog.empty() && !replayed.options.cudaGraph) {
+    throw schemas::InputError(graphLog, {{"", "--calibrate: the log times replays of a CUDA graph (graph_replay "
+                                              "lines), but the plan it names, " +
+                                                  planFile +
+                                                  ", is not for one (options.cuda_graph): give the logs of "
+                                                  "one run of that plan"}});
   }
   m.schedule = planner::scheduleOf(replayed);
   m.worldSize = replayed.source.worldSize;

@@ -153,6 +153,14 @@ void bindRecordingState(py::module_& m) {
       Release(),
       "Calibrates (collective), writes rank<R>.trace.json, stops observing; returns the file written.");
   m.def(
+      "record_stop_observing",
+      [] {
+        if (replayer::isInitialized()) replayer::setObserver(nullptr);
+      },
+      Release(),
+      "Every step is recorded, the trace not yet written (a graphed step's capture is timed first): the "
+      "runtime's ops are no longer observed, which a CUDA graph's capture requires.");
+  m.def(
       "record_optimizer_step_issued",
       [] {
         // A hook left behind by a stopped recording does nothing.

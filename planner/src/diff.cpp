@@ -272,6 +272,8 @@ PlanDiff diffPlans(const schemas::Plan& a, const schemas::Plan& b, double tolera
          optNumber(b.options.inSituScale), true);
   d.text("/options/host_scale", "options.host_scale", optNumber(a.options.hostScale),
          optNumber(b.options.hostScale), true);
+  d.text("/options/device_scale", "options.device_scale", optNumber(a.options.deviceScale),
+         optNumber(b.options.deviceScale), true);
   // Provenance: the same schedule from a re-recorded trace or a newer dcplan is the same plan.
   d.text("/source/trace_digest", "source.trace_digest", a.source.traceDigest, b.source.traceDigest, true);
   d.text("/source/trace", "source.trace", a.source.trace, b.source.trace, true);

@@ -111,6 +111,19 @@ InSituFit fitToReplay(const schemas::Trace& trace, const Workload& w, const Sche
     fit.collectiveScale = held;
     return fit;
   };
+  if (w.cudaGraph) {
+    // The graph's replays ran the plan's kernels without the device-lead step's launch gaps, on
+    // the device the trace measured or another: its own times, scaled; the collectives as held.
+    const double held = plannedCostModel(trace, w, bandwidthGBps, network).inSituScale();
+    InSituFit fit = bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
+      Workload paced = w;
+      scaleDevice(paced, scale);
+      return stepOf(paced, scaledCost(trace, paced, bandwidthGBps, network, held));
+    });
+    fit.device = true;
+    fit.collectiveScale = held;
+    return fit;
+  }
   if (!w.hostLane) return collectives();
   // The host first on a GPU whose replayed plan the host paces: no collective time shortens such
   // a step, and the host's speed is what moves between processes there. Elsewhere (CPU ranks, or
@@ -131,6 +144,13 @@ std::string inSituText(const InSituFit& fit) {
     case InSituFit::Source::Plan:
       return "collectives in situ: " + scale + ", the scale the plan was made with (options.in_situ_scale)";
     case InSituFit::Source::Replay:
+      if (fit.device) {
+        return "device calibrated on a replay of the graph: it measured " + formatMs(fit.measuredUs) +
+               " a replay, its plan simulated on the recording's device times " + formatMs(fit.calibratedUs) +
+               "; every device time is taken at " + formatFixed(fit.scale, 3) + "x the recording's" +
+               (fit.atBound ? "; the scale is at its bound, so the device's pace does not explain the difference"
+                            : "");
+      }
       if (fit.host) {
         return "host calibrated on a replay: it measured " + formatMs(fit.measuredUs) +
                " a step, its plan simulated on the recording's host times " + formatMs(fit.calibratedUs) +
@@ -156,40 +176,28 @@ std::string inSituText(const InSituFit& fit) {
                       : "");
 }
 
-std::optional<GraphStepFit> fitGraphStep(const schemas::Trace& trace, const Workload& w) {
+std::optional<CapturedStep> capturedStep(const schemas::Trace& trace, const Workload& w) {
   const std::optional<double>& measured = trace.calibration.graphStepUs;
   if (!w.cudaGraph || !measured) return std::nullopt;
   const Workload traced =
       w.worldSize == w.traceWorldSize ? w : makeWorkload(trace, w.traceWorldSize, StepReplay::CudaGraph);
   // The recording ran the default schedule, and so did the replays it timed.
   const CompiledSchedule recorded = compileSchedule(traced, defaultSchedule(traced));
-  const CostModel cost = plannedCostModel(trace, traced, std::nullopt);
-  auto stepAt = [&](double scale) {
-    Workload scaled = traced;
-    scaleDevice(scaled, scale);
-    return simulate(scaled, cost, recorded).prediction.stepUs;
-  };
-  GraphStepFit fit;
-  fit.measuredUs = *measured;
-  fit.simulatedUs = stepAt(1.0);
-  const Bisected b = bisectScale(*measured, kGraphStepScaleMin, kGraphStepScaleMax, stepAt);
-  fit.scale = b.scale;
-  fit.atBound = b.atBound;
-  return fit;
+  const double simulated =
+      simulate(traced, plannedCostModel(trace, traced, std::nullopt), recorded).prediction.stepUs;
+  return CapturedStep{*measured, simulated};
 }
 
-std::string graphStepText(const GraphStepFit& fit) {
-  std::string text = "device: the captured step took " + formatMs(fit.measuredUs) +
-                     " a replay (the trace's calibration.graph_step_us), its recorded schedule simulated "
-                     "on the device-lead step's times " +
-                     formatMs(fit.simulatedUs);
-  if (fit.atBound) {
-    return text + "; no scale between " + formatFixed(kGraphStepScaleMin, 1) + "x and " +
-           formatFixed(kGraphStepScaleMax, 1) +
-           "x of the device's times explains that: not applied, planned on the device-lead step's times";
+std::string capturedStepText(const CapturedStep& step) {
+  const double off = step.simulatedUs / step.measuredUs - 1.0;
+  std::string text = "captured: the recorded schedule took " + formatMs(step.measuredUs) +
+                     " a replay in one CUDA graph (calibration.graph_step_us), simulated " +
+                     formatMs(step.simulatedUs) + " (" + (off >= 0 ? "+" : "") + formatFixed(100 * off, 1) + "%)";
+  if (std::abs(off) > kCapturedStepWarnShare) {
+    text += ": this plan's prediction may be as far off; dcplan plan --calibrate on the replay log of "
+            "its graphed run (DCPLAN_REPLAY_LOG) fits the device's times to it";
   }
-  return text + "; every device time at " + formatFixed(fit.scale, 3) +
-         "x (the gaps between kernels launched one by one, which a graph's replay lacks)";
+  return text;
 }
 
 StepReplay plannedReplay(const schemas::PlanOptions& options) {
@@ -198,12 +206,8 @@ StepReplay plannedReplay(const schemas::PlanOptions& options) {
 }
 
 Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay,
-                         const schemas::Network* network, double* computeScale,
-                         std::optional<GraphStepFit>* graphStep) {
+                         const schemas::Network* network, double* computeScale) {
   Workload w = makeWorkload(trace, worldSize, replay);
-  const std::optional<GraphStepFit> fit = fitGraphStep(trace, w);
-  if (fit && !fit->atBound) scaleDevice(w, fit->scale);
-  if (graphStep) *graphStep = fit;
   double factor = 1.0;
   const std::optional<double>& recorded = trace.calibration.computeProbeUs;
   if (network && w.waitsBlockHost && recorded && network->calibration.computeProbeUs) {

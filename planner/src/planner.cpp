@@ -736,11 +736,13 @@ class Explainer {
 InSituFit calibrationFit(const schemas::Trace& trace, const Workload& w, const PlanRequest& req) {
   const ReplayMeasurement& m = *req.calibrate;
   const std::string what = "--calibrate " + m.description + ": ";
-  if (w.cudaGraph || m.cudaGraph) {
-    throw std::invalid_argument(what +
-                                "a step replayed as one CUDA graph writes no replay log, and a plan for "
-                                "one (--cuda-graph) is predicted from the device's own times: calibrate "
-                                "an eager or compiled replay");
+  if (w.cudaGraph != m.cudaGraph) {
+    throw std::invalid_argument(
+        what + (m.cudaGraph ? "the replayed plan ran as one CUDA graph (dcplan.graphed_step), this plan is for "
+                              "the host's replay (--no-cuda-graph)"
+                            : "the replayed plan ran on the host's replay, this plan is for one CUDA graph "
+                              "(--cuda-graph, or a trace of dcplan.graphed_step)") +
+        ": a fit to one says nothing of the other; calibrate on a replay of the same kind");
   }
   if (m.worldSize != w.worldSize) {
     throw std::invalid_argument(what + "the replayed plan is for " + std::to_string(m.worldSize) +
@@ -766,8 +768,9 @@ InSituFit calibrationFit(const schemas::Trace& trace, const Workload& w, const P
                                      ? "and no pace of the host between " + range + "x the recording's "
                                      : "") +
                                 "explains that (" +
-                                (w.hostLane ? "the device, not the communication or the host,"
-                                            : "the host or the device, not the communication,") +
+                                (w.cudaGraph  ? "neither the device's pace nor the communication,"
+                                 : w.hostLane ? "the device, not the communication or the host,"
+                                              : "the host or the device, not the communication,") +
                                 " differs from the recording): not calibrated");
   }
   return fit;
@@ -799,7 +802,7 @@ namespace {
 void explainSetting(Explainer& ex, const Workload& w, const PlanRequest& req, const std::string& limitText,
                     const std::string& limitNote, const CostModel& cost,
                     const std::optional<InSituFit>& inSitu, double computeScale,
-                    const std::optional<GraphStepFit>& graphStep) {
+                    const std::optional<CapturedStep>& captured) {
   const size_t runs = w.runs.size();
   ex.line("trace: " + req.traceName + ": " + std::to_string(w.params.size()) + " params, " +
           std::to_string(w.graphs.size()) + " graphs, " + std::to_string(runs) +
@@ -824,7 +827,7 @@ void explainSetting(Explainer& ex, const Workload& w, const PlanRequest& req, co
             "own work (op_device_us, " +
             (ops > 0 ? formatMs(ops) : std::string("none in this trace")) + ") and optimizer (" +
             formatMs(w.optimizerUs) + "), no host lane, no host cost per collective");
-    if (graphStep) ex.line(graphStepText(*graphStep));
+    if (captured) ex.line(capturedStepText(*captured));
   } else if (w.ownDeviceTimes) {
     const double ops = w.opDeviceUs();
     ex.line("device: its own compute (device_us), the dc ops' own work (op_device_us, " +
@@ -864,9 +867,9 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   const bool cudaGraph = req.cudaGraph.value_or(trace.meta.graphed);
   const int64_t worldSize = req.worldSize > 0 ? req.worldSize : network ? network->worldSize : 0;
   double computeScale = 1.0;
-  std::optional<GraphStepFit> graphStep;
   const StepReplay replay = cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued;
-  Workload w = plannedWorkload(trace, worldSize, replay, network, &computeScale, &graphStep);
+  Workload w = plannedWorkload(trace, worldSize, replay, network, &computeScale);
+  const std::optional<CapturedStep> captured = capturedStep(trace, w);  // on the recording's times
   if (network && w.worldSize <= 1) {  // one rank's calls are its own copies, which the trace timed
     throw std::invalid_argument("--network " + req.network->file +
                                 ": the collectives between ranks; this plan is for 1 rank, which has none "
@@ -879,12 +882,17 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   std::optional<InSituFit> inSitu;
   std::optional<double> calibrated;
   std::optional<double> hostScale;
+  std::optional<double> deviceScale;
   if (req.calibrate) {
     inSitu = calibrationFit(trace, w, req);
     calibrated = inSitu->collectiveScale;
     if (inSitu->host) {
       hostScale = inSitu->scale;
       scaleHost(w, *hostScale);
+    }
+    if (inSitu->device) {
+      deviceScale = inSitu->scale;
+      scaleDevice(w, *deviceScale);
     }
   }
   CostModel cost =
@@ -902,7 +910,9 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   const Context& c = search.context();
   PlanResult result;
   if (!w.stepChoice.empty()) result.warnings.push_back(w.stepChoice);
-  if (graphStep && graphStep->atBound) result.warnings.push_back(graphStepText(*graphStep));
+  if (captured && !req.calibrate &&
+      std::abs(captured->simulatedUs / captured->measuredUs - 1.0) > kCapturedStepWarnShare)
+    result.warnings.push_back(capturedStepText(*captured));
 
   Candidate def = search.defaultCandidate();
   Candidate chosen;
@@ -955,6 +965,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   if (cost.inSituScale() != 1.0 || (hostScale && w.waitsBlockHost))
     plan.options.inSituScale = cost.inSituScale();
   plan.options.hostScale = hostScale;  // with the collectives' scale it was fitted beside
+  plan.options.deviceScale = deviceScale;
   plan.options.network = req.network;
   if (inSitu) result.inSitu = inSituText(*inSitu);
   if (inSitu && inSitu->atBound) result.warnings.push_back(result.inSitu);
@@ -976,7 +987,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
     std::vector<std::string>& out = result.explanation;
     Explainer ex(w, c, out);
     explainSetting(ex, w, req, unlimited ? std::string("none") : formatBytes(limit), limitNote, cost, inSitu,
-                   computeScale, graphStep);
+                   computeScale, captured);
     ex.line("default schedule: " + predictionLine(def.sim.prediction));
     if (req.strategy == Strategy::Optimized) {
       ex.line("strategy optimized: " + std::to_string(all.size()) + " candidate schedules simulated");

@@ -56,16 +56,17 @@ struct Simulated {
   SimResult plan;
   SimResult def;
   std::optional<InSituFit> inSitu;
-  std::optional<double> hostScale;  ///< the plan's options.host_scale
-  std::optional<GraphStepFit> graphStep;
+  std::optional<double> hostScale;    ///< the plan's options.host_scale
+  std::optional<double> deviceScale;  ///< the plan's options.device_scale
+  std::optional<CapturedStep> captured;
 };
 
 Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   const schemas::Network* network = plan.options.network ? &plan.options.network->measured : nullptr;
-  std::optional<GraphStepFit> graphStep;
-  Workload w =
-      plannedWorkload(trace, plan.source.worldSize, plannedReplay(plan.options), network, nullptr, &graphStep);
+  Workload w = plannedWorkload(trace, plan.source.worldSize, plannedReplay(plan.options), network);
+  const std::optional<CapturedStep> captured = capturedStep(trace, w);
   if (plan.options.hostScale) scaleHost(w, *plan.options.hostScale);
+  if (plan.options.deviceScale) scaleDevice(w, *plan.options.deviceScale);
   std::optional<InSituFit> inSitu;
   CostModel cost =
       plannedCostModel(trace, w, plan.options.bandwidthGBps, network, plan.options.inSituScale, &inSitu);
@@ -73,7 +74,9 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   const SimResult recorded = simulate(w, cost, def, SimOptions{true});
   SimResult p = simulate(w, cost, compileSchedule(w, scheduleOf(plan)), againstRecorded(recorded, true));
   SimResult d = replayedDefault(w, cost, def, recorded, true);
-  return Simulated{std::move(w), std::move(p), std::move(d), inSitu, plan.options.hostScale, graphStep};
+  return Simulated{std::move(w), std::move(p),       std::move(d),
+                   inSitu,       plan.options.hostScale, plan.options.deviceScale,
+                   captured};
 }
 
 std::string count(size_t n, const std::string& noun) {
@@ -204,7 +207,7 @@ void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& t
     << formatMs(again.exposedCommUs) << ", peak " << formatBytes(again.peakMemoryBytes) << "\n";
   if (w.cudaGraph) {
     s << "  host lane: none (planned for a CUDA graph's replay: the device's own times)\n";
-    if (sim.graphStep) s << "  " << graphStepText(*sim.graphStep) << "\n";
+    if (sim.captured) s << "  " << capturedStepText(*sim.captured) << "\n";
   } else if (w.hostLane) {
     const bool hostBound = sim.plan.hostUs >= again.stepUs - 1.0;  // within 1 us: the host ends the step
     s << "  host lane: the host issues the step in " << formatMs(sim.plan.hostUs) << "; "
@@ -217,6 +220,10 @@ void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& t
   if (sim.hostScale) {
     s << "  host: every host time at " << formatFixed(*sim.hostScale, 2)
       << "x the recording's, the pace the plan was calibrated to (options.host_scale)\n";
+  }
+  if (sim.deviceScale) {
+    s << "  device: every device time at " << formatFixed(*sim.deviceScale, 3)
+      << "x the recording's, as the plan was calibrated to a replay of its graph (options.device_scale)\n";
   }
   if (sim.plan.checkUs > 0) {  // the replay checks each call with the other ranks (docs/planning.md)
     s << "  agreement checks: " << formatMs(sim.plan.checkUs) << " a step on the host, one before each of "

@@ -658,11 +658,10 @@ CALIBRATE_BEYOND = 0.10
 
 
 def _calibrate_hint(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
-    """Where a host-timed step missed the prediction by more than CALIBRATE_BEYOND, how to plan
-    again from this run (a CUDA graph's replays, timed on the device, cannot calibrate)."""
+    """Where a step missed the prediction by more than CALIBRATE_BEYOND, how to plan again from
+    this run (a CUDA graph's too: its replays' device times fit the device's pace)."""
     predicted = plan.get("predicted", {}).get("step_us")
-    timed = {name: m["step_us"] for name, m in runs.items()
-             if "warmup_peak_bytes" not in m and m["step_us"] is not None}
+    timed = {name: m["step_us"] for name, m in runs.items() if m["step_us"] is not None}
     if not predicted or not any(abs(s / predicted - 1) > CALIBRATE_BEYOND for s in timed.values()):
         return []
     # The plan's own options again (its network comes with the logs' plan), so that the new plan is
@@ -677,8 +676,11 @@ def _calibrate_hint(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
         args += ["--strategy", options["strategy"]]
     if options.get("bandwidth_gbps"):
         args += ["--bandwidth", f"{options['bandwidth_gbps']:g}"]
+    if options.get("cuda_graph"):
+        args += ["--cuda-graph"]
+    fitted = "its device's pace" if options.get("cuda_graph") else "its collectives' time or its host's pace"
     return [f"  the step missed its prediction by more than {CALIBRATE_BEYOND:.0%}: `dcplan plan {' '.join(args)} "
-            f"--calibrate {' '.join(timed)}` plans again from this run's collectives' time or its host's pace "
+            f"--calibrate {' '.join(timed)}` plans again from this run's {fitted} "
             "(docs/planning.md, \"Calibrated on a replay\"); the logs of three or more runs of this plan, every "
             "rank's of each, fit their median run, steadier where runs differ"]
 

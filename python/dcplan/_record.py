@@ -217,6 +217,7 @@ def after_start_forward() -> None:
         # is written then, or at shutdown or exit where the script stops first.
         global _timing
         _timing = GraphTiming(s)
+        _C.record_stop_observing()  # a capture refuses an op observer
         atexit.register(finish_untimed, "the script ended before the captured step was timed")
         return
     _finish(s)  # from the forward pre-hook: the script's loop ends here

@@ -107,6 +107,12 @@ class PlanValidator {
                  "a plan for a CUDA graph (cuda_graph) is made from the device's own times, with no host "
                  "time to scale: expected no host_scale");
     }
+    o.deviceScale = r.positiveNumber("device_scale", P::Optional);
+    if (o.deviceScale && !o.cudaGraph) {
+      diags_.add(r.pointerOf("device_scale"),
+                 "a plan for the host's replay is calibrated by its host's pace or its collectives "
+                 "(host_scale, in_situ_scale): expected device_scale only beside cuda_graph");
+    }
     if (auto* network = r.object("network", P::Optional)) {
       FieldReader n(*network, r.pointerOf("network"), diags_);
       PlanNetwork& planned = o.network.emplace();
@@ -371,6 +377,7 @@ std::string writePlan(const Plan& plan) {
   if (plan.options.deviceTimes) options["device_times"] = true;
   if (plan.options.inSituScale) options["in_situ_scale"] = *plan.options.inSituScale;
   if (plan.options.hostScale) options["host_scale"] = *plan.options.hostScale;
+  if (plan.options.deviceScale) options["device_scale"] = *plan.options.deviceScale;
   if (plan.options.network) {
     options["network"] = {{"file", plan.options.network->file}};
     options["network"].update(networkJson(plan.options.network->measured));

@@ -45,6 +45,7 @@ ReplayLog readReplayLog(const std::string& path) {
   ReplayLog log;
   log.path = path;
   std::vector<ReplayLogEvent> events;
+  std::vector<double> replayUs;
   std::string line;
   for (int64_t number = 1; std::getline(in, line); ++number) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
@@ -66,10 +67,18 @@ ReplayLog readReplayLog(const std::string& path) {
       log.rank = j["rank"].get<int>();
       log.worldSize = j["world_size"].get<int>();
     }
-    if (e.ev == "graph_replay") ++log.graphReplays;
+    if (e.ev == "graph_replay") {
+      ++log.graphReplays;
+      if (!j.contains("device_us") || !j["device_us"].is_number() || !(j["device_us"].get<double>() > 0)) {
+        throw InputError(path, {{"", "line " + std::to_string(number) +
+                                         ": a graph_replay line needs device_us, a number > 0 (docs/replay.md)"}});
+      }
+      replayUs.push_back(j["device_us"].get<double>());
+    }
     events.push_back(std::move(e));
   }
   log.steps = measuredSteps(stepStarts(events));
+  if (!replayUs.empty()) log.graphReplayMedianUs = medianOf(replayUs);
   return log;
 }
 

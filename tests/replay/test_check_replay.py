@@ -74,6 +74,17 @@ def test_the_calibrate_hint_keeps_the_plans_options_and_names_only_timed_logs():
                               "--calibrate r.0.jsonl`" in hint[0], hint
 
 
+def test_a_graphs_replays_point_to_calibrating_the_devices_pace():
+    """A graphed run's replays, timed on the device, calibrate too (dcplan plan --calibrate fits the
+    device's times); the hint keeps the plan for the graph."""
+    plan = {"source": {"trace": "t.json", "world_size": 1}, "options": {"cuda_graph": True},
+            "predicted": {"step_us": 26000.0, "peak_memory_bytes": 1}}
+    runs = {"r.0.jsonl": {"step_us": 22000.0, "steps": 20, "peak_bytes": 1, "warmup_peak_bytes": 1}}
+    hint = [line for line in _plan.prediction_report(plan, runs) if "--calibrate" in line]
+    assert len(hint) == 1 and "`dcplan plan t.json -o PLAN --world-size 1 --cuda-graph --calibrate r.0.jsonl`" \
+        in hint[0] and "its device's pace" in hint[0], hint
+
+
 def test_report_without_a_budget_or_marks():
     plan = {**PLAN, "options": {}}
     lines = _plan.prediction_report(plan, {"r.0.jsonl": {"step_us": None, "steps": 0, "peak_bytes": None}})

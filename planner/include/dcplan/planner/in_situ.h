@@ -30,6 +30,10 @@ struct InSituFit {
   /// A replay's fit of the host's pace instead (dcplan plan --calibrate): every host time at
   /// `scale`, the collectives held at collectiveScale (as the recording's fit, or 1, has them).
   bool host = false;
+  /// A CUDA graph's replay's fit of the device's pace instead (dcplan plan --calibrate on the
+  /// graph replays' device times): every device time at `scale` (scaleDevice), the collectives as
+  /// calibrated. A graph has no host to pace it, and its launch gaps are the device's.
+  bool device = false;
   /// A replay's fit: the collectives' scale the new plan is made with (`scale` where it fits them).
   double collectiveScale = 1.0;
   double measuredUs = 0;    ///< the run's step (the recorded step's host time, or the replay's)
@@ -53,8 +57,9 @@ std::optional<InSituFit> fitInSitu(const schemas::Trace& trace, const Workload& 
 /// the run. On a GPU whose replayed plan the host paces, the host's pace first: no collective time
 /// shortens such a step, its collectives run on the device at the times the calibration measured
 /// there, and its host moves by up to 2x from process to process (docs/benchmarks.md, "Host
-/// CPUs"); elsewhere (CPU ranks, in situ; a device-bound step) the collectives first. Any path the
-/// replay log can watch (not a CUDA graph); atBound where neither explains it.
+/// CPUs"); elsewhere (CPU ranks, in situ; a device-bound step) the collectives first. A CUDA
+/// graph's (its replays timed on the device): the device's pace (InSituFit::device). atBound where
+/// none explains it.
 InSituFit fitToReplay(const schemas::Trace& trace, const Workload& workload, const Schedule& replayed,
                       double measuredUs, std::optional<double> bandwidthGBps,
                       const schemas::Network* network);
@@ -62,31 +67,26 @@ InSituFit fitToReplay(const schemas::Trace& trace, const Workload& workload, con
 /// One line for --explain and dcplan inspect: the run's step, the calibrated one and the scale.
 std::string inSituText(const InSituFit& fit);
 
-/// A graphed step's device times fitted to its captured replay (the trace's
-/// calibration.graph_step_us). The device-lead step times each op's compute with the kernels
-/// launched one by one, queued ahead of the device; a graph's replay runs the same kernels without
-/// the gaps between launches (1xH200, 0.95B model: 26.1 ms of recorded device times, 23.0 ms busy in
-/// the graph). Every device time of the step is scaled until the recorded schedule, simulated,
-/// takes the captured step's time.
-struct GraphStepFit {
-  double measuredUs = 0;   ///< graph_step_us: the recorded schedule, captured and replayed
-  double simulatedUs = 0;  ///< that schedule simulated on the device-lead step's times
-  double scale = 1.0;      ///< every device time at this scale (scaleDevice), unless atBound
-  bool atBound = false;    ///< the scale hit its bound: the gaps do not explain the difference (not applied)
+/// A graphed recording's captured step (the trace's calibration.graph_step_us: the recorded
+/// schedule captured in one CUDA graph and replayed) beside that schedule simulated on the
+/// device-lead step's times: how far the simulation of a CUDA graph is on this job, before any
+/// plan is replayed. Not fitted: on one H200 the recorded schedule simulated 20% slow where its
+/// plan did 10%, as a graph's gathers and casts overlap other than the simulation's (docs/planning.md).
+struct CapturedStep {
+  double measuredUs = 0;   ///< graph_step_us
+  double simulatedUs = 0;  ///< the recorded (default) schedule, simulated
 };
 
-/// The scales a graphed step's fit may take: launch gaps shorten a step, they do not halve or
-/// double it.
-inline constexpr double kGraphStepScaleMin = 0.5;
-inline constexpr double kGraphStepScaleMax = 2.0;
+/// Beyond this share between the two, dcplan plan warns that its graph's prediction may be as far
+/// off, and names the closed loop (--calibrate on a replay of the plan).
+inline constexpr double kCapturedStepWarnShare = 0.10;
 
-/// The fit of a CUDA graph's workload (Workload::cudaGraph) to the trace's captured step, made at the
-/// traced world size (a --world-size what-if keeps its scale); nullopt without graph_step_us or
-/// for a step the host issues.
-std::optional<GraphStepFit> fitGraphStep(const schemas::Trace& trace, const Workload& workload);
+/// The captured step of a CUDA graph's workload (Workload::cudaGraph) at the traced world size;
+/// nullopt without graph_step_us or for a step the host issues.
+std::optional<CapturedStep> capturedStep(const schemas::Trace& trace, const Workload& workload);
 
 /// One line for --explain and dcplan inspect.
-std::string graphStepText(const GraphStepFit& fit);
+std::string capturedStepText(const CapturedStep& step);
 
 /// The workload a plan is made and simulated with (dcplan plan and dcplan inspect alike, before
 /// plannedCostModel): the trace's at worldSize (0: the trace's), its step as issued or in one CUDA
@@ -94,11 +94,9 @@ std::string graphStepText(const GraphStepFit& fit);
 /// network's compute probe over the trace's (Calibration::computeProbeUs): the job's ranks share
 /// their hosts' cores as the network's did (dcplan.measure_network ran on them). computeScale, where
 /// given, gets that factor: 1 without a network or either probe, and on GPUs, each of which
-/// computes on its own. A CUDA graph's device times are fitted to the captured step where the
-/// trace timed one (fitGraphStep, applied unless at its bound); graphStep, where given, gets the fit.
+/// computes on its own.
 Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay,
-                         const schemas::Network* network, double* computeScale = nullptr,
-                         std::optional<GraphStepFit>* graphStep = nullptr);
+                         const schemas::Network* network, double* computeScale = nullptr);
 
 /// How a plan's step is simulated again (dcplan inspect --trace, dcplan check --trace): as it was
 /// planned, in one CUDA graph (options.cuda_graph), issued on the device's own times

@@ -56,6 +56,10 @@ struct PlanOptions {
   /// The trace's host times (host_us, issue_us, optimizer_host_us; on CPU ranks, where the host
   /// computes, its compute too) at this multiple: fitted to a replay (dcplan plan --calibrate).
   std::optional<double> hostScale;
+  /// A plan for a CUDA graph only: the trace's device times (device_us, op_device_us,
+  /// optimizer_device_us) at this multiple, fitted to the graph replays of an earlier plan (dcplan
+  /// plan --calibrate): the gaps a graph's replay lacks, or a device of another pace.
+  std::optional<double> deviceScale;
   /// Planned with the collectives of a network measurement instead of the trace's calibration
   /// (dcplan plan --network): what the plan is simulated with, whoever simulates it again.
   std::optional<PlanNetwork> network;

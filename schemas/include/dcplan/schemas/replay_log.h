@@ -47,6 +47,9 @@ struct ReplayLog {
   /// "graph_replay" lines: replays of a step captured in one CUDA graph (dcplan.graphed_step),
   /// which the host issues no op of and the step rule cannot time.
   int64_t graphReplays = 0;
+  /// The median of their device_us (CUDA events around each replay), as dcplan check takes a
+  /// graphed step's; nullopt without any.
+  std::optional<double> graphReplayMedianUs;
 };
 
 /// Reads a replay log; throws InputError naming the file and the line that is not JSON.
