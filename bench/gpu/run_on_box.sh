@@ -118,28 +118,27 @@ llama_on() {
      --reduce-dtype float32 --lr 1e-4 ${PREDICT_ARGS:-} "${plan_args[@]}")
 }
 # record_llama TRACE N: `dcplan record` of the model on N GPUs (3 steps after 2), its log beside TRACE.
+# 12 steps: GRAPHED=1 captures the step after the recorded ones and times 3 replays (graph_step_us).
 record_llama() {
   llama_on "$2"
-  "${pin[@]}" build/cuda/bin/dcplan record -o "$1" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 8 \
+  "${pin[@]}" build/cuda/bin/dcplan record -o "$1" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 12 \
     2>&1 | tee "${1%.json}.record.log" | quiet | tail -4
   grep -h "Warning: record" "${1%.json}.record.log" | sort -u || true
 }
 # replay_llama DIR NAME N TRACE: the plan DIR/NAME.json (of TRACE) replayed on N GPUs with a replay log
-# and checked against its memory curve (DIR/NAME.check; not GRAPHED=1: a replay log cannot watch a
-# captured step), then timed without the log, whose own host work lies inside a logged step (rank
-# 0's step lines, DIR/NAME.steps, median of steps 4-11).
+# and checked against its memory curve (DIR/NAME.check; GRAPHED=1: its graph replays' device times and
+# peak, without the curve, which a captured step's log has no ops for), then timed without the log,
+# whose own host work lies inside a logged step (rank 0's step lines, DIR/NAME.steps, median of steps
+# 4-11).
 replay_llama() {
-  local d=$1 name=$2
+  local d=$1 name=$2 curve=()
   llama_on "$3"
   build/cuda/bin/dcplan inspect "$d/$name.json" --trace "$4" --memory-curve "$d/$name.curve.json" > /dev/null
-  : > "$d/$name.check"
-  if [ "$graphed" != 1 ]; then
-    DCPLAN_PLAN="$d/$name.json" DCPLAN_REPLAY_LOG="$d/$name.{rank}.jsonl" "${pin[@]}" "$PY" "${T[@]}" --steps 12 2>&1 \
-      | quiet \
-      | tail -1
-    "$PY" -m dcplan.check_replay "$d/$name.json" "$d/$name".[0-9]*.jsonl --curve "$d/$name.curve.json" \
-      > "$d/$name.check" || true
-  fi
+  [ "$graphed" != 1 ] && curve=(--curve "$d/$name.curve.json")
+  DCPLAN_PLAN="$d/$name.json" DCPLAN_REPLAY_LOG="$d/$name.{rank}.jsonl" "${pin[@]}" "$PY" "${T[@]}" --steps 12 2>&1 \
+    | quiet \
+    | tail -1
+  "$PY" -m dcplan.check_replay "$d/$name.json" "$d/$name".[0-9]*.jsonl "${curve[@]}" > "$d/$name.check" || true
   # --line-buffered: a run that never ends (4d2fae4) still leaves the steps it made.
   DCPLAN_PLAN="$d/$name.json" "${pin[@]}" "$PY" "${T[@]}" --steps 12 2>&1 | grep --line-buffered "^step \|^peak memory" \
     > "$d/$name.steps" || true
@@ -311,11 +310,8 @@ case "$what" in
     # all), the predict model's plan (unconstrained, or under --memory-budget $BUDGET) replayed with the
     # log; planned again from those logs; the calibrated plan replayed with the log, which `dcplan check`
     # compares with its prediction; then both timed without the log, interleaved over $ROUNDS rounds.
+    # GRAPHED=1: the step in one CUDA graph, calibrated on its replays' device times (options.device_scale).
     gpus=${NPROC:-$(nvidia-smi -L | wc -l)}
-    if [ "$graphed" = 1 ]; then
-      echo "run_on_box.sh calibrate: a step in one CUDA graph writes no replay log to calibrate on" >&2
-      exit 2
-    fi
     P=$OUT/calibrate
     mkdir -p "$P"
     budget_args=()
@@ -326,7 +322,7 @@ case "$what" in
     names=first
     if build/cuda/bin/dcplan plan "$P/trace.json" -o "$P/calibrated.json" "${budget_args[@]}" \
          --calibrate "$P"/first.[0-9]*.jsonl > "$P/calibrate.log" 2>&1; then
-      grep "calibrated on a replay" "$P/calibrate.log" || true
+      grep "calibrated on a replay\|captured:" "$P/calibrate.log" || true
       replay_llama "$P" calibrated "$gpus" "$P/trace.json"
       names="first calibrated"
     else
