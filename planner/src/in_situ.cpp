@@ -146,8 +146,8 @@ std::string inSituText(const InSituFit& fit) {
     case InSituFit::Source::Replay:
       if (fit.device) {
         return "device calibrated on a replay of the graph: it measured " + formatMs(fit.measuredUs) +
-               " a replay, its plan simulated on the recording's device times " + formatMs(fit.calibratedUs) +
-               "; every device time is taken at " + formatFixed(fit.scale, 3) + "x the recording's" +
+               " a replay, its plan simulated " + formatMs(fit.calibratedUs) +
+               "; every device time is taken at " + formatFixed(fit.scale, 3) + "x the plan's" +
                (fit.atBound ? "; the scale is at its bound, so the device's pace does not explain the difference"
                             : "");
       }
@@ -183,21 +183,33 @@ std::optional<CapturedStep> capturedStep(const schemas::Trace& trace, const Work
       w.worldSize == w.traceWorldSize ? w : makeWorkload(trace, w.traceWorldSize, StepReplay::CudaGraph);
   // The recording ran the default schedule, and so did the replays it timed.
   const CompiledSchedule recorded = compileSchedule(traced, defaultSchedule(traced));
-  const double simulated =
-      simulate(traced, plannedCostModel(trace, traced, std::nullopt), recorded).prediction.stepUs;
-  return CapturedStep{*measured, simulated};
+  const CostModel cost = plannedCostModel(trace, traced, std::nullopt);
+  auto stepAt = [&](double scale) {
+    Workload scaled = traced;
+    scaleDevice(scaled, scale);
+    return simulate(scaled, cost, recorded).prediction.stepUs;
+  };
+  CapturedStep step;
+  step.measuredUs = *measured;
+  step.simulatedUs = stepAt(1.0);
+  const Bisected b = bisectScale(*measured, kCapturedScaleMin, kCapturedScaleMax, stepAt);
+  step.scale = b.scale;
+  step.atBound = b.atBound;
+  return step;
 }
 
 std::string capturedStepText(const CapturedStep& step) {
-  const double off = step.simulatedUs / step.measuredUs - 1.0;
-  std::string text = "captured: the recorded schedule took " + formatMs(step.measuredUs) +
-                     " a replay in one CUDA graph (calibration.graph_step_us), simulated " +
-                     formatMs(step.simulatedUs) + " (" + (off >= 0 ? "+" : "") + formatFixed(100 * off, 1) + "%)";
-  if (std::abs(off) > kCapturedStepWarnShare) {
-    text += ": this plan's prediction may be as far off; dcplan plan --calibrate on the replay log of "
-            "its graphed run (DCPLAN_REPLAY_LOG) fits the device's times to it";
+  const std::string text = "captured: the recorded schedule took " + formatMs(step.measuredUs) +
+                           " a replay in one CUDA graph (calibration.graph_step_us), simulated on the "
+                           "device-lead step's times " +
+                           formatMs(step.simulatedUs);
+  if (step.atBound) {
+    return text + "; no scale between " + formatFixed(kCapturedScaleMin, 2) + "x and " +
+           formatFixed(kCapturedScaleMax, 0) +
+           "x of the device's times explains that: not applied, planned on the device-lead step's times "
+           "(dcplan plan --calibrate on a replay log of the graphed plan fits them)";
   }
-  return text;
+  return text + "; every device time at " + formatFixed(step.scale, 3) + "x";
 }
 
 StepReplay plannedReplay(const schemas::PlanOptions& options) {
@@ -206,8 +218,12 @@ StepReplay plannedReplay(const schemas::PlanOptions& options) {
 }
 
 Workload plannedWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay,
-                         const schemas::Network* network, double* computeScale) {
+                         const schemas::Network* network, double* computeScale,
+                         std::optional<CapturedStep>* captured) {
   Workload w = makeWorkload(trace, worldSize, replay);
+  const std::optional<CapturedStep> fit = capturedStep(trace, w);
+  if (fit && !fit->atBound) scaleDevice(w, fit->scale);
+  if (captured) *captured = fit;
   double factor = 1.0;
   const std::optional<double>& recorded = trace.calibration.computeProbeUs;
   if (network && w.waitsBlockHost && recorded && network->calibration.computeProbeUs) {

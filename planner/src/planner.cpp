@@ -868,8 +868,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   const int64_t worldSize = req.worldSize > 0 ? req.worldSize : network ? network->worldSize : 0;
   double computeScale = 1.0;
   const StepReplay replay = cudaGraph ? StepReplay::CudaGraph : StepReplay::Issued;
-  Workload w = plannedWorkload(trace, worldSize, replay, network, &computeScale);
-  const std::optional<CapturedStep> captured = capturedStep(trace, w);  // on the recording's times
+  std::optional<CapturedStep> captured;
+  Workload w = plannedWorkload(trace, worldSize, replay, network, &computeScale, &captured);
   if (network && w.worldSize <= 1) {  // one rank's calls are its own copies, which the trace timed
     throw std::invalid_argument("--network " + req.network->file +
                                 ": the collectives between ranks; this plan is for 1 rank, which has none "
@@ -910,9 +910,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   const Context& c = search.context();
   PlanResult result;
   if (!w.stepChoice.empty()) result.warnings.push_back(w.stepChoice);
-  if (captured && !req.calibrate &&
-      std::abs(captured->simulatedUs / captured->measuredUs - 1.0) > kCapturedStepWarnShare)
-    result.warnings.push_back(capturedStepText(*captured));
+  if (captured && captured->atBound) result.warnings.push_back(capturedStepText(*captured));
 
   Candidate def = search.defaultCandidate();
   Candidate chosen;

@@ -63,8 +63,9 @@ struct Simulated {
 
 Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   const schemas::Network* network = plan.options.network ? &plan.options.network->measured : nullptr;
-  Workload w = plannedWorkload(trace, plan.source.worldSize, plannedReplay(plan.options), network);
-  const std::optional<CapturedStep> captured = capturedStep(trace, w);
+  std::optional<CapturedStep> captured;
+  Workload w =
+      plannedWorkload(trace, plan.source.worldSize, plannedReplay(plan.options), network, nullptr, &captured);
   if (plan.options.hostScale) scaleHost(w, *plan.options.hostScale);
   if (plan.options.deviceScale) scaleDevice(w, *plan.options.deviceScale);
   std::optional<InSituFit> inSitu;
@@ -223,7 +224,8 @@ void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& t
   }
   if (sim.deviceScale) {
     s << "  device: every device time at " << formatFixed(*sim.deviceScale, 3)
-      << "x the recording's, as the plan was calibrated to a replay of its graph (options.device_scale)\n";
+      << "x the trace's (fitted to its captured step where it has one), as the plan was calibrated to a "
+         "replay of its graph (options.device_scale)\n";
   }
   if (sim.plan.checkUs > 0) {  // the replay checks each call with the other ranks (docs/planning.md)
     s << "  agreement checks: " << formatMs(sim.plan.checkUs) << " a step on the host, one before each of "

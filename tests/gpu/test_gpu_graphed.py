@@ -113,7 +113,7 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
     out = subprocess.run([cli, "plan", str(trace), "-o", str(plan), "--explain"], check=True,
                          env=env, capture_output=True, text=True).stdout
     assert "replay: one CUDA graph per step (the trace's step ran in dcplan.graphed_step)" in out
-    assert "device: the captured step took" in out, out
+    assert "captured: the recorded schedule took" in out, out
     p = json.loads(plan.read_text())
     assert p["options"]["cuda_graph"] is True
     # The graph's prediction: the device's own compute and optimizer, without the host's time.

@@ -7,9 +7,12 @@
 
 #include "dcplan/planner/in_situ.h"
 #include "dcplan/planner/planner.h"
+#include "dcplan/planner/report.h"
 #include "dcplan/planner/simulator.h"
 #include "dcplan/planner/workload.h"
+#include "dcplan/planner/units.h"
 #include "dcplan/schemas/io.h"
+#include "dcplan/schemas/units.h"
 
 #include <nlohmann/json.hpp>
 #include "dcplan/testing/trace_generator.h"
@@ -216,40 +219,66 @@ TEST(SimulatorCudaGraph, TheOpsOwnDeviceWorkRunsInTheStreamBeforeTheirCollective
               simulateTrace(plain, f.onUse()).prediction.stepUs, 1e-9);
 }
 
-TEST(SimulatorCudaGraph, TheCapturedRecordedStepIsShownBesideItsSimulation) {
+TEST(SimulatorCudaGraph, TheCapturedStepsTimeScalesTheDevicesOwnTimes) {
   schemas::Trace t = withDeviceTimes(0.2);
-  const Workload w = makeWorkload(t, 0, StepReplay::CudaGraph);
-  const double recorded =
-      simulate(w, plannedCostModel(t, w, std::nullopt), compileSchedule(w, defaultSchedule(w))).prediction.stepUs;
-  EXPECT_FALSE(capturedStep(t, w).has_value());  // not timed
-  // The graph replayed the recorded (default) schedule 20% under its simulation.
-  t.calibration.graphStepUs = recorded / 1.2;
-  const std::optional<CapturedStep> captured = capturedStep(t, w);
-  ASSERT_TRUE(captured.has_value());
-  EXPECT_NEAR(captured->simulatedUs, recorded, 1e-9);
-  EXPECT_NEAR(captured->measuredUs, recorded / 1.2, 1e-9);
-  EXPECT_NE(capturedStepText(*captured).find("(+20.0%): this plan's prediction may be as far off"),
-            std::string::npos)
-      << capturedStepText(*captured);
-  // The plan is not fitted to it (a graph's overlap, not its device times alone, differs: docs/planning.md),
-  // and says it in --explain and as a warning.
+  const Workload raw = makeWorkload(t, 0, StepReplay::CudaGraph);
+  const CostModel cost = plannedCostModel(t, raw, std::nullopt);
+  const double recorded = simulate(raw, cost, compileSchedule(raw, defaultSchedule(raw))).prediction.stepUs;
+  // Without the captured step's time, the device-lead step's times as they are.
+  std::optional<CapturedStep> fit;
+  Workload w = plannedWorkload(t, 0, StepReplay::CudaGraph, nullptr, nullptr, &fit);
+  EXPECT_FALSE(fit.has_value());
+  EXPECT_NEAR(w.computeUs(), raw.computeUs(), 1e-9);
+
+  // The graph replayed the recorded (default) schedule 10% under its simulation on them.
+  t.calibration.graphStepUs = 0.9 * recorded;
+  w = plannedWorkload(t, 0, StepReplay::CudaGraph, nullptr, nullptr, &fit);
+  ASSERT_TRUE(fit.has_value());
+  EXPECT_FALSE(fit->atBound);
+  EXPECT_NEAR(fit->simulatedUs, recorded, 1e-6);
+  EXPECT_NEAR(fit->measuredUs, 0.9 * recorded, 1e-9);
+  // Only the device's times shrink (the gathers' exposed time is the calibration's): by more than 10%.
+  EXPECT_LT(fit->scale, 0.9);
+  EXPECT_GT(fit->scale, kCapturedScaleMin);
+  EXPECT_NEAR(w.computeUs(), fit->scale * raw.computeUs(), 1e-6);
+  EXPECT_NEAR(w.optimizerUs, fit->scale * raw.optimizerUs, 1e-9);
+  // The recorded schedule on the fitted times is the captured step (bisected to 2^-24 of the log
+  // range: well under a microsecond here).
+  EXPECT_NEAR(simulate(w, cost, compileSchedule(w, defaultSchedule(w))).prediction.stepUs, 0.9 * recorded, 1e-3);
   PlanRequest graphed;
   graphed.cudaGraph = true;
   graphed.explain = true;
   const PlanResult planned = makePlan(t, graphed);
-  EXPECT_NEAR(planned.plan.predictedDefault.stepUs, recorded, 1.0);
+  EXPECT_NEAR(planned.plan.predictedDefault.stepUs, 0.9 * recorded, 1.0);  // rounded to the microsecond
+  EXPECT_TRUE(planned.warnings.empty());
   bool said = false;
   for (const std::string& line : planned.explanation) said = said || line.rfind("captured: the recorded", 0) == 0;
-  EXPECT_TRUE(said) << "--explain does not say the captured step";
-  ASSERT_FALSE(planned.warnings.empty());
-  EXPECT_NE(planned.warnings.back().find("calibration.graph_step_us"), std::string::npos);
-  // Within 10% it is said, not warned; a --world-size what-if shows the recorded world size's.
-  t.calibration.graphStepUs = recorded / 1.05;
-  EXPECT_EQ(capturedStepText(*capturedStep(t, w)).find("may be as far off"), std::string::npos);
-  EXPECT_TRUE(makePlan(t, graphed).warnings.empty());
-  EXPECT_NEAR(capturedStep(t, makeWorkload(t, 4, StepReplay::CudaGraph))->simulatedUs, recorded, 1e-9);
-  // A step the host issues (the hooks' plan) is not the graph's.
+  EXPECT_TRUE(said) << "--explain does not say the fit";
+  // dcplan inspect simulates the plan alike, and says so.
+  const std::string report = renderPlanReport(planned.plan, "p.json", &t, "t.json");
+  EXPECT_NE(report.find("simulated on t.json: step " + schemas::formatMs(planned.plan.predicted.stepUs)),
+            std::string::npos)
+      << report;
+  EXPECT_NE(report.find("every device time at " + formatFixed(fit->scale, 3) + "x"), std::string::npos) << report;
+  // A --world-size what-if keeps the scale fitted where the trace was recorded.
+  std::optional<CapturedStep> wider;
+  plannedWorkload(t, 4, StepReplay::CudaGraph, nullptr, nullptr, &wider);
+  ASSERT_TRUE(wider.has_value());
+  EXPECT_NEAR(wider->scale, fit->scale, 1e-12);
+  // A step the host issues (the hooks' plan) is not the graph's: its device times stay.
   EXPECT_FALSE(capturedStep(t, makeWorkload(t)).has_value());
+
+  // A captured step far from the simulation is beyond what the fit may scale: not applied, and
+  // the plan warns, naming the closed loop.
+  t.calibration.graphStepUs = 0.1 * recorded;
+  w = plannedWorkload(t, 0, StepReplay::CudaGraph, nullptr, nullptr, &fit);
+  ASSERT_TRUE(fit.has_value());
+  EXPECT_TRUE(fit->atBound);
+  EXPECT_NEAR(w.computeUs(), raw.computeUs(), 1e-9);
+  const PlanResult warned = makePlan(t, graphed);
+  ASSERT_FALSE(warned.warnings.empty());
+  EXPECT_NE(warned.warnings.back().find("not applied"), std::string::npos) << warned.warnings.back();
+  EXPECT_NE(warned.warnings.back().find("--calibrate"), std::string::npos) << warned.warnings.back();
 }
 
 TEST(SimulatorHostLane, AGpusEagerStepRunsOnTheDevicesOwnTimesBesideTheHost) {

@@ -57,8 +57,8 @@ struct PlanOptions {
   /// computes, its compute too) at this multiple: fitted to a replay (dcplan plan --calibrate).
   std::optional<double> hostScale;
   /// A plan for a CUDA graph only: the trace's device times (device_us, op_device_us,
-  /// optimizer_device_us) at this multiple, fitted to the graph replays of an earlier plan (dcplan
-  /// plan --calibrate): the gaps a graph's replay lacks, or a device of another pace.
+  /// optimizer_device_us; fitted to its captured step first, where it has calibration.graph_step_us)
+  /// at this multiple, fitted to the graph replays of an earlier plan (dcplan plan --calibrate).
   std::optional<double> deviceScale;
   /// Planned with the collectives of a network measurement instead of the trace's calibration
   /// (dcplan plan --network): what the plan is simulated with, whoever simulates it again.
