@@ -98,30 +98,30 @@ InSituFit fitToReplay(const schemas::Trace& trace, const Workload& w, const Sche
     fit.collectiveScale = fit.scale;
     return fit;
   };
-  auto host = [&] {
+  // A pace fitted with the collectives held as the recording's fit has them: the host's
+  // (scaleHost) or the device's (scaleDevice).
+  auto paced = [&](void (*scaleTimes)(Workload&, double)) {
     const double held = plannedCostModel(trace, w, bandwidthGBps, network).inSituScale();
     InSituFit fit = bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
-      Workload paced = w;
-      scaleHost(paced, scale);
+      Workload run = w;
+      scaleTimes(run, scale);
       // The cost model of the paced workload, as dcplan plan makes it after scaling: its launch
       // charge is measured from the paced issue times.
-      return stepOf(paced, scaledCost(trace, paced, bandwidthGBps, network, held));
+      return stepOf(run, scaledCost(trace, run, bandwidthGBps, network, held));
     });
-    fit.host = true;
     fit.collectiveScale = held;
+    return fit;
+  };
+  auto host = [&] {
+    InSituFit fit = paced(scaleHost);
+    fit.host = true;
     return fit;
   };
   if (w.cudaGraph) {
     // The graph's replays ran the plan's kernels without the device-lead step's launch gaps, on
-    // the device the trace measured or another: its own times, scaled; the collectives as held.
-    const double held = plannedCostModel(trace, w, bandwidthGBps, network).inSituScale();
-    InSituFit fit = bisect(InSituFit::Source::Replay, measuredUs, [&](double scale) {
-      Workload paced = w;
-      scaleDevice(paced, scale);
-      return stepOf(paced, scaledCost(trace, paced, bandwidthGBps, network, held));
-    });
+    // the device the trace measured or another: its own times, scaled.
+    InSituFit fit = paced(scaleDevice);
     fit.device = true;
-    fit.collectiveScale = held;
     return fit;
   }
   if (!w.hostLane) return collectives();

@@ -205,6 +205,15 @@ PlanRequest calibrated(const Schedule& replayed, double stepUs, int64_t worldSiz
   return req;
 }
 
+/// The replayed schedule's step as dcplan inspect simulates a plan (against the default schedule).
+double replayedStepUs(const Workload& w, const CostModel& cost, const Schedule& replayed) {
+  const SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)));
+  SimOptions o;
+  o.referenceCalls = d.calls();
+  o.reference = &d;
+  return simulate(w, cost, compileSchedule(w, replayed), o).prediction.stepUs;
+}
+
 TEST(InSituReplay, APlanIsCalibratedToTheStepItsReplayMeasured) {
   const schemas::Trace t = glooTrace(test::kTinyGatherUs);
   const Workload w = makeWorkload(t);
@@ -221,12 +230,7 @@ TEST(InSituReplay, APlanIsCalibratedToTheStepItsReplayMeasured) {
   EXPECT_NEAR(*again.plan.options.inSituScale, fit.scale, 1e-12);
   EXPECT_NE(again.inSitu.find("collectives calibrated on a replay"), std::string::npos) << again.inSitu;
   const CostModel cost = plannedCostModel(t, w, std::nullopt, nullptr, again.plan.options.inSituScale);
-  const SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)));
-  SimOptions o;
-  o.referenceCalls = d.calls();
-  o.reference = &d;
-  EXPECT_NEAR(simulate(w, cost, compileSchedule(w, scheduleOf(first)), o).prediction.stepUs, measured,
-              1e-3 * measured);
+  EXPECT_NEAR(replayedStepUs(w, cost, scheduleOf(first)), measured, 1e-3 * measured);
 }
 
 TEST(InSituReplay, WhatCannotCalibrateIsRefusedSayingWhy) {
@@ -309,12 +313,7 @@ TEST(InSituReplay, AGraphsReplaysCalibrateTheDevicesPace) {
   // The replayed schedule on the scaled device times is the measured step.
   Workload w = makeWorkload(t, 0, StepReplay::CudaGraph);
   scaleDevice(w, scale);
-  const CostModel cost = plannedCostModel(t, w, std::nullopt);
-  const SimResult d = simulate(w, cost, compileSchedule(w, defaultSchedule(w)));
-  SimOptions o;
-  o.referenceCalls = d.calls();
-  o.reference = &d;
-  EXPECT_NEAR(simulate(w, cost, compileSchedule(w, scheduleOf(first)), o).prediction.stepUs, measured,
+  EXPECT_NEAR(replayedStepUs(w, plannedCostModel(t, w, std::nullopt), scheduleOf(first)), measured,
               1e-3 * measured);
   // The plan carries the scale; inspect simulates with it, and a plan for the host's replay refuses it.
   schemas::Plan back;

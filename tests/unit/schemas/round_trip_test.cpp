@@ -123,7 +123,8 @@ TEST(RoundTrip, OptionalPlanFieldsStayAbsentOrPresent) {
   EXPECT_EQ(writePlan(kept), guarded);
 }
 
-TEST(RoundTrip, ANetworkFileAndAPlansNetworkSurviveWriteParseWrite) {
+/// A network file of 2 CPU ranks' collectives.
+Network twoRanks() {
   Network n;
   n.createdBy = "test";
   n.worldSize = 2;
@@ -132,6 +133,11 @@ TEST(RoundTrip, ANetworkFileAndAPlansNetworkSurviveWriteParseWrite) {
   n.calibration.allGather = {{65'536, 120.5}, {262'144, 300.25}};
   n.calibration.reduceScatter = {{65'536, 130.0}};
   n.calibration.allReduce = {{65'536, 260.0}};
+  return n;
+}
+
+TEST(RoundTrip, ANetworkFileAndAPlansNetworkSurviveWriteParseWrite) {
+  Network n = twoRanks();
   n.calibration.computeProbeUs = 1234.5;
   const std::string text = writeNetwork(n);
   Network back;
@@ -241,15 +247,7 @@ TEST(RoundTrip, AGraphedRecordingsCapturedStepTimeIsATracesOwn) {
   ASSERT_FALSE(diags.empty());
   EXPECT_EQ(diags.front().pointer, "/calibration/graph_step_us");
   // A network file measures collectives alone: it has no step to time.
-  Network n;
-  n.createdBy = "test";
-  n.worldSize = 2;
-  n.backend = "nccl";
-  n.device = "cuda";
-  n.calibration.allGather = {{65'536, 120.5}};
-  n.calibration.reduceScatter = {{65'536, 130.0}};
-  n.calibration.allReduce = {{65'536, 260.0}};
-  nlohmann::json net = parseJson(writeNetwork(n), "net");
+  nlohmann::json net = parseJson(writeNetwork(twoRanks()), "net");
   net["calibration"]["graph_step_us"] = 100.0;
   Network notRead;
   diags = validateNetwork(net, notRead);
