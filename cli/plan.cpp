@@ -151,7 +151,7 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
   std::string planFile;
   std::string names;
   std::vector<LoggedStep> steps;
-  std::string graphLog;  // a log of graph replays (dcplan.graphed_step), the first
+  std::string graphLog, hostLog;  // the first log of graph replays (dcplan.graphed_step), and of steps
   for (const std::string& path : logs) {
     const schemas::ReplayLog log = schemas::readReplayLog(path);
     if (log.planFile.empty()) {
@@ -165,6 +165,10 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
     }
     planFile = log.planFile;
     if (log.graphReplayMedianUs) {  // a graphed step: its replays' device times, as dcplan check takes them
+      if (log.graphReplays < 3) {
+        throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.graphReplays) +
+                                                  " graph replays; run at least 3"}});
+      }
       if (graphLog.empty()) graphLog = path;
       steps.push_back({path, log.rank, log.worldSize, *log.graphReplayMedianUs});
       names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
@@ -174,6 +178,7 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
       throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.steps.count) +
                                                 " steps after the first; run at least 3 steps"}});
     }
+    if (hostLog.empty()) hostLog = path;
     steps.push_back({path, log.rank, log.worldSize, *log.steps.medianUs});
     names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
   }
@@ -186,12 +191,19 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
                                 "another trace (" +
                                     replayed.source.traceDigest + "), " + traceFile + " is " + digest}});
   }
+  // Every log times the kind of step its plan runs: a graph's replays, or steps the host issued.
   if (!graphLog.empty() && !replayed.options.cudaGraph) {
     throw schemas::InputError(graphLog, {{"", "--calibrate: the log times replays of a CUDA graph (graph_replay "
                                               "lines), but the plan it names, " +
                                                   planFile +
                                                   ", is not for one (options.cuda_graph): give the logs of "
                                                   "one run of that plan"}});
+  }
+  if (!hostLog.empty() && replayed.options.cudaGraph) {
+    throw schemas::InputError(hostLog, {{"", "--calibrate: the plan it names, " + planFile +
+                                                 ", is for one CUDA graph (options.cuda_graph), but the log "
+                                                 "times no graph replay (graph_replay lines): give the logs "
+                                                 "of a run through dcplan.graphed_step"}});
   }
   m.schedule = planner::scheduleOf(replayed);
   m.worldSize = replayed.source.worldSize;

@@ -153,6 +153,9 @@ void bindRecordingState(py::module_& m) {
       Release(),
       "Calibrates (collective), writes rank<R>.trace.json, stops observing; returns the file written.");
   m.def(
+      "record_calibrate", [] { current("record_calibrate")->calibrateNow(); }, Release(),
+      "Every step is recorded: calibrates now (collective), so that record_finish later runs none.");
+  m.def(
       "record_stop_observing",
       [] {
         if (replayer::isInitialized()) replayer::setObserver(nullptr);

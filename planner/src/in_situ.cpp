@@ -147,7 +147,8 @@ std::string inSituText(const InSituFit& fit) {
       if (fit.device) {
         return "device calibrated on a replay of the graph: it measured " + formatMs(fit.measuredUs) +
                " a replay, its plan simulated " + formatMs(fit.calibratedUs) +
-               "; every device time is taken at " + formatFixed(fit.scale, 3) + "x the plan's" +
+               "; every device time is taken at " + formatFixed(fit.scale, 3) +
+               "x the trace's (after its captured-step fit, where it has one)" +
                (fit.atBound ? "; the scale is at its bound, so the device's pace does not explain the difference"
                             : "");
       }

@@ -758,21 +758,22 @@ InSituFit calibrationFit(const schemas::Trace& trace, const Workload& w, const P
   }
   InSituFit fit = fitToReplay(trace, w, m.schedule, m.stepUs, req.bandwidthGBps,
                               req.network ? &req.network->measured : nullptr);
-  if (fit.atBound) {
-    const std::string range = formatFixed(kInSituMin, 3) + "x and " + formatFixed(kInSituMax, 0);
-    throw std::invalid_argument(what + "the replay measured " + formatMs(m.stepUs) +
-                                " a step where its plan is " + "predicted at " + formatMs(fit.calibratedUs) +
-                                " on " + thisNetwork + "; no collective time between " + range +
-                                "x the calibration's " +
-                                (w.hostLane
-                                     ? "and no pace of the host between " + range + "x the recording's "
-                                     : "") +
-                                "explains that (" +
-                                (w.cudaGraph  ? "neither the device's pace nor the communication,"
-                                 : w.hostLane ? "the device, not the communication or the host,"
-                                              : "the host or the device, not the communication,") +
-                                " differs from the recording): not calibrated");
+  if (!fit.atBound) return fit;
+  const std::string range = formatFixed(kInSituMin, 3) + "x and " + formatFixed(kInSituMax, 0);
+  const std::string measured = what + "the replay measured " + formatMs(m.stepUs) + " a step where its plan is " +
+                               "predicted at " + formatMs(fit.calibratedUs) + " on " + thisNetwork;
+  if (w.cudaGraph) {
+    throw std::invalid_argument(measured + "; no pace of the device between " + range +
+                                "x the plan's times explains that (the communication, or how the graph "
+                                "overlaps it, differs from the recording): not calibrated");
   }
+  throw std::invalid_argument(measured + "; no collective time between " + range + "x the calibration's " +
+                              (w.hostLane ? "and no pace of the host between " + range + "x the recording's "
+                                          : "") +
+                              "explains that (" +
+                              (w.hostLane ? "the device, not the communication or the host,"
+                                          : "the host or the device, not the communication,") +
+                              " differs from the recording): not calibrated");
   return fit;
 }
 

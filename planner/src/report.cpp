@@ -224,8 +224,8 @@ void renderSimulated(std::ostream& s, const Simulated& sim, const std::string& t
   }
   if (sim.deviceScale) {
     s << "  device: every device time at " << formatFixed(*sim.deviceScale, 3)
-      << "x the trace's (fitted to its captured step where it has one), as the plan was calibrated to a "
-         "replay of its graph (options.device_scale)\n";
+      << "x the trace's (after its captured-step fit, where it has one), as the plan was calibrated to "
+         "a replay of its graph (options.device_scale)\n";
   }
   if (sim.plan.checkUs > 0) {  // the replay checks each call with the other ranks (docs/planning.md)
     s << "  agreement checks: " << formatMs(sim.plan.checkUs) << " a step on the host, one before each of "

@@ -247,7 +247,7 @@ class GraphedStep:
                 try:
                     self._capture(args, kwargs)
                 except Exception as e:
-                    _record.finish_untimed(f"capturing the step after the recorded ones failed ({e})")
+                    _record.capture_failed(e)  # writes the trace where a recording was timing it
                     raise
         self._inputs.load(args, kwargs)
         timing = _record.graph_timing()

@@ -20,8 +20,8 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
-import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -135,7 +135,7 @@ def active() -> bool:
 
 def begin(s: Settings, device: torch.device) -> None:
     """Arms the recorder; must come before the runtime starts (_C.init wraps its transport then)."""
-    global _active, _optimizer_hook, _calls
+    global _active, _optimizer_hook, _calls, _graphed
     versions = {"torch": torch.__version__, "python": platform.python_version()}
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -147,6 +147,7 @@ def begin(s: Settings, device: torch.device) -> None:
         name = device.type
     _C.record_begin(str(s.directory), s.steps, s.warmup, str(device), name, versions, s.calibration_seconds)
     _active = s
+    _graphed = False
     _calls = _optimizer_calls.CallRecorder()
     _unhook_optimizers()
     _optimizer_hook = register_optimizer_step_post_hook(_optimizer_stepped)
@@ -206,25 +207,27 @@ def mark_checks_collectives() -> None:
 
 def after_start_forward() -> None:
     """Called by the root forward pre-hook after start_forward(): finishes once every step is recorded."""
-    global _active
+    global _active, _timing
     if _active is None or not _C.record_done():
         return
     s = _active
     _active = None
     _unhook_optimizers()
     if _graphed:
-        # The steps after this one capture the step and time its replays (GraphTiming); the trace
-        # is written then, or at shutdown or exit where the script stops first.
-        global _timing
-        _timing = GraphTiming(s)
+        # Calibrated now, on every rank at once and before the capture holds its memory; the
+        # steps after this one capture the step and time its replays (GraphTiming), and each rank
+        # writes its trace then, or at shutdown or exit where the script stops first: no
+        # collective is left for those.
+        _C.record_calibrate()
         _C.record_stop_observing()  # a capture refuses an op observer
+        _timing = GraphTiming(s)
         atexit.register(finish_untimed, "the script ended before the captured step was timed")
         return
     _finish(s)  # from the forward pre-hook: the script's loop ends here
 
 
 def _finish(s: Settings) -> None:
-    _C.record_finish()  # collective: calibration on every rank, then this rank's trace
+    _C.record_finish()  # calibration on every rank (unless done already), then this rank's trace
     if s.exit_after:
         # From a step of the training loop, so that the script ends there and torchrun sees
         # exit code 0 from every rank.
@@ -233,20 +236,20 @@ def _finish(s: Settings) -> None:
 
 # The captured step's device time: the median of this many replays after the first (which
 # uploads the graph to the device); a graph replays the same kernels every time, so a few
-# suffice (they differed by under 1% on an H200, docs/benchmarks.md).
+# suffice.
 GRAPH_TIMED_REPLAYS = 3
 
 
 class GraphTiming:
     """After the recorded steps of a dcplan.graphed_step, which ran uncaptured so that the
     recorder saw every op: the next calls capture the step (as they would without recording),
-    and its replays are timed on the device between CUDA events. Their median is the trace's
-    calibration.graph_step_us: what the recorded schedule takes in one graph, without the gaps
-    between kernels that the device-lead step's one-by-one launches leave (dcplan plan fits
-    those to it). Then the trace is written, as after an uncaptured recording."""
+    and its replays are timed on the device between CUDA events (with more than one rank, a
+    replay's time holds its waits for the others, as a replay log's does). Their median is the
+    trace's calibration.graph_step_us, which dcplan plan fits the device-lead step's times to.
+    Then the trace is written, as after an uncaptured recording."""
 
     def __init__(self, settings: Settings):
-        self._settings = settings
+        self.settings = settings
         self._replays = 0
         self._timed: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -267,7 +270,7 @@ class GraphTiming:
             us = statistics.median(a.elapsed_time(b) * 1000.0 for a, b in self._timed)
             _C.record_graph_step_us(us)
             _end_timing()
-            _finish(self._settings)
+            _finish(self.settings)
 
 
 def graph_timing() -> Optional[GraphTiming]:
@@ -275,29 +278,45 @@ def graph_timing() -> Optional[GraphTiming]:
     return _timing
 
 
-def _end_timing() -> Optional[Settings]:
+def _end_timing() -> None:
     global _timing
-    timing, _timing = _timing, None
+    _timing = None
     atexit.unregister(finish_untimed)
-    return timing._settings if timing is not None else None
 
 
-def finish_untimed(why: str) -> None:
+def finish_untimed(why: str) -> Optional[Settings]:
     """Where a recorded graphed step's captured replays are not timed (the script shut down or
-    ended first, the capture failed): the trace is written without calibration.graph_step_us, and
-    the process goes on (its own exit, or the capture's error)."""
-    if _timing is None:
-        return
+    ended first, the capture failed): this rank's trace is written without
+    calibration.graph_step_us (no collective: calibrated already). Returns the recording's
+    settings, None where no timing was under way."""
+    timing = _timing
+    if timing is None:
+        return None
     _end_timing()
-    warnings.warn(f"Warning: record: {why}; the trace has no calibration.graph_step_us, and dcplan plan "
-                  "predicts the graphed step on the device-lead step's times (docs/recording.md)", RuntimeWarning,
-                  stacklevel=2)
+    # Printed, not warned: a script's warning filters must not hide it, and dcplan record shows
+    # the lines that name the recorder.
+    print(f"Warning: record: {why}; the trace has no calibration.graph_step_us, and dcplan plan predicts the "
+          "graphed step on the device-lead step's times (docs/recording.md)", file=sys.stderr, flush=True)
     _C.record_finish()
+    return timing.settings
+
+
+def capture_failed(error: Exception) -> None:
+    """A capture after the recorded steps failed: the trace is written without the captured
+    step's time and, as an uncaptured recording would, the process ends where it ends after
+    recording (DCPLAN_RECORD_EXIT); else the capture's error goes on."""
+    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    s = finish_untimed(f"capturing the step after the recorded ones failed ({first_line})")
+    if s is not None and s.exit_after:
+        raise SystemExit(0)
 
 
 def stop() -> None:
-    global _active
-    finish_untimed("dcplan.shutdown() came before the captured step was timed")
-    _active = None
-    _unhook_optimizers()
-    _C.record_stop()
+    global _active, _graphed
+    try:
+        finish_untimed("dcplan.shutdown() came before the captured step was timed")
+    finally:
+        _active = None
+        _graphed = False
+        _unhook_optimizers()
+        _C.record_stop()

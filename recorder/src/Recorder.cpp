@@ -726,7 +726,22 @@ schemas::Trace Recorder::buildTrace(const schemas::Calibration& calibration) {
   return t;
 }
 
+void Recorder::calibrateNow() {
+  {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    TORCH_CHECK(done_ && !finished_ && !calibrated_, "record: calibrateNow() once, after every step is "
+                "recorded and before the trace is written");
+    recording_ = false;  // the calibration's collectives are not the step's
+  }
+  // Collective: every rank reaches this at the same step.
+  schemas::Calibration calibration = calibrate(*transport_, config_.calibration);
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  calibrated_ = std::move(calibration);
+}
+
 fs::path Recorder::finish() {
+  std::optional<schemas::Calibration> calibrated;
+  std::optional<double> graphStepUs;
   {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     TORCH_CHECK(done_, "record: finish() before all ", config_.steps, " steps were recorded (",
@@ -734,10 +749,12 @@ fs::path Recorder::finish() {
     TORCH_CHECK(!finished_, "record: the trace was already written to ", tracePath().string());
     finished_ = true;
     recording_ = false;
+    calibrated = calibrated_;
+    graphStepUs = graphStepUs_;
   }
-  // Collective: every rank reaches this at the same step.
-  schemas::Calibration calibration = calibrate(*transport_, config_.calibration);
-  calibration.graphStepUs = graphStepUs_;
+  // Collective unless calibrated already: every rank reaches this at the same step.
+  schemas::Calibration calibration = calibrated ? *calibrated : calibrate(*transport_, config_.calibration);
+  calibration.graphStepUs = graphStepUs;
   schemas::Trace trace = buildTrace(calibration);
   const std::string text = schemas::writeTrace(trace);
   // A recorder bug must show here, naming the field, not later in dcplan record.

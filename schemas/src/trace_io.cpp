@@ -203,6 +203,11 @@ class TraceValidator {
     FieldReader r(value, "/calibration", diags_);
     out_.calibration = readCalibrationFields(r, diags_);
     out_.calibration.graphStepUs = r.positiveNumber("graph_step_us", P::Optional);  // a trace's own
+    if (out_.calibration.graphStepUs && !out_.meta.graphed) {  // meta is read first
+      diags_.add("/calibration/graph_step_us",
+                 "a captured step's time is a dcplan.graphed_step recording's: expected it only beside "
+                 "meta.graphed");
+    }
     r.rejectUnknownFields();
   }
 

@@ -740,10 +740,14 @@ TEST_F(RecorderTest, AGraphedStepsCapturedTimeIsTakenAfterEveryStepIsRecorded) {
   now = 60;
   rec->onStartForward();
   EXPECT_THROW(rec->setGraphStepUs(0.0), c10::Error);  // a device time is positive
+  // Calibrated before the capture (collective); the trace is written after the timed replays.
+  rec->calibrateNow();
+  EXPECT_THROW(rec->calibrateNow(), c10::Error);  // once
   rec->setGraphStepUs(900.0);
   schemas::Trace t = schemas::readTrace(rec->finish());
   EXPECT_TRUE(t.meta.graphed);
   EXPECT_EQ(t.calibration.graphStepUs, 900.0);
+  EXPECT_GE(t.calibration.allGather.size(), 3u);  // the calibration made before
   EXPECT_THROW(rec->setGraphStepUs(900.0), c10::Error);  // the trace is written
   // A recording that is not through dcplan.graphed_step has no captured step to time.
   auto plain = make(1, 0, /*ws=*/1);

@@ -292,9 +292,13 @@ schemas::Trace graphTrace() {
 }
 
 TEST(InSituReplay, AGraphsReplaysCalibrateTheDevicesPace) {
-  const schemas::Trace t = graphTrace();
+  schemas::Trace t = graphTrace();
   PlanRequest graphed;
   graphed.cudaGraph = true;
+  // Recorded with its captured step 10% under the recorded schedule's simulation: the first plan
+  // is fitted to it, and the calibration scales on top of that fit.
+  t.meta.graphed = true;
+  t.calibration.graphStepUs = 0.9 * makePlan(t, graphed).plan.predictedDefault.stepUs;
   const schemas::Plan first = makePlan(t, graphed).plan;
   ASSERT_TRUE(first.options.cudaGraph);
   EXPECT_FALSE(first.options.deviceScale.has_value());
@@ -310,8 +314,10 @@ TEST(InSituReplay, AGraphsReplaysCalibrateTheDevicesPace) {
   EXPECT_FALSE(again.plan.options.hostScale.has_value());
   EXPECT_FALSE(again.plan.options.inSituScale.has_value());
   EXPECT_NE(again.inSitu.find("device calibrated on a replay of the graph"), std::string::npos) << again.inSitu;
-  // The replayed schedule on the scaled device times is the measured step.
-  Workload w = makeWorkload(t, 0, StepReplay::CudaGraph);
+  // The replayed schedule on the fitted and then scaled device times is the measured step.
+  std::optional<CapturedStep> captured;
+  Workload w = plannedWorkload(t, 0, StepReplay::CudaGraph, nullptr, nullptr, &captured);
+  ASSERT_TRUE(captured && !captured->atBound);
   scaleDevice(w, scale);
   EXPECT_NEAR(replayedStepUs(w, plannedCostModel(t, w, std::nullopt), scheduleOf(first)), measured,
               1e-3 * measured);

@@ -233,6 +233,7 @@ TEST(RoundTrip, SavedActivationsStayAbsentOrPresent) {
 TEST(RoundTrip, AGraphedRecordingsCapturedStepTimeIsATracesOwn) {
   Trace trace = readTrace(kInputs / "minimal.trace.json");
   EXPECT_EQ(writeTrace(trace).find("graph_step_us"), std::string::npos);  // absent: not timed
+  trace.meta.graphed = true;
   trace.calibration.graphStepUs = 23630.5;
   const std::string text = writeTrace(trace);
   Trace back;
@@ -246,6 +247,13 @@ TEST(RoundTrip, AGraphedRecordingsCapturedStepTimeIsATracesOwn) {
   auto diags = validateTrace(zero, refused);
   ASSERT_FALSE(diags.empty());
   EXPECT_EQ(diags.front().pointer, "/calibration/graph_step_us");
+  // Only a recording through dcplan.graphed_step times a captured step.
+  nlohmann::json eager = parseJson(text, "trace");
+  eager["meta"].erase("graphed");
+  diags = validateTrace(eager, refused);
+  ASSERT_FALSE(diags.empty());
+  EXPECT_EQ(diags.front().pointer, "/calibration/graph_step_us");
+  EXPECT_NE(diags.front().message.find("only beside meta.graphed"), std::string::npos) << diags.front().str();
   // A network file measures collectives alone: it has no step to time.
   nlohmann::json net = parseJson(writeNetwork(twoRanks()), "net");
   net["calibration"]["graph_step_us"] = 100.0;

@@ -83,7 +83,7 @@ struct CapturedStep {
   bool atBound = false;    ///< the scale hit its bound: not applied, and the plan warns
 };
 
-/// The scales the fit may take (the second case above needed 0.44).
+/// The scales the fit may take (the second case above needed 0.43).
 inline constexpr double kCapturedScaleMin = 0.25;
 inline constexpr double kCapturedScaleMax = 4.0;
 

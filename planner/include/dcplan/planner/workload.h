@@ -208,7 +208,8 @@ void scaleHost(Workload& workload, double factor);
 
 /// The device's own times at another rate (Workload::ownDeviceTimes): each op's compute before it,
 /// its own work (opDeviceUs) and the optimizer's, times `factor`; the host's times, collectives and
-/// copies are kept. A CUDA graph's times fitted to its captured step (fitGraphStep).
+/// copies are kept. A CUDA graph's times fitted to its captured step (capturedStep), or to the
+/// replays of a plan for it (dcplan plan --calibrate: options.device_scale).
 void scaleDevice(Workload& workload, double factor);
 
 /// The median of `values` (the upper of the two middle ones where their count is even), which it

@@ -128,8 +128,12 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   uint64_t memoryInUse() const { return memory_->bytesInUse(); }
   /// The rank's trace from what was recorded, with the given calibration.
   schemas::Trace buildTrace(const schemas::Calibration& calibration);
-  /// Once done(): calibrates, builds and checks the trace, writes
-  /// rank<R>.trace.json atomically, stops recording; returns the file.
+  /// Once done(), before finish(): calibrates now (collective: every rank at once), so that a
+  /// finish() later (a graphed step's, after its captured replays are timed, or at shutdown or exit)
+  /// runs no collective and holds no calibration buffer beside the captured graph's memory.
+  void calibrateNow();
+  /// Once done(): calibrates (collective; unless calibrateNow() did), builds and checks the trace,
+  /// writes rank<R>.trace.json atomically, stops recording; returns the file.
   std::filesystem::path finish();
   std::filesystem::path tracePath() const;
   std::filesystem::path progressPath() const;
@@ -258,8 +262,9 @@ class Recorder final : public replayer::OpObserver, public CollectiveListener {
   mutable std::recursive_mutex mutex_;
   bool recording_ = false;  // the current micro-step is recorded
   bool done_ = false;
-  bool graphed_ = false;
-  std::optional<double> graphStepUs_;  ///< setGraphStepUs()  ///< markGraphed()
+  bool graphed_ = false;                        ///< markGraphed()
+  std::optional<double> graphStepUs_;           ///< setGraphStepUs()
+  std::optional<schemas::Calibration> calibrated_;  ///< calibrateNow()
   bool checksCollectives_ = false;  ///< markChecksCollectives()
   /// setOptimizerState(), by ds_id: the trace param's optimizer fields.
   struct OptimizerFields {
