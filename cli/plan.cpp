@@ -164,22 +164,19 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
                                                 " replayed " + planFile + ": give the logs of one run"}});
     }
     planFile = log.planFile;
-    if (log.graphReplayMedianUs) {  // a graphed step: its replays' device times, as dcplan check takes them
-      if (log.graphReplays < 3) {
-        throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.graphReplays) +
-                                                  " graph replays; run at least 3"}});
-      }
-      if (graphLog.empty()) graphLog = path;
-      steps.push_back({path, log.rank, log.worldSize, *log.graphReplayMedianUs});
-      names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
-      continue;
+    // A graphed step's: its replays' device times, as dcplan check takes them; else the host's steps.
+    const bool graphed = log.graphReplayMedianUs.has_value();
+    if (graphed && log.graphReplays < 3) {
+      throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.graphReplays) +
+                                                " graph replays; run at least 3"}});
     }
-    if (!log.steps.medianUs) {
+    if (!graphed && !log.steps.medianUs) {
       throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.steps.count) +
                                                 " steps after the first; run at least 3 steps"}});
     }
-    if (hostLog.empty()) hostLog = path;
-    steps.push_back({path, log.rank, log.worldSize, *log.steps.medianUs});
+    std::string& firstOfKind = graphed ? graphLog : hostLog;
+    if (firstOfKind.empty()) firstOfKind = path;
+    steps.push_back({path, log.rank, log.worldSize, graphed ? *log.graphReplayMedianUs : *log.steps.medianUs});
     names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
   }
   const schemas::Plan replayed = replayedPlan(logs.back(), planFile);

@@ -774,7 +774,6 @@ InSituFit calibrationFit(const schemas::Trace& trace, const Workload& w, const P
                               (w.hostLane ? "the device, not the communication or the host,"
                                           : "the host or the device, not the communication,") +
                               " differs from the recording): not calibrated");
-  return fit;
 }
 
 }  // namespace
