@@ -57,6 +57,7 @@ void bindArming(py::module_& m) {
         config.calibration.device = c10::Device(device);
         DeviceProbes probes = makeProbes(config.calibration.device);
         config.calibration.synchronize = probes.synchronize;
+        config.calibration.queuedTimer = probes.queuedTimer;
         gRecorder =
             std::make_shared<Recorder>(std::move(config), std::move(probes.timer), std::move(probes.memory));
         gAttached = false;
@@ -115,6 +116,7 @@ void bindNetwork(py::module_& m) {
         options.device = c10::Device(device);
         DeviceProbes probes = makeProbes(options.device);
         options.synchronize = probes.synchronize;
+        options.queuedTimer = probes.queuedTimer;
         schemas::Network network;
         replayer::withTransport("measure_network", [&](replayer::Transport& transport) {
           network = measureNetwork(transport, options, deviceName);

@@ -31,16 +31,21 @@ const char* collectiveName(Collective c) {
 }
 
 CostModel::Curve CostModel::buildCurve(const std::vector<schemas::CalibrationPoint>& points,
-                                       double traceBusFactor) {
+                                       double traceBusFactor, bool deviceQueued) {
   Curve c;
+  // One curve is all host-timed or all device-timed: a mix would bend it where the kind changes.
+  c.deviceTimed = deviceQueued && !points.empty() && std::all_of(points.begin(), points.end(), [](const auto& p) {
+                    return p.deviceUs.has_value();
+                  });
   for (const auto& p : points) {
+    const double us = c.deviceTimed ? *p.deviceUs : p.us;
     // Zero-byte or zero-time points cannot be placed on a log scale; the
     // validator allows them, so skip rather than fail.
-    if (p.bytes == 0 || !(p.us > 0)) continue;
+    if (p.bytes == 0 || !(us > 0)) continue;
     double b = static_cast<double>(p.bytes);
     if (!c.bytes.empty() && b <= c.bytes.back()) continue;  // keep strictly increasing
     c.bytes.push_back(b);
-    c.usec.push_back(p.us);
+    c.usec.push_back(us);
   }
   if (c.bytes.empty()) return c;
   size_t n = c.bytes.size();
@@ -93,9 +98,9 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
     // before an event on the compute stream. A trace recorded on one rank timed exactly those
     // calls; one recorded on more has nothing to go by, and they are taken as free.
     if (traceWorldSize_ == 1) {
-      allGather_ = buildCurve(calibration.allGather, 1.0);
-      reduceScatter_ = buildCurve(calibration.reduceScatter, 1.0);
-      allReduce_ = buildCurve(calibration.allReduce, 1.0);
+      allGather_ = buildCurve(calibration.allGather, 1.0, options.deviceQueued);
+      reduceScatter_ = buildCurve(calibration.reduceScatter, 1.0, options.deviceQueued);
+      allReduce_ = buildCurve(calibration.allReduce, 1.0, options.deviceQueued);
       oneRankCopies_ = !allGather_.bytes.empty();
       if (oneRankCopies_) standInMissingCurves();
       for (Curve* c : {&allGather_, &reduceScatter_, &allReduce_}) c->plannedBusGBps = c->calibratedBusGBps;
@@ -111,12 +116,12 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
         "with --network net.json");
   }
   double traceRing = ringFactor(traceWorldSize_);
-  allGather_ = buildCurve(calibration.allGather, traceRing);
+  allGather_ = buildCurve(calibration.allGather, traceRing, options.deviceQueued);
   if (allGather_.bytes.empty()) {
     throw std::invalid_argument("calibration.all_gather has no point with positive bytes and time");
   }
-  reduceScatter_ = buildCurve(calibration.reduceScatter, traceRing);
-  allReduce_ = buildCurve(calibration.allReduce, 2 * traceRing);
+  reduceScatter_ = buildCurve(calibration.reduceScatter, traceRing, options.deviceQueued);
+  allReduce_ = buildCurve(calibration.allReduce, 2 * traceRing, options.deviceQueued);
   standInMissingCurves();
   double busScale = ringFactor(worldSize_) / traceRing;
   for (Curve* c : {&allGather_, &reduceScatter_, &allReduce_}) {
@@ -218,7 +223,8 @@ std::vector<std::string> CostModel::describe() const {
     for (Collective c : shown) {
       out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) + " us" +
                     (oneRank ? "" : ", bus " + formatFixed(busGBps(c), 1) + " GB/s") + ", 64 MiB in " +
-                    formatFixed(us(c, 64ull << 20), 1) + " us");
+                    formatFixed(us(c, 64ull << 20), 1) + " us" +
+                    (curve(c).deviceTimed ? " (timed on the device, as a CUDA graph issues it)" : ""));
     }
   }
   if (agreementChecks_ && !callsFree()) {

@@ -780,8 +780,10 @@ InSituFit calibrationFit(const schemas::Trace& trace, const Workload& w, const P
 
 CostModelOptions costOptions(const Workload& w, std::optional<double> bandwidthGBps) {
   CostModelOptions o{w.worldSize, bandwidthGBps, measuredLaunchUs(w)};
-  // A CUDA graph's replay issues its collectives without the host.
+  // A CUDA graph's replay issues its collectives without the host: no launch cost, and each
+  // collective as long as it runs on the device alone.
   if (w.cudaGraph) o.launchUs = 0.0;
+  o.deviceQueued = w.cudaGraph;
   o.launchMeasured = o.launchUs.has_value();
   o.agreementChecks = w.checksCollectives;
   return o;

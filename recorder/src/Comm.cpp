@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <vector>
 
 namespace dcplan::recorder {
@@ -122,6 +123,31 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/// The device's lead over the host when a call is timed on the device (CalibrationPoint::deviceUs):
+/// far above one launch's host time (tens of microseconds).
+constexpr double kQueuedLeadUs = 1000.0;
+
+/// One call timed on the device alone: a sleep queued first keeps the device behind the host until
+/// the call and the wait for it are queued, so that neither the launch nor the wait's host time is in
+/// it, as in a CUDA graph's replay; the median of the repetitions the device did not catch up in.
+/// Every rank makes the same calls (a repetition is dropped, never retried: the ranks' calls must
+/// pair up). Absent where the timer cannot queue a lead, or the device caught up every time.
+template <typename Launch>
+std::optional<double> queuedUs(DeviceTimer& timer, int repetitions, Launch&& launch) {
+  std::vector<double> us;
+  for (int r = 0; r < repetitions; ++r) {
+    if (!timer.queueLead(kQueuedLeadUs)) return std::nullopt;
+    const TimePoint from = timer.mark(Stream::Compute);
+    launch()->wait();  // a device transport's wait orders the compute stream after the call
+    const TimePoint to = timer.mark(Stream::Compute);
+    const bool queuedFirst = !timer.reached(from);
+    const double elapsed = timer.elapsedUs(from, to);  // waits for the device
+    if (queuedFirst) us.push_back(elapsed);
+  }
+  if (us.empty()) return std::nullopt;
+  return median(std::move(us));
+}
+
 }  // namespace
 
 std::shared_ptr<Transport> makeTimedTransport(std::shared_ptr<Transport> inner,
@@ -182,8 +208,8 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
     if (o.synchronize) o.synchronize();
   };
   // The median of the timed repetitions, after one untimed run that warms the
-  // path (connections, allocator) up.
-  auto measure = [&](auto&& launch) {
+  // path (connections, allocator) up; then on the device alone where it can be.
+  auto measure = [&](uint64_t fullBytes, auto&& launch) {
     launch()->wait();
     sync();
     std::vector<double> us;
@@ -193,7 +219,9 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
       sync();
       us.push_back(secondsSince(t0) * 1e6);
     }
-    return median(std::move(us));
+    schemas::CalibrationPoint point{fullBytes, median(std::move(us))};
+    if (o.queuedTimer) point.deviceUs = queuedUs(*o.queuedTimer, o.repetitions, launch);
+    return point;
   };
 
   schemas::Calibration cal;
@@ -205,12 +233,12 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
     const uint64_t full = static_cast<uint64_t>(perRank * ws * 4);
     at::Tensor shard = at::zeros({perRank}, opts);
     at::Tensor gathered = at::zeros({perRank * ws}, opts);  // also the all-reduce buffer: no NaNs
-    cal.allGather.push_back({full, measure([&] { return transport.allGather(gathered, shard); })});
+    cal.allGather.push_back(measure(full, [&] { return transport.allGather(gathered, shard); }));
     at::Tensor scatterIn = at::zeros({ws, perRank}, opts);
     at::Tensor scatterOut = at::empty({perRank}, opts);
     cal.reduceScatter.push_back(
-        {full, measure([&] { return transport.reduceScatter(scatterOut, scatterIn); })});
-    cal.allReduce.push_back({full, measure([&] { return transport.allReduce(gathered); })});
+        measure(full, [&] { return transport.reduceScatter(scatterOut, scatterIn); }));
+    cal.allReduce.push_back(measure(full, [&] { return transport.allReduce(gathered); }));
 
     // Whether to go on must be the same decision on every rank, or the ranks
     // would part ways in the middle of a collective: decide on the mean elapsed

@@ -251,6 +251,7 @@ DeviceProbes makeProbes(c10::Device device) {
   p.memory = makeDeviceAllocatorProbe(device);
   const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
   p.synchronize = [impl, index = device.index()] { impl->synchronizeDevice(index); };
+  p.queuedTimer = makeDeviceEventTimer(device);
   return p;
 }
 

@@ -21,20 +21,25 @@ std::vector<CalibrationPoint> readCurve(FieldReader& parent, const std::string& 
     FieldReader r((*list)[i], itemPtr, diags);
     auto bytes = r.bytes("bytes");
     auto us = r.number("us", 0);
+    auto deviceUs = r.number("device_us", 0, P::Optional);
     r.rejectUnknownFields();
     if (!bytes || !us) continue;
     if (!curve.empty() && *bytes <= curve.back().bytes) {
       diags.add(itemPtr + "/bytes", "calibration sizes must increase: " + std::to_string(*bytes) +
                                         " follows " + std::to_string(curve.back().bytes));
     }
-    curve.push_back({*bytes, *us});
+    curve.push_back({*bytes, *us, deviceUs});
   }
   return curve;
 }
 
 ordered_json curveJson(const std::vector<CalibrationPoint>& curve) {
   ordered_json list = ordered_json::array();
-  for (const auto& p : curve) list.push_back({{"bytes", p.bytes}, {"us", p.us}});
+  for (const auto& p : curve) {
+    ordered_json point{{"bytes", p.bytes}, {"us", p.us}};
+    if (p.deviceUs) point["device_us"] = *p.deviceUs;
+    list.push_back(std::move(point));
+  }
   return list;
 }
 

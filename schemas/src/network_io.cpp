@@ -44,7 +44,7 @@ bool sameCollectives(const Network& a, const Network& b) {
   auto same = [](const std::vector<CalibrationPoint>& x, const std::vector<CalibrationPoint>& y) {
     return std::equal(x.begin(), x.end(), y.begin(), y.end(),
                       [](const CalibrationPoint& p, const CalibrationPoint& q) {
-                        return p.bytes == q.bytes && p.us == q.us;
+                        return p.bytes == q.bytes && p.us == q.us && p.deviceUs == q.deviceUs;
                       });
   };
   return a.worldSize == b.worldSize && a.backend == b.backend &&

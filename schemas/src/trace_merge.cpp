@@ -121,7 +121,9 @@ void mergeSaved(std::vector<SavedActivation>& into, const std::vector<SavedActiv
 void mergeCurve(std::vector<CalibrationPoint>& into, const std::vector<CalibrationPoint>& other) {
   if (into.size() != other.size()) return;  // measured at other sizes: keep rank 0's
   for (size_t i = 0; i < into.size(); ++i) {
-    if (into[i].bytes == other[i].bytes) into[i].us = std::max(into[i].us, other[i].us);
+    if (into[i].bytes != other[i].bytes) continue;
+    into[i].us = std::max(into[i].us, other[i].us);
+    into[i].deviceUs = slowest(into[i].deviceUs, other[i].deviceUs);
   }
 }
 

@@ -103,6 +103,12 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
     assert all(("op_device_us" in e) == (e["op"] not in waits) for e in events), \
         sorted({(e["op"], "op_device_us" in e) for e in events})
     assert all("optimizer_device_us" in s for s in t["steps"] if s["optimizer_us"] > 0)
+    # Each collective timed on the device too, as a graph issues it: below its host-timed time,
+    # which holds the host's launch and wait.
+    curves = [t["calibration"][k] for k in ("all_gather", "reduce_scatter", "all_reduce")]
+    assert all(0 <= p["device_us"] for c in curves for p in c), curves
+    assert all(0 < p["device_us"] for p in curves[0]), curves  # one rank's gather: a copy
+    assert all(c[0]["device_us"] < c[0]["us"] for c in curves), curves
     # A model this small is host-bound: the device's own compute is well below what the recorded
     # steps measured on the device, which also held its waits for the host.
     device = sum(e["device_us"] for e in events)
@@ -114,6 +120,7 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
                          env=env, capture_output=True, text=True).stdout
     assert "replay: one CUDA graph per step (the trace's step ran in dcplan.graphed_step)" in out
     assert "captured: the recorded schedule took" in out, out
+    assert "(timed on the device, as a CUDA graph issues it)" in out, out
     p = json.loads(plan.read_text())
     assert p["options"]["cuda_graph"] is True
     # The graph's prediction: the device's own compute and optimizer, without the host's time.

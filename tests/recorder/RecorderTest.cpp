@@ -784,6 +784,62 @@ TEST(Calibration, ThreeSizesAtLeastGrowingByFourWithinTheBudget) {
   EXPECT_EQ(calibrate(t, o).allGather.size(), 3u);  // stops at maxBytes
 }
 
+/// Times the queued calls at `times` in turn; the device has caught up at the reached() calls
+/// in `caughtUpAt` (counted from 1).
+class QueuedTimer final : public DeviceTimer {
+ public:
+  TimePoint mark(Stream) override { return marks++; }
+  double elapsedUs(TimePoint, TimePoint) override { return times.at(elapsedCalls++ % times.size()); }
+  bool queueLead(double us) override {
+    leads.push_back(us);
+    return canLead;
+  }
+  bool reached(TimePoint) override { return caughtUpAt.count(++reachedCalls) > 0; }
+
+  std::vector<double> times{5, 7, 6};
+  std::set<int> caughtUpAt;
+  bool canLead = true;
+  std::vector<double> leads;
+  TimePoint marks = 0;
+  size_t elapsedCalls = 0;
+  int reachedCalls = 0;
+};
+
+TEST(Calibration, AQueuedTimerTimesEachCallAgainOnTheDeviceAlone) {
+  LocalTransport t;
+  t.ws = 2;
+  CalibrationOptions o;
+  o.budgetSeconds = 1e-6;
+  o.repetitions = 3;
+  auto timer = std::make_shared<QueuedTimer>();
+  timer->caughtUpAt = {1};  // the first all-gather's first repetition: dropped, not repeated
+  o.queuedTimer = timer;
+  const schemas::Calibration c = calibrate(t, o);
+  ASSERT_EQ(c.allGather.size(), 3u);
+  for (const auto* curve : {&c.allGather, &c.reduceScatter, &c.allReduce}) {
+    for (const auto& p : *curve) {
+      ASSERT_TRUE(p.deviceUs.has_value()) << p.bytes;
+      EXPECT_GT(p.us, 0);
+    }
+  }
+  EXPECT_DOUBLE_EQ(*c.allGather[0].deviceUs, 6.5);  // 7 and 6: the 5 was caught up with
+  EXPECT_DOUBLE_EQ(*c.reduceScatter[0].deviceUs, 6);
+  // Every repetition is one more call on every rank, behind a lead far above a launch's host time.
+  EXPECT_EQ(t.calls.size(), 3u * (3u * 7u + 1u) + 2u);
+  ASSERT_EQ(timer->leads.size(), 27u);
+  EXPECT_GE(timer->leads.front(), 500.0);
+
+  // The device caught up every time, or cannot be led: no device times.
+  timer->caughtUpAt = {};
+  for (int i = 1; i <= 100; ++i) timer->caughtUpAt.insert(i);
+  timer->reachedCalls = 0;
+  EXPECT_FALSE(calibrate(t, o).allGather[0].deviceUs.has_value());
+  timer->canLead = false;
+  EXPECT_FALSE(calibrate(t, o).allReduce[0].deviceUs.has_value());
+  o.queuedTimer = nullptr;
+  EXPECT_FALSE(calibrate(t, o).allGather[0].deviceUs.has_value());
+}
+
 TEST(Calibration, OddWorldSizeRecordsTheSizeActuallySent) {
   LocalTransport t;
   t.ws = 3;

@@ -63,6 +63,29 @@ TEST(CostModel, AnInSituScaleMultipliesEveryCollectivesTime) {
   EXPECT_THROW(CostModel(c, 8, o), std::invalid_argument);
 }
 
+TEST(CostModel, ACudaGraphsPlanTakesTheDeviceTimesWhereEveryPointHasOne) {
+  // Host-timed 20 us of latency; the same calls on the device alone 4 us less each.
+  schemas::Calibration c = linearCalibration(20, 100e3);
+  for (auto& p : c.allGather) p.deviceUs = p.us - 4;
+  c.reduceScatter = c.allGather;
+  c.reduceScatter.back().deviceUs.reset();  // one point without: the curve stays host-timed
+  CostModelOptions graph;
+  graph.deviceQueued = true;
+  const CostModel queued(c, 8, graph);
+  const CostModel issued(c, 8);
+  for (const auto& p : c.allGather) {
+    EXPECT_NEAR(queued.us(Collective::AllGather, p.bytes), p.us - 4, 1e-6 * p.us);
+    EXPECT_NEAR(issued.us(Collective::AllGather, p.bytes), p.us, 1e-6 * p.us);
+    EXPECT_NEAR(queued.us(Collective::ReduceScatter, p.bytes), p.us, 1e-6 * p.us);
+  }
+  EXPECT_NEAR(queued.latencyUs(Collective::AllGather), 16, 1e-6);
+  EXPECT_NE(queued.describe().front().find("timed on the device"), std::string::npos);
+  EXPECT_EQ(issued.describe().front().find("timed on the device"), std::string::npos);
+  // One rank's copies, from a one-rank trace, alike.
+  const CostModel oneRank(c, 1, graph);
+  EXPECT_NEAR(oneRank.us(Collective::AllGather, c.allGather[1].bytes), c.allGather[1].us - 4, 1e-6);
+}
+
 TEST(CostModel, ExtrapolatesWithTheLastBandwidth) {
   CostModel m(linearCalibration(20, 100e3), 8);
   double at1g = m.us(Collective::AllGather, 1ull << 30);

@@ -275,6 +275,43 @@ TEST(TraceMerge, TheCapturedStepIsTheSlowestRanksAndNeedsEveryRanks) {
   EXPECT_FALSE(mergeRankTraces({r0, r1}).calibration.graphStepUs.has_value());
 }
 
+TEST(RoundTrip, ACalibrationPointsDeviceTimeIsWrittenReadAndMergedAsTheSlowestRanks) {
+  Trace trace = readTrace(kInputs / "minimal.trace.json");
+  EXPECT_EQ(writeTrace(trace).find("device_us"), std::string::npos);  // absent: not timed (CPU)
+  ASSERT_GE(trace.calibration.allGather.size(), 2u);
+  trace.calibration.allGather[0].deviceUs = 3.25;
+  trace.calibration.allGather[1].deviceUs = 7.5;
+  const std::string text = writeTrace(trace);
+  Trace back;
+  ASSERT_TRUE(validateTrace(parseJson(text, "trace"), back).empty());
+  EXPECT_EQ(back.calibration.allGather[0].deviceUs, 3.25);
+  EXPECT_EQ(writeTrace(back), text);
+  // A time is not negative; the error names the point.
+  nlohmann::json negative = parseJson(text, "trace");
+  negative["calibration"]["all_gather"][1]["device_us"] = -1;
+  Trace refused;
+  auto diags = validateTrace(negative, refused);
+  ASSERT_FALSE(diags.empty());
+  EXPECT_EQ(diags.front().pointer, "/calibration/all_gather/1/device_us");
+  // A network file carries them too (dcplan plan --network plans a graph with them).
+  Network net = twoRanks();
+  net.calibration.allGather[0].deviceUs = 9.0;
+  Network netBack;
+  ASSERT_TRUE(validateNetwork(parseJson(writeNetwork(net), "net"), netBack).empty());
+  EXPECT_EQ(netBack.calibration.allGather[0].deviceUs, 9.0);
+  EXPECT_TRUE(sameCollectives(net, netBack));
+  EXPECT_FALSE(sameCollectives(twoRanks(), netBack));
+
+  RankTrace r0{0, "rank0.trace.json", back};
+  r0.trace.meta.worldSize = 2;
+  RankTrace r1{1, "rank1.trace.json", r0.trace};
+  r1.trace.calibration.allGather[0].deviceUs = 4.0;
+  r1.trace.calibration.allGather[1].deviceUs.reset();  // that rank's device caught up every time
+  const Trace merged = mergeRankTraces({r0, r1});
+  EXPECT_EQ(merged.calibration.allGather[0].deviceUs, 4.0);
+  EXPECT_FALSE(merged.calibration.allGather[1].deviceUs.has_value());
+}
+
 TEST(TraceMerge, RanksThatDisagreeOnTheReplaysChecksAreRefused) {
   RankTrace r0{0, "rank0.trace.json", readTrace(kInputs / "minimal.trace.json")};
   r0.trace.meta.worldSize = 2;

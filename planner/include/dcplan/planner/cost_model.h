@@ -36,6 +36,10 @@ struct CostModelOptions {
   /// The replay checks each collective with the ranks first (trace meta.checks_collectives): one
   /// more small all-gather per call, which the recording ran without (checkUs).
   bool agreementChecks = false;
+  /// The step runs in one CUDA graph, which issues its collectives without the host: each curve
+  /// takes its points' device_us (timed on the device behind queued work) where every point has
+  /// one, else their host-timed us.
+  bool deviceQueued = false;
 };
 
 /// The bytes each rank contributes to a collective's agreement check (the runtime's description of
@@ -53,6 +57,7 @@ inline constexpr uint64_t kAgreementCheckBytes = 136;
 /// the curves of the transport's copies, unscaled. A different world size scales the bandwidth term by the
 /// ring bus factor ((N-1)/N against the traced one); a different bus bandwidth scales it by calibrated/asked.
 /// The latency term is kept: it is dominated by launch and synchronisation cost, not by ring length.
+/// A CUDA graph's plan (CostModelOptions::deviceQueued) reads the points' device times instead.
 class CostModel {
  public:
   /// Throws std::invalid_argument when the calibration cannot support the request
@@ -100,9 +105,12 @@ class CostModel {
     double calibratedBusGBps = 0;
     double scale = 1;           ///< applied to the bandwidth term
     double plannedBusGBps = 0;  ///< bus bandwidth of large messages after re-scaling
+    bool deviceTimed = false;   ///< from the points' device_us
   };
 
-  static Curve buildCurve(const std::vector<schemas::CalibrationPoint>& points, double traceBusFactor);
+  /// `deviceQueued`: the points' device_us where all have one.
+  static Curve buildCurve(const std::vector<schemas::CalibrationPoint>& points, double traceBusFactor,
+                          bool deviceQueued);
   static double rawUs(const Curve& curve, double bytes);
   /// Curves not measured, from the all-gather's (which must be there).
   void standInMissingCurves();

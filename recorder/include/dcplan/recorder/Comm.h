@@ -1,6 +1,7 @@
 // The recorder's view of communication: a timing Transport decorator and the calibration.
 #pragma once
 
+#include "dcplan/recorder/Probes.h"
 #include "dcplan/replayer/Transport.h"
 #include "dcplan/schemas/trace.h"
 
@@ -48,6 +49,9 @@ struct CalibrationOptions {
   /// Makes the host wait for the device's queued work (a no-op on CPU), so that
   /// host clock times are device times. Called after each wait().
   std::function<void()> synchronize;
+  /// A device's event timer (makeDeviceEventTimer), which times each call again on the device behind
+  /// a queued lead: the points' device_us. Null (CPU ranks): not timed.
+  std::shared_ptr<DeviceTimer> queuedTimer;
 };
 
 /// The largest `value` over the ranks of `transport` (an all-reduce on options.device, then a
@@ -55,8 +59,9 @@ struct CalibrationOptions {
 double agreeOnMax(replayer::Transport& transport, const CalibrationOptions& options, double value);
 
 /// Measures all-gather, reduce-scatter and all-reduce time against message size
-/// through `transport`, and the host<->device copy rate when the device is not
-/// the CPU. Collective: every rank of the transport calls it with the same options.
+/// through `transport` (with options.queuedTimer, each also on the device alone), and the
+/// host<->device copy rate when the device is not the CPU. Collective: every rank of the
+/// transport calls it with the same options.
 schemas::Calibration calibrate(replayer::Transport& transport, const CalibrationOptions& options);
 
 /// The collectives of `transport` measured alone, without a model: a dcplan.network/v1 document's

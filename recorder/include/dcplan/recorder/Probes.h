@@ -98,12 +98,13 @@ std::unique_ptr<MemoryProbe> makeRunPeakProbe(c10::Device device);
 std::unique_ptr<MemoryProbe> makeReplayOpProbe(c10::Device device);
 
 /// What recording on `device` uses: the host timer and CPU memory probe for the
-/// CPU, device events and the device allocator otherwise, and a host wait for the
-/// device's queued work (empty for the CPU) for the calibration.
+/// CPU, device events and the device allocator otherwise, and for the calibration a host wait for
+/// the device's queued work and a timer of its own (CalibrationOptions; both empty for the CPU).
 struct DeviceProbes {
   std::unique_ptr<DeviceTimer> timer;
   std::unique_ptr<MemoryProbe> memory;
   std::function<void()> synchronize;
+  std::shared_ptr<DeviceTimer> queuedTimer;
 };
 DeviceProbes makeProbes(c10::Device device);
 

@@ -70,7 +70,10 @@ struct TraceParam {
 /// A measured collective time for one message size.
 struct CalibrationPoint {
   uint64_t bytes = 0;  ///< full (unsharded) message size in bytes
-  double us = 0;       ///< measured time in microseconds
+  double us = 0;       ///< measured time in microseconds: from its launch on the host to the host's wait
+  /// GPUs: the same call's time on the device, queued behind other work so that the host's launch
+  /// and wait are not in it, as a CUDA graph's replay runs it (us). Absent: not timed (CPU ranks).
+  std::optional<double> deviceUs = std::nullopt;
 };
 
 /// Communication speed measured on the recording cluster.
