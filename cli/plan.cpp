@@ -165,10 +165,14 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
     }
     planFile = log.planFile;
     // A graphed step's: its replays' device times, as dcplan check takes them; else the host's steps.
-    const bool graphed = log.graphReplayMedianUs.has_value();
-    if (graphed && log.graphReplays < 3) {
-      throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.graphReplays) +
-                                                " graph replays; run at least 3"}});
+    const bool graphed = log.graphReplays > 0;
+    if (graphed && !log.graphStepUs) {
+      throw schemas::InputError(
+          path, {{"", "--calibrate: the log times " + std::to_string(log.graphReplays) +
+                          " graph replays; the first is left out (it uploads the graph), and the step is the "
+                          "median of at least " + std::to_string(schemas::kGraphTimedReplays) +
+                          " after it: run at least " + std::to_string(schemas::kGraphTimedReplays + 1) +
+                          " replays"}});
     }
     if (!graphed && !log.steps.medianUs) {
       throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.steps.count) +
@@ -176,7 +180,7 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
     }
     std::string& firstOfKind = graphed ? graphLog : hostLog;
     if (firstOfKind.empty()) firstOfKind = path;
-    steps.push_back({path, log.rank, log.worldSize, graphed ? *log.graphReplayMedianUs : *log.steps.medianUs});
+    steps.push_back({path, log.rank, log.worldSize, graphed ? *log.graphStepUs : *log.steps.medianUs});
     names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
   }
   const schemas::Plan replayed = replayedPlan(logs.back(), planFile);

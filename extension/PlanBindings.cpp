@@ -197,6 +197,17 @@ void bindPlan(py::module_& m) {
       "(median step in us or None, intervals timed) of a replay log's (ev, t_us, sync, grad) events: the "
       "step "
       "rule of dcplan check and dcplan plan --calibrate.");
+  m.def(
+      "graph_step_us",
+      [](std::vector<double> replayUs) {
+        const std::optional<double> us = schemas::graphStepUs(std::move(replayUs));
+        return us ? py::object(py::float_(*us)) : py::object(py::none());
+      },
+      py::arg("replay_us"),
+      "A captured step's time from its replays' device times in order, or None with too few: the rule of "
+      "the recorder's calibration.graph_step_us, dcplan check and dcplan plan --calibrate "
+      "(dcplan/schemas/replay_log.h).");
+  m.attr("GRAPH_TIMED_REPLAYS") = schemas::kGraphTimedReplays;
   m.def("input_shapes_text", &schemas::inputShapesText, py::arg("shapes"),
         "Input shapes as inspect, diff and the replay's warning print them: \"[(2, 64), (2,)]\".");
   m.def("flush_replay_log", &flushReplayLog, py::call_guard<py::gil_scoped_release>());

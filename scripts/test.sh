@@ -13,7 +13,7 @@ jobs=$(nproc)
 # CPU build and the pip install at the end call the compiler by one name (pip's build would pick
 # g++ where CMake picks c++; ccache keys on the name), so that the pip install reuses what the
 # CPU build compiled. Each step says when it starts.
-export CCACHE_NOHASHDIR=true CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CXX=${CXX:-g++} CC=${CC:-gcc}
+export CCACHE_NOHASHDIR=true CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(pwd -P)} CXX=${CXX:-g++} CC=${CC:-gcc}
 step() { echo "== $* ($(date +%T))"; }
 
 step "CPU build (preset cpu)"
@@ -30,19 +30,19 @@ ctest --preset asan -j "$jobs"
 
 # The CUDA path compiles (no GPU here to run it): against the CUDA torch wheel that this
 # machine keeps offline, in a venv of its own so the CPU torch above stays as it is. The venv is
-# the wheel's, not the checkout's: made once per machine (a clone at another path reuses it), and
-# made again where it does not import that torch.
+# the wheel's, not the checkout's: made once per machine (a clone at another path reuses it; a lock
+# keeps two runs from making it at once), and made again where it does not import that torch.
 wheels=/opt/pypi-more/files
 cuda_version=2.14.1
 cuda_torch=$wheels/torch-$cuda_version-cp311-cp311-manylinux_2_28_x86_64.whl
-cuda_venv=${DCPLAN_CUDA_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dcplan/venv-cuda-torch-$cuda_version}
+cuda_venv=${XDG_CACHE_HOME:-${HOME:-$PWD/build}/.cache}/dcplan/venv-cuda-torch-$cuda_version
 # The venv takes 4.3 GiB (torch 1.2, its NVIDIA libraries 3.1: importing torch loads them all) and
 # the build 0.3: a disk without room for them skips the check, saying so, rather than failing midway.
 free_gib() { mkdir -p "$1" && df -Pk "$1" | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'; }
 have_cuda_venv() {
   "$cuda_venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__ != '$cuda_version+cu130')" >/dev/null 2>&1
 }
-if have_cuda_venv; then cuda_need_gib=0; else cuda_need_gib=4.5; fi
+if have_cuda_venv; then cuda_need_gib=0; else cuda_need_gib=5; fi
 if [ ! -f "$cuda_torch" ] || [ ! -x /usr/local/cuda-13.0/bin/nvcc ]; then
   step "SKIPPED: CUDA compile check (no CUDA torch wheel at $cuda_torch or no nvcc 13.0)"
 elif awk -v f="$(free_gib "$(dirname "$cuda_venv")")" -v n="$cuda_need_gib" 'BEGIN { exit !(f < n) }' \
@@ -51,12 +51,15 @@ elif awk -v f="$(free_gib "$(dirname "$cuda_venv")")" -v n="$cuda_need_gib" 'BEG
 $(free_gib "$(dirname "$cuda_venv")") and $(free_gib .) GiB available)"
 else
   step "CUDA compile check (torch $cuda_version+cu130 in $cuda_venv, no GPU: compile only)"
-  if ! have_cuda_venv; then
-    rm -rf "$cuda_venv"
-    python3 -m venv --system-site-packages "$cuda_venv"
-    "$cuda_venv/bin/pip" install -q --no-cache-dir --no-index --no-deps --find-links "$wheels" "$cuda_torch" \
-      "$wheels"/nvidia_*.whl
-  fi
+  (
+    flock 9
+    if ! have_cuda_venv; then
+      rm -rf "$cuda_venv"
+      python3 -m venv --system-site-packages "$cuda_venv"
+      "$cuda_venv/bin/pip" install -q --no-cache-dir --no-index --no-deps --find-links "$wheels" "$cuda_torch" \
+        "$wheels"/nvidia_*.whl
+    fi
+  ) 9> "$cuda_venv.lock"
   TORCH_CUDA_ARCH_LIST=9.0 cmake -S . -B build/cuda-compile -G Ninja -DDCPLAN_WITH_CUDA=ON -DDCPLAN_BUILD_TESTS=OFF \
     -DPython3_EXECUTABLE="$cuda_venv/bin/python" -DCUDAToolkit_ROOT=/usr/local/cuda-13.0 \
     -DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda-13.0 -DCMAKE_CUDA_COMPILER=/usr/local/cuda-13.0/bin/nvcc

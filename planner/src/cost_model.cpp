@@ -16,6 +16,20 @@ double ringFactor(int64_t worldSize) {
   return worldSize <= 1 ? 0.0 : static_cast<double>(worldSize - 1) / static_cast<double>(worldSize);
 }
 
+/// Every point of every curve was timed on the device (CalibrationPoint::deviceUs > 0): the whole
+/// calibration is read one way or the other, so that no collective is charged the host's share beside
+/// another that is not, and a curve is not bent where the kind would change.
+bool deviceTimedThroughout(const schemas::Calibration& c) {
+  bool any = false;
+  for (const auto* curve : {&c.allGather, &c.reduceScatter, &c.allReduce}) {
+    for (const auto& p : *curve) {
+      if (!p.deviceUs || !(*p.deviceUs > 0)) return false;
+      any = true;
+    }
+  }
+  return any;
+}
+
 }  // namespace
 
 const char* collectiveName(Collective c) {
@@ -31,14 +45,11 @@ const char* collectiveName(Collective c) {
 }
 
 CostModel::Curve CostModel::buildCurve(const std::vector<schemas::CalibrationPoint>& points,
-                                       double traceBusFactor, bool deviceQueued) {
+                                       double traceBusFactor, bool deviceTimed) {
   Curve c;
-  // One curve is all host-timed or all device-timed: a mix would bend it where the kind changes.
-  c.deviceTimed = deviceQueued && !points.empty() && std::all_of(points.begin(), points.end(), [](const auto& p) {
-                    return p.deviceUs.has_value();
-                  });
+  c.deviceTimed = deviceTimed;
   for (const auto& p : points) {
-    const double us = c.deviceTimed ? *p.deviceUs : p.us;
+    const double us = deviceTimed ? *p.deviceUs : p.us;
     // Zero-byte or zero-time points cannot be placed on a log scale; the
     // validator allows them, so skip rather than fail.
     if (p.bytes == 0 || !(us > 0)) continue;
@@ -92,15 +103,17 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
     launchUs_ = *options.launchUs;
     launchMeasured_ = options.launchMeasured;
   }
+  const bool queued = options.deviceQueued && deviceTimedThroughout(calibration);
+  hostTimedForGraph_ = options.deviceQueued && !queued;
   if (worldSize_ <= 1) {
     // One rank still issues every gather and ZeRO-1's all-reduce (ZeRO-2/3 reduce in place, in
     // us()): the transport copies the shard into the gathered buffer on its own stream, behind and
     // before an event on the compute stream. A trace recorded on one rank timed exactly those
     // calls; one recorded on more has nothing to go by, and they are taken as free.
     if (traceWorldSize_ == 1) {
-      allGather_ = buildCurve(calibration.allGather, 1.0, options.deviceQueued);
-      reduceScatter_ = buildCurve(calibration.reduceScatter, 1.0, options.deviceQueued);
-      allReduce_ = buildCurve(calibration.allReduce, 1.0, options.deviceQueued);
+      allGather_ = buildCurve(calibration.allGather, 1.0, queued);
+      reduceScatter_ = buildCurve(calibration.reduceScatter, 1.0, queued);
+      allReduce_ = buildCurve(calibration.allReduce, 1.0, queued);
       oneRankCopies_ = !allGather_.bytes.empty();
       if (oneRankCopies_) standInMissingCurves();
       for (Curve* c : {&allGather_, &reduceScatter_, &allReduce_}) c->plannedBusGBps = c->calibratedBusGBps;
@@ -116,12 +129,12 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
         "with --network net.json");
   }
   double traceRing = ringFactor(traceWorldSize_);
-  allGather_ = buildCurve(calibration.allGather, traceRing, options.deviceQueued);
+  allGather_ = buildCurve(calibration.allGather, traceRing, queued);
   if (allGather_.bytes.empty()) {
     throw std::invalid_argument("calibration.all_gather has no point with positive bytes and time");
   }
-  reduceScatter_ = buildCurve(calibration.reduceScatter, traceRing, options.deviceQueued);
-  allReduce_ = buildCurve(calibration.allReduce, 2 * traceRing, options.deviceQueued);
+  reduceScatter_ = buildCurve(calibration.reduceScatter, traceRing, queued);
+  allReduce_ = buildCurve(calibration.allReduce, 2 * traceRing, queued);
   standInMissingCurves();
   double busScale = ringFactor(worldSize_) / traceRing;
   for (Curve* c : {&allGather_, &reduceScatter_, &allReduce_}) {
@@ -226,6 +239,11 @@ std::vector<std::string> CostModel::describe() const {
                     formatFixed(us(c, 64ull << 20), 1) + " us" +
                     (curve(c).deviceTimed ? " (timed on the device, as a CUDA graph issues it)" : ""));
     }
+  }
+  if (hostTimedForGraph_ && !callsFree()) {
+    out.push_back("collectives host-timed: the calibration has no device_us on every point (recorded on CPU "
+                  "ranks or by an older recorder), so a CUDA graph's replay is charged the host's launch and "
+                  "wait it does not make (docs/planning.md, \"Collectives as a graph issues them\")");
   }
   if (agreementChecks_ && !callsFree()) {
     out.push_back("agreement checks (DCPLAN_CHECK_COLLECTIVES, trace meta.checks_collectives): " +

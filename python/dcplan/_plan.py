@@ -593,7 +593,9 @@ def _log_cost(events: List[Dict], step_events: List[tuple]) -> Dict:
 
 def _measured_graphed(events: List[Dict], replays: List[Dict]) -> Dict:
     """A graphed step's log (dcplan.graphed_step with the log open): ``step_us`` is the median of
-    the replays' device times (CUDA events around each), ``peak_bytes`` the allocator's peak from
+    the replays' device times (CUDA events around each) after the first, which uploads the graph
+    (None with fewer than ``_C.GRAPH_TIMED_REPLAYS`` after it; the rule of dcplan plan --calibrate and
+    of the recorder's graph_step_us), ``steps`` how many that is, ``peak_bytes`` the allocator's peak from
     the capture on, and ``warmup_peak_bytes`` the run's peak before it (the marks of its
     uncaptured steps, which must keep the budget too; eval forwards after the capture are in
     the capture's statistic)."""
@@ -601,7 +603,7 @@ def _measured_graphed(events: List[Dict], replays: List[Dict]) -> Dict:
     warmup_peak = max((ev["peak_bytes"] for ev in events[:first] if ev["ev"] == "mark"), default=None)
     capture = [ev for ev in events if ev["ev"] == "graph_capture"]
     peak = max(ev["peak_bytes"] for ev in replays + capture)
-    return {"step_us": statistics.median(ev["device_us"] for ev in replays), "steps": len(replays),
+    return {"step_us": _C.graph_step_us([ev["device_us"] for ev in replays]), "steps": len(replays) - 1,
             "peak_bytes": peak, "warmup_peak_bytes": warmup_peak,
             "capture_s": capture[-1]["capture_s"] if capture else None}
 

@@ -19,7 +19,6 @@ import dataclasses
 import os
 import pathlib
 import platform
-import statistics
 import sys
 import time
 from typing import Callable, List, Optional, Tuple
@@ -236,38 +235,34 @@ def _finish(s: Settings) -> None:
 
 # The captured step's device time: the median of this many replays after the first (which
 # uploads the graph to the device); a graph replays the same kernels every time, so a few
-# suffice.
-GRAPH_TIMED_REPLAYS = 3
+# suffice. The rule is dcplan check's and dcplan plan --calibrate's (_C.graph_step_us).
+GRAPH_TIMED_REPLAYS = _C.GRAPH_TIMED_REPLAYS
 
 
 class GraphTiming:
     """After the recorded steps of a dcplan.graphed_step, which ran uncaptured so that the
     recorder saw every op: the next calls capture the step (as they would without recording),
     and its replays are timed on the device between CUDA events (with more than one rank, a
-    replay's time holds its waits for the others, as a replay log's does). Their median is the
-    trace's calibration.graph_step_us, which dcplan plan fits the device-lead step's times to.
+    replay's time holds its waits for the others, as a replay log's does). Their median after the
+    first (_C.graph_step_us) is the trace's calibration.graph_step_us, which dcplan plan fits the
+    device-lead step's times to.
     Then the trace is written, as after an uncaptured recording."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self._replays = 0
         self._timed: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def replay(self, launch: Callable[[], None]) -> None:
-        """launch() replays the captured step; timed after the first, and the last of them
-        writes the trace."""
-        self._replays += 1
-        if self._replays == 1:
-            launch()
-            return
+        """launch() replays the captured step, timed; the replay that completes the rule's count
+        (the first, then GRAPH_TIMED_REPLAYS) writes the trace."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         launch()
         end.record()
         self._timed.append((start, end))
-        if len(self._timed) == GRAPH_TIMED_REPLAYS:
+        if len(self._timed) == 1 + GRAPH_TIMED_REPLAYS:
             end.synchronize()
-            us = statistics.median(a.elapsed_time(b) * 1000.0 for a, b in self._timed)
+            us = _C.graph_step_us([a.elapsed_time(b) * 1000.0 for a, b in self._timed])
             _C.record_graph_step_us(us)
             _end_timing()
             _finish(self.settings)

@@ -1,6 +1,7 @@
 // The timing Transport decorator and the communication calibration.
 #include "dcplan/recorder/Comm.h"
 
+#include "dcplan/recorder/Probes.h"
 #include "dcplan/replayer/ForwardingTransport.h"
 
 #include <ATen/ops/empty.h>
@@ -130,17 +131,17 @@ constexpr double kQueuedLeadUs = 1000.0;
 /// One call timed on the device alone: a sleep queued first keeps the device behind the host until
 /// the call and the wait for it are queued, so that neither the launch nor the wait's host time is in
 /// it, as in a CUDA graph's replay; the median of the repetitions the device did not catch up in.
-/// Every rank makes the same calls (a repetition is dropped, never retried: the ranks' calls must
-/// pair up). Absent where the timer cannot queue a lead, or the device caught up every time.
+/// Every rank makes every call, whatever its timer did (a repetition is dropped, never retried or
+/// skipped: the ranks' calls must pair up). Absent where no repetition was led and stayed queued.
 template <typename Launch>
 std::optional<double> queuedUs(DeviceTimer& timer, int repetitions, Launch&& launch) {
   std::vector<double> us;
   for (int r = 0; r < repetitions; ++r) {
-    if (!timer.queueLead(kQueuedLeadUs)) return std::nullopt;
+    const bool led = timer.queueLead(kQueuedLeadUs);
     const TimePoint from = timer.mark(Stream::Compute);
     launch()->wait();  // a device transport's wait orders the compute stream after the call
     const TimePoint to = timer.mark(Stream::Compute);
-    const bool queuedFirst = !timer.reached(from);
+    const bool queuedFirst = led && !timer.reached(from);
     const double elapsed = timer.elapsedUs(from, to);  // waits for the device
     if (queuedFirst) us.push_back(elapsed);
   }
@@ -252,7 +253,11 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
     sync();
     const double mean = agreed[0].item<double>() / static_cast<double>(ws);
     const double meanCost = agreed[1].item<double>() / static_cast<double>(ws);
-    const double next = 4.0 * meanCost * 1e-6 * (o.repetitions + 1);
+    // Each call once untimed and `repetitions` times, and as often again behind a lead where timed
+    // on the device too.
+    const double calls = o.repetitions + 1 + (o.queuedTimer ? o.repetitions : 0);
+    const double leads = o.queuedTimer ? 3.0 * o.repetitions * kQueuedLeadUs : 0.0;
+    const double next = (4.0 * meanCost * calls + leads) * 1e-6;
     if (static_cast<int>(cal.allGather.size()) >= o.minPoints && mean + next > o.budgetSeconds) break;
   }
 

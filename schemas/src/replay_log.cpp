@@ -39,6 +39,12 @@ double medianOf(std::vector<double>& values) {
   return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+std::optional<double> graphStepUs(std::vector<double> replayUs) {
+  if (static_cast<int64_t>(replayUs.size()) < 1 + kGraphTimedReplays) return std::nullopt;
+  replayUs.erase(replayUs.begin());  // the first uploads the graph
+  return medianOf(replayUs);
+}
+
 ReplayLog readReplayLog(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw InputError(path, {{"", "cannot open the replay log"}});
@@ -78,7 +84,7 @@ ReplayLog readReplayLog(const std::string& path) {
     events.push_back(std::move(e));
   }
   log.steps = measuredSteps(stepStarts(events));
-  if (!replayUs.empty()) log.graphReplayMedianUs = medianOf(replayUs);
+  log.graphStepUs = graphStepUs(std::move(replayUs));
   return log;
 }
 

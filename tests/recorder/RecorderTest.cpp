@@ -785,24 +785,40 @@ TEST(Calibration, ThreeSizesAtLeastGrowingByFourWithinTheBudget) {
 }
 
 /// Times the queued calls at `times` in turn; the device has caught up at the reached() calls
-/// in `caughtUpAt` (counted from 1).
+/// in `caughtUpAt` (counted from 1). `order` says what it was asked, in turn, with the transport's
+/// calls so far: "lead", "mark <point> <calls>", "reached <point>", "elapsed <from> <to>".
 class QueuedTimer final : public DeviceTimer {
  public:
-  TimePoint mark(Stream) override { return marks++; }
-  double elapsedUs(TimePoint, TimePoint) override { return times.at(elapsedCalls++ % times.size()); }
+  explicit QueuedTimer(const std::vector<std::string>& calls) : calls_(calls) {}
+  TimePoint mark(Stream) override {
+    order.push_back("mark " + std::to_string(marks) + " " + std::to_string(calls_.size()));
+    return marks++;
+  }
+  double elapsedUs(TimePoint from, TimePoint to) override {
+    order.push_back("elapsed " + std::to_string(from) + " " + std::to_string(to));
+    return times.at(elapsedCalls++ % times.size());
+  }
   bool queueLead(double us) override {
+    order.push_back("lead");
     leads.push_back(us);
     return canLead;
   }
-  bool reached(TimePoint) override { return caughtUpAt.count(++reachedCalls) > 0; }
+  bool reached(TimePoint point) override {
+    order.push_back("reached " + std::to_string(point));
+    return caughtUpAt.count(++reachedCalls) > 0;
+  }
 
   std::vector<double> times{5, 7, 6};
   std::set<int> caughtUpAt;
   bool canLead = true;
   std::vector<double> leads;
+  std::vector<std::string> order;
   TimePoint marks = 0;
   size_t elapsedCalls = 0;
   int reachedCalls = 0;
+
+ private:
+  const std::vector<std::string>& calls_;
 };
 
 TEST(Calibration, AQueuedTimerTimesEachCallAgainOnTheDeviceAlone) {
@@ -811,7 +827,7 @@ TEST(Calibration, AQueuedTimerTimesEachCallAgainOnTheDeviceAlone) {
   CalibrationOptions o;
   o.budgetSeconds = 1e-6;
   o.repetitions = 3;
-  auto timer = std::make_shared<QueuedTimer>();
+  auto timer = std::make_shared<QueuedTimer>(t.calls);
   timer->caughtUpAt = {1};  // the first all-gather's first repetition: dropped, not repeated
   o.queuedTimer = timer;
   const schemas::Calibration c = calibrate(t, o);
@@ -828,14 +844,23 @@ TEST(Calibration, AQueuedTimerTimesEachCallAgainOnTheDeviceAlone) {
   EXPECT_EQ(t.calls.size(), 3u * (3u * 7u + 1u) + 2u);
   ASSERT_EQ(timer->leads.size(), 27u);
   EXPECT_GE(timer->leads.front(), 500.0);
+  // Each repetition: the lead, a mark, the call and its wait, a mark; then whether the device had
+  // reached the first mark by then, and the time between the two (the first all-gather's 3 calls
+  // come after its untimed and 3 host-timed ones).
+  ASSERT_GE(timer->order.size(), 5u);
+  EXPECT_EQ(std::vector<std::string>(timer->order.begin(), timer->order.begin() + 5),
+            (std::vector<std::string>{"lead", "mark 0 4", "mark 1 5", "reached 0", "elapsed 0 1"}));
 
   // The device caught up every time, or cannot be led: no device times.
   timer->caughtUpAt = {};
   for (int i = 1; i <= 100; ++i) timer->caughtUpAt.insert(i);
   timer->reachedCalls = 0;
   EXPECT_FALSE(calibrate(t, o).allGather[0].deviceUs.has_value());
+  // A timer that cannot lead still makes every call: the ranks' calls pair up whatever it does.
   timer->canLead = false;
+  const size_t before = t.calls.size();
   EXPECT_FALSE(calibrate(t, o).allReduce[0].deviceUs.has_value());
+  EXPECT_EQ(t.calls.size() - before, 3u * (3u * 7u + 1u) + 2u);
   o.queuedTimer = nullptr;
   EXPECT_FALSE(calibrate(t, o).allGather[0].deviceUs.has_value());
 }

@@ -231,16 +231,19 @@ def graphed_log(device_us, capture_peak, replay_peak, warmup_peak):
 
 
 def test_a_graphed_log_is_timed_by_its_replays_on_the_device():
-    m = _plan.measured(graphed_log([21000.0, 19000.0, 20000.0, 35000.0], 90, 90, 70))
-    # The median of the replays (the host times of the uncaptured steps are not the graphed step's).
-    assert m == {"step_us": 20500.0, "steps": 4, "peak_bytes": 90, "warmup_peak_bytes": 70, "capture_s": 2.5}
+    m = _plan.measured(graphed_log([90000.0, 21000.0, 19000.0, 20500.0], 90, 90, 70))
+    # The median of the replays after the first, which uploads the graph (the host times of the
+    # uncaptured steps are not the graphed step's); the rule of dcplan plan --calibrate.
+    assert m == {"step_us": 20500.0, "steps": 3, "peak_bytes": 90, "warmup_peak_bytes": 70, "capture_s": 2.5}
+    # Fewer than 3 after the first: not timed.
+    assert _plan.measured(graphed_log([90000.0, 21000.0, 19000.0], 90, 90, 70))["step_us"] is None
     # An eval forward after the capture (its mark carries the run's peak so far) is not a step
     # before the capture: its memory is in the capture's statistic.
-    after = graphed_log([21000.0, 19000.0, 20000.0, 35000.0], 90, 90, 70)
+    after = graphed_log([90000.0, 21000.0, 19000.0, 20500.0], 90, 90, 70)
     after.append({"ev": "mark", "t_us": 9000, "peak_bytes": 95, "grad": False})
     assert _plan.measured(after)["warmup_peak_bytes"] == 70
     lines = _plan.prediction_report(PLAN, {"r.0.jsonl": m})
-    assert "20.500 ms (+2%)" in lines[3] and "(4 graph replays timed on the device)" in lines[3]
+    assert "20.500 ms (+2%)" in lines[3] and "(3 graph replays timed on the device)" in lines[3]
     assert "  r.0.jsonl: captured in 2.50 s; uncaptured steps before it peaked at 0.0 MiB" in lines
 
 

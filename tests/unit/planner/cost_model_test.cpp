@@ -1,7 +1,10 @@
 // Tests of the calibration-curve cost model: interpolation, extrapolation, what-if scaling.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <optional>
 #include <stdexcept>
+#include <string>
 
 #include "dcplan/planner/cost_model.h"
 
@@ -68,22 +71,39 @@ TEST(CostModel, ACudaGraphsPlanTakesTheDeviceTimesWhereEveryPointHasOne) {
   schemas::Calibration c = linearCalibration(20, 100e3);
   for (auto& p : c.allGather) p.deviceUs = p.us - 4;
   c.reduceScatter = c.allGather;
-  c.reduceScatter.back().deviceUs.reset();  // one point without: the curve stays host-timed
   CostModelOptions graph;
   graph.deviceQueued = true;
   const CostModel queued(c, 8, graph);
   const CostModel issued(c, 8);
   for (const auto& p : c.allGather) {
     EXPECT_NEAR(queued.us(Collective::AllGather, p.bytes), p.us - 4, 1e-6 * p.us);
+    EXPECT_NEAR(queued.us(Collective::ReduceScatter, p.bytes), p.us - 4, 1e-6 * p.us);
     EXPECT_NEAR(issued.us(Collective::AllGather, p.bytes), p.us, 1e-6 * p.us);
-    EXPECT_NEAR(queued.us(Collective::ReduceScatter, p.bytes), p.us, 1e-6 * p.us);
   }
   EXPECT_NEAR(queued.latencyUs(Collective::AllGather), 16, 1e-6);
-  EXPECT_NE(queued.describe().front().find("timed on the device"), std::string::npos);
-  EXPECT_EQ(issued.describe().front().find("timed on the device"), std::string::npos);
+  auto says = [](const CostModel& m, const std::string& what) {
+    const auto lines = m.describe();
+    return std::any_of(lines.begin(), lines.end(), [&](const std::string& l) { return l.find(what) != l.npos; });
+  };
+  EXPECT_TRUE(says(queued, "(timed on the device, as a CUDA graph issues it)"));
+  EXPECT_FALSE(says(issued, "timed on the device"));
+  EXPECT_FALSE(says(issued, "host-timed"));
   // One rank's copies, from a one-rank trace, alike.
   const CostModel oneRank(c, 1, graph);
   EXPECT_NEAR(oneRank.us(Collective::AllGather, c.allGather[1].bytes), c.allGather[1].us - 4, 1e-6);
+
+  // One point without (or at 0): the whole calibration is read host-timed, and --explain says so.
+  for (auto lacking : {std::optional<double>(), std::optional<double>(0.0)}) {
+    schemas::Calibration partial = c;
+    partial.reduceScatter.back().deviceUs = lacking;
+    const CostModel host(partial, 8, graph);
+    for (const auto& p : c.allGather) {
+      EXPECT_NEAR(host.us(Collective::AllGather, p.bytes), p.us, 1e-6 * p.us);
+      EXPECT_NEAR(host.us(Collective::ReduceScatter, p.bytes), p.us, 1e-6 * p.us);
+    }
+    EXPECT_FALSE(says(host, "timed on the device, as"));
+    EXPECT_TRUE(says(host, "collectives host-timed: the calibration has no device_us on every point"));
+  }
 }
 
 TEST(CostModel, ExtrapolatesWithTheLastBandwidth) {

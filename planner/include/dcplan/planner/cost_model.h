@@ -36,9 +36,9 @@ struct CostModelOptions {
   /// The replay checks each collective with the ranks first (trace meta.checks_collectives): one
   /// more small all-gather per call, which the recording ran without (checkUs).
   bool agreementChecks = false;
-  /// The step runs in one CUDA graph, which issues its collectives without the host: each curve
-  /// takes its points' device_us (timed on the device behind queued work) where every point has
-  /// one, else their host-timed us.
+  /// The step runs in one CUDA graph, which issues its collectives without the host: the curves
+  /// take their points' device_us (timed on the device behind queued work) where every point of
+  /// every curve has one, else their host-timed us.
   bool deviceQueued = false;
 };
 
@@ -108,9 +108,9 @@ class CostModel {
     bool deviceTimed = false;   ///< from the points' device_us
   };
 
-  /// `deviceQueued`: the points' device_us where all have one.
+  /// `deviceTimed`: from the points' device_us (every one has it).
   static Curve buildCurve(const std::vector<schemas::CalibrationPoint>& points, double traceBusFactor,
-                          bool deviceQueued);
+                          bool deviceTimed);
   static double rawUs(const Curve& curve, double bytes);
   /// Curves not measured, from the all-gather's (which must be there).
   void standInMissingCurves();
@@ -128,6 +128,7 @@ class CostModel {
   double inSitu_ = 1.0;         ///< CostModelOptions::inSituScale
   bool agreementChecks_ = false;  ///< CostModelOptions::agreementChecks
   bool oneRankCopies_ = false;  ///< one rank, from a one-rank trace: the calibrated copies
+  bool hostTimedForGraph_ = false;  ///< deviceQueued asked, but the calibration has no device times
   std::optional<double> h2dGBps_;
   std::optional<double> d2hGBps_;
 };

@@ -1,7 +1,6 @@
 // The recorder's view of communication: a timing Transport decorator and the calibration.
 #pragma once
 
-#include "dcplan/recorder/Probes.h"
 #include "dcplan/replayer/Transport.h"
 #include "dcplan/schemas/trace.h"
 
@@ -12,6 +11,8 @@
 #include <memory>
 
 namespace dcplan::recorder {
+
+class DeviceTimer;  // Probes.h
 
 enum class CollectiveKind { Gather, Reduce, Copy };
 

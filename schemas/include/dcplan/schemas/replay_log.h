@@ -34,6 +34,15 @@ MeasuredSteps measuredSteps(const std::vector<int64_t>& starts);
 /// two. `values` is reordered; it must not be empty.
 double medianOf(std::vector<double>& values);
 
+/// How many replays of a step captured in one CUDA graph its time is the median of, after the first
+/// (which uploads the graph to the device): the recorder's calibration.graph_step_us, dcplan check's
+/// graphed step and --calibrate's alike (graphStepUs).
+inline constexpr int64_t kGraphTimedReplays = 3;
+
+/// A captured step's time from its replays' device times, in order: the median of those after the
+/// first; nullopt with fewer than kGraphTimedReplays of them.
+std::optional<double> graphStepUs(std::vector<double> replayUs);
+
 /// A replay log read for its steps: the plan file its "plan" line names (the last one with a
 /// file; "" if none) and the measured steps.
 struct ReplayLog {
@@ -47,9 +56,8 @@ struct ReplayLog {
   /// "graph_replay" lines: replays of a step captured in one CUDA graph (dcplan.graphed_step),
   /// which the host issues no op of and the step rule cannot time.
   int64_t graphReplays = 0;
-  /// The median of their device_us (CUDA events around each replay), as dcplan check takes a
-  /// graphed step's; nullopt without any.
-  std::optional<double> graphReplayMedianUs;
+  /// graphStepUs of their device_us (CUDA events around each replay); nullopt with too few.
+  std::optional<double> graphStepUs;
 };
 
 /// Reads a replay log; throws InputError naming the file and the line that is not JSON.
