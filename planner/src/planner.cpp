@@ -888,14 +888,9 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   if (req.calibrate) {
     inSitu = calibrationFit(trace, w, req);
     calibrated = inSitu->collectiveScale;
-    if (inSitu->host) {
-      hostScale = inSitu->scale;
-      scaleHost(w, *hostScale);
-    }
-    if (inSitu->device) {
-      deviceScale = inSitu->scale;
-      scaleDevice(w, *deviceScale);
-    }
+    if (inSitu->host) hostScale = inSitu->scale;
+    if (inSitu->device) deviceScale = inSitu->scale;
+    applyReplayFit(w, hostScale, deviceScale);
   }
   CostModel cost =
       plannedCostModel(trace, w, req.bandwidthGBps, network, calibrated, calibrated ? nullptr : &inSitu);

@@ -66,8 +66,7 @@ Simulated simulatePlan(const schemas::Plan& plan, const schemas::Trace& trace) {
   std::optional<CapturedStep> captured;
   Workload w =
       plannedWorkload(trace, plan.source.worldSize, plannedReplay(plan.options), network, nullptr, &captured);
-  if (plan.options.hostScale) scaleHost(w, *plan.options.hostScale);
-  if (plan.options.deviceScale) scaleDevice(w, *plan.options.deviceScale);
+  applyReplayFit(w, plan.options.hostScale, plan.options.deviceScale);
   std::optional<InSituFit> inSitu;
   CostModel cost =
       plannedCostModel(trace, w, plan.options.bandwidthGBps, network, plan.options.inSituScale, &inSitu);

@@ -431,6 +431,11 @@ void scaleDevice(Workload& w, double factor) {
   w.optimizerUs *= factor;
 }
 
+void applyReplayFit(Workload& w, std::optional<double> hostScale, std::optional<double> deviceScale) {
+  if (hostScale) scaleHost(w, *hostScale);
+  if (deviceScale) scaleDevice(w, *deviceScale);
+}
+
 Workload makeWorkload(const schemas::Trace& trace, int64_t worldSize, StepReplay replay) {
   if (trace.steps.empty()) throw std::invalid_argument("/steps: the trace has no step to plan from");
   Workload w = workloadShape(trace, worldSize);

@@ -212,6 +212,11 @@ void scaleHost(Workload& workload, double factor);
 /// replays of a plan for it (dcplan plan --calibrate: options.device_scale).
 void scaleDevice(Workload& workload, double factor);
 
+/// A plan's fit to a replay of an earlier plan (dcplan plan --calibrate: options.host_scale,
+/// options.device_scale; absent: not fitted), applied after the captured-step fit: the one place
+/// the planner (makePlan) and the check of a plan (simulatePlan) scale a workload by them.
+void applyReplayFit(Workload& workload, std::optional<double> hostScale, std::optional<double> deviceScale);
+
 /// The median of `values` (the upper of the two middle ones where their count is even), which it
 /// reorders; they must not be empty.
 double upperMedian(std::vector<double>& values);
