@@ -79,13 +79,15 @@ def main(argv=None) -> int:
 
 
 def summary(doc):
-    """One line per collective: its sizes and time at the largest."""
+    """One line per collective: its sizes and time at the largest (on a GPU also on the device alone,
+    as a CUDA graph's plan charges it: device_us, docs/formats.md)."""
     for name, curve in doc["calibration"].items():
         if not isinstance(curve, list) or not curve:
             continue
         last = curve[-1]
+        on_device = f" ({last['device_us'] / 1e3:.3f} on the device alone)" if "device_us" in last else ""
         yield (f"{name}: {len(curve)} sizes up to {last['bytes'] / 2**20:.2f} MiB, "
-               f"{last['us'] / 1e3:.3f} ms there")
+               f"{last['us'] / 1e3:.3f} ms there{on_device}")
 
 
 def unwritable(path: pathlib.Path):
