@@ -4,12 +4,13 @@ budget halfway between the least any schedule needs and the unconstrained plan's
 the replay log, each plan's prediction against every rank's measured step and peak.
 
     python3 bench/cpu_promise.py                      # 2 rounds, 5 recorded steps (the demo's)
-    python3 bench/cpu_promise.py --record-steps 2     # as tests/replay/test_plan_promise.py records
+    python3 bench/cpu_promise.py --record-steps 2 --warmup 1 --replay-steps 6  # as the promise test runs
 
 The model is the promise test's (examples/train_llama.py, sizes the demo does not use); the test
 asserts the peaks and budgets, and this prints the step times it leaves out (docs/benchmarks.md, "CPU
 ranks"). Percentages: predicted / measured - 1. Each replay runs --replay-steps steps, timed as
-`dcplan check` times them (the median step after the first). Runs from the checkout's build
+`dcplan check` times them (the median interval between step starts after the first). Each round's
+files stay in the folder it prints. Runs from the checkout's build
 (DCPLAN_BUILD_DIR, default build/cpu) with OMP_NUM_THREADS=1, one thread per rank.
 """
 import argparse
@@ -25,8 +26,11 @@ MODEL = ["--layers", "3", "--hidden", "192", "--heads", "6", "--seq", "96", "--v
 
 
 def run(cmd, env=None):
-    res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
-                         text=True, timeout=600)
+    try:
+        res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
+                             text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"{' '.join(map(str, cmd))} did not end within 600 s")
     if res.returncode != 0:
         sys.exit(f"{' '.join(map(str, cmd))} failed ({res.returncode}):\n{res.stderr[-3000:]}")
     return res
@@ -48,9 +52,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps before the recorded ones")
     ap.add_argument("--replay-steps", type=int, default=10)
     args = ap.parse_args()
-    if args.rounds < 1 or args.record_steps < 1 or args.warmup < 0 or args.replay_steps < 4:
-        ap.error("--rounds and --record-steps should be >= 1, --warmup >= 0, --replay-steps >= 4 "
-                 "(3 steps after the first are the fewest a step is timed from)")
+    if args.rounds < 1 or args.record_steps < 1 or args.warmup < 0 or args.replay_steps < 5:
+        ap.error("--rounds and --record-steps should be >= 1, --warmup >= 0, --replay-steps >= 5 (a step is "
+                 "the median of the intervals between step starts after the first: 3 of them at 5 steps)")
     build = pathlib.Path(os.environ.get("DCPLAN_BUILD_DIR", ROOT / "build" / "cpu"))
     exe = build / "bin" / "dcplan"
     if not exe.exists():
@@ -66,6 +70,7 @@ def main():
     print("|---|---|---:|---|---:|---|---:|")
     for r in range(1, args.rounds + 1):
         tmp = pathlib.Path(tempfile.mkdtemp(prefix="cpu_promise."))
+        print(f"round {r}: {tmp}", file=sys.stderr, flush=True)
         trace = tmp / "trace.json"
         run([exe, "record", "-o", trace, "--steps", str(args.record_steps), "--warmup", str(args.warmup), "--",
              *train(args.warmup + args.record_steps + 2)])

@@ -152,6 +152,9 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
   std::string names;
   std::vector<LoggedStep> steps;
   std::string graphLog, hostLog;  // the first log of graph replays (dcplan.graphed_step), and of steps
+  // The first log with too few replays or steps to time, and why: refused after the kinds are checked,
+  // so that a log of the other kind than its plan is told that first.
+  std::string untimedLog, untimedWhy;
   for (const std::string& path : logs) {
     const schemas::ReplayLog log = schemas::readReplayLog(path);
     if (log.planFile.empty()) {
@@ -166,21 +169,20 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
     planFile = log.planFile;
     // A graphed step's: its replays' device times, as dcplan check takes them; else the host's steps.
     const bool graphed = log.graphReplays > 0;
-    if (graphed && !log.graphStepUs) {
-      throw schemas::InputError(
-          path, {{"", "--calibrate: the log times " + std::to_string(log.graphReplays) +
-                          " graph replays; the first is left out (it uploads the graph), and the step is the "
-                          "median of at least " + std::to_string(schemas::kGraphTimedReplays) +
-                          " after it: run at least " + std::to_string(schemas::kGraphTimedReplays + 1) +
-                          " replays"}});
-    }
-    if (!graphed && !log.steps.medianUs) {
-      throw schemas::InputError(path, {{"", "--calibrate: the log times " + std::to_string(log.steps.count) +
-                                                " steps after the first; run at least 3 steps"}});
+    const std::optional<double> stepUs = graphed ? log.graphStepUs : log.steps.medianUs;
+    if (!stepUs && untimedLog.empty()) {
+      untimedLog = path;
+      untimedWhy = graphed ? "--calibrate: the log times " + std::to_string(log.graphReplays) +
+                                 " graph replays; the first is left out (it uploads the graph), and the step is "
+                                 "the median of at least " + std::to_string(schemas::kGraphTimedReplays) +
+                                 " after it: run at least " + std::to_string(schemas::kGraphTimedReplays + 1) +
+                                 " replays"
+                           : "--calibrate: the log times " + std::to_string(log.steps.count) +
+                                 " steps after the first; run at least 3 steps";
     }
     std::string& firstOfKind = graphed ? graphLog : hostLog;
     if (firstOfKind.empty()) firstOfKind = path;
-    steps.push_back({path, log.rank, log.worldSize, graphed ? *log.graphStepUs : *log.steps.medianUs});
+    steps.push_back({path, log.rank, log.worldSize, stepUs.value_or(0.0)});
     names += (names.empty() ? "" : ", ") + std::filesystem::path(path).filename().string();
   }
   const schemas::Plan replayed = replayedPlan(logs.back(), planFile);
@@ -206,6 +208,7 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
                                                  "times no graph replay (graph_replay lines): give the logs "
                                                  "of a run through dcplan.graphed_step"}});
   }
+  if (!untimedLog.empty()) throw schemas::InputError(untimedLog, {{"", untimedWhy}});
   m.schedule = planner::scheduleOf(replayed);
   m.worldSize = replayed.source.worldSize;
   const CalibrationStep fitted = calibrationStep(steps, m.worldSize, planFile);

@@ -60,10 +60,13 @@ else
         "$wheels"/nvidia_*.whl
     fi
   ) 9> "$cuda_venv.lock"
-  TORCH_CUDA_ARCH_LIST=9.0 cmake -S . -B build/cuda-compile -G Ninja -DDCPLAN_WITH_CUDA=ON -DDCPLAN_BUILD_TESTS=OFF \
-    -DPython3_EXECUTABLE="$cuda_venv/bin/python" -DCUDAToolkit_ROOT=/usr/local/cuda-13.0 \
-    -DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda-13.0 -DCMAKE_CUDA_COMPILER=/usr/local/cuda-13.0/bin/nvcc
-  cmake --build build/cuda-compile --target dcplan_python -j "$jobs"
+  (
+    flock -s 9  # shared: another run may build against the venv too, but not make it again meanwhile
+    TORCH_CUDA_ARCH_LIST=9.0 cmake -S . -B build/cuda-compile -G Ninja -DDCPLAN_WITH_CUDA=ON -DDCPLAN_BUILD_TESTS=OFF \
+      -DPython3_EXECUTABLE="$cuda_venv/bin/python" -DCUDAToolkit_ROOT=/usr/local/cuda-13.0 \
+      -DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda-13.0 -DCMAKE_CUDA_COMPILER=/usr/local/cuda-13.0/bin/nvcc
+    cmake --build build/cuda-compile --target dcplan_python -j "$jobs"
+  ) 9> "$cuda_venv.lock"
 fi
 
 step "pip install . into a fresh venv (scripts/check_install.sh)"

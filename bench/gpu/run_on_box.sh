@@ -118,7 +118,8 @@ llama_on() {
      --reduce-dtype float32 --lr 1e-4 ${PREDICT_ARGS:-} "${plan_args[@]}")
 }
 # record_llama TRACE N: `dcplan record` of the model on N GPUs (3 steps after 2), its log beside TRACE.
-# 12 steps: GRAPHED=1 captures the step after the recorded ones and times 3 replays (graph_step_us).
+# 12 steps: GRAPHED=1 captures the step after the recorded ones and times 4 replays (graph_step_us: the
+# median of the 3 after the first).
 record_llama() {
   llama_on "$2"
   "${pin[@]}" build/cuda/bin/dcplan record -o "$1" --steps 3 --warmup 2 --timeout 240 -- "$PY" "${T[@]}" --steps 12 \

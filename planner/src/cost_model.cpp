@@ -5,6 +5,8 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "dcplan/planner/units.h"
 
@@ -16,18 +18,20 @@ double ringFactor(int64_t worldSize) {
   return worldSize <= 1 ? 0.0 : static_cast<double>(worldSize - 1) / static_cast<double>(worldSize);
 }
 
-/// Every point of every curve was timed on the device (CalibrationPoint::deviceUs > 0): the whole
-/// calibration is read one way or the other, so that no collective is charged the host's share beside
-/// another that is not, and a curve is not bent where the kind would change.
-bool deviceTimedThroughout(const schemas::Calibration& c) {
-  bool any = false;
-  for (const auto* curve : {&c.allGather, &c.reduceScatter, &c.allReduce}) {
-    for (const auto& p : *curve) {
-      if (!p.deviceUs || !(*p.deviceUs > 0)) return false;
-      any = true;
+/// The first calibration point not timed on the device (CalibrationPoint::deviceUs > 0), as
+/// "all_reduce[7]"; "" where every point of every curve was. The whole calibration is read one way or
+/// the other, so that no collective is charged the host's share beside another that is not, and a
+/// curve is not bent where the kind would change.
+std::string firstHostTimedPoint(const schemas::Calibration& c) {
+  const std::pair<const char*, const std::vector<schemas::CalibrationPoint>*> curves[] = {
+      {"all_gather", &c.allGather}, {"reduce_scatter", &c.reduceScatter}, {"all_reduce", &c.allReduce}};
+  for (const auto& [name, points] : curves) {
+    for (size_t i = 0; i < points->size(); ++i) {
+      const auto& us = (*points)[i].deviceUs;
+      if (!us || !(*us > 0)) return std::string(name) + "[" + std::to_string(i) + "]";
     }
   }
-  return any;
+  return c.allGather.empty() ? "all_gather (no points)" : "";
 }
 
 }  // namespace
@@ -103,8 +107,8 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
     launchUs_ = *options.launchUs;
     launchMeasured_ = options.launchMeasured;
   }
-  const bool queued = options.deviceQueued && deviceTimedThroughout(calibration);
-  hostTimedForGraph_ = options.deviceQueued && !queued;
+  if (options.deviceQueued) hostTimedPoint_ = firstHostTimedPoint(calibration);
+  const bool queued = options.deviceQueued && hostTimedPoint_.empty();
   if (worldSize_ <= 1) {
     // One rank still issues every gather and ZeRO-1's all-reduce (ZeRO-2/3 reduce in place, in
     // us()): the transport copies the shard into the gathered buffer on its own stream, behind and
@@ -198,6 +202,15 @@ double CostModel::us(Collective which, uint64_t fullBytes) const {
   return inSitu_ * (lat + (raw - lat) * c.scale);
 }
 
+std::string CostModel::graphHostTimed() const {
+  if (hostTimedPoint_.empty() || callsFree()) return "";
+  return "collectives host-timed: calibration." + hostTimedPoint_ +
+         " has no device_us (a recording made before dcplan timed the collectives on the device, or a network "
+         "file without them), so a CUDA graph's replay is charged the host's launch and wait, which it does not "
+         "make: record again, or measure the network again (docs/planning.md, \"Collectives as a graph issues "
+         "them\")";
+}
+
 double CostModel::checkUs(bool onUse) const {
   if (!agreementChecks_) return 0;
   // 2 CPU ranks (docs/planning.md): 0.20-0.33 ms a call where the default schedule gathers on use,
@@ -240,11 +253,7 @@ std::vector<std::string> CostModel::describe() const {
                     (curve(c).deviceTimed ? " (timed on the device, as a CUDA graph issues it)" : ""));
     }
   }
-  if (hostTimedForGraph_ && !callsFree()) {
-    out.push_back("collectives host-timed: the calibration has no device_us on every point (recorded on CPU "
-                  "ranks or by an older recorder), so a CUDA graph's replay is charged the host's launch and "
-                  "wait it does not make (docs/planning.md, \"Collectives as a graph issues them\")");
-  }
+  if (!graphHostTimed().empty()) out.push_back(graphHostTimed());
   if (agreementChecks_ && !callsFree()) {
     out.push_back("agreement checks (DCPLAN_CHECK_COLLECTIVES, trace meta.checks_collectives): " +
                   formatFixed(checkUs(true), 1) + " us of host time before a gather on use, " +

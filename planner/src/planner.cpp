@@ -908,6 +908,7 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   PlanResult result;
   if (!w.stepChoice.empty()) result.warnings.push_back(w.stepChoice);
   if (captured && captured->atBound) result.warnings.push_back(capturedStepText(*captured));
+  if (!cost.graphHostTimed().empty()) result.warnings.push_back(cost.graphHostTimed());
 
   Candidate def = search.defaultCandidate();
   Candidate chosen;

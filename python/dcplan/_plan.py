@@ -595,7 +595,8 @@ def _measured_graphed(events: List[Dict], replays: List[Dict]) -> Dict:
     """A graphed step's log (dcplan.graphed_step with the log open): ``step_us`` is the median of
     the replays' device times (CUDA events around each) after the first, which uploads the graph
     (None with fewer than ``_C.GRAPH_TIMED_REPLAYS`` after it; the rule of dcplan plan --calibrate and
-    of the recorder's graph_step_us), ``steps`` how many that is, ``peak_bytes`` the allocator's peak from
+    of the recorder's graph_step_us; of the last capture's replays, where the step was captured
+    again), ``steps`` how many that is, ``peak_bytes`` the allocator's peak from
     the capture on, and ``warmup_peak_bytes`` the run's peak before it (the marks of its
     uncaptured steps, which must keep the budget too; eval forwards after the capture are in
     the capture's statistic)."""
@@ -603,7 +604,10 @@ def _measured_graphed(events: List[Dict], replays: List[Dict]) -> Dict:
     warmup_peak = max((ev["peak_bytes"] for ev in events[:first] if ev["ev"] == "mark"), default=None)
     capture = [ev for ev in events if ev["ev"] == "graph_capture"]
     peak = max(ev["peak_bytes"] for ev in replays + capture)
-    return {"step_us": _C.graph_step_us([ev["device_us"] for ev in replays]), "steps": len(replays) - 1,
+    # A step captured again times from its last capture on, whose first replay uploads that graph.
+    last = max((i for i, ev in enumerate(events) if ev["ev"] == "graph_capture"), default=-1)
+    timed = [ev["device_us"] for ev in events[last + 1:] if ev["ev"] == "graph_replay"]
+    return {"step_us": _C.graph_step_us(timed), "steps": max(0, len(timed) - 1),
             "peak_bytes": peak, "warmup_peak_bytes": warmup_peak,
             "capture_s": capture[-1]["capture_s"] if capture else None}
 
@@ -631,8 +635,12 @@ def prediction_report(plan: Dict, runs: Dict[str, Dict]) -> List[str]:
         peak = _mib(m["peak_bytes"])
         if m["peak_bytes"] is not None and pred.get("peak_memory_bytes"):
             peak += f" ({100 * (m['peak_bytes'] / pred['peak_memory_bytes'] - 1):+.0f}%)"
-        timed = (f"{m['steps']} graph replays timed on the device" if "warmup_peak_bytes" in m
-                 else f"{m['steps']} steps timed")
+        if "warmup_peak_bytes" not in m:
+            timed = f"{m['steps']} steps timed"
+        elif m["step_us"] is None:
+            timed = f"fewer than {_C.GRAPH_TIMED_REPLAYS + 1} graph replays: not timed"
+        else:
+            timed = f"{m['steps']} graph replays timed on the device, after the first"
         lines.append(f"  {os.path.basename(name):24s} {step:>20s} {peak:>20s}  ({timed})")
     lines += _calibrate_hint(plan, runs)
     logged = {os.path.basename(name): m for name, m in runs.items() if m.get("log_us") is not None}

@@ -85,7 +85,7 @@ def summary(doc):
         if not isinstance(curve, list) or not curve:
             continue
         last = curve[-1]
-        on_device = f" ({last['device_us'] / 1e3:.3f} on the device alone)" if "device_us" in last else ""
+        on_device = f" ({last['device_us'] / 1e3:.3f} ms on the device alone)" if "device_us" in last else ""
         yield (f"{name}: {len(curve)} sizes up to {last['bytes'] / 2**20:.2f} MiB, "
                f"{last['us'] / 1e3:.3f} ms there{on_device}")
 

@@ -132,7 +132,8 @@ constexpr double kQueuedLeadUs = 1000.0;
 /// the call and the wait for it are queued, so that neither the launch nor the wait's host time is in
 /// it, as in a CUDA graph's replay; the median of the repetitions the device did not catch up in.
 /// Every rank makes every call, whatever its timer did (a repetition is dropped, never retried or
-/// skipped: the ranks' calls must pair up). Absent where no repetition was led and stayed queued.
+/// skipped: the ranks' calls must pair up). Absent where no repetition was led, stayed queued and
+/// took a time above 0.
 template <typename Launch>
 std::optional<double> queuedUs(DeviceTimer& timer, int repetitions, Launch&& launch) {
   std::vector<double> us;
@@ -143,7 +144,7 @@ std::optional<double> queuedUs(DeviceTimer& timer, int repetitions, Launch&& lau
     const TimePoint to = timer.mark(Stream::Compute);
     const bool queuedFirst = led && !timer.reached(from);
     const double elapsed = timer.elapsedUs(from, to);  // waits for the device
-    if (queuedFirst) us.push_back(elapsed);
+    if (queuedFirst && elapsed > 0) us.push_back(elapsed);  // 0: the events' resolution, not a time
   }
   if (us.empty()) return std::nullopt;
   return median(std::move(us));

@@ -73,6 +73,10 @@ ReplayLog readReplayLog(const std::string& path) {
       log.rank = j["rank"].get<int>();
       log.worldSize = j["world_size"].get<int>();
     }
+    if (e.ev == "graph_capture") {  // captured again: the step is the last capture's
+      log.graphReplays = 0;
+      replayUs.clear();
+    }
     if (e.ev == "graph_replay") {
       ++log.graphReplays;
       if (!j.contains("device_us") || !j["device_us"].is_number() || !(j["device_us"].get<double>() > 0)) {

@@ -85,7 +85,7 @@ def test_record_of_a_graphed_step_has_the_devices_own_times_and_plans_for_the_gr
     trace, plan = tmp_path / "trace.json", tmp_path / "plan.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
     # 8 steps: 2 warm-up, 2 recorded, the forward that ends the recording, the capture with its
-    # first replay, and 2 timed replays of the 3 the recorder times; then dcplan.shutdown().
+    # first replay, and 2 more of the 4 replays the recorder times; then dcplan.shutdown().
     short = subprocess.run([cli, "record", "-o", str(trace), "--steps", "2", "--warmup", "2", "--timeout", "240",
                             "--", *script], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert short.returncode == 0, short.stderr[-3000:]

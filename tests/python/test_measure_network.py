@@ -9,5 +9,5 @@ def test_the_summary_names_each_collectives_largest_size_and_its_device_time_whe
                            "reduce_scatter": [{"bytes": 4 * 2**20, "us": 130.0}],
                            "h2d_gbps": 50.0}}
     assert list(measure_network.summary(doc)) == [
-        "all_gather: 2 sizes up to 4.00 MiB, 0.120 ms there (0.090 on the device alone)",
+        "all_gather: 2 sizes up to 4.00 MiB, 0.120 ms there (0.090 ms on the device alone)",
         "reduce_scatter: 1 sizes up to 4.00 MiB, 0.130 ms there"]

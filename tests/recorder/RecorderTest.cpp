@@ -865,6 +865,21 @@ TEST(Calibration, AQueuedTimerTimesEachCallAgainOnTheDeviceAlone) {
   EXPECT_FALSE(calibrate(t, o).allGather[0].deviceUs.has_value());
 }
 
+TEST(Calibration, TheBudgetCountsTheCallsTimedOnTheDeviceAndTheirLeads) {
+  // 100 repetitions: each next size timed on the device queues 3 x 100 leads of a millisecond,
+  // 0.3 s, beyond the budget of 0.2 s; on the host alone the small sizes take milliseconds.
+  LocalTransport t;
+  t.ws = 2;
+  CalibrationOptions o;
+  o.budgetSeconds = 0.2;
+  o.repetitions = 100;
+  o.minPoints = 1;
+  o.maxBytes = 1u << 20;
+  EXPECT_EQ(calibrate(t, o).allGather.size(), 3u);  // to maxBytes
+  o.queuedTimer = std::make_shared<QueuedTimer>(t.calls);
+  EXPECT_EQ(calibrate(t, o).allGather.size(), 1u);
+}
+
 TEST(Calibration, OddWorldSizeRecordsTheSizeActuallySent) {
   LocalTransport t;
   t.ws = 3;

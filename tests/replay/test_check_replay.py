@@ -243,7 +243,18 @@ def test_a_graphed_log_is_timed_by_its_replays_on_the_device():
     after.append({"ev": "mark", "t_us": 9000, "peak_bytes": 95, "grad": False})
     assert _plan.measured(after)["warmup_peak_bytes"] == 70
     lines = _plan.prediction_report(PLAN, {"r.0.jsonl": m})
-    assert "20.500 ms (+2%)" in lines[3] and "(3 graph replays timed on the device)" in lines[3]
+    assert "20.500 ms (+2%)" in lines[3] and "(3 graph replays timed on the device, after the first)" in lines[3]
+    # Captured again (a new graph): its own replays, after its own first.
+    again = graphed_log([90000.0, 21000.0, 19000.0, 20500.0], 90, 90, 70)
+    again.append({"ev": "graph_capture", "capture_s": 1.0, "peak_bytes": 90})
+    again += [{"ev": "graph_replay", "replay": i, "device_us": us, "peak_bytes": 90}
+              for i, us in enumerate([80000.0, 30000.0, 31000.0, 29000.0, 30500.0])]
+    m = _plan.measured(again)
+    assert (m["step_us"], m["steps"]) == (30250.0, 4)
+    # Too few replays to time: the report says so.
+    few = _plan.measured(graphed_log([90000.0, 21000.0], 90, 90, 70))
+    line = _plan.prediction_report(PLAN, {"r.0.jsonl": few})[3]
+    assert "(fewer than 4 graph replays: not timed)" in line and " - " in line, line
     assert "  r.0.jsonl: captured in 2.50 s; uncaptured steps before it peaked at 0.0 MiB" in lines
 
 

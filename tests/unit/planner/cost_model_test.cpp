@@ -88,6 +88,8 @@ TEST(CostModel, ACudaGraphsPlanTakesTheDeviceTimesWhereEveryPointHasOne) {
   EXPECT_TRUE(says(queued, "(timed on the device, as a CUDA graph issues it)"));
   EXPECT_FALSE(says(issued, "timed on the device"));
   EXPECT_FALSE(says(issued, "host-timed"));
+  EXPECT_EQ(queued.graphHostTimed(), "");
+  EXPECT_EQ(issued.graphHostTimed(), "");
   // One rank's copies, from a one-rank trace, alike.
   const CostModel oneRank(c, 1, graph);
   EXPECT_NEAR(oneRank.us(Collective::AllGather, c.allGather[1].bytes), c.allGather[1].us - 4, 1e-6);
@@ -102,7 +104,9 @@ TEST(CostModel, ACudaGraphsPlanTakesTheDeviceTimesWhereEveryPointHasOne) {
       EXPECT_NEAR(host.us(Collective::ReduceScatter, p.bytes), p.us, 1e-6 * p.us);
     }
     EXPECT_FALSE(says(host, "timed on the device, as"));
-    EXPECT_TRUE(says(host, "collectives host-timed: the calibration has no device_us on every point"));
+    EXPECT_TRUE(says(host, "collectives host-timed: calibration.reduce_scatter[" +
+                               std::to_string(partial.reduceScatter.size() - 1) + "] has no device_us"));
+    EXPECT_EQ(host.graphHostTimed().rfind("collectives host-timed: calibration.reduce_scatter[", 0), 0u);
   }
 }
 

@@ -221,6 +221,10 @@ TEST(SimulatorCudaGraph, TheOpsOwnDeviceWorkRunsInTheStreamBeforeTheirCollective
 
 TEST(SimulatorCudaGraph, TheCapturedStepsTimeScalesTheDevicesOwnTimes) {
   schemas::Trace t = withDeviceTimes(0.2);
+  // The collectives timed on the device too, as a GPU recording has them (at their host times here).
+  for (auto* curve : {&t.calibration.allGather, &t.calibration.reduceScatter, &t.calibration.allReduce}) {
+    for (auto& p : *curve) p.deviceUs = p.us;
+  }
   const Workload raw = makeWorkload(t, 0, StepReplay::CudaGraph);
   const CostModel cost = plannedCostModel(t, raw, std::nullopt);
   const double recorded = simulate(raw, cost, compileSchedule(raw, defaultSchedule(raw))).prediction.stepUs;
@@ -276,9 +280,11 @@ TEST(SimulatorCudaGraph, TheCapturedStepsTimeScalesTheDevicesOwnTimes) {
   EXPECT_TRUE(fit->atBound);
   EXPECT_NEAR(w.computeUs(), raw.computeUs(), 1e-9);
   const PlanResult warned = makePlan(t, graphed);
-  ASSERT_FALSE(warned.warnings.empty());
-  EXPECT_NE(warned.warnings.back().find("not applied"), std::string::npos) << warned.warnings.back();
-  EXPECT_NE(warned.warnings.back().find("--calibrate"), std::string::npos) << warned.warnings.back();
+  // (This trace's collectives are host-timed: that warning comes too, after.)
+  const auto atBound = std::find_if(warned.warnings.begin(), warned.warnings.end(),
+                                    [](const std::string& s) { return s.find("not applied") != s.npos; });
+  ASSERT_NE(atBound, warned.warnings.end());
+  EXPECT_NE(atBound->find("--calibrate"), std::string::npos) << *atBound;
 }
 
 TEST(SimulatorHostLane, AGpusEagerStepRunsOnTheDevicesOwnTimesBesideTheHost) {

@@ -91,6 +91,11 @@ class CostModel {
   double inSituScale() const { return inSitu_; }
   int64_t traceWorldSize() const { return traceWorldSize_; }
 
+  /// A plan for a CUDA graph (CostModelOptions::deviceQueued) whose calibration lacks a device time:
+  /// what that costs its prediction, naming the first point without, for --explain and the plan's
+  /// warnings; "" otherwise.
+  std::string graphHostTimed() const;
+
   /// One line per collective, for --explain.
   std::vector<std::string> describe() const;
 
@@ -128,7 +133,8 @@ class CostModel {
   double inSitu_ = 1.0;         ///< CostModelOptions::inSituScale
   bool agreementChecks_ = false;  ///< CostModelOptions::agreementChecks
   bool oneRankCopies_ = false;  ///< one rank, from a one-rank trace: the calibrated copies
-  bool hostTimedForGraph_ = false;  ///< deviceQueued asked, but the calibration has no device times
+  /// deviceQueued asked, but this calibration point has no device time ("all_reduce[7]"); else "".
+  std::string hostTimedPoint_;
   std::optional<double> h2dGBps_;
   std::optional<double> d2hGBps_;
 };

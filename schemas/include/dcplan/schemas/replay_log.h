@@ -53,8 +53,8 @@ struct ReplayLog {
   int rank = -1;
   int worldSize = 0;
   MeasuredSteps steps;
-  /// "graph_replay" lines: replays of a step captured in one CUDA graph (dcplan.graphed_step),
-  /// which the host issues no op of and the step rule cannot time.
+  /// "graph_replay" lines after the last "graph_capture": replays of a step captured in one CUDA
+  /// graph (dcplan.graphed_step), which the host issues no op of and the step rule cannot time.
   int64_t graphReplays = 0;
   /// graphStepUs of their device_us (CUDA events around each replay); nullopt with too few.
   std::optional<double> graphStepUs;
