@@ -168,11 +168,11 @@ planner::ReplayMeasurement measuredReplay(const std::vector<std::string>& logs, 
     }
     planFile = log.planFile;
     // A graphed step's: its replays' device times, as dcplan check takes them; else the host's steps.
-    const bool graphed = log.graphReplays > 0;
-    const std::optional<double> stepUs = graphed ? log.graphStepUs : log.steps.medianUs;
+    const bool graphed = log.graph.replays > 0;
+    const std::optional<double> stepUs = graphed ? log.graph.stepUs : log.steps.medianUs;
     if (!stepUs && untimedLog.empty()) {
       untimedLog = path;
-      untimedWhy = graphed ? "--calibrate: the log times " + std::to_string(log.graphReplays) +
+      untimedWhy = graphed ? "--calibrate: the log times " + std::to_string(log.graph.replays) +
                                  " graph replays; the first is left out (it uploads the graph), and the step is "
                                  "the median of at least " + std::to_string(schemas::kGraphTimedReplays) +
                                  " after it: run at least " + std::to_string(schemas::kGraphTimedReplays + 1) +

@@ -198,6 +198,19 @@ void bindPlan(py::module_& m) {
       "step "
       "rule of dcplan check and dcplan plan --calibrate.");
   m.def(
+      "replay_graph_step",
+      [](const std::vector<std::pair<std::string, double>>& events) {
+        std::vector<schemas::ReplayLogEvent> out;
+        out.reserve(events.size());
+        for (const auto& [ev, deviceUs] : events) out.push_back({ev, 0, true, true, deviceUs});
+        const schemas::MeasuredGraphReplays m = schemas::measuredGraphReplays(out);
+        const py::object stepUs = m.stepUs ? py::object(py::float_(*m.stepUs)) : py::object(py::none());
+        return py::make_tuple(stepUs, m.timed());
+      },
+      py::arg("events"),
+      "(step in us or None, replays timed) of a replay log's (ev, device_us) events: a graphed step's "
+      "rule of dcplan check and dcplan plan --calibrate (dcplan/schemas/replay_log.h).");
+  m.def(
       "graph_step_us",
       [](std::vector<double> replayUs) {
         const std::optional<double> us = schemas::graphStepUs(std::move(replayUs));

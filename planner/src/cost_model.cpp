@@ -31,7 +31,7 @@ std::string firstHostTimedPoint(const schemas::Calibration& c) {
       if (!us || !(*us > 0)) return std::string(name) + "[" + std::to_string(i) + "]";
     }
   }
-  return c.allGather.empty() ? "all_gather (no points)" : "";
+  return "";
 }
 
 }  // namespace
@@ -51,7 +51,6 @@ const char* collectiveName(Collective c) {
 CostModel::Curve CostModel::buildCurve(const std::vector<schemas::CalibrationPoint>& points,
                                        double traceBusFactor, bool deviceTimed) {
   Curve c;
-  c.deviceTimed = deviceTimed;
   for (const auto& p : points) {
     const double us = deviceTimed ? *p.deviceUs : p.us;
     // Zero-byte or zero-time points cannot be placed on a log scale; the
@@ -108,16 +107,16 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
     launchMeasured_ = options.launchMeasured;
   }
   if (options.deviceQueued) hostTimedPoint_ = firstHostTimedPoint(calibration);
-  const bool queued = options.deviceQueued && hostTimedPoint_.empty();
+  deviceTimed_ = options.deviceQueued && hostTimedPoint_.empty();
   if (worldSize_ <= 1) {
     // One rank still issues every gather and ZeRO-1's all-reduce (ZeRO-2/3 reduce in place, in
     // us()): the transport copies the shard into the gathered buffer on its own stream, behind and
     // before an event on the compute stream. A trace recorded on one rank timed exactly those
     // calls; one recorded on more has nothing to go by, and they are taken as free.
     if (traceWorldSize_ == 1) {
-      allGather_ = buildCurve(calibration.allGather, 1.0, queued);
-      reduceScatter_ = buildCurve(calibration.reduceScatter, 1.0, queued);
-      allReduce_ = buildCurve(calibration.allReduce, 1.0, queued);
+      allGather_ = buildCurve(calibration.allGather, 1.0, deviceTimed_);
+      reduceScatter_ = buildCurve(calibration.reduceScatter, 1.0, deviceTimed_);
+      allReduce_ = buildCurve(calibration.allReduce, 1.0, deviceTimed_);
       oneRankCopies_ = !allGather_.bytes.empty();
       if (oneRankCopies_) standInMissingCurves();
       for (Curve* c : {&allGather_, &reduceScatter_, &allReduce_}) c->plannedBusGBps = c->calibratedBusGBps;
@@ -133,12 +132,12 @@ CostModel::CostModel(const schemas::Calibration& calibration, int64_t traceWorld
         "with --network net.json");
   }
   double traceRing = ringFactor(traceWorldSize_);
-  allGather_ = buildCurve(calibration.allGather, traceRing, queued);
+  allGather_ = buildCurve(calibration.allGather, traceRing, deviceTimed_);
   if (allGather_.bytes.empty()) {
     throw std::invalid_argument("calibration.all_gather has no point with positive bytes and time");
   }
-  reduceScatter_ = buildCurve(calibration.reduceScatter, traceRing, queued);
-  allReduce_ = buildCurve(calibration.allReduce, 2 * traceRing, queued);
+  reduceScatter_ = buildCurve(calibration.reduceScatter, traceRing, deviceTimed_);
+  allReduce_ = buildCurve(calibration.allReduce, 2 * traceRing, deviceTimed_);
   standInMissingCurves();
   double busScale = ringFactor(worldSize_) / traceRing;
   for (Curve* c : {&allGather_, &reduceScatter_, &allReduce_}) {
@@ -205,10 +204,10 @@ double CostModel::us(Collective which, uint64_t fullBytes) const {
 std::string CostModel::graphHostTimed() const {
   if (hostTimedPoint_.empty() || callsFree()) return "";
   return "collectives host-timed: calibration." + hostTimedPoint_ +
-         " has no device_us (a recording made before dcplan timed the collectives on the device, or a network "
-         "file without them), so a CUDA graph's replay is charged the host's launch and wait, which it does not "
-         "make: record again, or measure the network again (docs/planning.md, \"Collectives as a graph issues "
-         "them\")";
+         " has no device_us (a recording made before dcplan timed the collectives on the device, or a "
+         "network file without them), so a CUDA graph's replay is charged the host's launch and wait, "
+         "which it does not make: record again, or measure the network again (docs/planning.md, "
+         "\"Collectives as a graph issues them\")";
 }
 
 double CostModel::checkUs(bool onUse) const {
@@ -250,10 +249,10 @@ std::vector<std::string> CostModel::describe() const {
       out.push_back(std::string(collectiveName(c)) + ": latency " + formatFixed(latencyUs(c), 1) + " us" +
                     (oneRank ? "" : ", bus " + formatFixed(busGBps(c), 1) + " GB/s") + ", 64 MiB in " +
                     formatFixed(us(c, 64ull << 20), 1) + " us" +
-                    (curve(c).deviceTimed ? " (timed on the device, as a CUDA graph issues it)" : ""));
+                    (deviceTimed_ ? " (timed on the device, as a CUDA graph issues it)" : ""));
     }
   }
-  if (!graphHostTimed().empty()) out.push_back(graphHostTimed());
+  if (std::string hostTimed = graphHostTimed(); !hostTimed.empty()) out.push_back(std::move(hostTimed));
   if (agreementChecks_ && !callsFree()) {
     out.push_back("agreement checks (DCPLAN_CHECK_COLLECTIVES, trace meta.checks_collectives): " +
                   formatFixed(checkUs(true), 1) + " us of host time before a gather on use, " +

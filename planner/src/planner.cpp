@@ -908,7 +908,8 @@ PlanResult makePlan(const schemas::Trace& trace, const PlanRequest& req, const P
   PlanResult result;
   if (!w.stepChoice.empty()) result.warnings.push_back(w.stepChoice);
   if (captured && captured->atBound) result.warnings.push_back(capturedStepText(*captured));
-  if (!cost.graphHostTimed().empty()) result.warnings.push_back(cost.graphHostTimed());
+  if (std::string hostTimed = cost.graphHostTimed(); !hostTimed.empty())
+    result.warnings.push_back(std::move(hostTimed));
 
   Candidate def = search.defaultCandidate();
   Candidate chosen;

@@ -604,10 +604,8 @@ def _measured_graphed(events: List[Dict], replays: List[Dict]) -> Dict:
     warmup_peak = max((ev["peak_bytes"] for ev in events[:first] if ev["ev"] == "mark"), default=None)
     capture = [ev for ev in events if ev["ev"] == "graph_capture"]
     peak = max(ev["peak_bytes"] for ev in replays + capture)
-    # A step captured again times from its last capture on, whose first replay uploads that graph.
-    last = max((i for i, ev in enumerate(events) if ev["ev"] == "graph_capture"), default=-1)
-    timed = [ev["device_us"] for ev in events[last + 1:] if ev["ev"] == "graph_replay"]
-    return {"step_us": _C.graph_step_us(timed), "steps": max(0, len(timed) - 1),
+    step_us, timed = _C.replay_graph_step([(ev["ev"], float(ev.get("device_us", 0.0))) for ev in events])
+    return {"step_us": step_us, "steps": timed,
             "peak_bytes": peak, "warmup_peak_bytes": warmup_peak,
             "capture_s": capture[-1]["capture_s"] if capture else None}
 

@@ -3,6 +3,7 @@
 
 #include "dcplan/recorder/Probes.h"
 #include "dcplan/replayer/ForwardingTransport.h"
+#include "dcplan/schemas/replay_log.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -118,12 +119,6 @@ double secondsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /// The device's lead over the host when a call is timed on the device (CalibrationPoint::deviceUs):
 /// far above one launch's host time (tens of microseconds).
 constexpr double kQueuedLeadUs = 1000.0;
@@ -147,7 +142,7 @@ std::optional<double> queuedUs(DeviceTimer& timer, int repetitions, Launch&& lau
     if (queuedFirst && elapsed > 0) us.push_back(elapsed);  // 0: the events' resolution, not a time
   }
   if (us.empty()) return std::nullopt;
-  return median(std::move(us));
+  return schemas::medianOf(us);
 }
 
 }  // namespace
@@ -195,7 +190,7 @@ double computeProbe(Transport& transport, const CalibrationOptions& o) {
     run();
     us.push_back(secondsSince(t0) * 1e6);
   }
-  return agreeOnMax(transport, o, median(std::move(us)));
+  return agreeOnMax(transport, o, schemas::medianOf(us));
 }
 
 }  // namespace
@@ -221,7 +216,7 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
       sync();
       us.push_back(secondsSince(t0) * 1e6);
     }
-    schemas::CalibrationPoint point{fullBytes, median(std::move(us))};
+    schemas::CalibrationPoint point{fullBytes, schemas::medianOf(us)};
     if (o.queuedTimer) point.deviceUs = queuedUs(*o.queuedTimer, o.repetitions, launch);
     return point;
   };
@@ -280,7 +275,7 @@ schemas::Calibration calibrate(Transport& transport, const CalibrationOptions& o
         sync();
         gbps.push_back(static_cast<double>(n * 4) / 1e9 / std::max(secondsSince(t0), 1e-9));
       }
-      return median(std::move(gbps));
+      return schemas::medianOf(gbps);
     };
     cal.h2dGBps = rate(dev, host);
     cal.d2hGBps = rate(host, dev);

@@ -45,13 +45,24 @@ std::optional<double> graphStepUs(std::vector<double> replayUs) {
   return medianOf(replayUs);
 }
 
+MeasuredGraphReplays measuredGraphReplays(const std::vector<ReplayLogEvent>& events) {
+  std::vector<double> replayUs;
+  for (const ReplayLogEvent& e : events) {
+    if (e.ev == "graph_capture") replayUs.clear();  // captured again: the step is the last capture's
+    if (e.ev == "graph_replay") replayUs.push_back(e.deviceUs);
+  }
+  MeasuredGraphReplays m;
+  m.replays = static_cast<int64_t>(replayUs.size());
+  m.stepUs = graphStepUs(std::move(replayUs));
+  return m;
+}
+
 ReplayLog readReplayLog(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw InputError(path, {{"", "cannot open the replay log"}});
   ReplayLog log;
   log.path = path;
   std::vector<ReplayLogEvent> events;
-  std::vector<double> replayUs;
   std::string line;
   for (int64_t number = 1; std::getline(in, line); ++number) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
@@ -73,22 +84,17 @@ ReplayLog readReplayLog(const std::string& path) {
       log.rank = j["rank"].get<int>();
       log.worldSize = j["world_size"].get<int>();
     }
-    if (e.ev == "graph_capture") {  // captured again: the step is the last capture's
-      log.graphReplays = 0;
-      replayUs.clear();
-    }
     if (e.ev == "graph_replay") {
-      ++log.graphReplays;
       if (!j.contains("device_us") || !j["device_us"].is_number() || !(j["device_us"].get<double>() > 0)) {
         throw InputError(path, {{"", "line " + std::to_string(number) +
                                          ": a graph_replay line needs device_us, a number > 0 (docs/replay.md)"}});
       }
-      replayUs.push_back(j["device_us"].get<double>());
+      e.deviceUs = j["device_us"].get<double>();
     }
     events.push_back(std::move(e));
   }
   log.steps = measuredSteps(stepStarts(events));
-  log.graphStepUs = graphStepUs(std::move(replayUs));
+  log.graph = measuredGraphReplays(events);
   return log;
 }
 

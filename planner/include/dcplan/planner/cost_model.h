@@ -110,7 +110,6 @@ class CostModel {
     double calibratedBusGBps = 0;
     double scale = 1;           ///< applied to the bandwidth term
     double plannedBusGBps = 0;  ///< bus bandwidth of large messages after re-scaling
-    bool deviceTimed = false;   ///< from the points' device_us
   };
 
   /// `deviceTimed`: from the points' device_us (every one has it).
@@ -135,6 +134,7 @@ class CostModel {
   bool oneRankCopies_ = false;  ///< one rank, from a one-rank trace: the calibrated copies
   /// deviceQueued asked, but this calibration point has no device time ("all_reduce[7]"); else "".
   std::string hostTimedPoint_;
+  bool deviceTimed_ = false;  ///< every curve is the points' device_us (deviceQueued, none lacking)
   std::optional<double> h2dGBps_;
   std::optional<double> d2hGBps_;
 };

@@ -15,6 +15,7 @@ struct ReplayLogEvent {
   int64_t tUs = 0;   ///< "mark": the host's monotonic clock, microseconds
   bool sync = true;  ///< "start_backward": false on a micro-step before an accumulation boundary
   bool grad = true;  ///< "mark": false for a forward without grad (an eval forward)
+  double deviceUs = 0;  ///< "graph_replay": the replay's device time (CUDA events around it)
 };
 
 /// The host time of each optimizer step's start: its first training forward's mark (a backward
@@ -43,6 +44,16 @@ inline constexpr int64_t kGraphTimedReplays = 3;
 /// first; nullopt with fewer than kGraphTimedReplays of them.
 std::optional<double> graphStepUs(std::vector<double> replayUs);
 
+/// The step a log of dcplan.graphed_step measured: its last capture's replays (a step captured again
+/// runs that graph from then on), timed by graphStepUs.
+struct MeasuredGraphReplays {
+  int64_t replays = 0;           ///< graph_replay lines after the last graph_capture
+  std::optional<double> stepUs;  ///< graphStepUs of their device times
+  /// The replays the step is the median of (all but the first).
+  int64_t timed() const { return replays > 0 ? replays - 1 : 0; }
+};
+MeasuredGraphReplays measuredGraphReplays(const std::vector<ReplayLogEvent>& events);
+
 /// A replay log read for its steps: the plan file its "plan" line names (the last one with a
 /// file; "" if none) and the measured steps.
 struct ReplayLog {
@@ -53,11 +64,9 @@ struct ReplayLog {
   int rank = -1;
   int worldSize = 0;
   MeasuredSteps steps;
-  /// "graph_replay" lines after the last "graph_capture": replays of a step captured in one CUDA
-  /// graph (dcplan.graphed_step), which the host issues no op of and the step rule cannot time.
-  int64_t graphReplays = 0;
-  /// graphStepUs of their device_us (CUDA events around each replay); nullopt with too few.
-  std::optional<double> graphStepUs;
+  /// Replays of a step captured in one CUDA graph (dcplan.graphed_step), which the host issues no
+  /// op of and the step rule cannot time; none in a log of the host's steps.
+  MeasuredGraphReplays graph;
 };
 
 /// Reads a replay log; throws InputError naming the file and the line that is not JSON.
